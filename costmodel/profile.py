@@ -1,0 +1,148 @@
+"""The profile: per-node costs of a linearisable graph, as plain numbers (no torch).
+
+A :class:`Profile` is what the partitioner consumes. It is produced by the profiler or the
+analytical estimator from an annotated FX graph, loaded from fxpipe's JSON, or imported from
+PipeDream's ``graph.txt`` (see :mod:`fxpipe.costmodel.pipedream`). Times are seconds per
+minibatch, sizes are bytes (batch included).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fxpipe.errors import ProfileFormatError
+
+PROFILE_FORMAT = "fxpipe.profile/1"
+
+
+@dataclass(frozen=True)
+class ProfileNode:
+    """Costs of one graph node.
+
+    ``parameter_bytes`` counts only the parameters this node *owns*: a parameter used by several
+    nodes (a reused layer, tied embeddings) is owned by its first user in program order and listed
+    in ``shared_params`` of the later users, so totals never double count.
+    """
+
+    name: str
+    op: str
+    target: str
+    forward_s: float
+    backward_s: float
+    activation_bytes: float
+    parameter_bytes: float
+    inputs: tuple[str, ...] = ()
+    params: tuple[str, ...] = ()
+    shared_params: tuple[str, ...] = ()
+    # False when the output cannot travel between stages (e.g. a tuple of tensors, an opaque
+    # Python object); the partitioner never cuts while such a value is live.
+    sendable: bool = True
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Nodes in a topological order (program order for traced graphs) plus provenance."""
+
+    nodes: tuple[ProfileNode, ...]
+    batch_size: int | None = None
+    device: str = "unknown"
+    source: str = "fxpipe"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for n in self.nodes:
+            if n.name in seen:
+                raise ProfileFormatError(f"duplicate node name {n.name!r} in profile")
+            for i in n.inputs:
+                if i not in seen:
+                    raise ProfileFormatError(
+                        f"node {n.name!r} consumes {i!r}, which is not an earlier node",
+                        "profile nodes must be listed in a topological order")
+            for v, what in ((n.forward_s, "forward_s"), (n.backward_s, "backward_s"),
+                            (n.activation_bytes, "activation_bytes"),
+                            (n.parameter_bytes, "parameter_bytes")):
+                if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                    raise ProfileFormatError(f"node {n.name!r} has invalid {what}={v!r}",
+                                             "times and sizes must be finite and non-negative")
+            seen.add(n.name)
+
+    # --- derived views -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    @property
+    def total_compute_s(self) -> float:
+        return sum(n.compute_s for n in self.nodes)
+
+    @property
+    def total_parameter_bytes(self) -> float:
+        return sum(n.parameter_bytes for n in self.nodes)
+
+    def consumers(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.name)
+        return out
+
+    # --- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": PROFILE_FORMAT, "batch_size": self.batch_size, "device": self.device,
+                "source": self.source, "meta": self.meta,
+                "nodes": [asdict(n) for n in self.nodes]}
+
+    @classmethod
+    def from_dict(cls, d: Any, origin: str = "<dict>") -> Profile:
+        if not isinstance(d, dict) or d.get("format") != PROFILE_FORMAT:
+            raise ProfileFormatError(
+                f"{origin} is not an fxpipe profile (expected format {PROFILE_FORMAT!r})",
+                "save profiles with Profile.save(); import PipeDream's with Profile.from_pipedream()")
+        try:
+            nodes = tuple(
+                ProfileNode(**{**nd, "inputs": tuple(nd.get("inputs", ())),
+                               "params": tuple(nd.get("params", ())),
+                               "shared_params": tuple(nd.get("shared_params", ()))})
+                for nd in d["nodes"])
+        except (KeyError, TypeError) as e:
+            raise ProfileFormatError(f"malformed node in {origin}: {e}",
+                                     "regenerate the profile with fxpipe") from None
+        return cls(nodes=nodes, batch_size=d.get("batch_size"), device=d.get("device", "unknown"),
+                   source=d.get("source", "fxpipe"), meta=dict(d.get("meta") or {}))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write JSON atomically (write a temporary file, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ProfileFormatError(f"profile file {str(path)!r} does not exist") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ProfileFormatError(f"{str(path)!r} is not valid JSON: {e}",
+                                     "pass a file written by Profile.save()") from None
+        return cls.from_dict(d, origin=repr(str(path)))
+
+    @classmethod
+    def from_pipedream(cls, path: str | os.PathLike[str]) -> Profile:
+        """Import PipeDream's ``graph.txt`` (see fxpipe.costmodel.pipedream)."""
+        from fxpipe.costmodel.pipedream import load_pipedream_graph
+
+        return load_pipedream_graph(path)

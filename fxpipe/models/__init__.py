@@ -1,0 +1,1 @@
+"""fxpipe model zoo."""
