@@ -1,0 +1,7 @@
+"""fxpipe.codegen: split a traced graph into pipeline stages, run, export and draw them."""
+from .export import export_stages, load_exported
+from .pipeline import run_stages
+from .split import StageSpec, split_graph
+from .visualize import draw_plan
+
+__all__ = ["split_graph", "StageSpec", "run_stages", "export_stages", "load_exported", "draw_plan"]

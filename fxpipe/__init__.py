@@ -1,9 +1,43 @@
 """fxpipe: automatic PipeDream-style pipeline parallelism for unmodified PyTorch models.
 
-A thin facade of re-exports; the work happens in the phases ``fxpipe.tracing``,
-``fxpipe.costmodel``, ``fxpipe.passes``, ``fxpipe.codegen`` and ``fxpipe.runtime``.
+A thin facade of re-exports. It runs first on every ``import fxpipe.<phase>``, so it imports
+nothing heavy eagerly: names resolve lazily (PEP 562), and ``import fxpipe.passes`` stays free of
+torch. The work happens in the phases ``fxpipe.tracing``, ``fxpipe.costmodel``, ``fxpipe.passes``,
+``fxpipe.codegen`` and ``fxpipe.runtime``.
 """
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fxpipe.errors import (ConfigError, FxpipeError, InfeasiblePlanError, InputMismatchError,
                            PlanFormatError, ProfileFormatError, TracingError)
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "compile": "fxpipe.api", "CompiledModel": "fxpipe.api", "load": "fxpipe.api",
+    "Cluster": "fxpipe.costmodel.hardware", "Profile": "fxpipe.costmodel.profile",
+    "Plan": "fxpipe.passes.plan", "partition": "fxpipe.passes.partition",
+    "trace": "fxpipe.tracing",
+}
+
+__all__ = sorted([*_LAZY, "ConfigError", "FxpipeError", "InfeasiblePlanError",
+                  "InputMismatchError", "PlanFormatError", "ProfileFormatError", "TracingError"])
+
+if TYPE_CHECKING:
+    from fxpipe.api import CompiledModel, compile, load
+    from fxpipe.costmodel.hardware import Cluster
+    from fxpipe.costmodel.profile import Profile
+    from fxpipe.passes.partition import partition
+    from fxpipe.passes.plan import Plan
+    from fxpipe.tracing import trace
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fxpipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,87 @@
+"""Planning speed: ``partition`` on PipeDream's real profiles and a 10,000-node synthetic graph.
+
+Run from the repository root:  .venv/bin/python bench/plan_speed.py
+Writes bench/results/plan_speed.md (a markdown table with the exact command at the top).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile, ProfileNode
+from fxpipe.passes import partition
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = ROOT / ".." / "shared" / "data" / "pipedream-profiles"
+log = logging.getLogger("plan_speed")
+
+
+def synthetic(n: int = 10_000, seed: int = 0) -> Profile:
+    """A deep residual-network-like chain: blocks of conv/bn/relu with a skip every 3 nodes,
+    activations shrinking with depth, parameters growing, and a large FC head."""
+    rng = random.Random(seed)
+    nodes: list[ProfileNode] = []
+    for i in range(n):
+        depth = i / n
+        inputs = (f"v{i - 1}",) if i else ()
+        if i >= 3 and i % 3 == 0:
+            inputs = (f"v{i - 1}", f"v{i - 3}")  # residual add
+        head = i >= n - 2
+        nodes.append(ProfileNode(
+            name=f"v{i}", op="call_module", target="fc" if head else "conv",
+            forward_s=rng.uniform(0.5e-4, 1.5e-4) * (0.3 if head else 1.0),
+            backward_s=rng.uniform(1e-4, 3e-4),
+            activation_bytes=(1e6 if head else 4e7 * (1 - depth) + 1e6) * rng.uniform(0.8, 1.2),
+            parameter_bytes=(2e8 if head else (1e3 + 5e5 * depth) * (i % 3 == 1)),
+            inputs=inputs))
+    return Profile(nodes=tuple(nodes), batch_size=128, source="synthetic-10k")
+
+
+def timed(profile: Profile, workers: int, sync: str) -> tuple[list[int], float, float]:
+    t = time.perf_counter()
+    plan = partition(profile, Cluster(workers=workers, bandwidth="10Gbps"), sync=sync)
+    return plan.replicas, plan.time_per_minibatch, time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan_speed.md"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = []
+    models = sorted(p.parent.name for p in PROFILES.glob("*/graph.txt")) if PROFILES.exists() else []
+    if not models:
+        log.warning("no PipeDream profiles at %s; only the synthetic graph is timed", PROFILES)
+    for model in models:
+        prof = Profile.from_pipedream(PROFILES / model / "graph.txt")
+        for workers in (4, 8, 16):
+            for sync in ("allreduce", "parameter-server"):
+                reps, t, secs = timed(prof, workers, sync)
+                rows.append((model, len(prof), workers, sync, reps, t, secs))
+                log.info("%s %d %s %s %.4g %.3fs", model, workers, sync, reps, t, secs)
+    syn = synthetic()
+    for sync in ("allreduce", "parameter-server"):
+        timed(syn, 64, sync)  # warm-up (imports, allocations) not counted
+        reps, t, secs = timed(syn, 64, sync)
+        rows.append(("synthetic-10k", len(syn), 64, sync, reps, t, secs))
+        log.info("synthetic %s %s %.4g %.3fs", sync, reps, t, secs)
+    lines = ["# Planning speed", "", "Command: `.venv/bin/python bench/plan_speed.py` (from the "
+             "repository root; 10 Gbps single-level cluster, no memory limit)", "",
+             "| profile | nodes | workers | sync | plan replicas | predicted time/minibatch | "
+             "planning seconds |", "|---|---:|---:|---|---|---:|---:|"]
+    for model, n, w, sync, reps, t, secs in rows:
+        shown = str(reps) if len(reps) <= 12 else f"{reps[:6]}... ({len(reps)} stages)"
+        lines.append(f"| {model} | {n} | {w} | {sync} | {shown} | {t * 1e3:.2f} ms | {secs:.3f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    log.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

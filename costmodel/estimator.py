@@ -1,0 +1,121 @@
+"""Analytical per-node costs for hardware we do not have (a roofline model).
+
+Why: planning for a V100/A100/H100 cluster from a laptop. Each node runs once on this machine,
+only to learn its shapes and its FLOPs: forward FLOPs come from
+``torch.utils.flop_counter.FlopCounterMode`` around the node's call, backward FLOPs from the same
+counter around ``torch.autograd.grad`` of its outputs (so they are the FLOPs autograd really
+issues, not a 2x rule of thumb). Time is then
+
+    max(flops / (peak * efficiency), bytes_moved / mem_bandwidth) + launch_overhead
+
+with bytes_moved = input tensor bytes + output bytes + the module's parameter and buffer bytes,
+and about twice that for the backward. Pure views (reshape, getitem, size) move nothing and
+cost nothing.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from .extract import annotate_parameters
+from .hardware import DeviceSpec, get_device
+from .profiler import NodeCall, describe_value, is_inplace_error, isolated, iter_node_calls
+
+log = logging.getLogger(__name__)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _bytes_moved(call: NodeCall, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any) -> tuple[int, bool]:
+    """(bytes read + written, is_view). A node whose tensor outputs all alias its inputs' storage
+    (and that does not write in place) is a view: no kernel runs."""
+    ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    in_storages = {_storage_key(t) for t in ins}
+    fresh = [t for t in outs if _storage_key(t) not in in_storages]
+    state = 0
+    if call.node.op == "call_module":
+        mod = call.fn
+        assert isinstance(mod, torch.nn.Module)
+        uniq = {id(t): t for t in (*mod.parameters(), *mod.buffers())}
+        state = sum(t.numel() * t.element_size() for t in uniq.values())
+    is_view = not call.inplace and not fresh and state == 0
+    uniq_in = {id(t): t for t in ins}
+    total = sum(t.numel() * t.element_size() for t in (*uniq_in.values(), *fresh)) + state
+    if call.inplace:  # written in place: the output is the (already counted) input
+        total += sum(t.numel() * t.element_size() for t in outs if _storage_key(t) in in_storages)
+    return total, is_view
+
+
+def _roofline(flops: float, nbytes: float, device: DeviceSpec) -> float:
+    return (max(flops / (device.flops * device.efficiency), nbytes / device.mem_bandwidth)
+            + device.launch_overhead_s)
+
+
+def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
+                   device: DeviceSpec | str) -> fx.GraphModule:
+    """Annotate every placeholder and compute node of ``gm`` with ``flops``, ``backward_flops``,
+    ``bytes_moved`` and roofline ``forward_s``/``backward_s`` for ``device`` (a
+    :class:`DeviceSpec` or a name from the device table). Returns ``gm``, annotated.
+
+    The backward covers what training computes: gradients of the node's inputs that need one
+    and of its trainable parameters (see :func:`fxpipe.costmodel.profiler.profile_graph`).
+    """
+    spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    annotate_parameters(gm)
+    counter = FlopCounterMode(display=False)
+    with isolated(gm):
+        for call in iter_node_calls(gm, example_inputs):
+            meta = call.node.meta.setdefault("fxpipe", {})
+            for k, v in describe_value(call.value).items():
+                meta.setdefault(k, v)
+            if call.node.op == "placeholder":
+                meta.update(flops=0, backward_flops=0, bytes_moved=0, forward_s=0.0,
+                            backward_s=0.0)
+                continue
+            try:
+                args, kwargs, leaves = call.make_inputs()
+                with torch.enable_grad(), counter:
+                    out = call.run(args, kwargs)
+            except RuntimeError as e:
+                if call.inplace or not is_inplace_error(e):
+                    raise
+                call.inplace = True  # an in-place write the heuristic missed: private copies
+                args, kwargs, leaves = call.make_inputs()
+                with torch.enable_grad(), counter:
+                    out = call.run(args, kwargs)
+            flops = counter.get_total_flops()
+            nbytes, is_view = _bytes_moved(call, args, kwargs, out)
+            outs = [t for t in pytree.tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+            targets = leaves + call.params
+            bflops = 0
+            has_backward = bool(outs and targets)
+            if has_backward:
+                grads = [torch.ones_like(t) for t in outs]  # values do not change FLOPs
+                try:
+                    with counter:
+                        torch.autograd.grad(outs, targets, grad_outputs=grads, allow_unused=True)
+                    bflops = counter.get_total_flops()
+                except RuntimeError as e:  # an op without a derivative: training would fail too
+                    log.warning("no backward for node %r (%s)", call.node.name, e)
+                    has_backward = False
+            nbytes_in_flight = 0 if is_view and flops == 0 else nbytes
+            works = flops > 0 or nbytes_in_flight > 0
+            meta.update(
+                flops=flops, backward_flops=bflops, bytes_moved=nbytes_in_flight,
+                forward_s=_roofline(flops, nbytes_in_flight, spec) if works else 0.0,
+                backward_s=(_roofline(bflops, 2 * nbytes_in_flight, spec)
+                            if has_backward and (bflops > 0 or nbytes_in_flight > 0) else 0.0))
+            del out, outs
+    log.info("estimated %d nodes for %s", len(gm.graph.nodes), spec.name)
+    return gm

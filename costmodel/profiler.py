@@ -1,0 +1,341 @@
+"""Measured per-node costs: run the graph node by node on this machine and time each node.
+
+Why node by node: the partitioner needs the cost of every node *separately* (a stage's compute is
+the sum over its nodes), including its backward pass. Each node therefore runs on detached copies
+of its inputs, so ``torch.autograd.grad`` through its output covers exactly that node's backward and
+nothing upstream. The walker (:func:`iter_node_calls`) is shared with the analytical estimator.
+
+Profiling is side-effect free for the caller: train/eval flags, buffers (BatchNorm running stats),
+the RNG state and every ``.grad`` are as before (``autograd.grad`` never accumulates into
+``.grad``).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import operator
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from fxpipe.errors import InputMismatchError
+
+from .extract import annotate_parameters, fetch_attr
+
+log = logging.getLogger(__name__)
+
+# Calls shorter than this are repeated in an inner loop so that perf_counter's resolution and
+# Python overhead do not dominate the sample.
+_MIN_SAMPLE_S = 20e-6
+_MAX_INNER = 64
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                      operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.imatmul, operator.setitem}
+
+
+def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
+    """Heuristic: does this node mutate one of its inputs? Such nodes get private input copies."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_module":
+        return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.startswith("__")
+    return False
+
+
+def is_inplace_error(e: BaseException) -> bool:
+    """Autograd's complaint about an in-place write our in-place heuristic did not foresee."""
+    return "in-place" in str(e) or "inplace" in str(e)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def describe_value(value: Any) -> dict[str, Any]:
+    """Fallback for the tracing phase's metadata (``bytes``, ``is_tensor``, ``sendable``), used
+    only where a graph did not go through ``fxpipe.tracing`` (never overrides its keys)."""
+    leaves = pytree.tree_leaves(value)
+    nbytes = sum(_tensor_bytes(t) for t in leaves if isinstance(t, torch.Tensor))
+    is_tensor = isinstance(value, torch.Tensor)
+    static = (int, float, bool, type(None), torch.Size)
+    is_static = not is_tensor and isinstance(value, (*static, tuple, list)) and all(
+        isinstance(v, static) for v in leaves)
+    return {"bytes": nbytes, "is_tensor": is_tensor, "sendable": is_tensor or is_static}
+
+
+@dataclass
+class NodeCall:
+    """One graph node ready to run in isolation, on copies of the real values it consumes."""
+
+    node: fx.Node
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]           # real input values (shared with the walker's environment)
+    kwargs: dict[str, Any]
+    grad_inputs: dict[fx.Node, bool]  # per input node: does training need its gradient?
+    params: list[torch.nn.Parameter]  # trainable parameters of a call_module, by identity
+    inplace: bool
+    input_values: dict[fx.Node, Any] = field(default_factory=dict)  # real value per input node
+    value: Any = None               # the node's real output
+
+    def make_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+        """Fresh detached inputs; floating tensors whose gradient training needs become leaves
+        with ``requires_grad=True``. A value consumed twice maps to one leaf."""
+        leaves: list[torch.Tensor] = []
+        cache: dict[int, torch.Tensor] = {}
+
+        def prep(t: Any, grad: bool) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            key = id(t) * 2 + grad
+            if key not in cache:
+                if grad and (t.is_floating_point() or t.is_complex()):
+                    leaf = t.detach().requires_grad_(True)
+                    leaves.append(leaf)
+                    cache[key] = leaf.clone() if self.inplace else leaf
+                else:
+                    cache[key] = t.detach().clone() if self.inplace else t.detach()
+            return cache[key]
+
+        def per_node(n: fx.Node) -> Any:
+            return pytree.tree_map(lambda t: prep(t, self.grad_inputs[n]), self.input_values[n])
+
+        args = fx.node.map_arg(self.node.args, per_node)
+        kwargs = fx.node.map_arg(self.node.kwargs, per_node)
+        return tuple(args), dict(kwargs), leaves
+
+    def run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def backward_fn(self) -> Callable[[], Any] | None:
+        """Run the forward once with grad enabled and return a thunk computing this node's
+        backward (input and parameter gradients), or None when the node has no backward."""
+        args, kwargs, leaves = self.make_inputs()
+        with torch.enable_grad():
+            out = self.run(args, kwargs)
+        outs = [t for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        targets = leaves + self.params
+        if not outs or not targets:
+            return None
+        grads = [torch.randn_like(t) for t in outs]
+
+        def thunk() -> Any:
+            return torch.autograd.grad(outs, targets, grad_outputs=grads, retain_graph=True,
+                                       allow_unused=True)
+        return thunk
+
+
+def _grad_needed(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
+
+
+@contextlib.contextmanager
+def isolated(gm: fx.GraphModule) -> Iterator[None]:
+    """Train mode while inside; afterwards modes, buffers and the RNG are as they were."""
+    modes = [(m, m.training) for m in gm.modules()]
+    buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+    devices = sorted({t.device.index or 0 for t in (*gm.parameters(), *gm.buffers())
+                      if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            for m, _ in modes:  # not gm.train(): export's module refuses it (mode is baked in)
+                m.training = True
+            yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for m, training in modes:
+            m.training = training
+
+
+def _node_fn(gm: fx.GraphModule, node: fx.Node) -> Callable[..., Any]:
+    if node.op == "call_module":
+        return gm.get_submodule(str(node.target))
+    if node.op == "call_method":
+        name = str(node.target)
+        return lambda self, *a, **k: getattr(self, name)(*a, **k)
+    return node.target  # type: ignore[return-value]
+
+
+def _bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> dict[fx.Node, Any]:
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) > len(placeholders):
+        raise InputMismatchError(
+            f"{len(inputs)} example inputs given but the graph takes {len(placeholders)} "
+            f"({', '.join(str(p.target) for p in placeholders)})",
+            "pass example_inputs as a tuple with one value per forward() argument")
+    bound: dict[fx.Node, Any] = {}
+    for i, p in enumerate(placeholders):
+        if i < len(inputs):
+            bound[p] = inputs[i]
+        elif p.args:  # default value of an optional argument
+            bound[p] = p.args[0]
+        else:
+            raise InputMismatchError(
+                f"missing example input for {p.target!r}: {len(inputs)} given, "
+                f"{len(placeholders)} expected", "pass one example value per forward() argument")
+    return bound
+
+
+def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCall]:
+    """Execute ``gm`` node by node (like ``fx.Interpreter``) and yield a :class:`NodeCall` for
+    every placeholder and compute node, after its real value is computed. Values are freed after
+    their last use so peak memory stays that of a forward pass without autograd."""
+    bound = _bind_inputs(gm, example_inputs)
+    nodes = list(gm.graph.nodes)
+    last_use: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    env: dict[fx.Node, Any] = {}
+    needs_grad: dict[fx.Node, bool] = {}
+    for i, node in enumerate(nodes):
+        if node.op == "output":
+            break
+        if node.op == "placeholder":
+            env[node] = bound[node]
+            needs_grad[node] = _grad_needed(bound[node])
+            yield NodeCall(node, lambda: None, (), {}, {}, [], False, value=bound[node])
+        elif node.op == "get_attr":
+            env[node] = fetch_attr(gm, str(node.target))
+            needs_grad[node] = _grad_needed(env[node])
+        else:
+            fn = _node_fn(gm, node)
+            params = []
+            if node.op == "call_module":
+                seen: set[int] = set()
+                for p in gm.get_submodule(str(node.target)).parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+            grad_in = {a: needs_grad[a] for a in node.all_input_nodes}
+            needs_grad[node] = bool(params) or any(grad_in.values())
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            try:
+                with torch.no_grad():
+                    value = fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - re-raised with the node's name
+                raise InputMismatchError(
+                    f"node {node.name!r} ({node.op} {node.target}) failed on the example inputs: "
+                    f"{type(e).__name__}: {e}",
+                    "check that example_inputs match what the model's forward() expects") from e
+            env[node] = value
+            call = NodeCall(node, fn, tuple(args), dict(kwargs), grad_in, params,
+                            _is_inplace(node, gm), {a: env[a] for a in node.all_input_nodes},
+                            value=value)
+            yield call
+        for a in node.all_input_nodes:
+            if last_use.get(a) == i and a.op != "get_attr":
+                env.pop(a, None)
+        if not node.users:  # dead value (e.g. an unused tuple element)
+            env.pop(node, None)
+
+
+def _sync_fn(gm: fx.GraphModule, example_inputs: Any) -> Callable[[], None]:
+    tensors = [*gm.parameters(), *gm.buffers(),
+               *(t for t in pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor))]
+    if any(t.device.type == "cuda" for t in tensors):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _median_time(make: Callable[[], Callable[[], Any]], warmup: int, repeats: int,
+                 sync: Callable[[], None], reuse: bool) -> float:
+    """Median seconds of one call of the thunks ``make()`` returns. With ``reuse`` one thunk may
+    run many times (an inner loop for sub-20µs calls); otherwise every call gets a fresh one."""
+    thunk = make()
+    inner = 1
+    for w in range(max(warmup, 1)):
+        if w and not reuse:
+            thunk = make()
+        sync()
+        t0 = time.perf_counter()
+        thunk()
+        sync()
+        dt = time.perf_counter() - t0
+        if reuse and dt < _MIN_SAMPLE_S:
+            inner = min(_MAX_INNER, max(inner, math.ceil(_MIN_SAMPLE_S / max(dt, 1e-7))))
+    samples = []
+    for _ in range(repeats):
+        if not reuse:
+            thunk = make()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            thunk()
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, warmup: int = 2,
+                  repeats: int = 5) -> fx.GraphModule:
+    """Measure ``forward_s`` and ``backward_s`` of every placeholder and compute node of ``gm``
+    on this machine (median over ``repeats`` after ``warmup`` runs) and annotate parameters.
+
+    Forward is timed with grad enabled, as in training (autograd bookkeeping included). Backward
+    is ``autograd.grad`` of the node's outputs w.r.t. its gradient-needing inputs and trainable
+    parameters; inputs that training never differentiates (model inputs, integer tensors, values
+    computed from them alone) are not differentiated here either. Returns ``gm``, annotated.
+    """
+    if repeats < 1 or warmup < 0:
+        raise InputMismatchError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
+    sync = _sync_fn(gm, example_inputs)
+    t_start = time.perf_counter()
+    annotate_parameters(gm)
+    with isolated(gm):
+        for call in iter_node_calls(gm, example_inputs):
+            meta = call.node.meta.setdefault("fxpipe", {})
+            for k, v in describe_value(call.value).items():
+                meta.setdefault(k, v)
+            if call.node.op == "placeholder":
+                meta["forward_s"], meta["backward_s"] = 0.0, 0.0
+                continue
+
+            def make_forward(call: NodeCall = call) -> Callable[[], Any]:
+                args, kwargs, _ = call.make_inputs()
+                return lambda: call.run(args, kwargs)
+
+            try:
+                with torch.enable_grad():
+                    meta["forward_s"] = _median_time(make_forward, warmup, repeats, sync,
+                                                     reuse=not call.inplace)
+            except RuntimeError as e:
+                if call.inplace or not is_inplace_error(e):
+                    raise
+                log.debug("node %r writes in place; retrying on private copies", call.node.name)
+                call.inplace = True
+                with torch.enable_grad():
+                    meta["forward_s"] = _median_time(make_forward, warmup, repeats, sync,
+                                                     reuse=False)
+            meta["backward_s"] = 0.0
+            try:
+                backward = call.backward_fn()
+                if backward is not None:
+                    meta["backward_s"] = _median_time(lambda b=backward: b, warmup, repeats,
+                                                      sync, reuse=True)
+            except RuntimeError as e:  # e.g. an op without a derivative: training would fail too
+                log.warning("cannot time the backward of node %r (%s); recording 0",
+                            call.node.name, e)
+            backward = None
+    log.info("profiled %d nodes in %.2f s", len(gm.graph.nodes), time.perf_counter() - t_start)
+    return gm

@@ -1,0 +1,143 @@
+"""The ``fxpipe`` command, for people who never open Python.
+
+    fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps
+    fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --device V100 --export out/ --svg plan.svg
+    fxpipe plan path/to/file.py:factory --workers 4
+    fxpipe plan ../shared/data/pipedream-profiles/vgg16/graph.txt --workers 8 --sync parameter-server
+
+MODEL is a zoo name (``fxpipe.models.names()``), ``file.py:factory`` (factory() returns an
+``fxpipe.models.ModelSpec``, a ``(model, example_inputs)`` pair, or a module plus ``--input-shape``),
+or a profile: PipeDream's ``graph.txt`` or fxpipe's ``profile.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from fxpipe.errors import ConfigError, FxpipeError
+
+log = logging.getLogger("fxpipe")
+
+
+def _load_factory(spec: str) -> Any:
+    path, _, name = spec.rpartition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"model file {path!r} does not exist", "MODEL is a zoo name or file.py:factory")
+    mod_spec = importlib.util.spec_from_file_location(file.stem, file)
+    assert mod_spec is not None and mod_spec.loader is not None
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"{path!r} has no callable {name!r}",
+                          "MODEL is file.py:factory where factory() returns a model")
+    return factory()
+
+
+def _resolve_model(args: argparse.Namespace) -> tuple[Any, tuple[Any, ...]]:
+    """Return (model, example_inputs) for a zoo name or a file.py:factory."""
+    import torch
+
+    from fxpipe import models
+
+    if ":" in args.model and args.model.split(":", 1)[0].endswith(".py"):
+        made = _load_factory(args.model)
+    else:
+        made = models.get(args.model, size=args.size, batch_size=args.batch_size)
+    if isinstance(made, models.ModelSpec):
+        return made.model, made.example_inputs
+    if isinstance(made, tuple) and len(made) == 2:
+        model, inputs = made
+        return model, inputs if isinstance(inputs, tuple) else (inputs,)
+    if isinstance(made, torch.nn.Module):
+        if not args.input_shape:
+            raise ConfigError("the factory returned a bare module, so fxpipe needs --input-shape",
+                              "e.g. --input-shape 32,3,224,224, or return (model, example_inputs)")
+        shape = tuple(int(s) for s in args.input_shape.split(","))
+        return made, (torch.randn(*shape),)
+    raise ConfigError(f"the factory returned {type(made).__name__}",
+                      "return an fxpipe.models.ModelSpec, (model, example_inputs) or an nn.Module")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fxpipe.costmodel import Cluster, Profile
+    from fxpipe.passes import partition
+    from fxpipe.units import format_seconds
+
+    cluster = Cluster(workers=args.workers, bandwidth=args.bandwidth, device=args.device,
+                      memory=args.memory, workers_per_machine=args.workers_per_machine,
+                      intra_bandwidth=args.intra_bandwidth)
+    suffix = Path(args.model).suffix
+    if suffix in (".txt", ".json"):
+        if args.export or args.svg:
+            raise ConfigError("--export and --svg need a model, not a profile",
+                              "pass a zoo name or file.py:factory")
+        profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
+        plan = partition(profile, cluster, sync=args.sync, stages=args.stages, straight=args.straight)
+    else:
+        from fxpipe.api import compile as fx_compile
+
+        model, inputs = _resolve_model(args)
+        compiled = fx_compile(model, cluster, example_inputs=inputs, stages=args.stages,
+                              straight=args.straight, sync=args.sync)
+        plan = compiled.plan
+        if args.export:
+            compiled.export(args.export)
+            print(f"exported stages and plan.json to {args.export}")
+        if args.svg:
+            compiled.visualize(args.svg)
+            print(f"drew the partitioned graph to {args.svg}")
+    if args.save_plan:
+        plan.save(args.save_plan)
+    print(plan.summary())
+    dp = plan.data_parallel_time
+    print(f"data-parallel on the same cluster: {format_seconds(dp)} per minibatch; "
+          f"fxpipe's plan: {format_seconds(plan.time_per_minibatch)} "
+          f"(predicted speedup {plan.speedup_over_data_parallel:.2f}x)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fxpipe", description="Automatic pipeline-parallel training.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what each phase does")
+    sub = p.add_subparsers(dest="command", required=True)
+    pl = sub.add_parser("plan", help="plan a model (or a profile) for a cluster and print the plan")
+    pl.add_argument("model", help="zoo name, file.py:factory, PipeDream graph.txt or profile.json")
+    pl.add_argument("--workers", type=int, required=True)
+    pl.add_argument("--bandwidth", default="10Gbps", help="e.g. 10Gbps, 25Gbit/s, 1.25GB/s")
+    pl.add_argument("--device", default=None, help="plan for this device (V100, A100, H100, ...) "
+                    "instead of measuring this machine")
+    pl.add_argument("--memory", default=None, help="memory per worker, e.g. 16GB")
+    pl.add_argument("--workers-per-machine", type=int, default=1)
+    pl.add_argument("--intra-bandwidth", default=None, help="link inside a machine (two-level)")
+    pl.add_argument("--sync", default="allreduce", choices=["allreduce", "parameter-server"])
+    pl.add_argument("--stages", type=int, default=None, help="force the number of stages")
+    pl.add_argument("--straight", action="store_true", help="one worker per stage")
+    pl.add_argument("--size", default="mini", help="zoo model size: mini or full")
+    pl.add_argument("--batch-size", type=int, default=None)
+    pl.add_argument("--input-shape", default=None, help="for factories that return a bare module")
+    pl.add_argument("--export", default=None, metavar="DIR", help="write stage_k.py + plan.json")
+    pl.add_argument("--svg", default=None, metavar="FILE", help="draw the partitioned graph")
+    pl.add_argument("--save-plan", default=None, metavar="FILE", help="write plan.json")
+    pl.set_defaults(func=cmd_plan)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except FxpipeError as e:  # user errors: the message and hint, no traceback
+        print(f"fxpipe: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

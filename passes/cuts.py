@@ -1,0 +1,68 @@
+"""What crosses each cut of a profile's node order (torch-free).
+
+Cut position ``p`` (``1 <= p <= N-1``) separates nodes ``[0, p)`` from ``[p, N)``. A value crosses
+it when it is produced before the cut and consumed after it; it is counted once however many later
+nodes use it, because codegen sends it once to each consuming stage (so a skip connection costs
+exactly its tensor's bytes at every cut it spans). Values no later node consumes (model outputs)
+cross nothing: they leave the pipeline from their producer. A cut where a non-``sendable`` value is
+live costs ``inf``: the partitioner must never place a stage boundary there.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fxpipe.costmodel.profile import Profile
+
+
+def _last_use(profile: Profile) -> list[int]:
+    """Index of the last consumer of each node (its own index when nothing consumes it)."""
+    index = {n.name: i for i, n in enumerate(profile.nodes)}
+    last = list(range(len(profile.nodes)))
+    for j, n in enumerate(profile.nodes):
+        for name in n.inputs:
+            i = index[name]
+            if j > last[i]:
+                last[i] = j
+    return last
+
+
+def cut_bytes(profile: Profile) -> np.ndarray:
+    """Bytes live across each of the ``N-1`` cut positions (``out[p-1]`` for position ``p``).
+
+    ``inf`` where a non-sendable value is live. O(N + edges) via difference arrays.
+    """
+    n = len(profile.nodes)
+    if n <= 1:
+        return np.zeros(0)
+    last = _last_use(profile)
+    diff = np.zeros(n + 1)
+    bad = np.zeros(n + 1, dtype=np.int64)
+    for i, node in enumerate(profile.nodes):
+        if last[i] > i:  # live across cut positions i+1 .. last[i]
+            diff[i + 1] += node.activation_bytes
+            diff[last[i] + 1] -= node.activation_bytes
+            if not node.sendable:
+                bad[i + 1] += 1
+                bad[last[i] + 1] -= 1
+    # Exact integer-valued byte counts stay exact in float64 up to 2**53 bytes.
+    live = np.cumsum(diff)[1:n]
+    live = np.maximum(live, 0.0)  # guard against -0.0 / rounding on non-integer sizes
+    live[np.cumsum(bad)[1:n] > 0] = np.inf
+    return live
+
+
+def crossing_values(profile: Profile, position: int) -> tuple[str, ...]:
+    """Names of the values live across cut ``position`` (1..N-1), in producer order."""
+    n = len(profile.nodes)
+    if not 1 <= position <= n - 1:
+        raise ValueError(f"cut position must be in 1..{n - 1}, got {position}")
+    last = _last_use(profile)
+    return tuple(profile.nodes[i].name for i in range(position) if last[i] >= position)
+
+
+def all_crossing_values(profile: Profile, positions: list[int]) -> dict[int, tuple[str, ...]]:
+    """:func:`crossing_values` for several positions, sharing one pass over the graph."""
+    last = np.asarray(_last_use(profile))
+    idx = np.arange(len(last))
+    names = profile.names
+    return {p: tuple(names[i] for i in np.flatnonzero((idx < p) & (last >= p))) for p in positions}

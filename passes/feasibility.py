@@ -1,0 +1,355 @@
+"""Feasibility checks behind :mod:`fxpipe.passes.solver` (pure numbers).
+
+:class:`_Inst` holds one instance's prefix sums and the ONLY cost expressions used for decisions
+(:meth:`_Inst.time`, :meth:`_Inst.mem`, :meth:`_Inst.cut` and their vectorised twins, which perform
+the same IEEE operations), so plans are optimal exactly in floating point. See solver.py for the
+cost model and the search.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+
+
+INF = math.inf
+_BIG = np.finfo(float).max
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A partition and its costs; ``starts[s]`` is the first node of stage ``s``."""
+
+    bottleneck: float
+    starts: tuple[int, ...]
+    replicas: tuple[int, ...]
+    compute_times: tuple[float, ...]   # alpha[r] * C_s
+    sync_times: tuple[float, ...]      # beta[r] * P_s
+    stage_times: tuple[float, ...]     # the stage's own time (compute + sync)
+    cut_bytes: tuple[float, ...]       # bytes into stage s (0 for stage 0)
+    cut_times: tuple[float, ...]       # gamma[r] * bytes into stage s (0 for stage 0)
+    memory: tuple[float, ...]          # bytes per replica
+    in_flight: tuple[int, ...]         # v_s
+    checks: int = 0                    # feasibility checks the search used (diagnostics)
+
+
+class _Inst:
+    """One problem instance: prefix sums and the exact cost expressions."""
+
+    def __init__(self, compute: Sequence[float], parameters: Sequence[float],
+                 activations: Sequence[float], cut_bytes: Sequence[float], workers: int,
+                 alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float],
+                 memory_cap: float | None, optimizer_state_factor: float, straight: bool) -> None:
+        n = len(compute)
+        if n == 0 or len(parameters) != n or len(activations) != n or len(cut_bytes) != n - 1:
+            raise ValueError("compute/parameters/activations need N >= 1 entries and cut_bytes N-1")
+        if workers < 1 or min(len(alpha), len(beta), len(gamma)) < workers:
+            raise ValueError("need workers >= 1 and alpha/beta/gamma for r = 1..workers")
+        self.n, self.m = n, workers
+        self.Cc = np.concatenate([[0.0], np.cumsum(np.asarray(compute, dtype=float))])
+        self.Pc = np.concatenate([[0.0], np.cumsum(np.asarray(parameters, dtype=float))])
+        self.Ac = np.concatenate([[0.0], np.cumsum(np.asarray(activations, dtype=float))])
+        self.Cl, self.Pl, self.Al = self.Cc.tolist(), self.Pc.tolist(), self.Ac.tolist()
+        cb = np.zeros(n + 1)
+        cb[1:n] = np.asarray(cut_bytes, dtype=float)
+        self.cb = cb
+        self.cbl = cb.tolist()
+        self.alpha = [0.0] + [float(x) for x in alpha[:workers]]
+        self.beta = [0.0] + [float(x) for x in beta[:workers]]
+        self.gamma = [1.0] + [float(x) for x in gamma[:workers]]  # index 0 unused
+        self.cap = memory_cap
+        self.opt = float(optimizer_state_factor)
+        self.rs = [1] if straight else list(range(1, workers + 1))
+        # cut cost per (r, position); positions 0 and n never cost anything (always allowed).
+        self.cutm = cb[None, :] * np.asarray(self.gamma)[:, None]
+        self.cutm[:, 0] = 0.0
+        self.cutm[:, n] = 0.0
+        finite = self.cutm[self.rs][:, 1:n]
+        self.cut_values = np.unique(finite[np.isfinite(finite)])
+        self.ar = np.arange(n + 1)
+        self._tkey: dict[int, list[float]] = {}
+        self._mkey: dict[int, list[float]] = {}
+
+    # --- the exact cost expressions (the only ones used for decisions) ------------------
+    def time(self, r: int, a: int, e: int) -> float:
+        return self.alpha[r] * (self.Cl[e] - self.Cl[a]) + self.beta[r] * (self.Pl[e] - self.Pl[a])
+
+    def mem(self, v: int, a: int, e: int) -> float:
+        p = self.Pl[e] - self.Pl[a]
+        return (2.0 + self.opt) * p + (v - 1) * p + v * (self.Al[e] - self.Al[a])
+
+    def cut(self, r: int, p: int) -> float:
+        return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0
+
+    # --- monotone searches ------------------------------------------------------------
+    def _search(self, key: list[float], lim: float, a: int, f: Callable[[int], bool],
+                lo: int = -1) -> int:
+        """Largest e in [a, n] with f(e) (f monotone true..false, f(a) true).
+
+        ``key[e] - key[a] <= lim`` is a cheap guess (prefix sums round differently from the exact
+        expression), corrected by stepping with the exact predicate ``f``."""
+        n = self.n
+        start = max(a, lo)
+        e = bisect_right(key, key[a] + lim, start) - 1
+        e = min(max(e, start), n)
+        steps = 0
+        while e < n and f(e + 1):
+            e += 1
+            steps += 1
+            if steps > 8:  # long flat run at the boundary: exact binary search instead
+                lo, hi = e, n
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if f(mid) else (lo, mid - 1)
+                return lo
+        while e > start and not f(e):
+            e -= 1
+        return e
+
+    def reach(self, r: int, v: int, a: int, tau: float, lo: int = -1) -> tuple[int, int]:
+        """(furthest end under time and memory, furthest end under time alone); ``lo`` is an end
+        already known to pass both (a search hint)."""
+        tk = self._tkey.get(r)
+        if tk is None:
+            tk = self._tkey[r] = (self.alpha[r] * self.Cc + self.beta[r] * self.Pc).tolist()
+        et = self._search(tk, tau, a, lambda e: self.time(r, a, e) <= tau, lo)
+        if self.cap is None or et == a:
+            return et, et
+        if self.mem(v, a, et) <= self.cap:
+            return et, et
+        mk = self._mkey.get(v)
+        if mk is None:
+            mk = self._mkey[v] = ((2.0 + self.opt + v - 1) * self.Pc + v * self.Ac).tolist()
+        em = self._search(mk, self.cap, a, lambda e: self.mem(v, a, e) <= self.cap,  # type: ignore[operator]
+                          lo)
+        return min(et, em), et
+
+    def time_many(self, r: int, a: np.ndarray, e: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`time` (same IEEE operations, so the same values)."""
+        return self.alpha[r] * (self.Cc[e] - self.Cc[a]) + self.beta[r] * (self.Pc[e] - self.Pc[a])
+
+    def mem_many(self, v: int, a: np.ndarray, e: np.ndarray) -> np.ndarray:
+        p = self.Pc[e] - self.Pc[a]
+        return (2.0 + self.opt) * p + (v - 1) * p + v * (self.Ac[e] - self.Ac[a])
+
+    def reach_many(self, r: int, v: int, a: np.ndarray, tau: float) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised :meth:`reach` by exact bisection (log N vector steps)."""
+        def bis(f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+            lo, hi = a.copy(), np.full_like(a, self.n)
+            while True:
+                act = lo < hi
+                if not act.any():
+                    return lo
+                mid = (lo + hi + 1) // 2
+                ok = f(mid) & act
+                lo = np.where(ok, mid, lo)
+                hi = np.where(act & ~ok, mid - 1, hi)
+        et = bis(lambda e: self.time_many(r, a, e) <= tau)
+        if self.cap is None:
+            return et, et
+        cap = self.cap
+        em = bis(lambda e: self.mem_many(v, a, e) <= cap)
+        return np.minimum(et, em), et
+
+    def last_allowed(self, tau: float) -> "_LastAllowed":
+        return _LastAllowed(self, tau)
+
+    def next_cut_value(self, tau: float) -> float:
+        i = int(np.searchsorted(self.cut_values, tau, side="right"))
+        return float(self.cut_values[i]) if i < len(self.cut_values) else INF
+
+    # --- evaluation of a given plan ---------------------------------------------------
+    def evaluate(self, starts: Sequence[int], replicas: Sequence[int], checks: int = 0) -> Solution:
+        bounds = list(starts) + [self.n]
+        total = sum(replicas)
+        comp, sync, st, cb, ct, mem, vs = [], [], [], [], [], [], []
+        after = total
+        for s, r in enumerate(replicas):
+            a, e = bounds[s], bounds[s + 1]
+            v = -(-after // r)
+            after -= r
+            c = self.alpha[r] * (self.Cl[e] - self.Cl[a])
+            y = self.beta[r] * (self.Pl[e] - self.Pl[a])
+            comp.append(c)
+            sync.append(y)
+            st.append(self.time(r, a, e))
+            cb.append(self.cbl[a] if s else 0.0)
+            ct.append(self.cut(r, a) if s else 0.0)
+            mem.append(self.mem(v, a, e))
+            vs.append(v)
+        return Solution(max(st + ct), tuple(starts), tuple(replicas), tuple(comp), tuple(sync),
+                        tuple(st), tuple(cb), tuple(ct), tuple(mem), tuple(vs), checks)
+
+    def fits(self, memory: Sequence[float]) -> bool:
+        return self.cap is None or all(x <= self.cap for x in memory)
+
+
+class _LastAllowed:
+    """``la(r, x)`` = last position <= x where a stage with r replicas may start under ``tau``.
+
+    Usually a few steps back from x; a whole row is computed (numpy) only when a scan is long,
+    which keeps a check O(M^2) instead of O(M N)."""
+
+    def __init__(self, inst: _Inst, tau: float) -> None:
+        self.inst = inst
+        self.t = min(tau, float(_BIG))  # forbidden (inf) cuts stay forbidden even at tau = inf
+        self.rows: dict[int, list[int]] = {}
+
+    def __call__(self, r: int, x: int) -> tuple[int, float]:
+        """(last allowed start <= x, smallest cut cost among the rejected positions in (a, x])."""
+        inst, t = self.inst, self.t
+        if x >= inst.n or x <= 0:
+            return x, INF
+        row = self.rows.get(r)
+        if row is None:
+            g, cbl = inst.gamma[r], inst.cbl
+            rejected = INF
+            p = x
+            for _ in range(16):
+                if p <= 0:
+                    return 0, rejected
+                c = cbl[p] * g
+                if c <= t:
+                    return p, rejected
+                if c < rejected:
+                    rejected = c
+                p -= 1
+            la = np.where(inst.cutm[r] <= t, inst.ar, 0)
+            np.maximum.accumulate(la, out=la)
+            row = self.rows[r] = la.tolist()
+        a = row[x]
+        return a, float(inst.cutm[r, a + 1:x + 1].min()) if a < x else INF
+
+
+def _v(m: int, k: int, r: int) -> int:
+    """In-flight count of a stage with r replicas whose prefix budget (this stage included) is k."""
+    return -(-(m - k + r) // r)
+
+
+# --- feasibility checks ----------------------------------------------------------------------
+Stages = list[tuple[int, int]]  # (start, replicas) per stage
+
+
+def check_budget(inst: _Inst, tau: float) -> tuple[Stages | None, float]:
+    """Is there a plan with bottleneck <= tau (any number of stages)?
+
+    Returns (a witness plan or None, ``nxt``). When infeasible, every value in ``[tau, nxt)`` is
+    infeasible too: ``R(k)`` can only grow when some stage reaches ``R(k) + 1`` (its time there is
+    a threshold) or when a rejected cut becomes allowed (its cost is a threshold); ``nxt`` is the
+    smallest such threshold."""
+    n, m = inst.n, inst.m
+    cap = inst.cap
+    la = inst.last_allowed(tau)
+    nxt = INF
+    R = [0] * (m + 1)
+    ch: list[tuple[int, int] | None] = [None] * (m + 1)
+    for k in range(1, m + 1):
+        best, bc = R[k - 1], None
+        pairs = []
+        for r in inst.rs:
+            if r > k:
+                break
+            a, rejected = la(r, R[k - r])
+            if rejected < nxt:
+                nxt = rejected
+            pairs.append((r, a))
+            # exact pruning: a stage that cannot even reach best + 1 cannot improve R(k)
+            if inst.time(r, a, best + 1) > tau:
+                continue
+            v = _v(m, k, r)
+            if cap is not None and inst.mem(v, a, best + 1) > cap:
+                continue
+            e, _ = inst.reach(r, v, a, tau, best + 1)
+            if e > best:
+                best, bc = e, (r, a)
+                if best >= n:
+                    break
+        R[k], ch[k] = best, bc
+        if best >= n:
+            return _rebuild_budget(ch, R, k, n), nxt
+        for r, a in pairs:
+            t = inst.time(r, a, best + 1)
+            if t < nxt and (cap is None or inst.mem(_v(m, k, r), a, best + 1) <= cap):
+                nxt = t
+    return None, nxt
+
+
+def _rebuild_budget(ch: list[tuple[int, int] | None], R: list[int], k: int, x: int) -> Stages:
+    out: Stages = []
+    while x > 0:
+        c = ch[k]
+        if c is None:
+            k -= 1
+            continue
+        r, a = c
+        if a < x:
+            out.append((a, r))
+            x = a
+        k -= r
+    out.reverse()
+    return out
+
+
+def fewest_stages(inst: _Inst, tau: float) -> Stages | None:
+    """A plan with bottleneck <= tau and as few stages as possible.
+
+    "At most s stages" covers are prefix-closed, so the layered recurrence
+    ``R_s(k) = max(R_{s-1}(k), R_s(k-1), max_r reach_r(la_r(R_{s-1}(k-r))))`` is exact. A pair
+    (k, r) can only beat ``R_{s-1}(k)`` when ``R_{s-1}(k-r)`` changed in the previous layer, so each
+    layer only revisits budgets that just improved."""
+    n, m = inst.n, inst.m
+    la = inst.last_allowed(tau)
+    prev = [0] * (m + 1)
+    changed = list(range(m))  # layer 1 builds on the empty prefix at every budget
+    layers: list[list[tuple[str, int, int]]] = []
+    for s in range(1, m + 1):
+        cand = prev[:]
+        cch: list[tuple[str, int, int]] = [("s", 0, 0)] * (m + 1)
+        for kp in changed:
+            if prev[kp] >= n:
+                continue
+            for r in inst.rs:
+                k = kp + r
+                if k > m:
+                    break
+                a = la(r, prev[kp])[0]
+                best = cand[k]
+                if best >= n or inst.time(r, a, best + 1) > tau:
+                    continue
+                v = _v(m, k, r)
+                if inst.cap is not None and inst.mem(v, a, best + 1) > inst.cap:
+                    continue
+                e = inst.reach(r, v, a, tau, best + 1)[0]
+                if e > best:
+                    cand[k], cch[k] = e, ("r", r, a)
+        cur = cand
+        for k in range(1, m + 1):  # R_s(k) >= R_s(k-1): a bigger budget may leave workers idle
+            if cur[k - 1] > cur[k]:
+                cur[k], cch[k] = cur[k - 1], ("k", 0, 0)
+        layers.append(cch)
+        if cur[m] >= n:
+            out: Stages = []
+            x, k, si = n, m, s
+            while x > 0:
+                kind, r, a = layers[si - 1][k]
+                if kind == "k":
+                    k -= 1
+                elif kind == "s":
+                    si -= 1
+                else:
+                    if a < x:
+                        out.append((a, r))
+                        x = a
+                    si -= 1
+                    k -= r
+            out.reverse()
+            return out
+        changed = [k for k in range(m + 1) if cur[k] != prev[k]]
+        if not changed:
+            return None
+        prev = cur
+    return None

@@ -1,0 +1,128 @@
+"""``partition(profile, cluster)``: the passes phase's entry point (torch-free).
+
+Turns a :class:`~fxpipe.costmodel.profile.Profile` and a :class:`~fxpipe.costmodel.hardware.Cluster`
+into the per-r cost coefficients of DESIGN.md's cost model, runs the exact solver, and packages the
+answer as a :class:`~fxpipe.passes.plan.Plan`. All validation that users can trigger lives here, so
+errors speak in terms of the model and the cluster rather than arrays.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile
+from fxpipe.errors import ConfigError, InfeasiblePlanError
+from fxpipe.units import format_bytes
+
+from .cuts import all_crossing_values, cut_bytes
+from .plan import Plan, StagePlan
+from .solver import Solution, evaluate, minimum_memory, solve
+
+log = logging.getLogger(__name__)
+
+SYNC_MODELS = ("allreduce", "parameter-server")
+# Plans within this relative distance of the optimum are ties (won by fewer stages, i.e. data
+# parallelism first): profiles are measured to ~1e-3, not to the last bit.
+TIE_TOLERANCE = 1e-9
+
+
+def coefficients(cluster: Cluster, sync: str) -> tuple[list[float], list[float], list[float]]:
+    """Per-r (index r-1) coefficients: stage time ``alpha C + beta P``, cut time ``gamma X``.
+
+    Two-level clusters: a stage's replicas sit in one machine while ``r <= workers_per_machine``
+    and all-reduce at ``intra_bandwidth``; beyond that at the inter-machine ``bandwidth``. Cuts
+    travel at ``bandwidth`` unless the whole cluster is one machine (we do not model which
+    stages share a machine, so this is the conservative choice)."""
+    if sync not in SYNC_MODELS:
+        raise ConfigError(f"unknown sync model {sync!r}", f"use one of {', '.join(SYNC_MODELS)}")
+    m = cluster.workers
+    one_machine = cluster.machines == 1
+    cut_bw = cluster.intra_bandwidth if one_machine else cluster.bandwidth
+    alpha, beta, gamma = [], [], []
+    for r in range(1, m + 1):
+        bw = cluster.intra_bandwidth if (one_machine or r <= cluster.workers_per_machine) \
+            else cluster.bandwidth
+        alpha.append(1.0 / r)
+        if sync == "allreduce":
+            beta.append(2.0 * (r - 1) / r / bw)
+        else:  # PipeDream: (C + 4 (r-1)/r P/B) / r
+            beta.append(4.0 * (r - 1) / r / bw / r)
+        gamma.append(2.0 / (cut_bw * r))
+    return alpha, beta, gamma
+
+
+def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
+              stages: int | None = None, straight: bool = False,
+              optimizer_state_factor: float = 1.0) -> Plan:
+    """Minimum time-per-minibatch plan of ``profile`` on ``cluster`` (exact; see solver.py)."""
+    alpha, beta, gamma = coefficients(cluster, sync)
+    if not isinstance(optimizer_state_factor, (int, float)) or optimizer_state_factor < 0:
+        raise ConfigError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}",
+                          "e.g. 2.0 for Adam (two moments per parameter), 0 for plain SGD")
+    n, m = len(profile.nodes), cluster.workers
+    if n == 0:
+        raise ConfigError("the profile has no nodes")
+    cb = cut_bytes(profile)
+    cuttable = int(np.isfinite(cb).sum())
+    max_stages = min(m, cuttable + 1)
+    if stages is not None:
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or stages > max_stages:
+            raise InfeasiblePlanError(
+                f"cannot make {stages!r} stages: the maximum is {max_stages} "
+                f"({m} workers, {cuttable} places where the graph can be cut)",
+                f"pass stages between 1 and {max_stages}, or None to let fxpipe choose")
+    compute = [nd.compute_s for nd in profile.nodes]
+    params = [nd.parameter_bytes for nd in profile.nodes]
+    acts = [nd.activation_bytes for nd in profile.nodes]
+    args = (compute, params, acts, cb.tolist(), m, alpha, beta, gamma)
+    try:
+        sol = solve(*args, memory_cap=cluster.memory, optimizer_state_factor=optimizer_state_factor,
+                    stages=stages, straight=straight, tie_tolerance=TIE_TOLERANCE)
+    except InfeasiblePlanError:
+        need = minimum_memory(*args, optimizer_state_factor=optimizer_state_factor, stages=stages,
+                              straight=straight)
+        raise InfeasiblePlanError(
+            f"no plan fits in {format_bytes(cluster.memory or 0)} per worker: the smallest-memory "
+            f"plan needs {format_bytes(need)} ({need:.0f} bytes) per worker",
+            "use more workers or devices with more memory, a smaller batch, or "
+            "optimizer_state_factor matching your optimizer") from None
+    dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
+    return _make_plan(profile, cluster, sync, sol, dp.bottleneck)
+
+
+def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
+               dp_time: float) -> Plan:
+    names = profile.names
+    bounds = list(sol.starts) + [len(names)]
+    crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])
+    stage_plans = []
+    for s, r in enumerate(sol.replicas):
+        a, e = bounds[s], bounds[s + 1]
+        stage_plans.append(StagePlan(
+            index=s, nodes=tuple(names[a:e]), replicas=r, compute_s=sol.compute_times[s],
+            sync_s=sol.sync_times[s], stage_time_s=sol.stage_times[s],
+            input_bytes=sol.cut_bytes[s], comm_s=sol.cut_times[s],
+            parameter_bytes=float(sum(nd.parameter_bytes for nd in profile.nodes[a:e])),
+            activation_bytes=float(sum(nd.activation_bytes for nd in profile.nodes[a:e])),
+            memory_bytes=sol.memory[s], in_flight=sol.in_flight[s]))
+        if a > 0:
+            log.debug("stage %d receives %s", s, ", ".join(crossing[a]))
+    stage_of = {nm: s for s, sp in enumerate(stage_plans) for nm in sp.nodes}
+    users: dict[str, set[int]] = {}
+    for nd in profile.nodes:
+        for p in (*nd.params, *nd.shared_params):
+            users.setdefault(p, set()).add(stage_of[nd.name])
+    shared = {p: tuple(sorted(v)) for p, v in users.items() if len(v) > 1}
+    workers_used = sum(sol.replicas)
+    plan = Plan(stages=tuple(stage_plans), cluster=dict(cluster.to_dict()), sync=sync,
+                time_per_minibatch=sol.bottleneck, noam=math.ceil(workers_used / sol.replicas[0]),
+                data_parallel_time=dp_time, batch_size=profile.batch_size,
+                shared_parameters=shared,
+                model_fingerprint=profile.meta.get("model_fingerprint"),
+                profile_source=profile.source, workers_used=workers_used)
+    log.info("plan: replicas %s, %.4g s/minibatch (data parallel %.4g s)", plan.replicas,
+             plan.time_per_minibatch, dp_time)
+    return plan

@@ -1,0 +1,201 @@
+"""The partitioner's output: a :class:`Plan` of :class:`StagePlan` s, serialisable to JSON.
+
+A plan is data that later phases (codegen, runtime, the CLI) consume, possibly in another process
+or on another machine, so it round-trips exactly through JSON (floats are written with ``repr``
+precision) and refuses malformed files with a message naming the file and the field.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fxpipe.errors import PlanFormatError
+from fxpipe.units import format_bytes, format_seconds
+
+PLAN_FORMAT = "fxpipe.plan/1"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage. Times are seconds per minibatch as seen by the pipeline: ``compute_s``
+    is the stage's forward+backward time divided among its replicas, ``sync_s`` its weight
+    synchronisation, ``comm_s`` the time to move ``input_bytes`` into it (activations forward,
+    gradients back). ``memory_bytes`` is per replica, with ``in_flight`` weight versions."""
+
+    index: int
+    nodes: tuple[str, ...]
+    replicas: int
+    compute_s: float
+    sync_s: float
+    stage_time_s: float
+    input_bytes: float
+    comm_s: float
+    parameter_bytes: float
+    activation_bytes: float
+    memory_bytes: float
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A partition of a profile onto a cluster, with its predicted costs."""
+
+    stages: tuple[StagePlan, ...]
+    cluster: dict[str, Any]
+    sync: str
+    time_per_minibatch: float
+    noam: int
+    data_parallel_time: float
+    batch_size: int | None = None
+    shared_parameters: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    model_fingerprint: str | None = None
+    profile_source: str = "fxpipe"
+    workers_used: int = 0
+
+    # --- views -------------------------------------------------------------------------
+    @property
+    def replicas(self) -> list[int]:
+        return [s.replicas for s in self.stages]
+
+    @property
+    def is_data_parallel(self) -> bool:
+        """One stage holding the whole model: plain data parallelism, no pipelining."""
+        return len(self.stages) == 1
+
+    @property
+    def speedup_over_data_parallel(self) -> float:
+        if self.time_per_minibatch <= 0:
+            return math.inf
+        return self.data_parallel_time / self.time_per_minibatch
+
+    @property
+    def throughput(self) -> float | None:
+        """Samples per second in steady state (None when the batch size is unknown)."""
+        if self.batch_size is None or self.time_per_minibatch <= 0:
+            return None
+        return self.batch_size / self.time_per_minibatch
+
+    def stage_of(self) -> dict[str, int]:
+        """Node name -> stage index (what codegen's split_graph takes)."""
+        return {n: s.index for s in self.stages for n in s.nodes}
+
+    def summary(self) -> str:
+        """A human-readable table plus the headline numbers."""
+        head = f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10} {'comm':>10} {'memory':>10}"
+        lines = [head, "-" * len(head)]
+        for s in self.stages:
+            span = (f"{s.nodes[0]}..{s.nodes[-1]} ({len(s.nodes)})" if len(s.nodes) > 1
+                    else f"{s.nodes[0]} (1)") if s.nodes else "(empty)"
+            if len(span) > 40:
+                span = span[:37] + "..."
+            lines.append(f"{s.index:>5}  {span:<40} {s.replicas:>8} "
+                         f"{format_seconds(s.compute_s + s.sync_s):>10} "
+                         f"{format_seconds(s.comm_s):>10} {format_bytes(s.memory_bytes):>10}")
+        lines.append("")
+        lines.append(f"time per minibatch: {format_seconds(self.time_per_minibatch)}"
+                     f" ({self.sync} sync, {self.workers_used} of {self.cluster.get('workers')} workers)")
+        lines.append(f"NOAM (minibatches in flight at the input stage): {self.noam}")
+        lines.append(f"data-parallel time: {format_seconds(self.data_parallel_time)}; "
+                     f"speedup over data parallelism: {self.speedup_over_data_parallel:.2f}x")
+        if self.throughput is not None:
+            lines.append(f"throughput: {self.throughput:.1f} samples/s (batch {self.batch_size})")
+        if self.is_data_parallel:
+            lines.append(f"This plan IS plain data parallelism: one stage replicated on "
+                         f"{self.stages[0].replicas} workers; pipelining would not be faster.")
+        if self.shared_parameters:
+            lines.append("parameters shared across stages: " + ", ".join(
+                f"{k} {list(v)}" for k, v in sorted(self.shared_parameters.items())))
+        return "\n".join(lines)
+
+    # --- serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stages"] = [{**asdict(s), "nodes": list(s.nodes)} for s in self.stages]
+        d["shared_parameters"] = {k: list(v) for k, v in self.shared_parameters.items()}
+        return {"format": PLAN_FORMAT, **d}
+
+    @classmethod
+    def from_dict(cls, d: Any, origin: str = "<dict>") -> Plan:
+        if not isinstance(d, dict):
+            raise PlanFormatError(f"{origin}: a plan must be a JSON object")
+        if d.get("format") != PLAN_FORMAT:
+            raise PlanFormatError(f"{origin}: field 'format' is {d.get('format')!r}, expected "
+                                  f"{PLAN_FORMAT!r}", "make plans with fxpipe.passes.partition()")
+        stages_raw = _get(d, "stages", list, origin)
+        stages = []
+        for i, sd in enumerate(stages_raw):
+            where = f"{origin}: stages[{i}]"
+            if not isinstance(sd, dict):
+                raise PlanFormatError(f"{where} must be an object")
+            kw: dict[str, Any] = {}
+            for f in fields(StagePlan):
+                if f.name == "nodes":
+                    nodes = _get(sd, "nodes", list, where)
+                    if not all(isinstance(x, str) for x in nodes):
+                        raise PlanFormatError(f"{where}: field 'nodes' must be a list of names")
+                    kw["nodes"] = tuple(nodes)
+                elif f.name in ("index", "replicas", "in_flight"):
+                    kw[f.name] = _get(sd, f.name, int, where)
+                else:
+                    kw[f.name] = _num(sd, f.name, where)
+            stages.append(StagePlan(**kw))
+        shared = _get(d, "shared_parameters", dict, origin)
+        try:
+            shared_t = {str(k): tuple(int(x) for x in v) for k, v in shared.items()}
+        except (TypeError, ValueError):
+            raise PlanFormatError(f"{origin}: field 'shared_parameters' must map names to stage "
+                                  "index lists") from None
+        bs = d.get("batch_size")
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int)):
+            raise PlanFormatError(f"{origin}: field 'batch_size' must be an integer or null")
+        fp = d.get("model_fingerprint")
+        if fp is not None and not isinstance(fp, str):
+            raise PlanFormatError(f"{origin}: field 'model_fingerprint' must be a string or null")
+        return cls(stages=tuple(stages), cluster=_get(d, "cluster", dict, origin),
+                   sync=_get(d, "sync", str, origin),
+                   time_per_minibatch=_num(d, "time_per_minibatch", origin),
+                   noam=_get(d, "noam", int, origin),
+                   data_parallel_time=_num(d, "data_parallel_time", origin), batch_size=bs,
+                   shared_parameters=shared_t, model_fingerprint=fp,
+                   profile_source=_get(d, "profile_source", str, origin),
+                   workers_used=_get(d, "workers_used", int, origin))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write JSON atomically (temporary file, then rename), so readers never see half a plan."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        try:
+            d = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlanFormatError(f"plan file {str(path)!r} does not exist") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanFormatError(f"{str(path)!r} is not valid JSON: {e}",
+                                  "pass a file written by Plan.save()") from None
+        return cls.from_dict(d, origin=repr(str(path)))
+
+
+def _get(d: dict[str, Any], key: str, typ: type, where: str) -> Any:
+    if key not in d:
+        raise PlanFormatError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise PlanFormatError(f"{where}: field {key!r} must be {typ.__name__}, got {v!r}")
+    return v
+
+
+def _num(d: dict[str, Any], key: str, where: str) -> float:
+    if key not in d:
+        raise PlanFormatError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+        raise PlanFormatError(f"{where}: field {key!r} must be a non-negative number, got {v!r}")
+    return float(v)

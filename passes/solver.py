@@ -1,0 +1,142 @@
+"""Exact pipeline partitioning as pure numbers (no torch, no profile objects).
+
+Problem: split nodes ``0..N-1`` into contiguous stages ``[a_s, a_{s+1})``, give stage ``s``
+``r_s >= 1`` replicas with ``sum r_s <= workers``, and minimise the bottleneck
+
+    max( max_s  alpha[r_s] * C_s + beta[r_s] * P_s ,  max_{s>=1} cut_bytes[a_s] * gamma[r_s] )
+
+subject to memory per replica ``(2 + opt) P_s + (v_s - 1) P_s + v_s A_s <= memory_cap`` with
+``v_s = ceil(W_s / r_s)``, ``W_s`` = workers of stages ``s..end`` of the plan itself. The per-r
+coefficients (index ``r-1``) make one core serve ring all-reduce, PipeDream's parameter server and
+two-level clusters (see :mod:`fxpipe.passes.partition`).
+
+Why not PipeDream's DP: it is O(N^2 M^2). We search on the bottleneck ``tau`` instead, with an
+O(M^2 log N) monotone feasibility check (:func:`~fxpipe.passes.feasibility.check_budget`): ``R(k)``,
+the furthest prefix coverable with a budget of ``k`` workers, is prefix-closed (truncating the last
+stage keeps a cover valid), so ``R(k) = max_r reach_r(last cut allowed for r at or before
+R(k-r))``. A stage's in-flight count in the check is ``ceil((workers - budget before it) / r)``;
+idle workers are best placed "in front", so the check accepts exactly the plans that satisfy the
+memory rule with the plan-intrinsic ``v_s`` above.
+
+The search keeps ``hi`` = bottleneck of the best plan found and ``lo`` = a value below which
+everything is proven infeasible: an infeasible check also reports the smallest value at which any of
+its comparisons could flip, so ``lo`` jumps to real candidate values and the loop ends with
+``lo == hi``, exactly optimal. Ties: fewest stages (so plain data parallelism wins when it is as
+fast), by a stage-layered version of the recurrence at the optimal ``tau``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+from fxpipe.errors import InfeasiblePlanError
+
+from .exact_stages import check_exact
+from .feasibility import Solution, _Inst, check_budget, fewest_stages
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Solution", "solve", "evaluate", "minimum_memory"]
+
+# Below this relative gap the search probes ``lo`` itself instead of the midpoint.
+_PROBE_LO_GAP = 1e-9
+
+
+def _instance(compute: Sequence[float], parameters: Sequence[float],
+              activations: Sequence[float], cut_bytes: Sequence[float], workers: int,
+              alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float],
+              memory_cap: float | None, optimizer_state_factor: float, straight: bool) -> _Inst:
+    return _Inst(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
+                 memory_cap, optimizer_state_factor, straight)
+
+
+def solve(compute: Sequence[float], parameters: Sequence[float], activations: Sequence[float],
+          cut_bytes: Sequence[float], workers: int, alpha: Sequence[float], beta: Sequence[float],
+          gamma: Sequence[float], *, memory_cap: float | None = None,
+          optimizer_state_factor: float = 1.0, stages: int | None = None,
+          straight: bool = False, tie_tolerance: float = 0.0) -> Solution:
+    """Minimum-bottleneck partition (see module docstring). ``stages`` forces an exact count;
+    ``straight`` forces every ``r = 1``. Plans within ``tie_tolerance`` (relative) of the optimum
+    count as ties, won by the fewest stages: measured profiles are nowhere near 1e-9 accurate, so
+    a pipeline that beats data parallelism by rounding noise should not be chosen. Raises
+    InfeasiblePlanError when nothing fits."""
+    inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
+                     memory_cap, optimizer_state_factor, straight)
+    if stages is not None and not 1 <= stages <= min(inst.n, workers):
+        raise InfeasiblePlanError(f"cannot make {stages} stages from {inst.n} nodes and "
+                                  f"{workers} workers")
+
+    def check(tau: float) -> tuple[list[tuple[int, int]] | None, float]:
+        return check_budget(inst, tau) if stages is None else check_exact(inst, tau, stages)
+
+    plan, _ = check(math.inf)
+    checks = 1
+    if plan is None:
+        raise InfeasiblePlanError("no partition satisfies the memory and stage constraints")
+    best = inst.evaluate([a for a, _ in plan], [r for _, r in plan])
+    # Work bound: sum_s r_s T_s >= min_r(r alpha_r) C_total and sum_s r_s <= workers.
+    lower = min(r * inst.alpha[r] for r in inst.rs) * inst.Cl[-1] / workers
+    lo, hi = max(0.0, lower * (1 - 1e-9)), best.bottleneck
+    while lo < hi:
+        if hi - lo <= _PROBE_LO_GAP * hi:
+            tau = lo
+        elif lo > 0 and hi > 2 * lo:
+            tau = math.sqrt(lo * hi)  # geometric steps while the bracket is wide
+        else:
+            tau = lo + (hi - lo) / 2
+        plan, nxt = check(tau)
+        checks += 1
+        log.debug("check %d: lo=%r hi=%r tau=%r feasible=%s", checks, lo, hi, tau, plan is not None)
+        if plan is None:
+            lo = max(lo, nxt)
+            continue
+        sol = inst.evaluate([a for a, _ in plan], [r for _, r in plan])
+        assert sol.bottleneck <= tau, "feasibility check returned a plan over its bound"
+        best, hi = sol, sol.bottleneck
+    if stages is None and len(best.starts) > 1:
+        fewer = fewest_stages(inst, hi * (1.0 + tie_tolerance) if tie_tolerance > 0 else hi)
+        checks += 1
+        if fewer is not None and len(fewer) < len(best.starts):
+            best = inst.evaluate([a for a, _ in fewer], [r for _, r in fewer])
+    log.debug("solved N=%d M=%d in %d checks: bottleneck %.6g", inst.n, workers, checks,
+              best.bottleneck)
+    return Solution(**{**best.__dict__, "checks": checks})
+
+
+def evaluate(compute: Sequence[float], parameters: Sequence[float], activations: Sequence[float],
+             cut_bytes: Sequence[float], workers: int, alpha: Sequence[float],
+             beta: Sequence[float], gamma: Sequence[float], starts: Sequence[int],
+             replicas: Sequence[int], *, optimizer_state_factor: float = 1.0) -> Solution:
+    """Costs of a given partition, with the solver's exact expressions (for tests, reports)."""
+    inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
+                     None, optimizer_state_factor, False)
+    return inst.evaluate(list(starts), list(replicas))
+
+
+def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
+                   activations: Sequence[float], cut_bytes: Sequence[float], workers: int,
+                   alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float], *,
+                   optimizer_state_factor: float = 1.0, stages: int | None = None,
+                   straight: bool = False) -> float:
+    """Smallest per-worker memory for which some plan exists (time unconstrained), by bisection
+    on the cap; used to tell users how much memory they need. inf if no plan exists at all."""
+    def ok(cap: float) -> bool:
+        inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
+                         gamma, cap, optimizer_state_factor, straight)
+        plan = (check_budget(inst, math.inf) if stages is None
+                else check_exact(inst, math.inf, stages))[0]
+        return plan is not None
+
+    hi = 1.0
+    while not ok(hi):
+        hi *= 2.0
+        if hi > 1e30:
+            return math.inf
+    lo = 0.0
+    for _ in range(200):
+        mid = lo + (hi - lo) / 2
+        if mid <= lo or mid >= hi:
+            break
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi

@@ -1,0 +1,143 @@
+"""Every point-to-point send/receive and every collective of the runtime is posted here.
+
+Why one place: the failure policy (each wait has a timeout; a dead or hung peer becomes a
+:class:`PeerError` naming this rank and the peer) and the wire protocol (preallocated buffers of
+known shape and dtype, integer tags, nothing pickled) must hold for every message, and are easiest
+to check when nothing else calls ``torch.distributed``'s p2p functions.
+
+Tags: ``((minibatch * num_values + value) * 2 + direction)`` with direction 0 for activations and 1
+for gradients, so a message can never be taken for another even when several are in flight
+between the same two ranks.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerError, RuntimeConfigError
+from .schedule import Rank
+
+log = logging.getLogger(__name__)
+
+FORWARD, BACKWARD = 0, 1
+_MAX_TAG = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a tensor on the wire (known ahead by both ends)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def rank_name(rank: Rank, index: int) -> str:
+    return f"stage {rank[0]} replica {rank[1]} (rank {index})"
+
+
+@dataclass
+class _Pending:
+    work: Any
+    tensor: torch.Tensor
+    peer: Rank
+    what: str
+
+
+class Comm:
+    """The transport of one rank: ``rank_of`` maps every (stage, replica) to its global rank."""
+
+    def __init__(self, me: Rank, rank_of: Mapping[Rank, int], num_values: int,
+                 timeout_s: float, device: torch.device,
+                 groups: Mapping[int, Any] | None = None) -> None:
+        self.me = me
+        self.rank_of = dict(rank_of)
+        self.num_values = max(num_values, 1)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.device = device
+        self.groups = dict(groups or {})
+        self._sends: list[_Pending] = []
+
+    @property
+    def who(self) -> str:
+        return rank_name(self.me, self.rank_of[self.me])
+
+    def tag(self, minibatch: int, value: int, direction: int) -> int:
+        t = (minibatch * self.num_values + value) * 2 + direction
+        if t > _MAX_TAG:
+            raise RuntimeConfigError(f"message tag {t} overflows int32 (minibatch {minibatch})",
+                                     "run fewer minibatches per schedule")
+        return t
+
+    def _fail(self, pend: _Pending, err: BaseException) -> PeerError:
+        peer = rank_name(pend.peer, self.rank_of[pend.peer])
+        return PeerError(f"{self.who}: {pend.what} with {peer} failed "
+                         f"(timeout {self.timeout.total_seconds():g} s): {err}",
+                         f"look at the log of {peer}: it crashed, hung or fell behind; raise "
+                         "timeout_s if it is merely slow")
+
+    # ------------------------------------------------------------------ point to point
+    def post_recv(self, spec: TensorSpec, src: Rank, tag: int, what: str) -> _Pending:
+        """Post a receive into a fresh buffer of ``spec``; :meth:`wait` returns the tensor."""
+        buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        pend = _Pending(None, buf, src, f"receiving {what}")
+        try:
+            pend.work = dist.irecv(buf, src=self.rank_of[src], tag=tag)
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
+        return pend
+
+    def wait(self, pend: _Pending) -> torch.Tensor:
+        """Wait (at most the timeout) for a posted receive."""
+        try:
+            pend.work.wait(timeout=self.timeout)
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
+        return pend.tensor
+
+    def send(self, tensor: torch.Tensor, dst: Rank, tag: int, what: str,
+             spec: TensorSpec | None = None) -> None:
+        """Post a send; it completes when the peer receives it (see :meth:`flush`)."""
+        t = tensor.detach().contiguous()
+        if spec is not None and (tuple(t.shape) != spec.shape or t.dtype != spec.dtype):
+            raise RuntimeConfigError(f"{self.who}: {what} is {tuple(t.shape)} {t.dtype}, the "
+                                     f"wire plan says {spec.shape} {spec.dtype}",
+                                     "the stage output shape depends on more than the input "
+                                     "shapes; such models cannot be pipelined as is")
+        pend = _Pending(None, t, dst, f"sending {what}")
+        try:
+            pend.work = dist.isend(t, dst=self.rank_of[dst], tag=tag)
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
+        self._sends.append(pend)
+        if len(self._sends) > 64:
+            self._sends = [p for p in self._sends if not p.work.is_completed()]
+
+    def flush(self) -> None:
+        """Wait until every posted send was received (each wait bounded by the timeout)."""
+        for pend in self._sends:
+            self.wait(pend)
+        self._sends.clear()
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, buf: torch.Tensor, stage: int, peers: Sequence[Rank], what: str) -> None:
+        """Sum ``buf`` in place over the replicas of ``stage`` (their own process group)."""
+        pend = _Pending(None, buf, peers[0] if peers[0] != self.me else peers[-1],
+                        f"all-reduce of {what} among {len(peers)} replicas of stage {stage}")
+        try:
+            pend.work = dist.all_reduce(buf, group=self.groups[stage], async_op=True)
+            pend.work.wait(timeout=self.timeout)
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
+
+    def barrier(self) -> None:
+        """All ranks: the end of a run (no rank leaves while a peer may still talk to it)."""
+        pend = _Pending(None, torch.empty(0), self.me, "final barrier")
+        try:
+            dist.barrier(async_op=True).wait(timeout=self.timeout)
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err

@@ -1,0 +1,33 @@
+"""Runtime-specific exceptions (the runtime's part of fxpipe's hierarchy, see fxpipe/errors.py).
+
+They are separate from the generic ones because a caller reacts differently: a
+:class:`RuntimeConfigError` is a mistake in how the pipeline was assembled (fix the call), a
+:class:`StashError` is a broken weight-version invariant (a bug or an inconsistent schedule), and a
+:class:`PeerError` means another rank died or hung (look at that rank's log).
+"""
+from __future__ import annotations
+
+from fxpipe.errors import ConfigError, FxpipeError
+
+
+class RuntimeConfigError(ConfigError):
+    """The stages, schedule, replicas or batches given to an executor do not fit together."""
+
+
+class StashError(FxpipeError):
+    """A weight version was asked for that the stash no longer (or never) held."""
+
+
+class PeerError(FxpipeError):
+    """A communication with another rank failed or timed out; the message names both ranks."""
+
+
+class WorkerFailedError(FxpipeError):
+    """A distributed run ended with at least one rank exiting non-zero; carries every rank's
+    exit code and error message."""
+
+    def __init__(self, message: str, hint: str | None, exitcodes: dict[int, int | None],
+                 errors: dict[int, str]) -> None:
+        super().__init__(message, hint)
+        self.exitcodes = exitcodes
+        self.errors = errors

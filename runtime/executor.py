@@ -1,0 +1,223 @@
+"""The distributed executor: one process per (stage, replica) rank carrying out its action list.
+
+A rank knows everything ahead: its actions (the schedule), who owns each minibatch on every stage
+(round robin), the shape of every message (the wire plan). So it only walks its list: ``F k``
+receives the stage's inputs (model inputs are read locally: every rank has the batches), runs the
+forward and sends each output straight to every consuming stage's owner of k; ``B k`` receives the
+gradients of its outputs, runs the backward and sends its inputs' gradients to their producers;
+``U i`` all-reduces the stage's gradient sums among its replicas (their own process group) and
+steps the optimizer. All transport goes through :class:`~fxpipe.runtime.comm.Comm`; all compute
+through the same :class:`StageReplica` the reference executor uses.
+
+:func:`run_distributed` (in :mod:`fxpipe.runtime.launch`) spawns the ranks; :func:`worker_main` is
+what each of them runs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.codegen.split import MODEL, StageSpec
+from fxpipe.errors import FxpipeError
+
+from .comm import BACKWARD, FORWARD, Comm, rank_name
+from .reference import Batch, planned_reads
+from .schedule import Action, Rank, Schedule
+from .stage import LossFn, StageReplica, is_differentiable, model_env
+from .stash import OptimizerFactory
+from .wire import WirePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankResult:
+    """What one rank reports back: losses of the minibatches it finished (last stage only), its
+    latest weights and the peak bytes of weights its stash held."""
+
+    losses: dict[int, float]
+    params: dict[str, torch.Tensor]
+    peak_bytes: int
+
+
+class RankExecutor:
+    """Carry out ``schedule.actions[me]`` (see the module doc)."""
+
+    def __init__(self, stages: Sequence[StageSpec], schedule: Schedule, me: Rank,
+                 loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
+                 comm: Comm, *, stashing: bool = True, device: torch.device | None = None,
+                 fault: tuple[str, int] | None = None) -> None:
+        self.stages = list(stages)
+        self.schedule = schedule
+        self.me = me
+        self.spec = self.stages[me[0]]
+        self.wire = wire
+        self.comm = comm
+        self.device = device or torch.device("cpu")
+        self.fault = fault
+        self.spec.gm.to(self.device)
+        last = len(self.stages) - 1
+        self.replica = StageReplica(self.spec, optimizer_factory,
+                                    loss_fn=loss_fn if me[0] == last else None,
+                                    stashing=stashing, planned_reads=planned_reads(schedule, me))
+
+    def _what(self, kind: str, name: str, k: int) -> str:
+        return f"{kind} {name!r} of minibatch {k}"
+
+    def forward(self, a: Action, batch: Batch) -> float | None:
+        s, k, st = self.me[0], a.minibatch, self.spec
+        env = model_env(self.stages, batch[0]) if MODEL in st.sources else {}
+        posted = [None if src == MODEL else
+                  self.comm.post_recv(self.wire.spec(n, k), self.schedule.owner(src, k),
+                                      self.comm.tag(k, self.wire.index(n), FORWARD),
+                                      self._what("activation", n, k))
+                  for n, src in zip(st.inputs, st.sources)]
+        ins = [env[n].to(self.device) if p is None else self.comm.wait(p)
+               for n, p in zip(st.inputs, posted)]
+        target = batch[1].to(self.device) if isinstance(batch[1], torch.Tensor) else batch[1]
+        outs, loss = self.replica.forward(k, a.version, ins, target)
+        for n, o, cons in zip(st.outputs, outs, st.consumers):
+            for c in cons:
+                if c != MODEL:
+                    self.comm.send(o, self.schedule.owner(c, k),
+                                   self.comm.tag(k, self.wire.index(n), FORWARD),
+                                   self._what("activation", n, k), self.wire.spec(n, k))
+        log.debug("%s: F%d done (stage %d)", self.comm.who, k, s)
+        return loss
+
+    def backward(self, a: Action) -> None:
+        k, st = a.minibatch, self.spec
+        posted: list[list[Any]] = []
+        for n, cons in zip(st.outputs, st.consumers):
+            spec = self.wire.spec(n, k) if any(c != MODEL for c in cons) else None
+            posted.append([self.comm.post_recv(spec, self.schedule.owner(c, k),
+                                               self.comm.tag(k, self.wire.index(n), BACKWARD),
+                                               self._what("gradient", n, k))
+                           for c in cons if c != MODEL and spec is not None
+                           and is_differentiable(torch.empty(0, dtype=spec.dtype))])
+        out_grads: list[torch.Tensor | None] = []
+        for group in posted:
+            total: torch.Tensor | None = None
+            for p in group:  # ascending consumer order, as the reference sums
+                g = self.comm.wait(p)
+                total = g if total is None else total + g
+            out_grads.append(total)
+        in_grads = self.replica.backward(k, out_grads)
+        for n, src, g in zip(st.inputs, st.sources, in_grads):
+            if src != MODEL and g is not None:
+                self.comm.send(g, self.schedule.owner(src, k),
+                               self.comm.tag(k, self.wire.index(n), BACKWARD),
+                               self._what("gradient", n, k), self.wire.spec(n, k))
+
+    def update(self, a: Action) -> None:
+        s = self.me[0]
+        buf = self.replica.local_gradient()
+        r = self.schedule.replicas[s]
+        if r > 1:
+            self.comm.all_reduce(buf, s, [(s, j) for j in range(r)], f"update U{a.minibatch}")
+        self.replica.apply_update(buf)
+
+    def run(self, batches: Sequence[Batch]) -> RankResult:
+        """Walk the action list; then wait for every send and for all ranks to finish."""
+        losses: dict[int, float] = {}
+        for i, a in enumerate(self.schedule.actions[self.me]):
+            if self.fault is not None and i == self.fault[1]:
+                _inject(self.fault[0], self.comm.who, a)
+            if a.kind == "F":
+                loss = self.forward(a, batches[a.minibatch])
+                if loss is not None:
+                    losses[a.minibatch] = loss
+            elif a.kind == "B":
+                self.backward(a)
+            else:
+                self.update(a)
+        self.comm.flush()
+        self.comm.barrier()
+        return RankResult(losses, {n: t.detach().cpu() for n, t in
+                                   self.replica.parameters().items()},
+                          self.replica.stash.peak_bytes)
+
+
+def _inject(kind: str, who: str, a: Action) -> None:
+    """Fault injection for tests: die hard (no cleanup, like a crash) or hang at action ``a``."""
+    log.warning("%s: injected fault %r before %s", who, kind, a)
+    if kind == "die":
+        os._exit(17)
+    time.sleep(3600)
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a rank needs, pickled once to each spawned process."""
+
+    stages: list[StageSpec]
+    schedule_kind: str
+    replicas: tuple[int, ...]
+    num_minibatches: int
+    actions: dict[Rank, tuple[Action, ...]]
+    loss_fn: LossFn
+    optimizer_factory: OptimizerFactory
+    batches: list[Batch]
+    wire: WirePlan
+    outdir: str
+    port: int
+    master_addr: str = "127.0.0.1"
+    timeout_s: float = 60.0
+    stashing: bool = True
+    device: str = "cpu"
+    faults: dict[int, tuple[str, int]] = field(default_factory=dict)
+    log_level: int = logging.WARNING
+
+    def schedule(self) -> Schedule:
+        return Schedule(self.schedule_kind, self.replicas, self.num_minibatches, self.actions)
+
+
+def worker_main(index: int, cfg: WorkerConfig) -> None:
+    """Entry point of rank ``index``: run, save the result, or log the error and exit non-zero.
+
+    Exits with ``os._exit`` on failure so that a broken process group cannot hang the exit.
+    """
+    torch.set_num_threads(1)
+    logging.basicConfig(level=cfg.log_level,
+                        format=f"%(asctime)s [rank {index}] %(name)s %(levelname)s: %(message)s")
+    sched = cfg.schedule()
+    me = sched.ranks[index]
+    rank_of = {r: i for i, r in enumerate(sched.ranks)}
+    out = Path(cfg.outdir)
+    try:
+        device = torch.device(cfg.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index or 0)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(seconds=max(cfg.timeout_s, 60.0))  # rendezvous waits for slow spawns
+        dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.port}",
+                                rank=index, world_size=len(sched.ranks), timeout=timeout)
+        groups: dict[int, Any] = {}
+        for s, r in enumerate(sched.replicas):  # every rank creates every group, in order
+            if r > 1:
+                groups[s] = dist.new_group([rank_of[(s, j)] for j in range(r)],
+                                           timeout=timedelta(seconds=cfg.timeout_s))
+        comm = Comm(me, rank_of, len(cfg.wire.values), cfg.timeout_s, device, groups)
+        ex = RankExecutor(cfg.stages, sched, me, cfg.loss_fn, cfg.optimizer_factory, cfg.wire,
+                          comm, stashing=cfg.stashing, device=device,
+                          fault=cfg.faults.get(index))
+        result = ex.run(cfg.batches)
+        torch.save(result.__dict__, out / f"rank{index}.pt")
+        dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 - every failure must end the process non-zero
+        name = rank_name(me, index)
+        text = (f"{name}: {err}" if isinstance(err, FxpipeError)
+                else f"{name}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
+        log.error("%s", text)
+        (out / f"rank{index}.err").write_text(text)
+        logging.shutdown()
+        os._exit(1)

@@ -1,0 +1,137 @@
+"""Event simulation of a :class:`Schedule`: when each action starts and ends.
+
+Every rank executes its list in order; an action starts when its rank is free and its data
+dependency has arrived (``execution_order`` gives the dependencies and a topological order, so
+one pass computes exact times). Used to compare schedules, to check the planner's
+time-per-minibatch, and to draw the paper-style grids. Pure Python, no torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from fxpipe.errors import ConfigError
+
+from .schedule import Action, Rank, Schedule, execution_order
+
+
+@dataclass(frozen=True)
+class Event:
+    """One executed action and its [start, end) interval."""
+
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Result of :func:`simulate`.
+
+    ``steady_state_period`` is the time per minibatch once the pipeline is full: the slope of
+    the completion times over the middle half of the rounds (lcm(replicas) minibatches; whole
+    batches for the flushing kinds), so start-up and drain do not count.
+    """
+
+    events: Mapping[Rank, tuple[Event, ...]] = field(hash=False)
+    makespan: float
+    busy_fraction: Mapping[Rank, float] = field(hash=False)
+    steady_state_period: float
+
+    def times(self, rank: Rank) -> list[tuple[str, float, float]]:
+        """``[("F0", 0.0, 1.0), ...]`` for one rank: handy in tests and reports."""
+        return [(str(e.action), e.start, e.end) for e in self.events[rank]]
+
+
+def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * n
+    if len(value) != n or any(v < 0 for v in value):
+        raise ConfigError(f"{name}={list(value)!r} needs {n} non-negative entries",
+                          f"give one {name} per {'cut' if name == 'comm_time' else 'stage'}")
+    return [float(v) for v in value]
+
+
+def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[float],
+             comm_time: float | Sequence[float] = 0.0,
+             update_time: float | Sequence[float] = 0.0) -> Timeline:
+    """Time ``sched``: per-stage forward/backward seconds per minibatch (a replica handles whole
+    minibatches, so these are per replica), ``comm_time`` per cut (s-1 -> s, paid by activations
+    and by gradients alike) and ``update_time`` per stage (an update of all replicas together)."""
+    S = sched.num_stages
+    fwd = _per_stage(fwd_time, S, "fwd_time")
+    bwd = _per_stage(bwd_time, S, "bwd_time")
+    upd = _per_stage(update_time, S, "update_time")
+    comm = _per_stage(comm_time, max(S - 1, 0), "comm_time") if S > 1 else []
+    free = {rank: 0.0 for rank in sched.ranks}
+    end_of: dict[tuple[str, int, int], float] = {}
+    collective: dict[tuple[int, int], float] = {}
+    events: dict[Rank, list[Event]] = {rank: [] for rank in sched.ranks}
+    for rank, i in execution_order(sched):
+        s = rank[0]
+        a = sched.actions[rank][i]
+        if a.kind == "U":
+            key = (s, a.minibatch)
+            if key not in collective:  # every replica's earlier actions are already timed
+                collective[key] = max(free[(s, j)] for j in range(sched.replicas[s]))
+            start, dur = collective[key], upd[s]
+        elif a.kind == "F":
+            ready = 0.0 if s == 0 else end_of[("F", s - 1, a.minibatch)] + comm[s - 1]
+            start, dur = max(free[rank], ready), fwd[s]
+        else:
+            ready = (end_of[("F", s, a.minibatch)] if s == S - 1
+                     else end_of[("B", s + 1, a.minibatch)] + comm[s])
+            start, dur = max(free[rank], ready), bwd[s]
+        free[rank] = start + dur
+        if a.kind != "U":
+            end_of[(a.kind, s, a.minibatch)] = start + dur
+        events[rank].append(Event(a, start, start + dur))
+    makespan = max(free.values(), default=0.0)
+    busy = {rank: (sum(e.end - e.start for e in evs) / makespan if makespan else 0.0)
+            for rank, evs in events.items()}
+    return Timeline({r: tuple(e) for r, e in events.items()}, makespan, busy,
+                    _steady_period(sched, events, makespan))
+
+
+def _steady_period(sched: Schedule, events: Mapping[Rank, list[Event]], makespan: float) -> float:
+    """Slope of group completion times over the middle half of the groups (see Timeline)."""
+    n = sched.num_minibatches
+    if n == 0:
+        return 0.0
+    done = [0.0] * n
+    for evs in events.values():
+        for e in evs:
+            if e.action.kind != "U":
+                done[e.action.minibatch] = max(done[e.action.minibatch], e.end)
+    # a replicated pipeline repeats its pattern every lcm(replicas) minibatches: measure whole
+    # rounds (whole batches when the schedule flushes) so the slope is exact
+    g = math.lcm(*sched.replicas)
+    if sched.kind in ("gpipe", "1f1b-flush"):
+        g = math.lcm(g, sched.group)
+    groups = [max(done[k:k + g]) for k in range(0, n - g + 1, g)]
+    if len(groups) < 2:
+        return makespan / n
+    lo, hi = len(groups) // 4, len(groups) - 1 - len(groups) // 4
+    if hi <= lo:
+        lo, hi = 0, len(groups) - 1
+    return (groups[hi] - groups[lo]) / ((hi - lo) * g)
+
+
+def format_grid(sched: Schedule, *, width: int | None = None) -> str:
+    """The schedule as the paper's figures draw it: one row per rank, one column per time slot
+    of a unit-time simulation (forward = backward = 1, no communication). Updates take no time
+    and are not drawn; idle slots are dots."""
+    tl = simulate(sched, [1.0] * sched.num_stages, [1.0] * sched.num_stages)
+    slots = int(round(tl.makespan))
+    cells = {rank: ["."] * slots for rank in sched.ranks}
+    for rank, evs in tl.events.items():
+        for e in evs:
+            if e.action.kind != "U":
+                cells[rank][int(round(e.start))] = str(e.action)
+    w = width or max([len(c) for row in cells.values() for c in row] + [1])
+    lines = []
+    for rank in sched.ranks:
+        label = f"s{rank[0]}r{rank[1]}"
+        lines.append(f"{label:<6}|" + " ".join(c.rjust(w) for c in cells[rank]))
+    return "\n".join(lines)

@@ -1,0 +1,191 @@
+"""One stage replica's computation: forward, backward and update of a StageSpec, no transport.
+
+Both executors (the single-process reference and the distributed one) drive the same
+:class:`StageReplica`, so they do the same floating-point operations in the same order and their
+results can be compared tightly; they differ only in how tensors travel and how the replicas'
+gradients are summed.
+
+Gradient semantics of an update ``U``: each replica sums the parameter gradients of the minibatches
+it ran since its previous update and counts them; the replicas of the stage add up both (an
+all-reduce of one flat buffer) and the update uses sum / count, the mean gradient over the
+minibatches of the group (= plain SGD for one replica updating after every minibatch).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.func import functional_call
+
+from fxpipe.codegen.split import MODEL, StageSpec
+
+from .errors import RuntimeConfigError, StashError
+from .stash import OptimizerFactory, WeightStash
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def is_differentiable(t: torch.Tensor) -> bool:
+    """Gradients flow only through floating/complex tensors: the rule both ends of a cut share,
+    so a receiver never waits for a gradient the sender will not send."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def check_stages(stages: Sequence[StageSpec], replicas: Sequence[int]) -> None:
+    """Reject pipelines the runtime cannot carry out, with a hint."""
+    if not stages:
+        raise RuntimeConfigError("no stages", "pass the list split_graph returned")
+    if len(replicas) != len(stages):
+        raise RuntimeConfigError(f"{len(stages)} stages but replicas={list(replicas)}",
+                                 "give one replica count per stage")
+    last = len(stages) - 1
+    for st in stages:
+        for name, cons in zip(st.outputs, st.consumers):
+            if MODEL in cons and st.index != last:
+                raise RuntimeConfigError(
+                    f"model output {name!r} is produced by stage {st.index}, not the last stage",
+                    "the loss runs on the last stage: put every model output there")
+    if stages[last].io is None:
+        raise RuntimeConfigError("the stages carry no model I/O description",
+                                 "build them with fxpipe.codegen.split_graph")
+    owners: dict[int, int] = {}
+    for st in stages:
+        for n, p in st.gm.named_parameters():
+            if owners.setdefault(id(p), st.index) != st.index:
+                log.warning("parameter %r is used by stages %d and %d: each stage trains its own "
+                            "copy, so they will diverge", n, owners[id(p)], st.index)
+
+
+def model_env(stages: Sequence[StageSpec], inputs: Any) -> dict[str, Any]:
+    """Model inputs by placeholder name (a tensor, or a tuple of positional inputs)."""
+    io = stages[-1].io
+    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    return io.bind_inputs(args, None)  # type: ignore[union-attr]
+
+
+@dataclass
+class _InFlight:
+    inputs: list[torch.Tensor]
+    outputs: tuple[Any, ...] | None  # None when the forward ran without a graph (no stashing)
+    loss: torch.Tensor | None
+    target: Any = None  # kept to recompute the loss when not stashing
+
+
+class StageReplica:
+    """The parameters, weight versions, buffers and gradient sums of one (stage, replica)."""
+
+    def __init__(self, spec: StageSpec, optimizer_factory: OptimizerFactory, *,
+                 loss_fn: LossFn | None = None, stashing: bool = True,
+                 planned_reads: Mapping[int, int] | None = None) -> None:
+        self.spec = spec
+        self.is_last = loss_fn is not None
+        self.loss_fn = loss_fn
+        params = dict(spec.gm.named_parameters())
+        self.stash = WeightStash(params, optimizer_factory, stashing=stashing,
+                                 planned_reads=planned_reads)
+        self.buffers = {n: b.detach().clone() for n, b in spec.gm.named_buffers()}
+        self._flight: dict[int, _InFlight] = {}
+        self._grad_sum: dict[str, torch.Tensor] = {}
+        self._count = 0
+
+    def _call(self, weights: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> tuple:
+        out = functional_call(self.spec.gm, {**weights, **self.buffers}, tuple(inputs))
+        if not isinstance(out, tuple) or len(out) != len(self.spec.outputs):
+            raise RuntimeConfigError(f"stage {self.spec.index} returned {type(out).__name__}, "
+                                     f"expected a tuple of {len(self.spec.outputs)} values",
+                                     "use StageSpecs built by split_graph")
+        return out
+
+    def _loss(self, outs: tuple, target: Any) -> torch.Tensor:
+        env = dict(zip(self.spec.outputs, outs))
+        return self.loss_fn(self.spec.io.build_output(env), target)  # type: ignore[misc,union-attr]
+
+    def forward(self, minibatch: int, version: int | None, inputs: Sequence[Any],
+                target: Any = None) -> tuple[list[torch.Tensor], float | None]:
+        """Run the forward of ``minibatch`` on weight ``version``; return the detached outputs
+        (to send on) and, on the last stage, the loss value."""
+        ins = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor)
+               and is_differentiable(t) else t for t in inputs]
+        weights = self.stash.acquire(minibatch, version)
+        if self.stash.stashing:
+            outs = self._call(weights, ins)
+            loss = self._loss(outs, target) if self.is_last else None
+            self._flight[minibatch] = _InFlight(ins, outs, loss)
+        else:
+            with torch.no_grad():
+                outs = self._call(weights, ins)
+                loss = self._loss(outs, target) if self.is_last else None
+            self._flight[minibatch] = _InFlight(ins, None, None, target)
+        sent = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
+        return sent, (float(loss.detach()) if loss is not None else None)
+
+    def backward(self, minibatch: int, output_grads: Sequence[torch.Tensor | None]
+                 ) -> list[torch.Tensor | None]:
+        """Backward of ``minibatch`` given the gradients of its outputs (ignored on the last
+        stage); accumulates parameter gradients and returns the inputs' gradients (None for
+        non-differentiable inputs; zeros where an input did not influence the outputs)."""
+        if minibatch not in self._flight:
+            raise StashError(f"backward of minibatch {minibatch} on stage {self.spec.index} "
+                             "without its forward", "run F<k> before B<k>")
+        fl = self._flight.pop(minibatch)
+        _, weights = self.stash.for_backward(minibatch)
+        if fl.outputs is None:  # no stashing: recompute with the latest weights
+            outs = self._call(weights, fl.inputs)
+            fl = _InFlight(fl.inputs, outs, self._loss(outs, fl.target) if self.is_last else None)
+        if self.is_last:
+            roots, seeds = [fl.loss], [None]
+        else:
+            pairs = [(o, g) for o, g in zip(fl.outputs, output_grads)  # type: ignore[arg-type]
+                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+            roots, seeds = [p[0] for p in pairs], [p[1] for p in pairs]
+        diff_in = [i for i, t in enumerate(fl.inputs)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        names = self.stash.trainable
+        wrt = [fl.inputs[i] for i in diff_in] + [weights[n] for n in names]
+        grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
+        if roots and wrt:
+            grads = torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+        self.stash.release(minibatch)
+        for n, g in zip(names, grads[len(diff_in):]):
+            if g is not None:
+                self._grad_sum[n] = self._grad_sum[n] + g if n in self._grad_sum else g
+        self._count += 1
+        in_grads: list[torch.Tensor | None] = [None] * len(fl.inputs)
+        for i, g in zip(diff_in, grads[:len(diff_in)]):
+            in_grads[i] = torch.zeros_like(fl.inputs[i]) if g is None else g
+        return in_grads
+
+    # ------------------------------------------------------------------ updates
+    def local_gradient(self) -> torch.Tensor:
+        """Flat buffer [sum of gradients of every trainable parameter..., minibatch count]."""
+        parts = []
+        for n in self.stash.trainable:
+            p = self.stash.latest[n]
+            g = self._grad_sum.get(n)
+            parts.append((torch.zeros_like(p) if g is None else g).reshape(-1))
+        ref = next(iter(self.stash.latest.values()), torch.zeros(()))
+        parts.append(torch.tensor([float(self._count)], dtype=ref.dtype, device=ref.device))
+        return torch.cat(parts)
+
+    def apply_update(self, total: torch.Tensor) -> int:
+        """Step the optimizer with the mean gradient in ``total`` (the sum over the stage's
+        replicas of :meth:`local_gradient`); returns the new weight version."""
+        count = float(total[-1])
+        grads: dict[str, torch.Tensor] = {}
+        offset = 0
+        for n in self.stash.trainable:
+            p = self.stash.latest[n]
+            flat = total[offset:offset + p.numel()]
+            grads[n] = (flat / count if count > 0 else flat).reshape(p.shape).clone()
+            offset += p.numel()
+        self._grad_sum.clear()
+        self._count = 0
+        return self.stash.update(grads)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The latest weights by the model's own names (detached copies)."""
+        return {n: t.detach().clone() for n, t in self.stash.latest.items()}

@@ -1,0 +1,178 @@
+"""Weight stashing (PipeDream): per stage replica, the latest weights plus older versions still
+needed by minibatches in flight.
+
+Why versions at all: under the pipedream schedule a stage updates its weights between the forward
+and the backward of a minibatch. The gradient is only a valid gradient if the backward uses the
+weights the forward used, so those must be kept ("stashed") until that backward is done, while the
+optimizer keeps updating the latest weights.
+
+How it stays cheap: a version is just a ``dict[name, Tensor]`` passed to
+``torch.func.functional_call``, so minibatches that read the same version share one dict (nothing
+is copied while no update happens). At an update, if the current version is still needed (a
+minibatch in flight read it, or a planned future forward will), the stash clones the trainable
+tensors, points the optimizer at the clones and steps those; the old dict keeps referencing the
+untouched old tensors, which the in-flight autograd graphs saved. If nobody needs the current
+version, the update is done in place and no memory is added. ``bytes_held`` counts unique storages.
+
+``stashing=False`` (an ablation only): the backward uses the latest weights; the owner recomputes
+the forward with them (see :mod:`fxpipe.runtime.stage`), so no old version is ever kept.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from .errors import StashError
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+class WeightStash:
+    """Weight versions of one stage replica and the optimizer that produces new ones.
+
+    ``params``: the stage's parameters by name (copied: a replica owns its weights).
+    ``planned_reads``: version -> number of forwards that will read it (from the rank's action
+    list). Needed when a forward may read an OLDER version than the latest (vertical sync): the
+    stash then keeps that version alive. Without it only in-flight versions are kept.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], optimizer_factory: OptimizerFactory,
+                 *, stashing: bool = True, planned_reads: Mapping[int, int] | None = None) -> None:
+        self.stashing = stashing
+        self._latest: dict[str, torch.Tensor] = {
+            n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+        self.trainable: tuple[str, ...] = tuple(n for n, p in self._latest.items()
+                                                if p.requires_grad)
+        # a stage without trainable parameters (an activation alone) has no optimizer
+        self.optimizer: torch.optim.Optimizer | None = (
+            optimizer_factory([self._latest[n] for n in self.trainable]) if self.trainable
+            else None)
+        self.version = 0
+        self._older: dict[int, dict[str, torch.Tensor]] = {}
+        self._inflight: dict[int, int] = {}  # minibatch -> version its forward read
+        self._reads: Counter[int] = Counter(planned_reads or {})
+        self.peak_bytes = self.bytes_held()
+
+    # ------------------------------------------------------------------ reading versions
+    @property
+    def latest(self) -> dict[str, torch.Tensor]:
+        """The newest weights (the optimizer's tensors). Do not modify in place."""
+        return self._latest
+
+    def versions_held(self) -> list[int]:
+        """Version numbers currently held, oldest first (the latest is always held)."""
+        return sorted(set(self._older) | {self.version})
+
+    def get(self, version: int) -> dict[str, torch.Tensor]:
+        """The weights of ``version``; :class:`StashError` if it is no longer held."""
+        if version == self.version:
+            return self._latest
+        if version in self._older:
+            return self._older[version]
+        raise StashError(f"weight version {version} is not held (held: {self.versions_held()})",
+                         "the schedule reads a version that was dropped: pass planned_reads")
+
+    def acquire(self, minibatch: int, version: int | None) -> dict[str, torch.Tensor]:
+        """Weights for the forward of ``minibatch`` (``version`` None = latest); remembers them
+        for its backward when stashing."""
+        v = self.version if version is None else version
+        if v > self.version:
+            raise StashError(f"forward of minibatch {minibatch} reads version {v} but only "
+                             f"{self.version} updates happened", "check the schedule's versions")
+        if minibatch in self._inflight:
+            raise StashError(f"minibatch {minibatch} is already in flight",
+                             "each minibatch has one forward per stage replica")
+        weights = self.get(v)
+        if self._reads[v] > 0:
+            self._reads[v] -= 1
+        if self.stashing:
+            self._inflight[minibatch] = v
+        return weights
+
+    def for_backward(self, minibatch: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, weights) the backward of ``minibatch`` must use: the forward's when
+        stashing, else the latest."""
+        if not self.stashing:
+            return self.version, self._latest
+        if minibatch not in self._inflight:
+            raise StashError(f"backward of minibatch {minibatch} without its forward",
+                             "run F<k> before B<k> on the same replica")
+        v = self._inflight[minibatch]
+        return v, self.get(v)
+
+    def release(self, minibatch: int) -> None:
+        """The backward of ``minibatch`` is done: its version may be dropped."""
+        self._inflight.pop(minibatch, None)
+        self._collect()
+
+    # ------------------------------------------------------------------ updating
+    def update(self, grads: Mapping[str, torch.Tensor]) -> int:
+        """Apply one optimizer step with ``grads`` (by name, trainable params only) to the latest
+        weights; returns the new version number."""
+        if self.optimizer is not None:
+            if self._needed(self.version):
+                self._copy_on_write()
+            for n in self.trainable:
+                self._latest[n].grad = grads[n]
+            self.optimizer.step()
+            for n in self.trainable:
+                self._latest[n].grad = None
+        self.version += 1
+        self._collect()
+        self.peak_bytes = max(self.peak_bytes, self.bytes_held())
+        return self.version
+
+    def rebase(self) -> None:
+        """Call the latest weights version 0 again (a new schedule starts counting from 0)."""
+        if self._inflight:
+            raise StashError(f"rebase with minibatches {sorted(self._inflight)} in flight",
+                             "finish every backward before starting a new schedule")
+        self._older.clear()
+        self.version = 0
+
+    def set_planned_reads(self, planned_reads: Mapping[int, int]) -> None:
+        """Declare the forwards of the next schedule (see the class doc)."""
+        self._reads = Counter(planned_reads)
+
+    def _copy_on_write(self) -> None:
+        """Keep the current tensors as an old version; give the optimizer fresh clones."""
+        old = self._latest
+        new = dict(old)
+        swap: dict[int, torch.Tensor] = {}
+        for n in self.trainable:
+            new[n] = old[n].detach().clone().requires_grad_(True)
+            swap[id(old[n])] = new[n]
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        for n in self.trainable:
+            if old[n] in self.optimizer.state:
+                self.optimizer.state[new[n]] = self.optimizer.state.pop(old[n])
+        self._older[self.version] = old
+        self._latest = new
+        log.debug("version %d stashed (%d tensors copied)", self.version, len(swap))
+
+    def _needed(self, v: int) -> bool:
+        return self._reads[v] > 0 or v in self._inflight.values()
+
+    def _collect(self) -> None:
+        for v in [v for v in self._older if not self._needed(v)]:
+            del self._older[v]
+
+    # ------------------------------------------------------------------ accounting
+    def bytes_held(self) -> int:
+        """Bytes of the unique tensor storages across the latest and all stashed versions."""
+        return _unique_bytes(t for d in [self._latest, *self._older.values()] for t in d.values())
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())

@@ -1,0 +1,114 @@
+"""The wire plan: shape and dtype of every value crossing a stage boundary, per minibatch.
+
+Why ahead of time: a receiver must post ``irecv`` into a buffer of the right size before the data
+arrives, and sending shapes (or pickled tensors) on the wire would add a round trip and a
+serialisation per message. The plan is computed once, in the launching process, and shipped to
+every rank: from the tracer's ``node.meta["fxpipe"]`` when it describes exactly these inputs, else
+from one local dry run (no_grad) per distinct model-input signature (usually one or two: the full
+minibatch and a last partial one).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from fxpipe.codegen.split import MODEL, StageSpec
+
+from .comm import TensorSpec
+from .stage import model_env
+
+log = logging.getLogger(__name__)
+
+Signature = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """``values``: every crossing value name, in a fixed order (its index is part of the tag).
+    ``specs[signature_of[k]][name]``: the TensorSpec of ``name`` for minibatch k."""
+
+    values: tuple[str, ...]
+    specs: tuple[Mapping[str, TensorSpec], ...]
+    signature_of: tuple[int, ...]
+
+    def spec(self, name: str, minibatch: int) -> TensorSpec:
+        return self.specs[self.signature_of[minibatch]][name]
+
+    def index(self, name: str) -> int:
+        return self.values.index(name)
+
+
+def crossing_values(stages: Sequence[StageSpec]) -> tuple[str, ...]:
+    """Names of the values sent from one stage to another, in stage/output order."""
+    return tuple(n for st in stages for n, cons in zip(st.outputs, st.consumers)
+                 if any(c != MODEL for c in cons))
+
+
+def _signature(env: Mapping[str, Any]) -> Signature:
+    return tuple((n, tuple(v.shape), str(v.dtype)) for n, v in sorted(env.items())
+                 if isinstance(v, torch.Tensor))
+
+
+def _dtype(text: str) -> torch.dtype | None:
+    dt = getattr(torch, text.split(".")[-1], None) if isinstance(text, str) else None
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def _from_meta(stages: Sequence[StageSpec], env: Mapping[str, Any],
+               values: Sequence[str]) -> dict[str, TensorSpec] | None:
+    """Specs from the tracer's metadata, or None unless it covers these exact model inputs."""
+    meta: dict[str, tuple[Any, Any]] = {}
+    for st in stages:
+        for node in st.gm.graph.nodes:
+            m = node.meta.get("fxpipe")
+            if isinstance(m, Mapping) and m.get("is_tensor"):
+                meta[node.name] = (m.get("shape"), m.get("dtype"))
+    for name, v in env.items():
+        if isinstance(v, torch.Tensor) and (name not in meta or tuple(meta[name][0] or ())
+                                            != tuple(v.shape)):
+            return None
+    out: dict[str, TensorSpec] = {}
+    for name in values:
+        shape, dtype = meta.get(name, (None, None))
+        dt = _dtype(dtype)
+        if shape is None or dt is None:
+            return None
+        out[name] = TensorSpec(tuple(shape), dt)
+    return out
+
+
+def _dry_run(stages: Sequence[StageSpec], env: dict[str, Any],
+             values: Sequence[str]) -> dict[str, TensorSpec]:
+    with torch.no_grad():
+        for st in stages:
+            outs = st.gm(*(env[n] for n in st.inputs))
+            env.update(zip(st.outputs, outs))
+    out: dict[str, TensorSpec] = {}
+    for name in values:
+        v = env[name]
+        out[name] = TensorSpec(tuple(v.shape), v.dtype)
+    return out
+
+
+def make_wire_plan(stages: Sequence[StageSpec], inputs: Sequence[Any]) -> WirePlan:
+    """The plan for minibatches with model inputs ``inputs[k]`` (see the module doc)."""
+    values = crossing_values(stages)
+    sigs: dict[Signature, int] = {}
+    specs: list[dict[str, TensorSpec]] = []
+    signature_of: list[int] = []
+    for x in inputs:
+        env = model_env(stages, x)
+        sig = _signature(env)
+        if sig not in sigs:
+            found = _from_meta(stages, env, values)
+            how = "metadata"
+            if found is None:
+                found, how = _dry_run(stages, dict(env), values), "a dry run"
+            log.debug("wire plan for inputs %s from %s", sig, how)
+            sigs[sig] = len(specs)
+            specs.append(found)
+        signature_of.append(sigs[sig])
+    return WirePlan(values, tuple(specs), tuple(signature_of))

@@ -1,0 +1,91 @@
+"""Analytical estimates: exact FlopCounterMode FLOPs and the roofline formula."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from cm_helpers import meta, traced
+
+from fxpipe.costmodel import DEVICES, DeviceSpec, estimate_graph, get_device, to_profile
+from fxpipe.errors import ConfigError
+
+B, IN, HID, OUT = 8, 32, 16, 4
+
+
+class TwoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HID)
+        self.fc2 = nn.Linear(HID, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)).reshape(B, HID))
+
+
+def test_linear_flops_exact() -> None:
+    x = torch.randn(B, IN)
+    gm = estimate_graph(traced(TwoLinear(), x), (x,), "v100")
+    fc1, fc2 = meta(gm, "fc1"), meta(gm, "fc2")
+    assert fc1["flops"] == 2 * B * IN * HID
+    assert fc2["flops"] == 2 * B * HID * OUT
+    # fc2's input needs a gradient (it depends on fc1): dgrad + wgrad = exactly 2x forward
+    assert fc2["backward_flops"] == 2 * fc2["flops"]
+    # fc1 reads the model input, whose gradient training never computes: wgrad only
+    assert fc1["backward_flops"] == fc1["flops"]
+    assert meta(gm, "relu")["flops"] == 0 and meta(gm, "relu")["forward_s"] > 0  # memory bound
+    assert meta(gm, "x")["forward_s"] == 0 and meta(gm, "x")["flops"] == 0
+
+
+def test_conv_flops_exact() -> None:
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    x = torch.randn(2, 3, 10, 10)
+    gm = estimate_graph(traced(nn.Sequential(conv), x), (x,), DEVICES["a100"])
+    assert meta(gm, "_0")["flops"] == 2 * 2 * 8 * 10 * 10 * 3 * 3 * 3
+    assert meta(gm, "_0")["backward_s"] > 0
+
+
+def test_roofline_formula() -> None:
+    spec = DeviceSpec("toy", flops=1e9, mem_bandwidth=1e9, memory=1e9, efficiency=0.5,
+                      launch_overhead_s=1e-6)
+    x = torch.randn(B, IN)
+    gm = estimate_graph(traced(TwoLinear(), x), (x,), spec)
+    m = meta(gm, "fc1")
+    # input + output + weight + bias, fp32
+    assert m["bytes_moved"] == 4 * (B * IN + B * HID + IN * HID + HID)
+    assert m["forward_s"] == pytest.approx(
+        max(m["flops"] / 0.5e9, m["bytes_moved"] / 1e9) + 1e-6)
+    assert m["backward_s"] == pytest.approx(
+        max(m["backward_flops"] / 0.5e9, 2 * m["bytes_moved"] / 1e9) + 1e-6)
+    view = meta(gm, "reshape")  # a view moves nothing and launches nothing
+    assert view["bytes_moved"] == 0 and view["forward_s"] == 0 and view["backward_s"] == 0
+    prof = to_profile(gm, device="toy", source="estimate")
+    assert prof.device == "toy" and prof.total_compute_s > 0
+
+
+def test_faster_device_is_faster() -> None:
+    x = torch.randn(256, 256)
+    gm = traced(nn.Sequential(nn.Linear(256, 256), nn.GELU()), x)
+    slow = to_profile(estimate_graph(gm, (x,), "cpu")).total_compute_s
+    fast = to_profile(estimate_graph(gm, (x,), "h100")).total_compute_s
+    assert fast < slow
+
+
+def test_unknown_device() -> None:
+    with pytest.raises(ConfigError, match="unknown device 'tpu9'") as e:
+        get_device("tpu9")
+    assert "V100" in str(e.value) and "H100" in str(e.value)
+    assert get_device("A100") is DEVICES["a100"]
+    x = torch.randn(B, IN)
+    with pytest.raises(ConfigError, match="known devices"):
+        estimate_graph(traced(TwoLinear(), x), (x,), "tpu9")
+
+
+def test_estimator_has_no_side_effects() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    x = torch.randn(3, 4)
+    gm = traced(model, x)
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    estimate_graph(gm, (x,), "v100")
+    assert not gm.training
+    assert all(torch.equal(v, before[k]) for k, v in gm.state_dict().items())
+    assert all(p.grad is None for p in gm.parameters())

@@ -1,0 +1,103 @@
+"""partition(): known answers, validation, two-level clusters, shared parameters."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile, ProfileNode
+from fxpipe.errors import ConfigError, InfeasiblePlanError
+from fxpipe.passes import Plan, partition
+
+PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pipedream-profiles"
+
+
+def chain(specs: list[tuple[float, float, float]], *, shared: dict[int, tuple[str, ...]] | None = None,
+          params: dict[int, tuple[str, ...]] | None = None) -> Profile:
+    """A chain profile from (compute_s, parameter_bytes, activation_bytes) per node."""
+    nodes = []
+    for i, (c, p, a) in enumerate(specs):
+        nodes.append(ProfileNode(name=f"n{i}", op="call_module", target=f"m{i}", forward_s=c / 3,
+                                 backward_s=2 * c / 3, activation_bytes=a, parameter_bytes=p,
+                                 inputs=(f"n{i - 1}",) if i else (),
+                                 params=(params or {}).get(i, ()),
+                                 shared_params=(shared or {}).get(i, ())))
+    return Profile(nodes=tuple(nodes), batch_size=32)
+
+
+def test_vgg16_pipedream_7_1() -> None:
+    path = PROFILES / "vgg16" / "graph.txt"
+    if not path.exists():
+        pytest.skip(f"PipeDream profiles not found at {PROFILES} (shared data absent)")
+    prof = Profile.from_pipedream(path)
+    plan = partition(prof, Cluster(workers=8, bandwidth=1.25e9), sync="parameter-server")
+    assert plan.replicas == [7, 1]
+    assert plan.speedup_over_data_parallel > 1.0
+    assert "Linear" in prof.nodes[prof.names.index(plan.stages[1].nodes[-1])].target
+
+
+def test_conv_body_fc_tail() -> None:
+    # lots of compute, few params, big activations except the (pooled) last one
+    body = [(0.05, 1e5, 5e8)] * 7 + [(0.05, 1e5, 1e6)]
+    tail = [(0.002, 4e8, 1e6), (0.001, 1e8, 1e5)]  # huge-parameter FC tail
+    plan = partition(chain(body + tail), Cluster(workers=8, bandwidth="10Gbps"),
+                     sync="parameter-server")
+    assert len(plan.stages) == 2 and plan.replicas[0] > 1 and plan.replicas[1] == 1
+    assert plan.stages[1].nodes == ("n8", "n9")
+    assert plan.speedup_over_data_parallel > 1.5
+
+
+def test_negligible_comm_is_data_parallel() -> None:
+    prof = chain([(0.01, 1e6, 1e6)] * 6)
+    plan = partition(prof, Cluster(workers=8, bandwidth=1e18))
+    assert plan.replicas == [8] and plan.is_data_parallel
+    assert "IS plain data parallelism" in plan.summary()
+    assert plan.noam == 1
+
+
+def test_straight() -> None:
+    prof = chain([(0.01, 1e6, 1e6)] * 6)
+    plan = partition(prof, Cluster(workers=4, bandwidth="1Gbps"), straight=True)
+    assert set(plan.replicas) == {1} and plan.workers_used == len(plan.stages) <= 4
+    plan3 = partition(prof, Cluster(workers=4, bandwidth="1Gbps"), straight=True, stages=3)
+    assert plan3.replicas == [1, 1, 1]
+
+
+def test_forced_stages_and_limits() -> None:
+    prof = chain([(0.01, 1e6, 1e6)] * 3)
+    assert len(partition(prof, Cluster(workers=4), stages=2).stages) == 2
+    with pytest.raises(InfeasiblePlanError, match="maximum is 3"):
+        partition(prof, Cluster(workers=4), stages=4)
+    with pytest.raises(InfeasiblePlanError, match="maximum is 2"):
+        partition(chain([(0.01, 1e6, 1e6)] * 3), Cluster(workers=2), stages=3)
+    with pytest.raises(InfeasiblePlanError, match="maximum"):
+        partition(prof, Cluster(workers=4), stages=0)
+    with pytest.raises(ConfigError, match="sync"):
+        partition(prof, Cluster(workers=4), sync="gossip")
+
+
+def test_memory_infeasible_reports_need() -> None:
+    prof = chain([(0.01, 1e9, 1e9)] * 2)
+    with pytest.raises(InfeasiblePlanError, match="smallest-memory plan needs") as ei:
+        partition(prof, Cluster(workers=2, memory="1GB"))
+    # one node per stage, r=1 each: stage 0 holds 1e9*(3) + (2-1)*1e9 + 2*1e9 = 6e9
+    assert "6 GB" in str(ei.value)
+    ok = partition(prof, Cluster(workers=2, memory="6GB"))
+    assert max(s.memory_bytes for s in ok.stages) <= 6e9
+
+
+def test_two_level_uses_intra_bandwidth() -> None:
+    prof = chain([(0.01, 5e7, 1e6)] * 4)
+    slow = Cluster(workers=8, bandwidth="1Gbps", workers_per_machine=4)
+    fast = Cluster(workers=8, bandwidth="1Gbps", workers_per_machine=4, intra_bandwidth="100GB/s")
+    assert partition(prof, fast).time_per_minibatch < partition(prof, slow).time_per_minibatch
+    p = partition(prof, fast)
+    assert all(r <= 4 for r in p.replicas)  # replicas stay inside a machine when that is cheaper
+
+
+def test_shared_parameters_reported() -> None:
+    prof = chain([(0.01, 1e8, 1e6)] * 4, params={0: ("emb.weight",)}, shared={3: ("emb.weight",)})
+    plan = partition(prof, Cluster(workers=4, bandwidth="1Gbps"), stages=2)
+    assert plan.shared_parameters == {"emb.weight": (0, 1)}
+    assert Plan.from_dict(plan.to_dict()) == plan

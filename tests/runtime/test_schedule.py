@@ -1,0 +1,225 @@
+"""Schedules as data: literal tables from the papers' figures, validation, simulation, versions."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxpipe.errors import ConfigError, FxpipeError
+from fxpipe.runtime.schedule import (SCHEDULE_KINDS, Action, DeadlockError, Schedule,
+                                     ScheduleError, make_schedule, validate)
+from fxpipe.runtime.simulate import format_grid, simulate
+
+
+def table(sched: Schedule, updates: bool = True) -> dict[tuple[int, int], str]:
+    return {rank: " ".join(str(a) for a in acts if updates or a.kind != "U")
+            for rank, acts in sched.actions.items()}
+
+
+# --------------------------------------------------------------------------- literal tables
+
+def test_pipedream_straight_4x8_matches_figure_8() -> None:
+    """PipeDream Fig. 8 (0-based): stage s admits 4 - s forwards, then B/F, then drains;
+    an explicit update follows every backward."""
+    s = make_schedule("pipedream", [1, 1, 1, 1], 8)
+    assert s.noam == 4 and s.windows == (4, 3, 2, 1)
+    assert table(s) == {
+        (0, 0): "F0 F1 F2 F3 B0 U0 F4 B1 U1 F5 B2 U2 F6 B3 U3 F7 B4 U4 B5 U5 B6 U6 B7 U7",
+        (1, 0): "F0 F1 F2 B0 U0 F3 B1 U1 F4 B2 U2 F5 B3 U3 F6 B4 U4 F7 B5 U5 B6 U6 B7 U7",
+        (2, 0): "F0 F1 B0 U0 F2 B1 U1 F3 B2 U2 F4 B3 U3 F5 B4 U4 F6 B5 U5 F7 B6 U6 B7 U7",
+        (3, 0): "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3 F4 B4 U4 F5 B5 U5 F6 B6 U6 F7 B7 U7",
+    }
+
+
+def test_pipedream_weight_versions_are_stashed() -> None:
+    """Version = updates applied on the rank before the forward; the backward reuses it."""
+    s = make_schedule("pipedream", [1, 1, 1, 1], 8)
+    v = s.forward_versions()
+    assert [v[((0, 0), k)] for k in range(8)] == [0, 0, 0, 0, 1, 2, 3, 4]
+    assert [v[((1, 0), k)] for k in range(8)] == [0, 0, 0, 1, 2, 3, 4, 5]
+    assert [v[((2, 0), k)] for k in range(8)] == [0, 0, 1, 2, 3, 4, 5, 6]
+    assert [v[((3, 0), k)] for k in range(8)] == [0, 1, 2, 3, 4, 5, 6, 7]
+    for rank, acts in s.actions.items():
+        for a in acts:
+            if a.kind == "B":
+                assert a.version == v[(rank, a.minibatch)]
+    assert [a.version for a in s.actions[(0, 0)] if a.kind == "U"] == list(range(1, 9))
+
+
+def test_vertical_sync_carries_input_stage_version() -> None:
+    s = make_schedule("pipedream", [1, 1, 1, 1], 8)
+    assert s.input_versions() == dict(enumerate([0, 0, 0, 0, 1, 2, 3, 4]))
+    vs = s.with_vertical_sync()
+    validate(vs)
+    for rank in vs.ranks:
+        assert [a.version for a in vs.actions[rank] if a.kind == "F"] == [0, 0, 0, 0, 1, 2, 3, 4]
+    with pytest.raises(ConfigError, match="vertical sync"):
+        make_schedule("pipedream", [2, 1], 4).with_vertical_sync()
+
+
+def test_gpipe_two_stages_four_microbatches() -> None:
+    s = make_schedule("gpipe", [1, 1], 4, microbatches=4)
+    assert table(s) == {(0, 0): "F0 F1 F2 F3 B0 B1 B2 B3 U0",
+                        (1, 0): "F0 F1 F2 F3 B0 B1 B2 B3 U0"}
+    assert format_grid(s).splitlines() == [
+        "s0r0  |F0 F1 F2 F3  .  . B0 B1 B2 B3",
+        "s1r0  | . F0 F1 F2 F3 B0 B1 B2 B3  .",
+    ]
+
+
+def test_1f1b_flush_two_stages_four_microbatches_two_batches() -> None:
+    s = make_schedule("1f1b-flush", [1, 1], 8, microbatches=4)
+    assert table(s) == {
+        (0, 0): "F0 F1 B0 F2 B1 F3 B2 B3 U0 F4 F5 B4 F6 B5 F7 B6 B7 U1",
+        (1, 0): "F0 B0 F1 B1 F2 B2 F3 B3 U0 F4 B4 F5 B5 F6 B6 F7 B7 U1",
+    }
+    assert all(a.version == a.minibatch // 4 for a in s.actions[(0, 0)] if a.kind != "U")
+
+
+def test_replicated_2_1_round_robin() -> None:
+    """2-1 plan: NOAM = ceil(3 / 2) = 2; even minibatches on replica 0, odd on replica 1; the
+    replicas number their updates alike (they all-reduce U<i> together)."""
+    s = make_schedule("pipedream", [2, 1], 8)
+    assert s.noam == 2 and s.windows == (2, 1)
+    assert table(s) == {
+        (0, 0): "F0 F2 B0 U0 F4 B2 U1 F6 B4 U2 B6 U3",
+        (0, 1): "F1 F3 B1 U0 F5 B3 U1 F7 B5 U2 B7 U3",
+        (1, 0): "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3 F4 B4 U4 F5 B5 U5 F6 B6 U6 F7 B7 U7",
+    }
+    assert s.owner(0, 5) == (0, 1) and s.owner(1, 5) == (1, 0)
+
+
+def test_2bw_versions_follow_the_one_stale_rule() -> None:
+    """2BW: batch b's forwards all use version max(0, b - 1), W(t+1) = W(t) - lr*grad(W(t-1))."""
+    s = make_schedule("2bw", [1, 1, 1, 1], 16, microbatches=4)
+    assert table(s, updates=False)[(0, 0)].startswith("F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4")
+    assert " ".join(map(str, s.actions[(0, 0)][:12])) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 U0"
+    for rank in s.ranks:
+        fv = [a.version for a in s.actions[rank] if a.kind == "F"]
+        assert fv == [0] * 8 + [1] * 4 + [2] * 4
+        assert len({a.version for a in s.actions[rank] if a.kind == "U"}) == 4
+    # at most two versions live on a rank at any time (the "2" in 2BW)
+    for rank, acts in s.actions.items():
+        live: dict[int, int] = {}
+        for a in acts:
+            if a.kind == "F":
+                live[a.minibatch] = a.version
+            elif a.kind == "B":
+                del live[a.minibatch]
+            assert len(set(live.values())) <= 2
+
+
+def test_2bw_too_few_microbatches_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="2bw"):
+        make_schedule("2bw", [1, 1, 1, 1, 1, 1], 24, microbatches=2)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kind="zigzag"), dict(replicas=[]),
+                                    dict(replicas=[1, 0]), dict(microbatches=4),
+                                    dict(noam=0), dict(kind="gpipe", noam=2)])
+def test_bad_arguments(kwargs: dict) -> None:
+    args = dict(kind="pipedream", replicas=[1, 1], num_minibatches=4) | kwargs
+    with pytest.raises(ConfigError):
+        make_schedule(args.pop("kind"), args.pop("replicas"), args.pop("num_minibatches"), **args)
+
+
+def test_action_text() -> None:
+    assert str(Action("F", 3)) == "F3" and Action.parse("B12") == Action("B", 12)
+    with pytest.raises(ConfigError):
+        Action.parse("X1")
+
+
+# --------------------------------------------------------------------------- validate
+
+def test_validate_rejects_missing_backward() -> None:
+    s = Schedule.from_text([1, 1], {(0, 0): "F0 F1 B0", (1, 0): "F0 B0 F1 B1"})
+    with pytest.raises(ScheduleError, match="minibatch 1 on stage 0 replica 0 lacks"):
+        validate(s)
+
+
+def test_validate_rejects_backward_before_forward() -> None:
+    s = Schedule.from_text([1], {(0, 0): "B0 F0"})
+    with pytest.raises(ScheduleError, match="backward before its forward"):
+        validate(s)
+
+
+def test_validate_rejects_wrong_replica_and_missing_minibatch() -> None:
+    with pytest.raises(ScheduleError, match="belongs to"):
+        validate(Schedule.from_text([2], {(0, 0): "F1 B1", (0, 1): "F0 B0"}))
+    with pytest.raises(ScheduleError, match="never runs on stage 1"):
+        validate(Schedule.from_text([1, 1], {(0, 0): "F0 F1 B0 B1", (1, 0): "F0 B0"}))
+
+
+def test_validate_detects_deadlock_and_names_ranks() -> None:
+    # stage 0 waits for B0 before forwarding minibatch 1; stage 1 wants F1 before B0
+    s = Schedule.from_text([1, 1], {(0, 0): "F0 B0 F1 B1", (1, 0): "F0 F1 B0 B1"})
+    with pytest.raises(DeadlockError) as info:
+        validate(s)
+    assert set(info.value.stuck) == {(0, 0), (1, 0)}
+    assert "stage 0 replica 0 stuck at B0" in info.value.message
+    assert "stage 1 replica 0 stuck at F1 waiting for F1 on stage 0" in info.value.message
+    assert isinstance(info.value, FxpipeError)
+
+
+def test_validate_checks_stashed_versions_and_update_collectives() -> None:
+    s = Schedule("custom", (1,), 2, {(0, 0): (Action("F", 0, 0), Action("B", 0, 0),
+                                             Action("U", 0, 1), Action("F", 1, 1),
+                                             Action("B", 1, 0))})
+    with pytest.raises(ScheduleError, match="forward used 1"):
+        validate(s)
+    with pytest.raises(ScheduleError, match="different numbers of updates"):
+        validate(Schedule.from_text([2], {(0, 0): "F0 B0 U0", (0, 1): "F1 B1"}))
+
+
+# --------------------------------------------------------------------------- simulate
+
+def test_simulate_straight_pipedream_unit_times() -> None:
+    """fwd = 1, bwd = 2 on 4 stages: each stage needs 3 per minibatch, so the steady-state
+    period is exactly 3; makespan = 3 n + fill/drain 3 * (1 + 2)."""
+    for n in (8, 40):
+        tl = simulate(make_schedule("pipedream", [1] * 4, n), [1] * 4, [2] * 4)
+        assert tl.makespan == 3 * n + 9
+        assert tl.steady_state_period == 3.0
+        assert tl.busy_fraction[(0, 0)] == pytest.approx(3 * n / (3 * n + 9))
+    tl = simulate(make_schedule("pipedream", [1] * 4, 8), [1] * 4, [2] * 4)
+    assert tl.times((3, 0))[:3] == [("F0", 3.0, 4.0), ("B0", 4.0, 6.0), ("U0", 6.0, 6.0)]
+
+
+def test_simulate_flush_kinds_and_comm() -> None:
+    # one batch costs (m + S - 1)(f + b): 7 * 3 = 21 for m = S = 4
+    for kind in ("gpipe", "1f1b-flush"):
+        tl = simulate(make_schedule(kind, [1] * 4, 16, microbatches=4), [1] * 4, [2] * 4)
+        assert tl.makespan == 84.0 and tl.steady_state_period == 21 / 4
+    tl = simulate(make_schedule("gpipe", [1, 1], 2, microbatches=2), [1, 1], [1, 1],
+                  comm_time=0.5)
+    assert tl.times((1, 0)) == [("F0", 1.5, 2.5), ("F1", 2.5, 3.5), ("B0", 3.5, 4.5),
+                                ("B1", 4.5, 5.5), ("U0", 5.5, 5.5)]
+    assert tl.makespan == 7.0
+    with pytest.raises(ConfigError):
+        simulate(make_schedule("gpipe", [1, 1], 2), [1, 1], [1, 1], comm_time=[1, 2])
+
+
+def test_simulate_replicated_stage_halves_period() -> None:
+    # stage 0 costs 2 per minibatch but has 2 replicas; stage 1 costs 1: period 1
+    tl = simulate(make_schedule("pipedream", [2, 1], 40), [1, 0.5], [1, 0.5])
+    assert tl.steady_state_period == pytest.approx(1.0)
+
+
+# --------------------------------------------------------------------------- properties
+
+@settings(max_examples=60, deadline=None)
+@given(replicas=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+       n=st.integers(0, 14), kind=st.sampled_from(SCHEDULE_KINDS),
+       extra_m=st.integers(0, 4), noam=st.one_of(st.none(), st.integers(1, 6)))
+def test_every_generated_schedule_validates(replicas: list[int], n: int, kind: str,
+                                            extra_m: int, noam: int | None) -> None:
+    m = None if kind == "pipedream" else sum(replicas) + extra_m
+    noam = None if kind in ("gpipe", "2bw") else noam
+    s = make_schedule(kind, replicas, n, microbatches=m, noam=noam)
+    validate(s)
+    for rank, acts in s.actions.items():
+        fwd = [a.minibatch for a in acts if a.kind == "F"]
+        bwd = [a.minibatch for a in acts if a.kind == "B"]
+        assert sorted(fwd) == sorted(bwd) == [k for k in range(n) if s.owner(rank[0], k) == rank]
+    tl = simulate(s, [1.0] * len(replicas), [2.0] * len(replicas))
+    assert all(0.0 <= b <= 1.0 for b in tl.busy_fraction.values())
