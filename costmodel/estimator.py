@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return (str(t.device), t.untyped_storage().data_ptr())
+    # the StorageImpl address, not data_ptr(): on the meta device every data_ptr() is 0
+    return (str(t.device), t.untyped_storage()._cdata)
 
 
 def _bytes_moved(call: NodeCall, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -9,6 +9,7 @@ a frozen report; this module wires them together and owns nothing but the glue.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -175,6 +176,18 @@ class CompiledModel:
                 f"replicas={self.plan.replicas}, traced_with={self.traced.method})")
 
 
+def _meta_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` on the meta device, without copying the real weights (tied ones stay
+    tied): the estimator needs shapes and FLOPs, not values, and a paper-size model then costs
+    milliseconds instead of a real forward and backward on this CPU."""
+    memo: dict[int, Any] = {}
+    for t in (*gm.parameters(), *gm.buffers()):
+        if id(t) not in memo:
+            empty = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(gm, memo)
+
+
 def cost_graph(traced: TracedGraph, example_inputs: tuple[Any, ...], cluster: Cluster,
                *, repeats: int = 5) -> Profile:
     """Annotate node costs (measured here, or estimated for ``cluster.device``) and extract them."""
@@ -183,7 +196,12 @@ def cost_graph(traced: TracedGraph, example_inputs: tuple[Any, ...], cluster: Cl
         profile_graph(gm, example_inputs, repeats=repeats)
         device = "this machine (measured)"
     else:
-        estimate_graph(gm, example_inputs, get_device(cluster.device))
+        meta_gm = _meta_copy(gm)
+        meta_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        estimate_graph(meta_gm, meta_inputs, get_device(cluster.device))
+        costs = {n.name: n.meta.get("fxpipe", {}) for n in meta_gm.graph.nodes}
+        for node in gm.graph.nodes:
+            node.meta.setdefault("fxpipe", {}).update(costs.get(node.name, {}))
         device = f"{cluster.device} (estimated)"
     return to_profile(gm, batch_size=_batch_size(example_inputs), device=device,
                       source=f"fxpipe:{traced.method}")

@@ -32,7 +32,7 @@ from fxpipe.errors import FxpipeError
 from .comm import BACKWARD, FORWARD, Comm, rank_name
 from .reference import Batch, planned_reads
 from .schedule import Action, Rank, Schedule
-from .stage import LossFn, StageReplica, is_differentiable, model_env
+from .stage import LossFn, StageReplica, model_env
 from .stash import OptimizerFactory
 from .wire import WirePlan
 
@@ -103,7 +103,7 @@ class RankExecutor:
                                                self.comm.tag(k, self.wire.index(n), BACKWARD),
                                                self._what("gradient", n, k))
                            for c in cons if c != MODEL and spec is not None
-                           and is_differentiable(torch.empty(0, dtype=spec.dtype))])
+                           and (spec.dtype.is_floating_point or spec.dtype.is_complex)])
         out_grads: list[torch.Tensor | None] = []
         for group in posted:
             total: torch.Tensor | None = None

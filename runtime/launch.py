@@ -51,7 +51,7 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int], schedu
     ``loss_fn`` and ``optimizer_factory`` must be picklable (module-level functions,
     ``functools.partial``). ``timeout_s`` bounds every wait of every rank. ``join_timeout_s``
     bounds the whole run (None: no bound, except that once a rank failed the others get
-    2 ``timeout_s`` + 5 s to notice before they are terminated). ``faults`` (tests): rank index ->
+    ``timeout_s`` + 2 s to notice before they are terminated). ``faults`` (tests): rank index ->
     ("die" | "hang", action index). Raises :class:`WorkerFailedError` if any rank failed.
     """
     sched = schedule.with_vertical_sync() if vertical_sync else schedule
@@ -108,7 +108,7 @@ def _join(procs: list[Any], timeout_s: float, join_timeout_s: float | None) -> N
         now = time.monotonic()
         if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
             failed_at = now
-        if failed_at is not None and now - failed_at > 2 * timeout_s + 5:
+        if failed_at is not None and now - failed_at > timeout_s + 2:
             return
         if join_timeout_s is not None and now - start > join_timeout_s:
             return

@@ -50,7 +50,7 @@ def test_plan_pipedream_profile_vgg16_is_7_1(capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize("argv, needle", [
     (["plan", "nosuchmodel", "--workers", "2"], "unknown model 'nosuchmodel'"),
     (["plan", "alexnet", "--workers", "0"], "workers must be a positive integer"),
-    (["plan", "alexnet", "--workers", "2", "--bandwidth", "-3Gbps"], "bandwidth"),
+    (["plan", "alexnet", "--workers", "2", "--bandwidth=-3Gbps"], "bandwidth must be positive"),
     (["plan", "alexnet", "--workers", "2", "--device", "TPU9"], "unknown device 'TPU9'"),
     (["plan", "alexnet", "--workers", "2", "--stages", "9"], "stages"),
 ])

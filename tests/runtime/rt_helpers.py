@@ -23,6 +23,21 @@ def tiny_mlp(seed: int = 0, width: int = 8) -> nn.Module:
                          nn.Linear(width, 2))
 
 
+class SkipMLP(nn.Module):
+    """h1 feeds both the next layer and the last one: with cuts [2, 4] it is sent from stage 0
+    straight to stages 1 and 2, and its gradient is the sum of both consumers'."""
+
+    def __init__(self, seed: int = 0, width: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.l1, self.l2, self.l3 = nn.Linear(4, width), nn.Linear(width, width), nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1 = torch.tanh(self.l1(x))
+        h2 = torch.tanh(self.l2(h1))
+        return self.l3(h2 + h1)
+
+
 def split(model: nn.Module, cuts: list[int]) -> list[StageSpec]:
     """Split ``model`` after the compute nodes numbered in ``cuts`` (placeholders count as 0)."""
     gm = fx.symbolic_trace(model)
@@ -47,5 +62,5 @@ def plain_sgd(model: nn.Module, data: list[tuple[Any, Any]]) -> tuple[list[float
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
+from rt_helpers import SkipMLP, batches, loss_fn, sgd, split, tiny_mlp
 
 from fxpipe.runtime.errors import WorkerFailedError
 from fxpipe.runtime.launch import run_distributed
@@ -16,11 +16,14 @@ from fxpipe.runtime.schedule import make_schedule
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("cuts, replicas", [([2], [1, 1]), ([1, 3], [1, 1, 1]), ([2], [2, 1])],
-                         ids=["2-stage", "3-stage", "replicated-2-1"])
-def test_distributed_equals_reference(cuts: list[int], replicas: list[int]) -> None:
+@pytest.mark.parametrize("cuts, replicas, make", [([2], [1, 1], tiny_mlp),
+                                                 ([2, 4], [1, 1, 1], SkipMLP),
+                                                 ([2], [2, 1], tiny_mlp)],
+                         ids=["2-stage", "3-stage-skip", "replicated-2-1"])
+def test_distributed_equals_reference(cuts: list[int], replicas: list[int], make) -> None:
+    """8 pipedream minibatches; the 3-stage model sends stage 0's output straight to stage 2."""
     data = batches(8)
-    model = tiny_mlp()
+    model = make()
     sched = make_schedule("pipedream", replicas, 8)
     ref = ReferenceExecutor(split(copy.deepcopy(model), cuts), replicas, sched, loss_fn,
                             sgd).run(data)

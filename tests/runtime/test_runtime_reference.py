@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from rt_helpers import batches, loss_fn, plain_sgd, sgd, split, tiny_mlp
+from rt_helpers import SkipMLP, batches, loss_fn, plain_sgd, sgd, split, tiny_mlp
 
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.reference import ReferenceExecutor
@@ -37,6 +37,20 @@ def test_noam_one_any_stages_equals_plain_sgd(cuts: list[int]) -> None:
     losses, params = plain_sgd(model, data)
     torch.testing.assert_close(res.losses, losses, **EXACT)
     torch.testing.assert_close(res.merged_params(), params, **EXACT)
+
+
+def test_noam_one_skip_connection_equals_plain_sgd() -> None:
+    """A value sent straight to two later stages: its gradient sums both consumers' (in stage
+    order, which may differ from autograd's order by a rounding)."""
+    data = batches(6)
+    model = SkipMLP()
+    stages = split(copy.deepcopy(model), [2, 4])
+    assert stages[0].consumers == ((1, 2),)
+    sched = make_schedule("pipedream", [1, 1, 1], 6, noam=1)
+    res = ReferenceExecutor(stages, [1, 1, 1], sched, loss_fn, sgd).run(data)
+    losses, params = plain_sgd(model, data)
+    torch.testing.assert_close(res.losses, losses, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(res.merged_params(), params, rtol=1e-6, atol=1e-7)
 
 
 def test_pipelined_differs_from_sgd_and_stashing_matters() -> None:

@@ -1,0 +1,68 @@
+"""Wire plans (message shapes known ahead) and the runtime's configuration checks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
+
+from fxpipe.codegen.split import placed_nodes, split_graph
+from fxpipe.runtime.comm import TensorSpec
+from fxpipe.runtime.errors import RuntimeConfigError
+from fxpipe.runtime.reference import ReferenceExecutor
+from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.wire import make_wire_plan
+
+
+def test_dry_run_plan_has_one_signature_per_input_shape() -> None:
+    stages = split(tiny_mlp(width=6), [1, 3])
+    data = batches(3) + batches(1, batch=2)
+    plan = make_wire_plan(stages, [x for x, _ in data])
+    assert plan.values == ("_0", "_2")  # the first and third layers' outputs cross the cuts
+    assert plan.signature_of == (0, 0, 0, 1)
+    assert plan.spec("_0", 0) == TensorSpec((4, 6), torch.float32)
+    assert plan.spec("_2", 3) == TensorSpec((2, 6), torch.float32)
+
+
+def test_plan_from_tracer_metadata_when_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.runtime import wire
+    from fxpipe.tracing.shapes import propagate_shapes
+    dry_runs = []
+    real = wire._dry_run
+    monkeypatch.setattr(wire, "_dry_run", lambda *a: dry_runs.append(1) or real(*a))
+    gm = fx.symbolic_trace(tiny_mlp(width=6))
+    propagate_shapes(gm, (torch.randn(4, 4),))
+    stages = split_graph(gm, {n.name: int(i > 2) for i, n in enumerate(placed_nodes(gm))})
+    plan = make_wire_plan(stages, [torch.randn(4, 4), torch.randn(3, 4)])
+    assert plan.spec("_1", 0) == TensorSpec((4, 6), torch.float32)
+    assert plan.spec("_1", 1) == TensorSpec((3, 6), torch.float32)
+    assert len(dry_runs) == 1  # only for the batch of 3: the metadata describes batch 4
+
+
+def test_lazy_facade() -> None:
+    import fxpipe.runtime as rt
+    import fxpipe.runtime.reference
+    import fxpipe.runtime.schedule
+    assert rt.make_schedule is fxpipe.runtime.schedule.make_schedule
+    assert rt.ReferenceExecutor is fxpipe.runtime.reference.ReferenceExecutor
+    with pytest.raises(AttributeError):
+        rt.nothing_here  # noqa: B018
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return h, self.b(h)
+
+
+def test_model_output_on_an_early_stage_is_rejected() -> None:
+    gm = fx.symbolic_trace(TwoHeads())
+    stages = split_graph(gm, {n.name: int(n.name == "b") for n in placed_nodes(gm)})
+    with pytest.raises(RuntimeConfigError, match="not the last stage"):
+        ReferenceExecutor(stages, [1, 1], make_schedule("pipedream", [1, 1], 2), loss_fn, sgd)
