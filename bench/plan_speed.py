@@ -1,7 +1,7 @@
 """Planning speed: ``partition`` on PipeDream's real profiles and a 10,000-node synthetic graph.
 
 Run from the repository root:  .venv/bin/python bench/plan_speed.py
-Writes bench/results/plan_speed.md (a markdown table with the exact command at the top).
+Writes its section of BENCHMARKS.md (a markdown table with the exact command at the top).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def timed(profile: Profile, workers: int, sync: str) -> tuple[list[int], float, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan_speed.md"))
+    ap.add_argument("--out", default=None, help="write here instead of BENCHMARKS.md's section")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
@@ -70,16 +70,21 @@ def main(argv: list[str] | None = None) -> int:
         reps, t, secs = timed(syn, 64, sync)
         rows.append(("synthetic-10k", len(syn), 64, sync, reps, t, secs))
         log.info("synthetic %s %s %.4g %.3fs", sync, reps, t, secs)
-    lines = ["# Planning speed", "", "Command: `.venv/bin/python bench/plan_speed.py` (from the "
+    lines = ["## Planning speed", "", "Command: `.venv/bin/python bench/plan_speed.py` (from the "
              "repository root; 10 Gbps single-level cluster, no memory limit)", "",
              "| profile | nodes | workers | sync | plan replicas | predicted time/minibatch | "
              "planning seconds |", "|---|---:|---:|---|---|---:|---:|"]
     for model, n, w, sync, reps, t, secs in rows:
         shown = str(reps) if len(reps) <= 12 else f"{reps[:6]}... ({len(reps)} stages)"
         lines.append(f"| {model} | {n} | {w} | {sync} | {shown} | {t * 1e3:.2f} ms | {secs:.3f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    log.info("wrote %s", args.out)
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
+    else:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from _report import write_section
+
+        write_section("plan_speed", "\n".join(lines))
+    log.info("wrote %s", args.out or "BENCHMARKS.md")
     return 0
 
 

@@ -96,7 +96,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan.save(args.save_plan)
     print(plan.summary())
     dp = plan.data_parallel_time
-    print(f"data-parallel on the same cluster: {format_seconds(dp)} per minibatch; "
+    print(f"data-parallel training on the same cluster: {format_seconds(dp)} per minibatch; "
           f"fxpipe's plan: {format_seconds(plan.time_per_minibatch)} "
           f"(predicted speedup {plan.speedup_over_data_parallel:.2f}x)")
     return 0

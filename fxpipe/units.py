@@ -8,7 +8,7 @@ import re
 
 from fxpipe.errors import ConfigError
 
-_NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
+_NUM = r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 
 # bandwidth suffixes -> bytes per second. Lower-case 'b' means bits, upper-case 'B' bytes.
 _BANDWIDTH = {
