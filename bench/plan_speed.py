@@ -15,6 +15,7 @@ from pathlib import Path
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.passes import partition
+from fxpipe.passes.reference_dp import pipedream_dp
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / ".." / "shared" / "data" / "pipedream-profiles"
@@ -70,6 +71,18 @@ def main(argv: list[str] | None = None) -> int:
         reps, t, secs = timed(syn, 64, sync)
         rows.append(("synthetic-10k", len(syn), 64, sync, reps, t, secs))
         log.info("synthetic %s %s %.4g %.3fs", sync, reps, t, secs)
+    dp_rows = []
+    for model in [m for m in ("alexnet", "vgg16", "resnet50") if m in models]:
+        prof = Profile.from_pipedream(PROFILES / model / "graph.txt")
+        for workers in (8, 16):
+            cluster = Cluster(workers=workers, bandwidth="10Gbps")
+            t0 = time.perf_counter()
+            ours = partition(prof, cluster, sync="parameter-server").time_per_minibatch
+            t1 = time.perf_counter()
+            theirs = pipedream_dp(prof, cluster, sync="parameter-server")
+            t2 = time.perf_counter()
+            dp_rows.append((model, len(prof), workers, ours, theirs, t1 - t0, t2 - t1))
+            log.info("dp %s %d ours %.6g theirs %.6g", model, workers, ours, theirs)
     lines = ["## Planning speed", "", "Command: `.venv/bin/python bench/plan_speed.py` (from the "
              "repository root; 10 Gbps single-level cluster, no memory limit)", "",
              "| profile | nodes | workers | sync | plan replicas | predicted time/minibatch | "
@@ -77,6 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     for model, n, w, sync, reps, t, secs in rows:
         shown = str(reps) if len(reps) <= 12 else f"{reps[:6]}... ({len(reps)} stages)"
         lines.append(f"| {model} | {n} | {w} | {sync} | {shown} | {t * 1e3:.2f} ms | {secs:.3f} |")
+    lines += ["", "Against PipeDream's recurrence A(j, m) = min max(A(i, m-r), T(i..j, r), cut(i, r)), "
+              "implemented literally in `fxpipe.passes.reference_dp` (O(N^2 M^2); same cost model, "
+              "parameter-server sync), timed in the same run:", "",
+              "| profile | nodes | workers | fxpipe optimum | PipeDream DP optimum | fxpipe seconds | "
+              "DP seconds | ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, n, w, ours, theirs, t_ours, t_dp in dp_rows:
+        lines.append(f"| {model} | {n} | {w} | {ours * 1e3:.4f} ms | {theirs * 1e3:.4f} ms | "
+                     f"{t_ours:.4f} | {t_dp:.2f} | {t_dp / t_ours:.0f}x |")
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")
     else:

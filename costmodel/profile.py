@@ -7,14 +7,13 @@ minibatch, sizes are bytes (batch included).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import ProfileFormatError
+from fxpipe.jsonio import read_json, write_json_atomic
 
 PROFILE_FORMAT = "fxpipe.profile/1"
 
@@ -124,20 +123,11 @@ class Profile:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (write a temporary file, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Profile:
-        try:
-            d = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ProfileFormatError(f"profile file {str(path)!r} does not exist") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProfileFormatError(f"{str(path)!r} is not valid JSON: {e}",
-                                     "pass a file written by Profile.save()") from None
+        d = read_json(path, ProfileFormatError, "profile", "pass a file written by Profile.save()")
         return cls.from_dict(d, origin=repr(str(path)))
 
     @classmethod

@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from fxpipe.errors import InputMismatchError
+from fxpipe.errors import ConfigError, InputMismatchError
 
 from .extract import annotate_parameters, fetch_attr
 
@@ -298,7 +298,7 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
     computed from them alone) are not differentiated here either. Returns ``gm``, annotated.
     """
     if repeats < 1 or warmup < 0:
-        raise InputMismatchError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
+        raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
     sync = _sync_fn(gm, example_inputs)
     t_start = time.perf_counter()
     annotate_parameters(gm)

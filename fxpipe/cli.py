@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -137,6 +138,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FxpipeError as e:  # user errors: the message and hint, no traceback
         print(f"fxpipe: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `fxpipe plan ... | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Internally fxpipe works in SI base units: seconds, bytes and bytes per second.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from fxpipe.errors import ConfigError
 
@@ -23,52 +24,45 @@ _MEMORY = {
 }
 
 
+def _parse_quantity(value: str | float | int, what: str, units: dict[str, float],
+                    example: str, unit_of: Callable[[str], float | None]) -> float:
+    """Shared parser: numbers are taken in base units, strings are '<number><unit>'; the result
+    must be positive and finite, else ConfigError naming the value and an example."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{what} must be a number or a string like {example!r}, got {value!r}")
+    if isinstance(value, str):
+        m = re.fullmatch(_NUM + r"([A-Za-z/]+)\s*", value)
+        if not m:
+            raise ConfigError(f"cannot parse {what} {value!r}", f"write it like {example!r}")
+        scale = unit_of(m.group(2))
+        if scale is None:
+            raise ConfigError(f"unknown {what} unit {m.group(2)!r} in {value!r}",
+                              f"use one of {', '.join(units)}")
+        out = float(m.group(1)) * scale
+    else:
+        out = float(value)
+    if not out > 0 or out == float("inf"):
+        raise ConfigError(f"{what} must be positive and finite, got {value!r}",
+                          f"e.g. {what}={example!r}")
+    return out
+
+
+def _bandwidth_unit(unit: str) -> float | None:
+    scale = _BANDWIDTH.get(unit)
+    if scale is None and unit.lower().endswith(("bps", "bit/s")):  # bits: case does not matter
+        scale = _BANDWIDTH.get(unit.lower())
+    return scale
+
+
 def parse_bandwidth(value: str | float | int, what: str = "bandwidth") -> float:
     """Return bytes/second. Numbers are taken as bytes/second; strings like '10Gbps', '25 Gbit/s',
     '1.5GB/s', '40Mbps'. Zero, negative and unparsable values raise ConfigError."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a number or a string like '10Gbps', got {value!r}")
-    if isinstance(value, (int, float)):
-        out = float(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(_NUM + r"([A-Za-z/]+)\s*", value)
-        if not m:
-            raise ConfigError(f"cannot parse {what} {value!r}",
-                              "write it like '10Gbps', '25Gbit/s', '1.25GB/s' or a number of bytes/s")
-        unit = m.group(2)
-        scale = _BANDWIDTH.get(unit)
-        if scale is None:  # case-insensitive for the unambiguous bit units
-            scale = _BANDWIDTH.get(unit.lower()) if unit.lower().endswith(("bps", "bit/s")) else None
-        if scale is None:
-            raise ConfigError(f"unknown {what} unit {unit!r} in {value!r}",
-                              f"use one of {', '.join(sorted(_BANDWIDTH))}")
-        out = float(m.group(1)) * scale
-    else:
-        raise ConfigError(f"{what} must be a number or a string like '10Gbps', got {type(value).__name__}")
-    if not out > 0 or out == float("inf"):
-        raise ConfigError(f"{what} must be positive and finite, got {value!r}",
-                          "give the link speed, e.g. bandwidth='10Gbps'")
-    return out
+    return _parse_quantity(value, what, _BANDWIDTH, "10Gbps", _bandwidth_unit)
 
 
 def parse_memory(value: str | float | int, what: str = "memory") -> float:
     """Return bytes. Numbers are bytes; strings like '16GB', '80GiB', '512MB'."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a number or a string like '16GB', got {value!r}")
-    if isinstance(value, (int, float)):
-        out = float(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(_NUM + r"([A-Za-z]+)\s*", value)
-        if not m or m.group(2) not in _MEMORY:
-            raise ConfigError(f"cannot parse {what} {value!r}",
-                              f"write it like '16GB' or '80GiB' (units: {', '.join(_MEMORY)})")
-        out = float(m.group(1)) * _MEMORY[m.group(2)]
-    else:
-        raise ConfigError(f"{what} must be a number or a string like '16GB', got {type(value).__name__}")
-    if not out > 0 or out == float("inf"):
-        raise ConfigError(f"{what} must be positive and finite, got {value!r}",
-                          "give the device memory, e.g. memory='16GB'")
-    return out
+    return _parse_quantity(value, what, _MEMORY, "16GB", _MEMORY.get)
 
 
 def format_bytes(n: float) -> str:

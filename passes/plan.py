@@ -6,14 +6,13 @@ precision) and refuses malformed files with a message naming the file and the fi
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from fxpipe.errors import PlanFormatError
+from fxpipe.jsonio import read_json, write_json_atomic
 from fxpipe.units import format_bytes, format_seconds
 
 PLAN_FORMAT = "fxpipe.plan/1"
@@ -166,20 +165,11 @@ class Plan:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (temporary file, then rename), so readers never see half a plan."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
-        try:
-            d = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise PlanFormatError(f"plan file {str(path)!r} does not exist") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PlanFormatError(f"{str(path)!r} is not valid JSON: {e}",
-                                  "pass a file written by Plan.save()") from None
+        d = read_json(path, PlanFormatError, "plan", "pass a file written by Plan.save()")
         return cls.from_dict(d, origin=repr(str(path)))
 
 

@@ -127,7 +127,7 @@ class Found:
         return self.folder / self.manifest["stages"][str(stage)]["file"]
 
 
-def _check(folder: Path, num_stages: int, verify: bool) -> Found:
+def check_folder(folder: Path, num_stages: int, verify: bool) -> Found:
     """Parse and verify one checkpoint folder, or raise CheckpointError saying what is wrong."""
     mpath = folder / "manifest.json"
     if not mpath.is_file():
@@ -164,7 +164,7 @@ def find_latest(directory: str | os.PathLike[str], num_stages: int, *,
     problems = []
     for _, folder in sorted(folders, reverse=True):
         try:
-            found = _check(folder, num_stages, verify)
+            found = check_folder(folder, num_stages, verify)
         except CheckpointError as err:
             log.warning("skipping checkpoint: %s", err.message)
             problems.append(err.message)

@@ -12,6 +12,7 @@ between the same two ranks.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping, Sequence
@@ -21,11 +22,14 @@ import torch.distributed as dist
 
 from .errors import PeerError, RuntimeConfigError
 from .schedule import Rank
+from .timeline import Recorder
 
 log = logging.getLogger(__name__)
 
 FORWARD, BACKWARD = 0, 1
 _MAX_TAG = 2**31 - 1
+GroupKey = int | tuple[int, ...]
+"""A stage (its replicas' group) or a sorted tuple of stages (all ranks sharing tied weights)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class _Pending:
     tensor: torch.Tensor
     peer: Rank
     what: str
+    name: str = ""  # short label for the timeline ("act h F3")
 
 
 class Comm:
@@ -53,13 +58,15 @@ class Comm:
 
     def __init__(self, me: Rank, rank_of: Mapping[Rank, int], num_values: int,
                  timeout_s: float, device: torch.device,
-                 groups: Mapping[int, Any] | None = None) -> None:
+                 groups: Mapping[GroupKey, Any] | None = None, *,
+                 recorder: Recorder | None = None) -> None:
         self.me = me
         self.rank_of = dict(rank_of)
         self.num_values = max(num_values, 1)
         self.timeout = timedelta(seconds=timeout_s)
         self.device = device
         self.groups = dict(groups or {})
+        self.recorder = recorder or Recorder(enabled=False)
         self._sends: list[_Pending] = []
 
     @property
@@ -84,7 +91,7 @@ class Comm:
     def post_recv(self, spec: TensorSpec, src: Rank, tag: int, what: str) -> _Pending:
         """Post a receive into a fresh buffer of ``spec``; :meth:`wait` returns the tensor."""
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-        pend = _Pending(None, buf, src, f"receiving {what}")
+        pend = _Pending(None, buf, src, f"receiving {what}", what)
         try:
             pend.work = dist.irecv(buf, src=self.rank_of[src], tag=tag)
         except RuntimeError as err:
@@ -92,11 +99,12 @@ class Comm:
         return pend
 
     def wait(self, pend: _Pending) -> torch.Tensor:
-        """Wait (at most the timeout) for a posted receive."""
-        try:
-            pend.work.wait(timeout=self.timeout)
-        except RuntimeError as err:
-            raise self._fail(pend, err) from err
+        """Wait (at most the timeout) for a posted receive; the wait is a ``recv`` event."""
+        with self.recorder.span("recv", f"recv {pend.name}", peer=str(pend.peer)):
+            try:
+                pend.work.wait(timeout=self.timeout)
+            except RuntimeError as err:
+                raise self._fail(pend, err) from err
         return pend.tensor
 
     def send(self, tensor: torch.Tensor, dst: Rank, tag: int, what: str,
@@ -108,11 +116,12 @@ class Comm:
                                      f"wire plan says {spec.shape} {spec.dtype}",
                                      "the stage output shape depends on more than the input "
                                      "shapes; such models cannot be pipelined as is")
-        pend = _Pending(None, t, dst, f"sending {what}")
-        try:
-            pend.work = dist.isend(t, dst=self.rank_of[dst], tag=tag)
-        except RuntimeError as err:
-            raise self._fail(pend, err) from err
+        pend = _Pending(None, t, dst, f"sending {what}", what)
+        with self.recorder.span("send", f"send {what}", peer=str(dst)):
+            try:
+                pend.work = dist.isend(t, dst=self.rank_of[dst], tag=tag)
+            except RuntimeError as err:
+                raise self._fail(pend, err) from err
         self._sends.append(pend)
         if len(self._sends) > 64:
             self._sends = [p for p in self._sends if not p.work.is_completed()]
@@ -120,19 +129,27 @@ class Comm:
     def flush(self) -> None:
         """Wait until every posted send was received (each wait bounded by the timeout)."""
         for pend in self._sends:
-            self.wait(pend)
+            try:
+                pend.work.wait(timeout=self.timeout)
+            except RuntimeError as err:
+                raise self._fail(pend, err) from err
         self._sends.clear()
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, buf: torch.Tensor, stage: int, peers: Sequence[Rank], what: str) -> None:
-        """Sum ``buf`` in place over the replicas of ``stage`` (their own process group)."""
+    def all_reduce(self, buf: torch.Tensor, stage: GroupKey, peers: Sequence[Rank],
+                   what: str) -> None:
+        """Sum ``buf`` in place over the group ``stage``: the replicas of one stage, or (a tuple
+        of stages) every rank holding a tied parameter of exactly those stages."""
+        among = (f"{len(peers)} replicas of stage {stage}" if isinstance(stage, int)
+                 else f"{len(peers)} ranks of stages {list(stage)} (tied parameters)")
         pend = _Pending(None, buf, peers[0] if peers[0] != self.me else peers[-1],
-                        f"all-reduce of {what} among {len(peers)} replicas of stage {stage}")
-        try:
-            pend.work = dist.all_reduce(buf, group=self.groups[stage], async_op=True)
-            pend.work.wait(timeout=self.timeout)
-        except RuntimeError as err:
-            raise self._fail(pend, err) from err
+                        f"all-reduce of {what} among {among}")
+        with self.recorder.span("allreduce", f"allreduce {what}", group=str(stage)):
+            try:
+                pend.work = dist.all_reduce(buf, group=self.groups[stage], async_op=True)
+                pend.work.wait(timeout=self.timeout)
+            except RuntimeError as err:
+                raise self._fail(pend, err) from err
 
     def barrier(self) -> None:
         """All ranks: the end of a run (no rank leaves while a peer may still talk to it)."""
@@ -141,3 +158,29 @@ class Comm:
             dist.barrier(async_op=True).wait(timeout=self.timeout)
         except RuntimeError as err:
             raise self._fail(pend, err) from err
+
+
+def make_groups(replicas: Sequence[int], rank_of: Mapping[Rank, int],
+                tie_stage_sets: Sequence[tuple[int, ...]], timeout_s: float
+                ) -> dict[GroupKey, Any]:
+    """Create the process groups of a run: one per replicated stage (its replicas) and one per
+    set of stages sharing tied parameters (every replica of those stages: exactly the ranks that
+    hold a copy). Every rank must call this with the same arguments, since ``new_group`` is
+    collective over the world; the order is fixed (stages, then sorted tie sets)."""
+    groups: dict[GroupKey, Any] = {}
+    timeout = timedelta(seconds=timeout_s)
+    for s, r in enumerate(replicas):
+        if r > 1:
+            groups[s] = dist.new_group([rank_of[(s, j)] for j in range(r)], timeout=timeout)
+    for stages in sorted(tie_stage_sets):
+        members = sorted(rank_of[(s, j)] for s in stages for j in range(replicas[s]))
+        groups[tuple(stages)] = dist.new_group(members, timeout=timeout)
+        log.debug("tied-parameter group of stages %s: ranks %s", list(stages), members)
+    return groups
+
+
+def synchronized_start(timeout_s: float) -> float:
+    """Barrier over the world, then the local clock: the timeline's common origin (the ranks
+    leave the barrier within a network latency of each other)."""
+    dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    return time.perf_counter()

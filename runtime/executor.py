@@ -29,11 +29,12 @@ import torch.distributed as dist
 from fxpipe.codegen.split import MODEL, StageSpec
 from fxpipe.errors import FxpipeError
 
-from .comm import BACKWARD, FORWARD, Comm, rank_name
+from .comm import BACKWARD, FORWARD, Comm, make_groups, rank_name, synchronized_start
 from .reference import Batch, planned_reads
 from .schedule import Action, Rank, Schedule
-from .stage import LossFn, StageReplica, model_env
+from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
 from .stash import OptimizerFactory
+from .timeline import Recorder, TimelineEvent
 from .wire import WirePlan
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class RankResult:
     """What one rank reports back: losses of the minibatches it finished (last stage only), its
-    latest weights and the peak bytes of weights its stash held."""
+    latest weights, the peak bytes of weights its stash held and its timeline."""
 
     losses: dict[int, float]
     params: dict[str, torch.Tensor]
     peak_bytes: int
+    timeline: list[TimelineEvent] = field(default_factory=list)
 
 
 class RankExecutor:
@@ -55,8 +57,12 @@ class RankExecutor:
     def __init__(self, stages: Sequence[StageSpec], schedule: Schedule, me: Rank,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  comm: Comm, *, stashing: bool = True, device: torch.device | None = None,
-                 fault: tuple[str, int] | None = None) -> None:
+                 fault: tuple[str, int] | None = None, recorder: Recorder | None = None) -> None:
         self.stages = list(stages)
+        # tied parameters are found by identity: do it before .to(device) and anything else
+        self.tied = [(stages_, [t.names[me[0]] for t in ts]) for stages_, ts
+                     in tie_sets(tied_parameters(self.stages)).items() if me[0] in stages_]
+        self.rec = recorder or comm.recorder
         self.schedule = schedule
         self.me = me
         self.spec = self.stages[me[0]]
@@ -84,7 +90,8 @@ class RankExecutor:
         ins = [env[n].to(self.device) if p is None else self.comm.wait(p)
                for n, p in zip(st.inputs, posted)]
         target = batch[1].to(self.device) if isinstance(batch[1], torch.Tensor) else batch[1]
-        outs, loss = self.replica.forward(k, a.version, ins, target)
+        with self.rec.span("forward", str(a), minibatch=k, version=a.version):
+            outs, loss = self.replica.forward(k, a.version, ins, target)
         for n, o, cons in zip(st.outputs, outs, st.consumers):
             for c in cons:
                 if c != MODEL:
@@ -111,7 +118,8 @@ class RankExecutor:
                 g = self.comm.wait(p)
                 total = g if total is None else total + g
             out_grads.append(total)
-        in_grads = self.replica.backward(k, out_grads)
+        with self.rec.span("backward", str(a), minibatch=k, version=a.version):
+            in_grads = self.replica.backward(k, out_grads)
         for n, src, g in zip(st.inputs, st.sources, in_grads):
             if src != MODEL and g is not None:
                 self.comm.send(g, self.schedule.owner(src, k),
@@ -119,12 +127,20 @@ class RankExecutor:
                                self._what("gradient", n, k), self.wire.spec(n, k))
 
     def update(self, a: Action) -> None:
+        """Replicas sum their gradients (the stage's group); tied parameters sum their LOCAL
+        gradients over every rank holding them (their own group), as the reference does."""
         s = self.me[0]
+        reps = self.schedule.replicas
         buf = self.replica.local_gradient()
-        r = self.schedule.replicas[s]
-        if r > 1:
-            self.comm.all_reduce(buf, s, [(s, j) for j in range(r)], f"update U{a.minibatch}")
-        self.replica.apply_update(buf)
+        segs = [(key, names, self.replica.segment(buf, names)) for key, names in self.tied]
+        if reps[s] > 1:
+            self.comm.all_reduce(buf, s, [(s, j) for j in range(reps[s])], f"U{a.minibatch}")
+        for key, names, seg in segs:
+            peers = [(t, j) for t in key for j in range(reps[t])]
+            self.comm.all_reduce(seg, key, peers, f"tied {names} U{a.minibatch}")
+            self.replica.put_segment(buf, names, seg)
+        with self.rec.span("optimizer", str(a), update=a.minibatch):
+            self.replica.apply_update(buf)
 
     def run(self, batches: Sequence[Batch]) -> RankResult:
         """Walk the action list; then wait for every send and for all ranks to finish."""
@@ -144,7 +160,7 @@ class RankExecutor:
         self.comm.barrier()
         return RankResult(losses, {n: t.detach().cpu() for n, t in
                                    self.replica.parameters().items()},
-                          self.replica.stash.peak_bytes)
+                          self.replica.stash.peak_bytes, self.rec.finish())
 
 
 def _inject(kind: str, who: str, a: Action) -> None:
@@ -181,6 +197,35 @@ class WorkerConfig:
         return Schedule(self.schedule_kind, self.replicas, self.num_minibatches, self.actions)
 
 
+def init_rank(index: int, cfg: WorkerConfig) -> float:
+    """Join the world's process group; returns the timeline's common start (after a barrier)."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=max(cfg.timeout_s, 60.0))  # rendezvous waits for slow spawns
+    dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.port}",
+                            rank=index, world_size=len(cfg.schedule().ranks), timeout=timeout)
+    return synchronized_start(max(cfg.timeout_s, 60.0))
+
+
+def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult:
+    """Carry out one run as rank ``index`` of an initialised world (several runs may follow one
+    another in the same world: each creates its groups and ends with a barrier)."""
+    sched = cfg.schedule()
+    me = sched.ranks[index]
+    rank_of = {r: i for i, r in enumerate(sched.ranks)}
+    device = torch.device(cfg.device)
+    ties = list(tie_sets(tied_parameters(cfg.stages)))
+    groups = make_groups(sched.replicas, rank_of, ties, cfg.timeout_s)
+    rec = Recorder(t0, args={"stage": me[0], "replica": me[1], "rank": index})
+    comm = Comm(me, rank_of, len(cfg.wire.values), cfg.timeout_s, device, groups, recorder=rec)
+    ex = RankExecutor(cfg.stages, sched, me, cfg.loss_fn, cfg.optimizer_factory, cfg.wire,
+                      comm, stashing=cfg.stashing, device=device, fault=cfg.faults.get(index),
+                      recorder=rec)
+    return ex.run(cfg.batches)
+
+
 def worker_main(index: int, cfg: WorkerConfig) -> None:
     """Entry point of rank ``index``: run, save the result, or log the error and exit non-zero.
 
@@ -189,35 +234,23 @@ def worker_main(index: int, cfg: WorkerConfig) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=cfg.log_level,
                         format=f"%(asctime)s [rank {index}] %(name)s %(levelname)s: %(message)s")
-    sched = cfg.schedule()
-    me = sched.ranks[index]
-    rank_of = {r: i for i, r in enumerate(sched.ranks)}
+    me = cfg.schedule().ranks[index]
     out = Path(cfg.outdir)
     try:
-        device = torch.device(cfg.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index or 0)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = timedelta(seconds=max(cfg.timeout_s, 60.0))  # rendezvous waits for slow spawns
-        dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.port}",
-                                rank=index, world_size=len(sched.ranks), timeout=timeout)
-        groups: dict[int, Any] = {}
-        for s, r in enumerate(sched.replicas):  # every rank creates every group, in order
-            if r > 1:
-                groups[s] = dist.new_group([rank_of[(s, j)] for j in range(r)],
-                                           timeout=timedelta(seconds=cfg.timeout_s))
-        comm = Comm(me, rank_of, len(cfg.wire.values), cfg.timeout_s, device, groups)
-        ex = RankExecutor(cfg.stages, sched, me, cfg.loss_fn, cfg.optimizer_factory, cfg.wire,
-                          comm, stashing=cfg.stashing, device=device,
-                          fault=cfg.faults.get(index))
-        result = ex.run(cfg.batches)
+        t0 = init_rank(index, cfg)
+        result = run_rank(index, cfg, t0)
         torch.save(result.__dict__, out / f"rank{index}.pt")
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 - every failure must end the process non-zero
-        name = rank_name(me, index)
-        text = (f"{name}: {err}" if isinstance(err, FxpipeError)
-                else f"{name}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
-        log.error("%s", text)
-        (out / f"rank{index}.err").write_text(text)
-        logging.shutdown()
-        os._exit(1)
+        fail(out, index, me, err)
+
+
+def fail(out: Path, index: int, me: Rank, err: BaseException) -> None:
+    """Log ``err``, write it to ``rank<i>.err`` for the launcher, and exit non-zero at once."""
+    name = rank_name(me, index)
+    text = (f"{name}: {err}" if isinstance(err, FxpipeError)
+            else f"{name}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
+    log.error("%s", text)
+    (out / f"rank{index}.err").write_text(text)
+    logging.shutdown()
+    os._exit(1)

@@ -25,7 +25,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import Literal, Mapping, Sequence
 
 from fxpipe.errors import ConfigError, FxpipeError
 
@@ -335,15 +335,17 @@ def _static_checks(sched: Schedule) -> None:
                                 f"{sorted(counts)}", "replicas all-reduce every update together")
 
 
-def execution_order(sched: Schedule) -> list[tuple[Rank, int]]:
+def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = ()) -> list[tuple[Rank, int]]:
     """Run every rank's list in order against the data dependencies; return (rank, index) in a
     valid execution order (a topological order, which ``simulate`` times), or raise
     :class:`DeadlockError` naming each stuck rank and what it waits for.
 
     F(k) on stage s needs F(k) on stage s-1; B(k) needs B(k) on stage s+1 (on the last stage its
-    own F(k)); U<i> on a stage needs every replica of that stage at its U<i> (all-reduce).
+    own F(k)); U<i> on a stage needs every replica of that stage at its U<i> (all-reduce), and
+    every replica of every stage in the same ``sync`` set (stages sharing a tied parameter).
     """
     S = sched.num_stages
+    together = {s: tuple(c) for c in sync for s in c}
     ptr = {rank: 0 for rank in sched.ranks}
     done: set[tuple[str, int, int]] = set()
     order: list[tuple[Rank, int]] = []
@@ -362,7 +364,8 @@ def execution_order(sched: Schedule) -> list[tuple[Rank, int]]:
             while ptr[rank] < len(acts):
                 a = acts[ptr[rank]]
                 if a.kind == "U":
-                    peers = [(rank[0], j) for j in range(sched.replicas[rank[0]])]
+                    peers = [(t, j) for t in together.get(rank[0], (rank[0],))
+                             for j in range(sched.replicas[t])]
                     if not all(ptr[p] < len(sched.actions[p]) and sched.actions[p][ptr[p]] == a
                                for p in peers):
                         break

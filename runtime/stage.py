@@ -52,12 +52,61 @@ def check_stages(stages: Sequence[StageSpec], replicas: Sequence[int]) -> None:
     if stages[last].io is None:
         raise RuntimeConfigError("the stages carry no model I/O description",
                                  "build them with fxpipe.codegen.split_graph")
-    owners: dict[int, int] = {}
+    for t in tied_parameters(stages):
+        log.info("parameter %r is used by stages %s: one logical parameter, its gradients are "
+                 "summed across those stages at every update", t.key, list(t.stages))
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A Parameter used by several stages (e.g. GPT's ``wte.weight`` / ``lm_head.weight``).
+
+    Why it matters: every stage holding it trains a copy, so the copies stay one logical
+    parameter only if every update of each copy uses the same gradient: the sum of all its uses'
+    gradients (Megatron's embedding all-reduce). ``key``: its name in the lowest stage;
+    ``names[s]``: its name in stage s (tied weights can have a different name per stage).
+    """
+
+    key: str
+    names: Mapping[int, str]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted(self.names))
+
+
+def tied_parameters(stages: Sequence[StageSpec]) -> tuple[TiedParameter, ...]:
+    """Trainable Parameters shared by identity across stages (split_graph keeps the model's
+    Parameter objects, and a pickled list of stages keeps the sharing), sorted by key."""
+    seen: dict[int, dict[int, str]] = {}
     for st in stages:
-        for n, p in st.gm.named_parameters():
-            if owners.setdefault(id(p), st.index) != st.index:
-                log.warning("parameter %r is used by stages %d and %d: each stage trains its own "
-                            "copy, so they will diverge", n, owners[id(p)], st.index)
+        for n, p in st.gm.named_parameters(remove_duplicate=False):
+            if p.requires_grad:
+                seen.setdefault(id(p), {}).setdefault(st.index, n)
+    tied = [TiedParameter(names[min(names)], dict(sorted(names.items())))
+            for names in seen.values() if len(names) > 1]
+    return tuple(sorted(tied, key=lambda t: t.key))
+
+
+def tie_sets(tied: Sequence[TiedParameter]) -> dict[tuple[int, ...], list[TiedParameter]]:
+    """Tied parameters grouped by the exact set of stages holding them: one all-reduce (and one
+    process group) per set, in sorted order so every rank posts them in the same order."""
+    out: dict[tuple[int, ...], list[TiedParameter]] = {}
+    for t in tied:
+        out.setdefault(t.stages, []).append(t)
+    return dict(sorted(out.items()))
+
+
+def sync_components(tied: Sequence[TiedParameter]) -> list[tuple[int, ...]]:
+    """Stages whose updates must happen together (connected through tied parameters)."""
+    comps: list[set[int]] = []
+    for t in tied:
+        merged = set(t.stages)
+        for c in [c for c in comps if c & merged]:
+            merged |= c
+            comps.remove(c)
+        comps.append(merged)
+    return sorted(tuple(sorted(c)) for c in comps)
 
 
 def model_env(stages: Sequence[StageSpec], inputs: Any) -> dict[str, Any]:
@@ -170,6 +219,28 @@ class StageReplica:
         ref = next(iter(self.stash.latest.values()), torch.zeros(()))
         parts.append(torch.tensor([float(self._count)], dtype=ref.dtype, device=ref.device))
         return torch.cat(parts)
+
+    def _offsets(self) -> dict[str, tuple[int, int]]:
+        """name -> (offset, numel) in the flat buffer of :meth:`local_gradient`."""
+        out, off = {}, 0
+        for n in self.stash.trainable:
+            out[n] = (off, self.stash.latest[n].numel())
+            off += out[n][1]
+        return out
+
+    def segment(self, flat: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+        """The parts of ``flat`` (a :meth:`local_gradient` layout) for ``names``, concatenated
+        (a copy): what a tied-parameter all-reduce sends."""
+        offs = self._offsets()
+        return torch.cat([flat[offs[n][0]:offs[n][0] + offs[n][1]] for n in names])
+
+    def put_segment(self, flat: torch.Tensor, names: Sequence[str], seg: torch.Tensor) -> None:
+        """Write ``seg`` (the layout of :meth:`segment`) back into ``flat`` in place."""
+        offs, pos = self._offsets(), 0
+        for n in names:
+            off, numel = offs[n]
+            flat[off:off + numel] = seg[pos:pos + numel]
+            pos += numel
 
     def apply_update(self, total: torch.Tensor) -> int:
         """Step the optimizer with the mean gradient in ``total`` (the sum over the stage's

@@ -1,0 +1,242 @@
+"""``fxpipe train MODEL --data DATASET --nproc N``: pipeline-parallel training from the shell.
+
+    fxpipe train alexnet --data synthetic --nproc 4 --epochs 2 --checkpoint-dir ckpt/
+    fxpipe train vgg16 --data synthetic --nproc 2 --plan plan.json --schedule 1f1b-flush
+
+On one machine the command launches torchrun itself (``python -m torch.distributed.run
+--nproc-per-node N ... -m fxpipe.cli_train WORKER-ARGS``); every rank then builds the same zoo
+model and compiles it with the same plan: ``--plan`` if given, else one estimated for
+``--device`` (default "cpu"), which is deterministic so every rank derives the identical plan
+(a measured profile would differ from rank to rank). Across machines run
+``torchrun ... -m fxpipe.cli_train MODEL ...`` on each machine yourself.
+
+DATASET: ``synthetic`` (the zoo's seeded batch maker) or ``digits`` (scikit-learn's 8x8 digits,
+for models taking 64 features; needs scikit-learn installed).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+from fxpipe.errors import ConfigError, FxpipeError
+
+log = logging.getLogger("fxpipe")
+SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw")
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="zoo model name (fxpipe.models.names())")
+    p.add_argument("--data", required=True, help="synthetic | digits")
+    p.add_argument("--plan", default=None, metavar="FILE", help="plan.json (fxpipe plan --save-plan)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--num-batches", type=int, default=16, help="synthetic minibatches per epoch")
+    p.add_argument("--eval-batches", type=int, default=2, help="synthetic evaluation minibatches")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
+    p.add_argument("--vertical-sync", action="store_true")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None, help="minibatches")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--size", default="mini", help="zoo model size: mini or full")
+    p.add_argument("--device", default="cpu", help="device the plan is estimated for")
+    p.add_argument("--stages", type=int, default=None, help="force the number of stages")
+    p.add_argument("--straight", action="store_true", help="one worker per stage")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may take")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", default=None, metavar="FILE", help="rank 0 saves the trained weights")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``fxpipe train`` on the ``fxpipe`` command's subparsers."""
+    p = subparsers.add_parser("train", help="train a model with pipeline parallelism (torchrun)")
+    _add_arguments(p)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes on this machine (default: the plan's total replicas)")
+    p.set_defaults(func=cmd_train)
+    return p
+
+
+def _check_data(name: str) -> None:
+    if name not in ("synthetic", "digits"):
+        raise ConfigError(f"unknown dataset {name!r}", "use --data synthetic or --data digits")
+    if name == "digits":
+        try:
+            import sklearn  # noqa: F401
+        except ImportError as err:
+            raise ConfigError("--data digits needs the package scikit-learn, which is not "
+                              "installed", "pip install scikit-learn, or use --data synthetic"
+                              ) from err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """The launcher: validate what can be validated here, then run torchrun with N workers."""
+    _check_data(args.data)
+    nproc = args.nproc
+    if args.plan:
+        from fxpipe.passes import Plan
+
+        workers = sum(Plan.load(args.plan).replicas)
+        if nproc is not None and nproc != workers:
+            raise ConfigError(f"--nproc {nproc} but the plan {args.plan} needs {workers} "
+                              "processes (one per stage replica)",
+                              f"use --nproc {workers}, or re-plan for {nproc} workers")
+        nproc = workers
+    if nproc is None or nproc < 1:
+        raise ConfigError(f"--nproc {nproc}", "give the number of processes, e.g. --nproc 4")
+    worker = _worker_argv(args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+           "-m", "fxpipe.cli_train", *worker]
+    log.info("launching: %s", " ".join(cmd))
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return 130
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    """The parsed options back as command-line flags for the workers (minus --nproc)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_arguments(probe)
+    out = [args.model]
+    for action in probe._actions:
+        if not action.option_strings or action.dest == "model":
+            continue
+        value = getattr(args, action.dest, action.default)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [flag] if value else []
+        elif value is not None:
+            out += [flag, str(value)]
+    if getattr(args, "verbose", False):
+        out.append("--verbose")
+    return out
+
+
+def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
+    from fxpipe.runtime.data import ShardedDataset, synthetic_loader
+
+    bs = spec.batch_size
+    if args.data == "synthetic":
+        return (synthetic_loader(spec.make_batch, bs, args.num_batches, args.seed),
+                synthetic_loader(spec.make_batch, bs, args.eval_batches, args.seed + 1)
+                if args.eval_batches > 0 else None)
+    import torch
+    from sklearn.datasets import load_digits  # checked by _check_data
+
+    shape = tuple(spec.example_inputs[0].shape)
+    if len(spec.example_inputs) != 1 or shape[1:] != (64,):
+        raise ConfigError(f"--data digits gives 64 features, {args.model} takes {shape}",
+                          "use --data synthetic for this model")
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y, dtype=torch.long)
+    split = len(x) * 4 // 5
+    return (ShardedDataset((x[:split],), y[:split], batch_size=bs, seed=args.seed, drop_last=True),
+            ShardedDataset((x[split:],), y[split:], batch_size=bs, shuffle=False, drop_last=True))
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """One torchrun rank: build, compile, train; rank 0 prints the history."""
+    import torch
+
+    from fxpipe import models
+    from fxpipe.api import compile as fx_compile
+    from fxpipe.costmodel import Cluster
+    from fxpipe.passes import Plan
+    from fxpipe.runtime.trainer import make_trainer
+
+    _check_data(args.data)
+    rank = int(os.environ.get("RANK", "0"))
+    spec = models.get(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed)
+    plan = Plan.load(args.plan) if args.plan else None
+    compiled = fx_compile(spec.model, Cluster.from_env(device=args.device),
+                          example_inputs=spec.example_inputs, loss_fn=spec.loss_fn, plan=plan,
+                          stages=args.stages, straight=args.straight)
+    if rank == 0:
+        print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
+    lr, mom = args.lr, args.momentum
+    trainer = make_trainer(compiled,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mom),
+                           schedule=args.schedule, vertical_sync=args.vertical_sync,
+                           checkpoint_dir=args.checkpoint_dir,
+                           checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
+                           seed=args.seed, progress=not args.no_progress)
+    train, evaluate = _loaders(args, spec)
+    t0 = time.perf_counter()
+    history = trainer.fit(train, epochs=args.epochs, eval_loader=evaluate, resume=args.resume)
+    if rank == 0:
+        for h in history:
+            extra = "".join(f", {k} {h[k]:.4f}" for k in ("eval_loss", "eval_accuracy") if k in h)
+            print(f"epoch {int(h['epoch'])}: loss {h['loss']:.4f}, "
+                  f"{h['samples_per_s']:.1f} samples/s{extra}", flush=True)
+        print(f"trained in {time.perf_counter() - t0:.1f} s", flush=True)
+        if args.save:
+            torch.save(trainer.state_dict(), args.save)
+    trainer.close()
+    return 0
+
+
+def launch_main(argv: Sequence[str]) -> int:
+    """``python -m fxpipe.cli_train train MODEL ... --nproc N``: the launcher without the
+    ``fxpipe`` command (what ``fxpipe train`` runs once the subcommand is registered)."""
+    parser = argparse.ArgumentParser(prog="fxpipe")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except FxpipeError as e:
+        print(f"fxpipe: error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Worker entry point (``python -m fxpipe.cli_train``, under torchrun)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:
+        return launch_main(argv)
+    p = argparse.ArgumentParser(prog="fxpipe.cli_train", description="one rank of fxpipe train")
+    _add_arguments(p)
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format=f"%(levelname)s [rank {os.environ.get('RANK', '?')}] "
+                               "%(name)s: %(message)s")
+    try:
+        return run_worker(args)
+    except FxpipeError as e:
+        print(f"fxpipe: error (rank {os.environ.get('RANK', '?')}): {e}", file=sys.stderr,
+              flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # never hang in a broken process group's teardown

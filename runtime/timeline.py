@@ -1,0 +1,171 @@
+"""What each rank did when: recording, Chrome/Perfetto trace export and busy fractions.
+
+Why the runtime records its own timeline: the planner predicts a time per minibatch and a busy
+fraction per stage; only a measurement of the real run (forward, backward, sends, receive waits,
+all-reduces, optimizer steps, and the gaps in between) tells whether the pipeline is balanced and
+where the time goes. Every rank stamps events with ``time.perf_counter()`` relative to a start
+that all ranks take right after a common barrier, so the ranks' rows line up in one trace.
+
+Events of one rank never overlap: an action is recorded as its parts in the order they run
+(receive waits, then compute, then posting sends; all-reduce, then optimizer step), and a send is
+only its posting (the transfer itself runs in the background). ``idle`` events fill the gaps
+between a rank's recorded events.
+
+The trace format is the Trace Event Format's complete events (``ph: "X"``, microseconds), which
+chrome://tracing and https://ui.perfetto.dev open: ``pid`` = global rank, ``tid`` = category.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from fxpipe.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CATEGORIES = ("forward", "backward", "send", "recv", "allreduce", "optimizer", "idle")
+COMPUTE = frozenset({"forward", "backward", "optimizer"})
+_TID = {c: i for i, c in enumerate(CATEGORIES)}
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One interval of one rank: ``category`` (one of CATEGORIES), ``name`` ("F3", "B3",
+    "U0", "send act h", ...), seconds since the common start, and free-form ``args`` (stage,
+    replica, minibatch, ...)."""
+
+    category: str
+    name: str
+    start: float
+    end: float
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Recorder:
+    """Collects one rank's events. ``enabled=False`` makes :meth:`span` a no-op (no overhead
+    beyond a clock read per call)."""
+
+    def __init__(self, t0: float | None = None, *, enabled: bool = True,
+                 args: Mapping[str, Any] | None = None) -> None:
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.enabled = enabled
+        self.base_args = dict(args or {})
+        self.events: list[TimelineEvent] = []
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def add(self, category: str, name: str, start: float, end: float, **args: Any) -> None:
+        """Record an interval measured by the caller with :meth:`now`."""
+        if self.enabled:
+            self.events.append(TimelineEvent(category, name, start, end,
+                                             {**self.base_args, **args}))
+
+    def span(self, category: str, name: str, **args: Any) -> _Span:
+        """``with rec.span("forward", "F3", minibatch=3): ...`` records the block."""
+        return _Span(self, category, name, args)
+
+    def finish(self, min_gap_s: float = 1e-5) -> list[TimelineEvent]:
+        """The events sorted by start, with ``idle`` events for gaps longer than ``min_gap_s``."""
+        evs = sorted(self.events, key=lambda e: e.start)
+        out: list[TimelineEvent] = []
+        for prev, nxt in zip(evs, evs[1:]):
+            out.append(prev)
+            if nxt.start - prev.end > min_gap_s:
+                out.append(TimelineEvent("idle", "idle", prev.end, nxt.start, dict(self.base_args)))
+        out.extend(evs[-1:])
+        return out
+
+
+class _Span:
+    def __init__(self, rec: Recorder, category: str, name: str, args: dict[str, Any]) -> None:
+        self.rec, self.category, self.name, self.args = rec, category, name, args
+        self.start = 0.0
+
+    def __enter__(self) -> _Span:
+        self.start = self.rec.now()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.rec.add(self.category, self.name, self.start, self.rec.now(), **self.args)
+
+
+Timeline = Mapping[int, Sequence[TimelineEvent]]
+"""global rank -> its events, sorted by start (what RunResult.timeline holds)."""
+
+
+def to_chrome_trace(timeline: Timeline, names: Mapping[int, str] | None = None) -> dict:
+    """The Trace Event Format dict (see the module doc); ``names``: rank -> process label."""
+    events: list[dict[str, Any]] = []
+    for rank in sorted(timeline):
+        label = (names or {}).get(rank, f"rank {rank}")
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"name": label}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"sort_index": rank}})
+        for cat, tid in _TID.items():
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                           "args": {"name": cat}})
+        for e in timeline[rank]:
+            events.append({"name": e.name, "cat": e.category, "ph": "X", "pid": rank,
+                           "tid": _TID.get(e.category, len(_TID)),
+                           "ts": round(e.start * 1e6, 3), "dur": round(e.duration * 1e6, 3),
+                           "args": {k: _jsonable(v) for k, v in e.args.items()}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(timeline: Timeline, path: str | Path,
+                       names: Mapping[int, str] | None = None) -> Path:
+    """Write the trace JSON for chrome://tracing or ui.perfetto.dev; returns the path."""
+    if not timeline:
+        raise ConfigError("empty timeline", "run with the timeline enabled (the default)")
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(to_chrome_trace(timeline, names)))
+    tmp.replace(p)
+    log.info("wrote trace of %d ranks to %s", len(timeline), p)
+    return p
+
+
+def busy_fraction(timeline: Timeline, steady_state: bool = True) -> dict[int, float]:
+    """Per rank: compute time (forward, backward, optimizer) / wall time of the window.
+
+    The window is the whole span of the rank's events, or with ``steady_state`` the middle half
+    of its forward/backward events (from the start of the one at a quarter to the end of the one
+    at three quarters), so pipeline fill and drain do not count.
+    """
+    out: dict[int, float] = {}
+    for rank, evs in timeline.items():
+        fb = sorted((e for e in evs if e.category in ("forward", "backward")),
+                    key=lambda e: e.start)
+        if not evs:
+            continue
+        lo, hi = min(e.start for e in evs), max(e.end for e in evs)
+        if steady_state and len(fb) >= 4:
+            lo, hi = fb[len(fb) // 4].start, fb[math.ceil(3 * len(fb) / 4) - 1].end
+        busy = sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for e in evs
+                   if e.category in COMPUTE)
+        out[rank] = min(1.0, busy / (hi - lo)) if hi > lo else 0.0
+    return out
+
+
+def totals(events: Iterable[TimelineEvent]) -> dict[str, float]:
+    """Seconds per category (for logs and benchmark tables)."""
+    out = {c: 0.0 for c in CATEGORIES}
+    for e in events:
+        out[e.category] = out.get(e.category, 0.0) + e.duration
+    return out
+
+
+def _jsonable(v: Any) -> Any:
+    return v if isinstance(v, (int, float, str, bool)) or v is None else str(v)

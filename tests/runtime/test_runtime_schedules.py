@@ -1,0 +1,132 @@
+"""Every schedule, vertical sync and tied parameters, distributed (gloo, CPU) against the
+reference executor, and the flush schedules against big-batch SGD.
+
+The runs share two spawned worlds (one of 2 ranks, one of 3): see rt_spawn.py. Each test below
+checks one job of those worlds.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+import torch
+from rt_helpers import SkipMLP, batches, loss_fn, sgd, split, tiny_mlp
+from rt_spawn import Job, run_jobs
+from rt_tied import TiedLM, ce, plain_sgd_groups, sgd_m, token_batches
+
+from fxpipe.runtime.reference import ReferenceExecutor, RunResult
+from fxpipe.runtime.schedule import make_schedule
+
+TIGHT = dict(rtol=1e-6, atol=1e-7)
+
+
+@dataclass(frozen=True)
+class Case:
+    make: Callable[[], torch.nn.Module]
+    cuts: tuple[int, ...]
+    replicas: tuple[int, ...]
+    kind: str
+    n: int
+    m: int | None = None
+    noam: int | None = None
+    vsync: bool = False
+    tied: bool = False
+
+    def data(self) -> list[tuple[Any, Any]]:
+        return token_batches(self.n) if self.tied else batches(self.n)
+
+    def fns(self) -> tuple[Any, Any]:
+        return (ce, sgd_m) if self.tied else (loss_fn, sgd)
+
+    def schedule(self):
+        s = make_schedule(self.kind, list(self.replicas), self.n, microbatches=self.m,
+                          noam=self.noam)
+        return s.with_vertical_sync() if self.vsync else s
+
+    def job(self) -> Job:
+        lf, opt = self.fns()
+        return Job(split(self.make(), list(self.cuts)), list(self.replicas), self.schedule(),
+                   lf, opt, self.data())
+
+    def reference(self) -> RunResult:
+        lf, opt = self.fns()
+        return ReferenceExecutor(split(self.make(), list(self.cuts)), list(self.replicas),
+                                 self.schedule(), lf, opt).run(self.data())
+
+
+TWO = {f"{k}-2stage": Case(tiny_mlp, (2,), (1, 1), k, 12 if k == "2bw" else 8, 4)
+       for k in ("1f1b-flush", "gpipe", "2bw")}
+THREE = {
+    **{f"{k}-2-1": Case(tiny_mlp, (2,), (2, 1), k, 12 if k == "2bw" else 8, 4)
+       for k in ("1f1b-flush", "gpipe", "2bw")},
+    "pipedream-2-1": Case(tiny_mlp, (2,), (2, 1), "pipedream", 8),
+    "pipedream-3stage-skip": Case(SkipMLP, (2, 4), (1, 1, 1), "pipedream", 8),
+    "pipedream-3stage-vsync": Case(tiny_mlp, (1, 3), (1, 1, 1), "pipedream", 8, vsync=True),
+    "tied-pipedream-3stage": Case(TiedLM, (1, 3), (1, 1, 1), "pipedream", 8, tied=True),
+    "tied-noam1-3stage": Case(TiedLM, (1, 3), (1, 1, 1), "pipedream", 6, noam=1, tied=True),
+    "tied-1f1b-flush-2-1": Case(TiedLM, (1,), (2, 1), "1f1b-flush", 8, 4, tied=True),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank() -> dict[str, RunResult]:
+    return dict(zip(TWO, run_jobs([c.job() for c in TWO.values()])))
+
+
+@pytest.fixture(scope="module")
+def three_rank() -> dict[str, RunResult]:
+    return dict(zip(THREE, run_jobs([c.job() for c in THREE.values()])))
+
+
+def _result(name: str, two_rank, three_rank) -> tuple[Case, RunResult]:
+    return (TWO[name], two_rank[name]) if name in TWO else (THREE[name], three_rank[name])
+
+
+@pytest.mark.parametrize("name", [*TWO, *THREE])
+def test_distributed_equals_reference(name: str, two_rank, three_rank) -> None:
+    case, got = _result(name, two_rank, three_rank)
+    ref = case.reference()
+    torch.testing.assert_close(got.losses, ref.losses, **TIGHT)
+    for rank in ref.replica_params:
+        torch.testing.assert_close(got.replica_params[rank], ref.replica_params[rank], **TIGHT)
+    assert got.peak_bytes == ref.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["1f1b-flush-2stage", "gpipe-2stage", "1f1b-flush-2-1",
+                                  "gpipe-2-1", "tied-1f1b-flush-2-1", "tied-noam1-3stage"])
+def test_equals_plain_sgd(name: str, two_rank, three_rank) -> None:
+    """Flush schedules accumulate m microbatch gradients = one SGD step on their concatenation
+    (mean losses, equal microbatches); NOAM = 1 is plain SGD. Both executors must agree."""
+    case, got = _result(name, two_rank, three_rank)
+    lf, opt = case.fns()
+    want = plain_sgd_groups(case.make(), case.data(), case.m or 1, lf, opt)
+    for res in (got, case.reference()):
+        for rank, params in res.replica_params.items():
+            for n, p in params.items():
+                torch.testing.assert_close(p, want[n], **TIGHT, msg=f"{name} {rank} {n}")
+
+
+@pytest.mark.parametrize("name", [n for n, c in THREE.items() if c.tied])
+def test_tied_copies_stay_identical(name: str, three_rank) -> None:
+    res = three_rank[name]
+    copies = [p[n] for p in res.replica_params.values() for n in ("wte.weight", "lm_head.weight")
+              if n in p]
+    assert len(copies) == 3 if THREE[name].replicas == (2, 1) else len(copies) == 2
+    for c in copies[1:]:
+        assert torch.equal(c, copies[0])
+
+
+def test_vertical_sync_changes_the_result(three_rank) -> None:
+    plain = Case(tiny_mlp, (1, 3), (1, 1, 1), "pipedream", 8).reference()
+    vs = three_rank["pipedream-3stage-vsync"]
+    assert not torch.allclose(plain.params[2]["4.weight"], vs.params[2]["4.weight"])
+
+
+def test_every_job_timeline_is_sequential_per_rank(two_rank, three_rank) -> None:
+    for res in [*two_rank.values(), *three_rank.values()]:
+        for rank, evs in res.timeline.items():
+            assert evs, rank
+            for a, b in zip(evs, evs[1:]):
+                assert a.end <= b.start + 1e-9, (rank, a, b)

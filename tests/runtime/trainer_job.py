@@ -1,0 +1,82 @@
+"""A training script for the Trainer tests, run by torchrun (every rank) or in one process.
+
+    python trainer_job.py OUT.pt --ckpt DIR [--crash-after 2] [--resume] [--executor reference]
+
+Trains a 3-stage-cut MLP with dropout (2 stages, replicas [1, 1]) for 2 epochs of 7 minibatches,
+SGD with momentum and a StepLR, checkpoints every 2 minibatches. ``--crash-after N`` kills the
+process hard (os._exit, like a crash) right after the N-th checkpoint completes; rank 0 writes
+the trained state dict and the history to OUT.pt at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxpipe.codegen.split import placed_nodes, split_graph
+from fxpipe.runtime.data import ShardedDataset
+from fxpipe.runtime.trainer import Trainer
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 2))
+
+
+def stages(cut: int = 3) -> list:
+    gm = fx.symbolic_trace(model())
+    return split_graph(gm, {n.name: int(i > cut) for i, n in enumerate(placed_nodes(gm))})
+
+
+def dataset() -> ShardedDataset:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(28, 4, generator=g), torch.randn(28, 2, generator=g)
+    return ShardedDataset(x, y, batch_size=4, seed=3)
+
+
+def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
+    return Trainer(stages(), [1, 1], F.mse_loss,
+                   functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+                   lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1,
+                                                  gamma=0.5),
+                   schedule=args.schedule, checkpoint_dir=args.ckpt, checkpoint_every=2,
+                   executor=args.executor, timeout_s=30, progress=False,
+                   on_checkpoint=on_checkpoint)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--crash-after", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--executor", default="distributed")
+    p.add_argument("--schedule", default="pipedream")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    done = []
+
+    def crash(epoch: int, pos: int) -> None:
+        done.append((epoch, pos))
+        if len(done) == args.crash_after:
+            sys.stdout.flush()
+            os._exit(3)
+
+    trainer = make_trainer(args, crash if args.crash_after else None)
+    history = trainer.fit(dataset(), epochs=2, eval_loader=dataset(), resume=args.resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({"state": trainer.state_dict(), "history": history}, Path(args.out))
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
