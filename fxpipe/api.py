@@ -159,6 +159,15 @@ class CompiledModel:
                                           "pass a state dict of the model this was compiled from")
                 dst.copy_(value)
 
+    # --- training ------------------------------------------------------------------------------
+    def trainer(self, **kwargs: Any) -> Any:
+        """A pipeline trainer for this plan: ``trainer(optimizer=lambda ps: SGD(ps, lr=0.05),
+        schedule="pipedream", checkpoint_dir="ckpt/").fit(loader, epochs=3)``; see
+        :class:`fxpipe.runtime.trainer.Trainer` for every option."""
+        from fxpipe.runtime.trainer import make_trainer
+
+        return make_trainer(self, **kwargs)
+
     # --- artefacts -----------------------------------------------------------------------------
     def export(self, directory: str | os.PathLike[str]) -> None:
         """Readable ``stage_k.py`` + weights per stage, plus ``plan.json``."""

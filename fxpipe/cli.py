@@ -126,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--svg", default=None, metavar="FILE", help="draw the partitioned graph")
     pl.add_argument("--save-plan", default=None, metavar="FILE", help="write plan.json")
     pl.set_defaults(func=cmd_plan)
+    from fxpipe.cli_train import add_train_parser
+
+    add_train_parser(sub)
+    from fxpipe.cli_simulate import add_simulate_parser
+
+    add_simulate_parser(sub)
     return p
 
 

@@ -32,7 +32,8 @@ SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw")
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="zoo model name (fxpipe.models.names())")
     p.add_argument("--data", required=True, help="synthetic | digits")
-    p.add_argument("--plan", default=None, metavar="FILE", help="plan.json (fxpipe plan --save-plan)")
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="plan.json (fxpipe plan --save-plan)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--num-batches", type=int, default=16, help="synthetic minibatches per epoch")

@@ -15,6 +15,10 @@ _EXPORTS = {
     "run_distributed": "launch", "make_wire_plan": "wire",
     "PeerError": "errors", "StashError": "errors", "RuntimeConfigError": "errors",
     "WorkerFailedError": "errors",
+    "TiedParameter": "stage", "tied_parameters": "stage",
+    "write_chrome_trace": "timeline", "busy_fraction": "timeline", "TimelineEvent": "timeline",
+    "Trainer": "trainer", "make_trainer": "trainer", "ShardedDataset": "data",
+    "simulate_plan": "plansim", "PlanSimulation": "plansim",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -88,7 +88,8 @@ class ShardedDataset:
     minibatch (keeping every minibatch the same shape avoids a second wire signature).
     """
 
-    def __init__(self, inputs: Any, targets: Any, *, batch_size: int, num_samples: int | None = None,
+    def __init__(self, inputs: Any, targets: Any, *, batch_size: int,
+                 num_samples: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if batch_size < 1:
             raise RuntimeConfigError(f"batch_size={batch_size}", "use a batch size >= 1")
@@ -97,7 +98,8 @@ class ShardedDataset:
             raise RuntimeConfigError("cannot tell how many samples the dataset has",
                                      "pass num_samples= when inputs and targets are callables")
         self.inputs, self.targets, self.num_samples = inputs, targets, int(n)
-        self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, seed, drop_last
+        self.batch_size, self.shuffle = batch_size, shuffle
+        self.seed, self.drop_last = seed, drop_last
 
     @staticmethod
     def _length(*sources: Any) -> int | None:

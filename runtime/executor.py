@@ -6,8 +6,10 @@ receives the stage's inputs (model inputs are read locally: every rank has the b
 forward and sends each output straight to every consuming stage's owner of k; ``B k`` receives the
 gradients of its outputs, runs the backward and sends its inputs' gradients to their producers;
 ``U i`` all-reduces the stage's gradient sums among its replicas (their own process group) and
-steps the optimizer. All transport goes through :class:`~fxpipe.runtime.comm.Comm`; all compute
-through the same :class:`StageReplica` the reference executor uses.
+steps the optimizer; tied parameters also sum their gradients over every rank holding them. The
+receives of the next actions are posted ahead (``prepost``), so messages arrive during compute.
+All transport goes through :class:`~fxpipe.runtime.comm.Comm`; all compute through the same
+:class:`StageReplica` the reference executor uses; every part is stamped on the rank's timeline.
 
 :func:`run_distributed` (in :mod:`fxpipe.runtime.launch`) spawns the ranks; :func:`worker_main` is
 what each of them runs.
@@ -57,8 +59,11 @@ class RankExecutor:
     def __init__(self, stages: Sequence[StageSpec], schedule: Schedule, me: Rank,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  comm: Comm, *, stashing: bool = True, device: torch.device | None = None,
-                 fault: tuple[str, int] | None = None, recorder: Recorder | None = None) -> None:
+                 fault: tuple[str, int] | None = None, recorder: Recorder | None = None,
+                 prepost: int = 2) -> None:
         self.stages = list(stages)
+        self.prepost = prepost
+        self._posted: dict[tuple[str, int], list[Any]] = {}
         # tied parameters are found by identity: do it before .to(device) and anything else
         self.tied = [(stages_, [t.names[me[0]] for t in ts]) for stages_, ts
                      in tie_sets(tied_parameters(self.stages)).items() if me[0] in stages_]
@@ -79,14 +84,46 @@ class RankExecutor:
     def _what(self, kind: str, name: str, k: int) -> str:
         return f"{kind} {name!r} of minibatch {k}"
 
+    def _post(self, a: Action) -> list[Any]:
+        """Post the receives ``a`` needs: for F one per input (None for a model input), for B
+        one list per output (a gradient from each consuming stage's owner; empty when none)."""
+        k, st = a.minibatch, self.spec
+        if a.kind == "F":
+            return [None if src == MODEL else
+                    self.comm.post_recv(self.wire.spec(n, k), self.schedule.owner(src, k),
+                                        self.comm.tag(k, self.wire.index(n), FORWARD),
+                                        self._what("activation", n, k))
+                    for n, src in zip(st.inputs, st.sources)]
+        posted: list[Any] = []
+        for n, cons in zip(st.outputs, st.consumers):
+            spec = self.wire.spec(n, k) if any(c != MODEL for c in cons) else None
+            posted.append([self.comm.post_recv(spec, self.schedule.owner(c, k),
+                                               self.comm.tag(k, self.wire.index(n), BACKWARD),
+                                               self._what("gradient", n, k))
+                           for c in cons if c != MODEL and spec is not None
+                           and (spec.dtype.is_floating_point or spec.dtype.is_complex)])
+        return posted
+
+    def _receives(self, a: Action) -> list[Any]:
+        """The receives of ``a``: pre-posted ones if :meth:`prepost_ahead` posted them."""
+        got = self._posted.pop((a.kind, a.minibatch), None)
+        return self._post(a) if got is None else got
+
+    def prepost_ahead(self, actions: Sequence[Action], i: int) -> None:
+        """Post now the receives of action ``i`` and of the next ``prepost`` F/B actions, in list
+        order, so their data arrives while this rank computes (communication overlapped with
+        compute). Buffers come from the wire plan: posting early costs only their memory."""
+        ahead = [b for b in actions[i:] if b.kind != "U"][:self.prepost + 1]
+        new = [b for b in ahead if (b.kind, b.minibatch) not in self._posted]
+        if new:
+            with self.rec.span("recv", "post " + " ".join(map(str, new))):
+                for b in new:
+                    self._posted[(b.kind, b.minibatch)] = self._post(b)
+
     def forward(self, a: Action, batch: Batch) -> float | None:
         s, k, st = self.me[0], a.minibatch, self.spec
         env = model_env(self.stages, batch[0]) if MODEL in st.sources else {}
-        posted = [None if src == MODEL else
-                  self.comm.post_recv(self.wire.spec(n, k), self.schedule.owner(src, k),
-                                      self.comm.tag(k, self.wire.index(n), FORWARD),
-                                      self._what("activation", n, k))
-                  for n, src in zip(st.inputs, st.sources)]
+        posted = self._receives(a)
         ins = [env[n].to(self.device) if p is None else self.comm.wait(p)
                for n, p in zip(st.inputs, posted)]
         target = batch[1].to(self.device) if isinstance(batch[1], torch.Tensor) else batch[1]
@@ -103,14 +140,7 @@ class RankExecutor:
 
     def backward(self, a: Action) -> None:
         k, st = a.minibatch, self.spec
-        posted: list[list[Any]] = []
-        for n, cons in zip(st.outputs, st.consumers):
-            spec = self.wire.spec(n, k) if any(c != MODEL for c in cons) else None
-            posted.append([self.comm.post_recv(spec, self.schedule.owner(c, k),
-                                               self.comm.tag(k, self.wire.index(n), BACKWARD),
-                                               self._what("gradient", n, k))
-                           for c in cons if c != MODEL and spec is not None
-                           and (spec.dtype.is_floating_point or spec.dtype.is_complex)])
+        posted: list[list[Any]] = self._receives(a)
         out_grads: list[torch.Tensor | None] = []
         for group in posted:
             total: torch.Tensor | None = None
@@ -131,8 +161,9 @@ class RankExecutor:
         gradients over every rank holding them (their own group), as the reference does."""
         s = self.me[0]
         reps = self.schedule.replicas
-        buf = self.replica.local_gradient()
-        segs = [(key, names, self.replica.segment(buf, names)) for key, names in self.tied]
+        with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
+            buf = self.replica.local_gradient()
+            segs = [(key, names, self.replica.segment(buf, names)) for key, names in self.tied]
         if reps[s] > 1:
             self.comm.all_reduce(buf, s, [(s, j) for j in range(reps[s])], f"U{a.minibatch}")
         for key, names, seg in segs:
@@ -145,9 +176,12 @@ class RankExecutor:
     def run(self, batches: Sequence[Batch]) -> RankResult:
         """Walk the action list; then wait for every send and for all ranks to finish."""
         losses: dict[int, float] = {}
-        for i, a in enumerate(self.schedule.actions[self.me]):
+        actions = self.schedule.actions[self.me]
+        for i, a in enumerate(actions):
             if self.fault is not None and i == self.fault[1]:
                 _inject(self.fault[0], self.comm.who, a)
+            if self.prepost > 0:
+                self.prepost_ahead(actions, i)
             if a.kind == "F":
                 loss = self.forward(a, batches[a.minibatch])
                 if loss is not None:
@@ -160,7 +194,13 @@ class RankExecutor:
         self.comm.barrier()
         return RankResult(losses, {n: t.detach().cpu() for n, t in
                                    self.replica.parameters().items()},
-                          self.replica.stash.peak_bytes, self.rec.finish())
+                          self.replica.stash.peak_bytes, self._take_timeline())
+
+    def _take_timeline(self) -> list[TimelineEvent]:
+        """This run's events (with idle gaps); the recorder starts empty for the next run."""
+        events = self.rec.finish()
+        self.rec.events.clear()
+        return events
 
 
 def _inject(kind: str, who: str, a: Action) -> None:
@@ -197,27 +237,34 @@ class WorkerConfig:
         return Schedule(self.schedule_kind, self.replicas, self.num_minibatches, self.actions)
 
 
-def init_rank(index: int, cfg: WorkerConfig) -> float:
-    """Join the world's process group; returns the timeline's common start (after a barrier)."""
+def init_rank(index: int, cfg: WorkerConfig, world_size: int | None = None) -> float:
+    """Join the world's process group (of ``world_size`` ranks, default: the schedule's);
+    returns the timeline's common start (taken after a barrier)."""
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=max(cfg.timeout_s, 60.0))  # rendezvous waits for slow spawns
     dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.port}",
-                            rank=index, world_size=len(cfg.schedule().ranks), timeout=timeout)
+                            rank=index, world_size=world_size or len(cfg.schedule().ranks),
+                            timeout=timeout)
     return synchronized_start(max(cfg.timeout_s, 60.0))
 
 
-def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult:
+def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:
     """Carry out one run as rank ``index`` of an initialised world (several runs may follow one
-    another in the same world: each creates its groups and ends with a barrier)."""
+    another in the same world: each creates its groups and ends with a barrier). A world larger
+    than the pipeline is allowed: a spare rank (``index`` past the schedule's ranks) only joins
+    the collective calls (group creation, final barrier) and returns None."""
     sched = cfg.schedule()
-    me = sched.ranks[index]
     rank_of = {r: i for i, r in enumerate(sched.ranks)}
     device = torch.device(cfg.device)
     ties = list(tie_sets(tied_parameters(cfg.stages)))
     groups = make_groups(sched.replicas, rank_of, ties, cfg.timeout_s)
+    if index >= len(sched.ranks):
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=cfg.timeout_s))
+        return None
+    me = sched.ranks[index]
     rec = Recorder(t0, args={"stage": me[0], "replica": me[1], "rank": index})
     comm = Comm(me, rank_of, len(cfg.wire.values), cfg.timeout_s, device, groups, recorder=rec)
     ex = RankExecutor(cfg.stages, sched, me, cfg.loss_fn, cfg.optimizer_factory, cfg.wire,
@@ -239,6 +286,7 @@ def worker_main(index: int, cfg: WorkerConfig) -> None:
     try:
         t0 = init_rank(index, cfg)
         result = run_rank(index, cfg, t0)
+        assert result is not None  # the world is exactly the schedule's ranks
         torch.save(result.__dict__, out / f"rank{index}.pt")
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 - every failure must end the process non-zero

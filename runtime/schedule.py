@@ -335,17 +335,14 @@ def _static_checks(sched: Schedule) -> None:
                                 f"{sorted(counts)}", "replicas all-reduce every update together")
 
 
-def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = ()) -> list[tuple[Rank, int]]:
+def execution_order(sched: Schedule,
+                    sync: Sequence[Sequence[int]] = ()) -> list[tuple[Rank, int]]:
     """Run every rank's list in order against the data dependencies; return (rank, index) in a
     valid execution order (a topological order, which ``simulate`` times), or raise
-    :class:`DeadlockError` naming each stuck rank and what it waits for.
-
-    F(k) on stage s needs F(k) on stage s-1; B(k) needs B(k) on stage s+1 (on the last stage its
-    own F(k)); U<i> on a stage needs every replica of that stage at its U<i> (all-reduce), and
-    every replica of every stage in the same ``sync`` set (stages sharing a tied parameter).
-    """
-    S = sched.num_stages
-    together = {s: tuple(c) for c in sync for s in c}
+    :class:`DeadlockError` naming each stuck rank and what it waits for. F(k) on stage s needs
+    F(k) on stage s-1; B(k) needs B(k) on stage s+1 (on the last stage its own F(k)); U<i> needs
+    every replica of its stage, and of the stages in its ``sync`` set (tied weights), at U<i>."""
+    S, together = sched.num_stages, {s: tuple(c) for c in sync for s in c}
     ptr = {rank: 0 for rank in sched.ranks}
     done: set[tuple[str, int, int]] = set()
     order: list[tuple[Rank, int]] = []

@@ -161,12 +161,12 @@ class StageReplica:
                and is_differentiable(t) else t for t in inputs]
         weights = self.stash.acquire(minibatch, version)
         if self.stash.stashing:
-            outs = self._call(weights, ins)
+            outs = self._call(weights, _writable(ins))
             loss = self._loss(outs, target) if self.is_last else None
             self._flight[minibatch] = _InFlight(ins, outs, loss)
         else:
             with torch.no_grad():
-                outs = self._call(weights, ins)
+                outs = self._call(weights, _writable(ins))
                 loss = self._loss(outs, target) if self.is_last else None
             self._flight[minibatch] = _InFlight(ins, None, None, target)
         sent = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
@@ -183,7 +183,7 @@ class StageReplica:
         fl = self._flight.pop(minibatch)
         _, weights = self.stash.for_backward(minibatch)
         if fl.outputs is None:  # no stashing: recompute with the latest weights
-            outs = self._call(weights, fl.inputs)
+            outs = self._call(weights, _writable(fl.inputs))
             fl = _InFlight(fl.inputs, outs, self._loss(outs, fl.target) if self.is_last else None)
         if self.is_last:
             roots, seeds = [fl.loss], [None]
@@ -260,3 +260,10 @@ class StageReplica:
     def parameters(self) -> dict[str, torch.Tensor]:
         """The latest weights by the model's own names (detached copies)."""
         return {n: t.detach().clone() for n, t in self.stash.latest.items()}
+
+
+def _writable(ins: Sequence[Any]) -> list[Any]:
+    """The stage's inputs as non-leaf clones: a received activation is a leaf that requires grad,
+    and a stage that starts with an in-place op (a cut right before ``ReLU(inplace=True)``) may
+    not write into a leaf. The leaves stay in ``_InFlight`` for their gradients."""
+    return [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in ins]

@@ -74,7 +74,8 @@ class Trainer:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         if schedule not in SCHEDULE_KINDS:
-            raise RuntimeConfigError(f"unknown schedule {schedule!r}", f"use one of {SCHEDULE_KINDS}")
+            raise RuntimeConfigError(f"unknown schedule {schedule!r}",
+                                     f"use one of {SCHEDULE_KINDS}")
         if executor not in ("distributed", "reference"):
             raise RuntimeConfigError(f"unknown executor {executor!r}",
                                      "use 'distributed' (torchrun) or 'reference' (one process)")

@@ -106,7 +106,9 @@ class ReferenceBackend:
                 w = self.local[(st.index, k % self.replicas[st.index])]
                 env.update(zip(st.outputs, stage_forward(w, [env[n] for n in st.inputs])))
             last = self.stages[-1]
-            out = last.io.build_output({n: env[n] for n in last.outputs})  # type: ignore[union-attr]
+            io = last.io
+            assert io is not None
+            out = io.build_output({n: env[n] for n in last.outputs})
             total = [a + b for a, b in zip(total, eval_metrics(self.loss_fn, out, y))]
         return total
 

@@ -16,7 +16,8 @@ log = logging.getLogger("fxpipe.runtime.trainer")
 class Progress:
     """``update(n, loss, samples_per_s)`` after each segment; ``close()`` at the epoch end."""
 
-    def __init__(self, desc: str, total: int | None, done: int = 0, *, enabled: bool = True) -> None:
+    def __init__(self, desc: str, total: int | None, done: int = 0, *,
+                 enabled: bool = True) -> None:
         self.desc, self.total, self.done, self.enabled = desc, total, done, enabled
         self._bar: Any = None
         self._rich: Any = None

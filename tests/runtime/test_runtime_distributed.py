@@ -2,37 +2,56 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 
 import pytest
 import torch
-from rt_helpers import SkipMLP, batches, loss_fn, sgd, split, tiny_mlp
+from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 
 from fxpipe.runtime.errors import WorkerFailedError
 from fxpipe.runtime.launch import run_distributed
 from fxpipe.runtime.reference import ReferenceExecutor
 from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.timeline import busy_fraction, write_chrome_trace
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("cuts, replicas, make", [([2], [1, 1], tiny_mlp),
-                                                 ([2, 4], [1, 1, 1], SkipMLP),
-                                                 ([2], [2, 1], tiny_mlp)],
-                         ids=["2-stage", "3-stage-skip", "replicated-2-1"])
-def test_distributed_equals_reference(cuts: list[int], replicas: list[int], make) -> None:
-    """8 pipedream minibatches; the 3-stage model sends stage 0's output straight to stage 2."""
+def test_distributed_equals_reference_and_records_a_timeline(tmp_path) -> None:
+    """8 pipedream minibatches on 2 stages through run_distributed (the launcher's own path;
+    more schedules and pipelines in test_runtime_schedules.py), and the trace it writes."""
     data = batches(8)
-    model = make()
-    sched = make_schedule("pipedream", replicas, 8)
-    ref = ReferenceExecutor(split(copy.deepcopy(model), cuts), replicas, sched, loss_fn,
+    model = tiny_mlp()
+    sched = make_schedule("pipedream", [1, 1], 8)
+    ref = ReferenceExecutor(split(copy.deepcopy(model), [2]), [1, 1], sched, loss_fn,
                             sgd).run(data)
-    got = run_distributed(split(copy.deepcopy(model), cuts), replicas, sched, loss_fn, sgd, data,
+    got = run_distributed(split(copy.deepcopy(model), [2]), [1, 1], sched, loss_fn, sgd, data,
                           timeout_s=30, join_timeout_s=240)
     torch.testing.assert_close(got.losses, ref.losses, **TIGHT)
     for rank in sched.ranks:
         torch.testing.assert_close(got.replica_params[rank], ref.replica_params[rank], **TIGHT)
     assert got.peak_bytes == ref.peak_bytes
+
+    path = write_chrome_trace(got.timeline, tmp_path / "trace.json")
+    trace = json.loads(path.read_text())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for pid in (0, 1):
+        mine = sorted((e for e in complete if e["pid"] == pid), key=lambda e: e["ts"])
+        for kind in "FB":
+            names = sorted(e["name"] for e in mine if e["cat"] in ("forward", "backward")
+                           and e["name"][0] == kind)
+            assert names == sorted(f"{kind}{k}" for k in range(8)), (pid, names)
+        for e in mine:
+            assert e["dur"] >= 0 and {"stage", "replica"} <= set(e["args"])
+        for a, b in zip(mine, mine[1:]):  # microsecond rounding: allow 0.002 us
+            assert a["ts"] + a["dur"] <= b["ts"] + 2e-3, (a, b)
+        cats = {e["cat"] for e in mine}
+        assert {"forward", "backward", "optimizer"} <= cats
+        assert ("send" in cats) and ("recv" in cats)
+    for steady in (True, False):
+        busy = busy_fraction(got.timeline, steady_state=steady)
+        assert set(busy) == {0, 1} and all(0 < b <= 1 for b in busy.values()), busy
 
 
 def test_killed_rank_makes_the_others_fail_naming_it() -> None:

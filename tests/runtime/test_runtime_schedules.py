@@ -1,8 +1,8 @@
 """Every schedule, vertical sync and tied parameters, distributed (gloo, CPU) against the
 reference executor, and the flush schedules against big-batch SGD.
 
-The runs share two spawned worlds (one of 2 ranks, one of 3): see rt_spawn.py. Each test below
-checks one job of those worlds.
+All the runs share ONE spawned world of 3 ranks (2-stage jobs leave the third rank spare): see
+rt_spawn.py. Each test below checks one job of that world.
 """
 from __future__ import annotations
 
@@ -71,13 +71,19 @@ THREE = {
 
 
 @pytest.fixture(scope="module")
-def two_rank() -> dict[str, RunResult]:
-    return dict(zip(TWO, run_jobs([c.job() for c in TWO.values()])))
+def results() -> dict[str, RunResult]:
+    cases = {**TWO, **THREE}
+    return dict(zip(cases, run_jobs([c.job() for c in cases.values()])))
 
 
 @pytest.fixture(scope="module")
-def three_rank() -> dict[str, RunResult]:
-    return dict(zip(THREE, run_jobs([c.job() for c in THREE.values()])))
+def two_rank(results) -> dict[str, RunResult]:
+    return {n: results[n] for n in TWO}
+
+
+@pytest.fixture(scope="module")
+def three_rank(results) -> dict[str, RunResult]:
+    return {n: results[n] for n in THREE}
 
 
 def _result(name: str, two_rank, three_rank) -> tuple[Case, RunResult]:
@@ -113,7 +119,7 @@ def test_tied_copies_stay_identical(name: str, three_rank) -> None:
     res = three_rank[name]
     copies = [p[n] for p in res.replica_params.values() for n in ("wte.weight", "lm_head.weight")
               if n in p]
-    assert len(copies) == 3 if THREE[name].replicas == (2, 1) else len(copies) == 2
+    assert len(copies) == (3 if THREE[name].replicas == (2, 1) else 2)
     for c in copies[1:]:
         assert torch.equal(c, copies[0])
 

@@ -1,0 +1,103 @@
+"""``fxpipe simulate``: predict a plan's training speed on a cluster we do not have.
+
+    fxpipe simulate ../shared/data/pipedream-profiles/vgg16/graph.txt --workers 8 --bandwidth 10Gbps
+    fxpipe simulate vgg16 --size full --device V100 --workers 8 --trace predicted.json
+    fxpipe simulate profile.json --workers 16 --plan plan.json --schedule 1f1b-flush
+
+MODEL_OR_PROFILE is anything ``fxpipe plan`` takes. Without ``--plan`` the planner chooses one for
+the cluster; either way the plan's schedule is event-simulated (fxpipe.runtime.plansim) and
+compared with the planner's prediction and with BSP data parallelism on the same cluster.
+``--trace`` writes a Chrome/Perfetto trace in the format of the runtime's measured timeline.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from fxpipe.errors import ConfigError
+
+log = logging.getLogger("fxpipe")
+SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw")
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``fxpipe simulate`` on the ``fxpipe`` command's subparsers."""
+    p = subparsers.add_parser("simulate", help="event-simulate a plan on a (hypothetical) cluster")
+    p.add_argument("model", metavar="MODEL_OR_PROFILE",
+                   help="zoo name, file.py:factory, PipeDream graph.txt or profile.json")
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--bandwidth", default="10Gbps", help="e.g. 10Gbps, 25Gbit/s, 1.25GB/s")
+    p.add_argument("--latency", type=float, default=0.0, help="seconds per message")
+    p.add_argument("--device", default=None, help="estimate costs for this device (V100, ...)")
+    p.add_argument("--memory", default=None, help="memory per worker, e.g. 16GB")
+    p.add_argument("--workers-per-machine", type=int, default=1)
+    p.add_argument("--intra-bandwidth", default=None, help="link inside a machine (two-level)")
+    p.add_argument("--sync", default="allreduce", choices=["allreduce", "parameter-server"])
+    p.add_argument("--plan", default=None, metavar="FILE", help="simulate this plan.json")
+    p.add_argument("--stages", type=int, default=None, help="force the number of stages")
+    p.add_argument("--straight", action="store_true", help="one worker per stage")
+    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
+    p.add_argument("--minibatches", type=int, default=200)
+    p.add_argument("--half-duplex", action="store_true",
+                   help="one port per worker for both directions (the planner's assumption)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace")
+    p.add_argument("--size", default="mini", help="zoo model size: mini or full")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--input-shape", default=None, help="for factories that return a bare module")
+    p.set_defaults(func=cmd_simulate)
+    return p
+
+
+def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]:
+    from fxpipe.costmodel import Profile
+    from fxpipe.passes import Plan, partition
+
+    suffix = Path(args.model).suffix
+    if suffix in (".txt", ".json"):
+        profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
+    else:
+        from fxpipe.api import compile as fx_compile
+        from fxpipe.cli import _resolve_model
+
+        model, inputs = _resolve_model(args)
+        profile = fx_compile(model, cluster, example_inputs=inputs, stages=args.stages,
+                             straight=args.straight, sync=args.sync).profile
+    if args.plan:
+        plan = Plan.load(args.plan)
+        missing = set(plan.stage_of()) - set(profile.names)
+        if missing:
+            raise ConfigError(f"plan {args.plan!r} names nodes the profile lacks "
+                              f"(e.g. {sorted(missing)[0]!r})", "pass the model the plan was made for")
+    else:
+        plan = partition(profile, cluster, sync=args.sync, stages=args.stages,
+                         straight=args.straight)
+    return profile, plan
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from fxpipe.costmodel import Cluster
+    from fxpipe.runtime.plansim import data_parallel_plan, simulate_plan
+    from fxpipe.units import format_bytes, format_seconds
+
+    cluster = Cluster(workers=args.workers, bandwidth=args.bandwidth, device=args.device,
+                      memory=args.memory, workers_per_machine=args.workers_per_machine,
+                      intra_bandwidth=args.intra_bandwidth, latency=args.latency)
+    profile, plan = _profile_and_plan(args, cluster)
+    duplex = not args.half_duplex
+    sim = simulate_plan(plan, profile, schedule=args.schedule, minibatches=args.minibatches,
+                        latency_s=args.latency, duplex=duplex)
+    bsp = simulate_plan(data_parallel_plan(profile, cluster, sync=plan.sync), profile,
+                        minibatches=args.minibatches, latency_s=args.latency, duplex=duplex)
+    print(plan.summary())
+    print()
+    print(sim.summary())
+    print(f"BSP data parallelism on {cluster.workers} workers: "
+          f"{format_seconds(bsp.steady_state_period)} per minibatch, "
+          f"{format_bytes(bsp.bytes_per_minibatch)} on the wire per minibatch; simulated speedup "
+          f"of the plan over BSP {bsp.steady_state_period / sim.steady_state_period:.2f}x")
+    if args.trace:
+        print(f"wrote the predicted timeline to {sim.write_trace(args.trace)} "
+              "(open in ui.perfetto.dev or chrome://tracing)")
+    return 0

@@ -1,0 +1,357 @@
+"""Simulate a :class:`~fxpipe.passes.plan.Plan` on a cluster we do not have: ``simulate_plan``.
+
+Why a second simulator next to :mod:`fxpipe.runtime.simulate`: that one times a schedule with
+per-cut delays and no contention, which is enough to draw grids. Predicting a plan on a real
+cluster needs the network as a *resource*: two transfers on the same link queue behind each
+other, and an all-reduce holds every replica of a stage. So this is a discrete-event simulation
+(a heap of timed events, resources granted first come first served) of the plan's schedule
+(``make_schedule(kind, plan.replicas, minibatches)``) under the planner's cost model:
+
+* compute: a replica runs a whole minibatch; stage s's forward+backward is ``compute_s * r_s``,
+  split into forward and backward with the profile's per-node times (1:2 without a profile);
+* cuts: each F sends the cut's bytes (every value live across it, ``input_bytes``) to the next
+  stage's owner, each B sends as many gradient bytes back, at the cut bandwidth of
+  :func:`~fxpipe.passes.partition.coefficients` plus ``latency`` per message. Links are the
+  workers' network ports: a transfer holds the sender's egress and the receiver's ingress
+  (``duplex=True``: full-duplex ports, so activations and gradients do not compete; with
+  ``duplex=False`` one port per worker carries both directions, which is what the planner's
+  ``2 X / B`` cut time assumes);
+* sync: an update ``U`` holds every replica of the stage for ``r * beta_r * P`` seconds, so its
+  cost amortised over the ``r`` minibatches of a pipedream round is the plan's ``sync_s``;
+* sends are asynchronous (the runtime posts them in the background): communication overlaps
+  compute unless a rank has to wait for its data, which is exactly what the planner's
+  ``max(stage times, cut times)`` cannot see (1F1B start-up, a window too small to hide a
+  round trip, a link shared by two cuts).
+
+Pure Python; no torch. The timeline uses :mod:`fxpipe.runtime.timeline`'s events and trace
+writer, so predicted and measured traces open side by side in ui.perfetto.dev.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile
+from fxpipe.errors import ConfigError
+from fxpipe.passes.partition import coefficients
+from fxpipe.passes.plan import Plan, StagePlan
+from fxpipe.units import format_bytes, format_seconds
+
+from .schedule import Action, Rank, make_schedule
+from .timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FORWARD_FRACTION = 1.0 / 3.0  # backward ~ 2x forward when no profile says otherwise
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """What one replica of a stage costs in the simulation (seconds per minibatch / update)."""
+
+    forward_s: float
+    backward_s: float
+    update_s: float
+    parameter_bytes: float
+    input_bytes: float
+    sync_bytes: float  # bytes sent on the wire by all replicas together per update
+
+
+@dataclass(frozen=True)
+class PlanSimulation:
+    """Result of :func:`simulate_plan`. Times are seconds; ``steady_state_period`` is seconds per
+    minibatch once the pipeline is full (start-up and drain excluded)."""
+
+    plan: Plan
+    schedule: str
+    minibatches: int
+    costs: tuple[StageCosts, ...]
+    makespan: float
+    steady_state_period: float
+    utilisation: tuple[float, ...]           # per stage: F+B time / steady window, replica mean
+    activation_bytes_per_minibatch: float    # activations forward + gradients back, all cuts
+    sync_bytes_per_minibatch: float          # weight synchronisation of replicated stages
+    events: Mapping[int, tuple[TimelineEvent, ...]] = field(hash=False)
+    rank_names: Mapping[int, str] = field(hash=False)
+
+    @property
+    def bytes_per_minibatch(self) -> float:
+        return self.activation_bytes_per_minibatch + self.sync_bytes_per_minibatch
+
+    @property
+    def bytes_per_sample(self) -> float | None:
+        bs = self.plan.batch_size
+        return self.bytes_per_minibatch / bs if bs else None
+
+    @property
+    def throughput(self) -> float:
+        """Samples/s when the plan knows its batch size, else minibatches/s (see throughput_unit)."""
+        if self.steady_state_period <= 0:
+            return math.inf
+        return (self.plan.batch_size or 1) / self.steady_state_period
+
+    @property
+    def throughput_unit(self) -> str:
+        return "samples/s" if self.plan.batch_size else "minibatches/s"
+
+    @property
+    def relative_error(self) -> float:
+        """(simulated - planned) / planned time per minibatch."""
+        p = self.plan.time_per_minibatch
+        return (self.steady_state_period - p) / p if p > 0 else 0.0
+
+    def to_chrome_trace(self) -> dict[str, Any]:
+        return to_chrome_trace(self.events, self.rank_names)
+
+    def write_trace(self, path: str | Path) -> Path:
+        """Chrome/Perfetto JSON, same format as the runtime's measured trace."""
+        return write_chrome_trace(self.events, path, self.rank_names)
+
+    def summary(self) -> str:
+        lines = [f"simulated {self.minibatches} minibatches, {self.schedule} schedule, "
+                 f"replicas {self.plan.replicas} ({self.plan.sync} sync)"]
+        for s, (c, u) in enumerate(zip(self.costs, self.utilisation)):
+            lines.append(f"  stage {s}: x{self.plan.stages[s].replicas} fwd "
+                         f"{format_seconds(c.forward_s)} bwd {format_seconds(c.backward_s)} "
+                         f"update {format_seconds(c.update_s)} in {format_bytes(c.input_bytes)}"
+                         f"  utilisation {u:.0%}")
+        lines.append(f"steady state: {format_seconds(self.steady_state_period)} per minibatch "
+                     f"(plan predicts {format_seconds(self.plan.time_per_minibatch)}, "
+                     f"{self.relative_error:+.1%}); {self.throughput:.2f} {self.throughput_unit}")
+        lines.append(f"bytes on the wire per minibatch: {format_bytes(self.bytes_per_minibatch)} "
+                     f"(cuts {format_bytes(self.activation_bytes_per_minibatch)}, sync "
+                     f"{format_bytes(self.sync_bytes_per_minibatch)})")
+        lines.append(f"makespan {format_seconds(self.makespan)}")
+        return "\n".join(lines)
+
+
+def stage_costs(plan: Plan, profile: Profile | None = None) -> list[StageCosts]:
+    """Per-stage simulation costs from the plan (and the profile's forward/backward split)."""
+    cluster = Cluster.from_dict(dict(plan.cluster))
+    _, beta, _ = coefficients(cluster, plan.sync)
+    by_name = {n.name: n for n in profile.nodes} if profile is not None else {}
+    out = []
+    for sp in plan.stages:
+        r = sp.replicas
+        total = sp.compute_s * r  # the plan divides a stage's compute among its replicas
+        frac = DEFAULT_FORWARD_FRACTION
+        if by_name:
+            missing = [n for n in sp.nodes if n not in by_name]
+            if missing:
+                raise ConfigError(f"the profile has no node {missing[0]!r} of stage {sp.index}",
+                                  "pass the profile the plan was made from")
+            f = sum(by_name[n].forward_s for n in sp.nodes)
+            b = sum(by_name[n].backward_s for n in sp.nodes)
+            if f + b > 0:
+                frac = f / (f + b)
+        out.append(StageCosts(forward_s=total * frac, backward_s=total * (1.0 - frac),
+                              update_s=r * beta[r - 1] * sp.parameter_bytes if r > 1 else 0.0,
+                              parameter_bytes=sp.parameter_bytes, input_bytes=sp.input_bytes,
+                              sync_bytes=2.0 * (r - 1) * sp.parameter_bytes))
+    return out
+
+
+def cut_bandwidth(cluster: Cluster) -> float:
+    """Bytes/s of a cut transfer: the planner's choice (inter-machine unless one machine)."""
+    return cluster.intra_bandwidth if cluster.machines == 1 else cluster.bandwidth
+
+
+def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str = "pipedream",
+                  minibatches: int = 200, latency_s: float | None = None,
+                  duplex: bool = True, noam: int | None = None) -> PlanSimulation:
+    """Event-simulate ``plan``'s schedule under the cost model (see the module doc).
+
+    ``latency_s`` overrides the cluster's per-message latency; ``noam`` the input stage's
+    admission window (more minibatches in flight hide longer communication round trips)."""
+    if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
+        raise ConfigError(f"minibatches must be a positive integer, got {minibatches!r}")
+    cluster = Cluster.from_dict(dict(plan.cluster))
+    latency = cluster.latency if latency_s is None else float(latency_s)
+    if not (latency >= 0 and math.isfinite(latency)):
+        raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
+    costs = stage_costs(plan, profile)
+    sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam)
+    sim = _Sim(sched, costs, cut_bandwidth(cluster), latency, duplex)
+    sim.run()
+    period, lo, hi = _steady_window(sched.replicas, sched.kind, sched.group, sim.done,
+                                    sim.makespan, sched.windows)
+    util = []
+    for s, r in enumerate(sched.replicas):
+        fr = [_busy(sim.events[sim.gid[(s, j)]], lo, hi) for j in range(r)]
+        util.append(sum(fr) / r)
+    n = minibatches
+    log.info("simulated replicas %s: %.4g s/minibatch (plan %.4g s)", plan.replicas, period,
+             plan.time_per_minibatch)
+    return PlanSimulation(
+        plan=plan, schedule=sched.kind, minibatches=n, costs=tuple(costs),
+        makespan=sim.makespan, steady_state_period=period, utilisation=tuple(util),
+        activation_bytes_per_minibatch=sim.cut_bytes / n, sync_bytes_per_minibatch=sim.sync_bytes / n,
+        events={g: tuple(sorted(evs, key=lambda e: (e.start, e.end))) for g, evs in sim.events.items()},
+        rank_names={g: f"stage {s} replica {j}" for (s, j), g in sim.gid.items()})
+
+
+class _Sim:
+    """The event loop. Ranks run their action lists in order; a rank whose next action lacks its
+    input waits; transfers reserve link ports first come first served (requests are made in
+    time order, so reserving at request time is FIFO)."""
+
+    def __init__(self, sched: Any, costs: list[StageCosts], bandwidth: float, latency: float,
+                 duplex: bool) -> None:
+        self.sched, self.costs, self.bw, self.lat, self.duplex = sched, costs, bandwidth, latency, duplex
+        self.S = sched.num_stages
+        self.gid: dict[Rank, int] = {rank: i for i, rank in enumerate(sched.ranks)}
+        self.ptr = {rank: 0 for rank in sched.ranks}
+        self.events: dict[int, list[TimelineEvent]] = {g: [] for g in self.gid.values()}
+        self.arrived: set[tuple[str, int, int]] = set()
+        self.waiting: dict[tuple[str, int, int], Rank] = {}
+        self.barrier: dict[tuple[int, int], int] = {}
+        self.port_free: dict[tuple[str, int], float] = {}
+        self.done = [0.0] * sched.num_minibatches
+        self.heap: list[tuple[float, int, str, Any]] = []
+        self.seq = 0
+        self.makespan = 0.0
+        self.cut_bytes = 0.0
+        self.sync_bytes = 0.0
+
+    def push(self, t: float, kind: str, data: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, data))
+
+    def run(self) -> None:
+        for rank in self.sched.ranks:
+            self.advance(rank, 0.0)
+        while self.heap:
+            t, _, kind, data = heapq.heappop(self.heap)
+            self.makespan = max(self.makespan, t)
+            if kind == "end":
+                rank, a = data
+                self.finished(rank, a, t)
+                self.advance(rank, t)
+            else:  # "arrive"
+                self.arrived.add(data)
+                rank = self.waiting.pop(data, None)
+                if rank is not None:
+                    self.advance(rank, t)
+        stuck = {r: p for r, p in self.ptr.items() if p < len(self.sched.actions[r])}
+        if stuck:  # make_schedule validated the schedule, so this is a simulator bug
+            raise RuntimeError(f"plan simulation stalled at {stuck}")
+
+    def record(self, rank: Rank, cat: str, name: str, start: float, end: float, **args: Any) -> None:
+        self.events[self.gid[rank]].append(
+            TimelineEvent(cat, name, start, end, {"stage": rank[0], "replica": rank[1], **args}))
+
+    def advance(self, rank: Rank, now: float) -> None:
+        """Start ``rank``'s next action if it can run now (the rank is idle when called)."""
+        acts = self.sched.actions[rank]
+        if self.ptr[rank] >= len(acts):
+            return
+        a: Action = acts[self.ptr[rank]]
+        s, c = rank[0], self.costs[rank[0]]
+        if a.kind == "U":
+            key = (s, a.minibatch)
+            self.barrier[key] = self.barrier.get(key, 0) + 1
+            r = self.sched.replicas[s]
+            if self.barrier[key] < r:
+                return  # the last replica to arrive starts the all-reduce for everyone
+            self.sync_bytes += c.sync_bytes
+            for j in range(r):
+                peer = (s, j)
+                self.ptr[peer] += 1
+                if c.update_s > 0:
+                    self.record(peer, "allreduce", str(a), now, now + c.update_s, update=a.minibatch)
+                self.push(now + c.update_s, "end", (peer, a))
+            return
+        k = a.minibatch
+        need = (("A", s, k) if a.kind == "F" and s > 0 else
+                ("G", s, k) if a.kind == "B" and s < self.S - 1 else None)
+        if need is not None and need not in self.arrived:
+            self.waiting[need] = rank
+            return
+        dur = c.forward_s if a.kind == "F" else c.backward_s
+        self.ptr[rank] += 1
+        self.record(rank, "forward" if a.kind == "F" else "backward", str(a), now, now + dur,
+                    minibatch=k)
+        self.push(now + dur, "end", (rank, a))
+
+    def finished(self, rank: Rank, a: Action, t: float) -> None:
+        s, k = rank[0], a.minibatch
+        if a.kind == "F" and s < self.S - 1:
+            self.send(rank, self.sched.owner(s + 1, k), self.costs[s + 1].input_bytes,
+                      ("A", s + 1, k), f"act F{k}", t)
+        elif a.kind == "B":
+            if s > 0:
+                self.send(rank, self.sched.owner(s - 1, k), self.costs[s].input_bytes,
+                          ("G", s - 1, k), f"grad B{k}", t)
+            else:
+                self.done[k] = t
+
+    def send(self, src: Rank, dst: Rank, nbytes: float, key: tuple[str, int, int], name: str,
+             ready: float) -> None:
+        """Reserve the sender's egress and the receiver's ingress port; deliver after latency."""
+        out = ("out" if self.duplex else "port", self.gid[src])
+        inn = ("in" if self.duplex else "port", self.gid[dst])
+        start = max(ready, self.port_free.get(out, 0.0), self.port_free.get(inn, 0.0))
+        end = start + nbytes / self.bw
+        self.port_free[out] = self.port_free[inn] = end
+        self.cut_bytes += nbytes
+        self.record(src, "send", name, start, end, bytes=nbytes, to=self.gid[dst])
+        self.push(end + self.lat, "arrive", key)
+
+
+def _steady_window(replicas: tuple[int, ...], kind: str, group: int, done: list[float],
+                   makespan: float, windows: tuple[int, ...] = ()) -> tuple[float, float, float]:
+    """(period, window start, window end): slope of round completion times over the middle half
+    of the rounds (lcm(replicas) minibatches; whole batches for flushing kinds), as in
+    runtime.simulate, so start-up and drain do not count."""
+    n = len(done)
+    g = math.lcm(*replicas)
+    if kind in ("gpipe", "1f1b-flush"):
+        g = math.lcm(g, group)
+    rounds = [max(done[k:k + g]) for k in range(0, n - g + 1, g)]
+    if len(rounds) < 4:  # lcm(replicas) too large for whole rounds: slope of the running max
+        run = list(itertools.accumulate(done, max))
+        lo_k, hi_k = n // 4, n - 1 - n // 4
+        if hi_k <= lo_k:
+            return makespan / n, 0.0, makespan
+        return (run[hi_k] - run[lo_k]) / (hi_k - lo_k), run[lo_k], run[hi_k]
+    lo, hi = len(rounds) // 4, len(rounds) - 1 - len(rounds) // 4
+    if hi <= lo:
+        lo, hi = 0, len(rounds) - 1
+    # 1F1B with w in flight may repeat only every w rounds: measure whole repetitions if we can
+    rep = math.lcm(*windows) if windows else 1
+    if hi - lo >= rep:
+        hi = lo + (hi - lo) // rep * rep
+    return (rounds[hi] - rounds[lo]) / ((hi - lo) * g), rounds[lo], rounds[hi]
+
+
+def _busy(events: list[TimelineEvent], lo: float, hi: float) -> float:
+    if hi <= lo:
+        return 0.0
+    busy = sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for e in events
+               if e.category in ("forward", "backward"))
+    return min(1.0, busy / (hi - lo))
+
+
+def data_parallel_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
+                       workers: int | None = None) -> Plan:
+    """BSP data parallelism as a one-stage plan on ``workers`` (default: all) replicas, costed
+    with the planner's formulas, so the simulator can time the baseline the same way."""
+    r = cluster.workers if workers is None else workers
+    if not 1 <= r <= cluster.workers:
+        raise ConfigError(f"workers={r} outside 1..{cluster.workers}")
+    alpha, beta, _ = coefficients(cluster, sync)
+    c, p = profile.total_compute_s, profile.total_parameter_bytes
+    a = sum(n.activation_bytes for n in profile.nodes)
+    compute, sync_s = alpha[r - 1] * c, beta[r - 1] * p
+    st = StagePlan(index=0, nodes=tuple(profile.names), replicas=r, compute_s=compute,
+                   sync_s=sync_s, stage_time_s=compute + sync_s, input_bytes=0.0, comm_s=0.0,
+                   parameter_bytes=p, activation_bytes=a, memory_bytes=3 * p + a, in_flight=1)
+    return Plan(stages=(st,), cluster=dict(cluster.to_dict()), sync=sync,
+                time_per_minibatch=compute + sync_s, noam=1, data_parallel_time=compute + sync_s,
+                batch_size=profile.batch_size, profile_source=profile.source, workers_used=r)

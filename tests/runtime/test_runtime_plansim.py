@@ -1,0 +1,159 @@
+"""The plan simulator: exact periods, replication, link-bound cases, bytes, traces, CLI.
+
+Hand-made profiles with binary-exact times (1, 2, 0.25, ...) so every expectation is exact.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile, ProfileNode
+from fxpipe.passes import partition
+from fxpipe.runtime.plansim import data_parallel_plan, simulate_plan
+from fxpipe.runtime.schedule import make_schedule
+
+BW = 1e6  # bytes/s, so bytes / BW is exact for the sizes below
+
+
+def chain(*nodes: tuple[float, float, float, float]) -> Profile:
+    """A chain profile from (forward_s, backward_s, activation_bytes, parameter_bytes)."""
+    out = []
+    for i, (f, b, a, p) in enumerate(nodes):
+        out.append(ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=f,
+                               backward_s=b, activation_bytes=a, parameter_bytes=p,
+                               inputs=(f"n{i - 1}",) if i else ()))
+    return Profile(nodes=tuple(out), batch_size=4)
+
+
+def two_stage(f0: float, b0: float, f1: float, b1: float, x: float, **cluster: object):
+    prof = chain((f0, b0, x, 0.0), (f1, b1, 0.0, 0.0))
+    plan = partition(prof, Cluster(workers=2, bandwidth=BW, **cluster), stages=2, straight=True)
+    assert plan.replicas == [1, 1]
+    return prof, plan
+
+
+def test_two_stage_straight_exact_period_and_split() -> None:
+    prof, plan = two_stage(1.0, 2.0, 0.5, 1.5, 250_000.0)  # comm 0.25 s per direction
+    sim = simulate_plan(plan, prof, minibatches=40)
+    assert plan.time_per_minibatch == 3.0
+    assert sim.steady_state_period == pytest.approx(3.0, rel=1e-12)
+    assert sim.relative_error == pytest.approx(0.0, abs=1e-12)
+    assert [(c.forward_s, c.backward_s) for c in sim.costs] == [(1.0, 2.0), (0.5, 1.5)]
+    assert sim.utilisation[0] == pytest.approx(1.0)
+    assert sim.utilisation[1] == pytest.approx(2.0 / 3.0)
+    assert sim.throughput == pytest.approx(4 / 3.0)  # batch 4, samples/s
+    # without a profile: the 1:2 split of compute_s
+    nop = simulate_plan(plan, None, minibatches=40)
+    assert nop.costs[1].forward_s == pytest.approx(2.0 / 3.0)
+    assert nop.steady_state_period == pytest.approx(3.0, rel=1e-12)
+
+
+def test_replication_halves_per_replica_load() -> None:
+    prof = chain((1.0, 2.0, 0.0, 0.0))
+    one = simulate_plan(data_parallel_plan(prof, Cluster(workers=1, bandwidth=BW)), prof,
+                        minibatches=40)
+    two = simulate_plan(data_parallel_plan(prof, Cluster(workers=2, bandwidth=BW)), prof,
+                        minibatches=40)
+    assert one.steady_state_period == pytest.approx(3.0)
+    assert two.steady_state_period == pytest.approx(1.5)
+    # replicated input stage feeding a single one: [2, 1], each stage 1.5 s per minibatch
+    prof2 = chain((1.0, 2.0, 0.0, 0.0), (0.5, 1.0, 0.0, 0.0))
+    plan = partition(prof2, Cluster(workers=3, bandwidth=BW), stages=2)
+    assert plan.replicas == [2, 1] and plan.time_per_minibatch == 1.5
+    sim = simulate_plan(plan, prof2, minibatches=40)
+    assert sim.steady_state_period == pytest.approx(1.5, rel=1e-12)
+    assert sim.costs[0].forward_s == 1.0  # a replica runs whole minibatches
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "parameter-server"])
+def test_sync_at_update_amortises_to_plan_sync(sync: str) -> None:
+    prof = chain((1.0, 2.0, 0.0, 500_000.0))  # P / B = 0.5 s
+    plan = data_parallel_plan(prof, Cluster(workers=2, bandwidth=BW), sync=sync)
+    sim = simulate_plan(plan, prof, minibatches=40)
+    # allreduce: 3/2 + 2 (1/2) 0.5 = 2.0; parameter-server: (3 + 4 (1/2) 0.5) / 2 = 2.0
+    assert plan.time_per_minibatch == pytest.approx(2.0)
+    assert sim.costs[0].update_s == pytest.approx(2 * plan.stages[0].sync_s)
+    assert sim.steady_state_period == pytest.approx(plan.time_per_minibatch, rel=1e-12)
+    # ring / sharded PS: 2 (r-1) P bytes per update, one update per 2 minibatches
+    assert sim.sync_bytes_per_minibatch == pytest.approx(500_000.0)
+    assert sim.activation_bytes_per_minibatch == 0.0
+
+
+def test_communication_bound_is_limited_by_link_time() -> None:
+    prof, plan = two_stage(0.125, 0.25, 0.125, 0.25, 1_000_000.0)  # X / B = 1 s per direction
+    assert plan.time_per_minibatch == pytest.approx(2.0)  # planner: 2 X / B on one link
+    # enough minibatches in flight: each direction of the link carries 1 s per minibatch
+    full = simulate_plan(plan, prof, minibatches=60, noam=4)
+    assert full.steady_state_period == pytest.approx(1.0, rel=1e-12)
+    # half-duplex ports carry both directions: the planner's cut time. First-come-first-served
+    # on one shared link is not exactly periodic, so the measured slope wobbles around it.
+    half = simulate_plan(plan, prof, minibatches=240, noam=4, duplex=False)
+    assert half.steady_state_period == pytest.approx(2.0, rel=0.03)
+    assert half.makespan / 240 == pytest.approx(2.0, rel=0.03)
+    # the default window (2 in flight) cannot hide the round trip f0 + c + f1 + b1 + c + b0
+    dflt = simulate_plan(plan, prof, minibatches=60)
+    assert dflt.steady_state_period == pytest.approx((0.125 + 1 + 0.375 + 1 + 0.25) / 2)
+    # latency lengthens that round trip by two messages
+    lat = simulate_plan(plan, prof, minibatches=60, latency_s=0.5)
+    assert lat.steady_state_period == pytest.approx((2.75 + 1.0) / 2)
+
+
+def test_bytes_on_the_wire_exact() -> None:
+    prof = chain((1.0, 2.0, 250_000.0, 100.0), (1.0, 2.0, 0.0, 300.0))
+    plan = partition(prof, Cluster(workers=4, bandwidth=BW), stages=2)
+    assert plan.replicas == [2, 2]
+    sim = simulate_plan(plan, prof, minibatches=40)
+    assert sim.activation_bytes_per_minibatch == 500_000.0   # activations + gradients
+    assert sim.sync_bytes_per_minibatch == pytest.approx(2 * 1 * (100.0 + 300.0) / 2)
+    assert sim.bytes_per_sample == pytest.approx(sim.bytes_per_minibatch / 4)
+
+
+def test_chrome_trace_one_f_and_b_per_minibatch_per_rank(tmp_path: Path) -> None:
+    prof = chain((1.0, 2.0, 1000.0, 10.0), (0.5, 1.0, 0.0, 0.0))
+    plan = partition(prof, Cluster(workers=3, bandwidth=BW), stages=2)
+    n = 12
+    sim = simulate_plan(plan, prof, minibatches=n)
+    path = sim.write_trace(tmp_path / "t.json")
+    trace = json.loads(path.read_text())
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    sched = make_schedule("pipedream", plan.replicas, n)
+    for g, (s, j) in enumerate(sched.ranks):
+        mine = [k for k in range(n) if sched.owner(s, k) == (s, j)]
+        names = Counter(e["name"] for e in xs if e["pid"] == g and e["cat"] in ("forward", "backward"))
+        assert names == Counter([f"F{k}" for k in mine] + [f"B{k}" for k in mine])
+        tids = {e["tid"] for e in xs if e["pid"] == g and e["cat"] == "forward"}
+        assert len(tids) == 1
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in xs)
+    assert {e["cat"] for e in xs} >= {"forward", "backward", "send", "allreduce"}
+
+
+def test_pipedream_vgg16_compute_bound_plan_matches() -> None:
+    path = Path(__file__).resolve().parents[3] / "shared/data/pipedream-profiles/vgg16/graph.txt"
+    if not path.exists():
+        pytest.skip(f"PipeDream profiles not present at {path}")
+    prof = Profile.from_pipedream(path)
+    plan = partition(prof, Cluster(workers=8, bandwidth="10Gbps"), sync="parameter-server")
+    sim = simulate_plan(plan, prof)
+    assert plan.replicas == [7, 1]
+    assert abs(sim.relative_error) < 0.01
+
+
+def test_cli_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fxpipe.cli_simulate import add_simulate_parser
+
+    prof = chain((1.0, 2.0, 1000.0, 10.0), (0.5, 1.0, 0.0, 0.0))
+    prof.save(tmp_path / "p.json")
+    parser = argparse.ArgumentParser(prog="fxpipe")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", str(tmp_path / "p.json"), "--workers", "3",
+                              "--bandwidth", "1MB/s", "--trace", str(tmp_path / "t.json"),
+                              "--minibatches", "24"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "steady state" in out and "BSP" in out
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]

@@ -1,0 +1,124 @@
+"""The Trainer under torchrun (2 gloo ranks): resume after a real crash, and `fxpipe train`."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run and always reap (torchrun kills its workers when it is killed)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=ROOT)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                 "--master-addr=127.0.0.1", f"--master-port={_port()}",
+                 str(HERE / "trainer_job.py"), *args])
+
+
+def test_distributed_resume_after_a_crash_matches_uninterrupted_and_reference(tmp_path: Path
+                                                                              ) -> None:
+    ref = _run([sys.executable, str(HERE / "trainer_job.py"), str(tmp_path / "ref.pt"),
+                "--ckpt", str(tmp_path / "ref"), "--executor", "reference"])
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    full = _torchrun(str(tmp_path / "full.pt"), "--ckpt", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stdout[-3000:]
+    crashed = _torchrun(str(tmp_path / "run.pt"), "--ckpt", str(tmp_path / "run"),
+                        "--crash-after", "5")  # mid epoch 2, after checkpoint (1, 2)
+    assert crashed.returncode != 0 and not (tmp_path / "run.pt").exists()
+    resumed = _torchrun(str(tmp_path / "run.pt"), "--ckpt", str(tmp_path / "run"), "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    want = torch.load(tmp_path / "full.pt", weights_only=True)
+    got = torch.load(tmp_path / "run.pt", weights_only=True)
+    oracle = torch.load(tmp_path / "ref.pt", weights_only=True)
+    for name, t in want["state"].items():
+        assert torch.equal(got["state"][name], t), name
+        torch.testing.assert_close(oracle["state"][name], t, rtol=1e-6, atol=1e-7)
+    assert [h["loss"] for h in got["history"]] == [h["loss"] for h in want["history"]]
+
+
+def test_stage_may_start_with_an_in_place_op() -> None:
+    """A received activation is a leaf that requires grad; a stage starting with
+    ReLU(inplace=True) (AlexNet cut before a ReLU) must still run and give input gradients."""
+    from fxpipe.codegen.split import placed_nodes, split_graph
+    from fxpipe.runtime.stage import StageReplica
+
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True)))
+    specs = split_graph(gm, {n.name: int(i > 1) for i, n in enumerate(placed_nodes(gm))})
+    rep = StageReplica(specs[1], torch.optim.SGD, loss_fn=lambda o, t: o.sum())
+    x = torch.tensor([[-1.0, 2.0]])
+    _, loss = rep.forward(0, None, [x], None)
+    assert loss == 2.0
+    (grad,) = rep.backward(0, [None])
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 1.0]]))
+
+
+def test_fxpipe_train_alexnet_end_to_end(tmp_path: Path) -> None:
+    res = _run([sys.executable, "-m", "fxpipe.cli_train", "train", "alexnet", "--data",
+                "synthetic", "--nproc", "2", "--epochs", "1", "--num-batches", "4",
+                "--eval-batches", "1", "--no-progress", "--save", str(tmp_path / "w.pt")])
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert "epoch 1: loss " in res.stdout and "eval_accuracy" in res.stdout
+    assert (tmp_path / "w.pt").exists()
+
+
+def test_fxpipe_train_world_size_mismatch_fails_fast(tmp_path: Path) -> None:
+    from fxpipe.api import compile as fx_compile
+    from fxpipe.models import get
+
+    spec = get("alexnet")
+    plan = fx_compile(spec.model, 3, example_inputs=spec.example_inputs, stages=3,
+                      straight=True, repeats=1).plan
+    plan.save(tmp_path / "plan.json")
+    start = time.monotonic()
+    res = _run([sys.executable, "-m", "fxpipe.cli_train", "train", "alexnet", "--data",
+                "synthetic", "--nproc", "2", "--plan", str(tmp_path / "plan.json")], timeout=60)
+    assert res.returncode == 2
+    assert "--nproc 2 but the plan" in res.stdout and "needs 3 processes" in res.stdout
+    assert time.monotonic() - start < 30
+    # the same mismatch inside a torchrun job (a user launching workers by hand): every rank
+    # refuses before it joins the process group
+    res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                "--master-addr=127.0.0.1", f"--master-port={_port()}", "-m", "fxpipe.cli_train",
+                "alexnet", "--data", "synthetic", "--plan", str(tmp_path / "plan.json")],
+               timeout=90)
+    assert res.returncode != 0
+    assert "the job has 2 processes but the plan needs 3" in res.stdout
+
+
+def test_digits_without_scikit_learn_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fxpipe.cli_train import _check_data
+    from fxpipe.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if scikit-learn were not installed
+    with pytest.raises(ConfigError, match="scikit-learn"):
+        _check_data("digits")
+    with pytest.raises(ConfigError, match="unknown dataset 'mnist'"):
+        _check_data("mnist")
