@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .errors import PeerError, RuntimeConfigError
 from .schedule import Rank
-from .timeline import Recorder
+from .timeline import Recorder, TimelineEvent
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class _Pending:
     peer: Rank
     what: str
     name: str = ""  # short label for the timeline ("act h F3")
+    launched: float = 0.0  # asynchronous all-reduces: posting time on the rank's clock
+    completed: float | None = None  # ... and completion, stamped by the work's future
 
 
 class Comm:
@@ -68,6 +70,10 @@ class Comm:
         self.groups = dict(groups or {})
         self.recorder = recorder or Recorder(enabled=False)
         self._sends: list[_Pending] = []
+        self.background: list[TimelineEvent] = []
+        """Asynchronous all-reduces, launch -> completion per bucket. Kept apart from the
+        recorder's events because they overlap the backward, and a rank's timeline events never
+        overlap (see :mod:`fxpipe.runtime.timeline`); merge them into a trace to see them."""
 
     @property
     def who(self) -> str:
@@ -136,20 +142,69 @@ class Comm:
         self._sends.clear()
 
     # ------------------------------------------------------------------ collectives
+    def _among(self, stage: GroupKey, peers: Sequence[Rank]) -> str:
+        return (f"{len(peers)} replicas of stage {stage}" if isinstance(stage, int)
+                else f"{len(peers)} ranks of stages {list(stage)} (tied parameters)")
+
+    def _collective(self, buf: torch.Tensor, stage: GroupKey, peers: Sequence[Rank],
+                    what: str) -> _Pending:
+        """A pending collective naming its group (and a peer of it) for failure messages."""
+        return _Pending(None, buf, peers[0] if peers[0] != self.me else peers[-1],
+                        f"all-reduce of {what} among {self._among(stage, peers)}", what)
+
     def all_reduce(self, buf: torch.Tensor, stage: GroupKey, peers: Sequence[Rank],
                    what: str) -> None:
         """Sum ``buf`` in place over the group ``stage``: the replicas of one stage, or (a tuple
         of stages) every rank holding a tied parameter of exactly those stages."""
-        among = (f"{len(peers)} replicas of stage {stage}" if isinstance(stage, int)
-                 else f"{len(peers)} ranks of stages {list(stage)} (tied parameters)")
-        pend = _Pending(None, buf, peers[0] if peers[0] != self.me else peers[-1],
-                        f"all-reduce of {what} among {among}")
+        pend = self._collective(buf, stage, peers, what)
         with self.recorder.span("allreduce", f"allreduce {what}", group=str(stage)):
             try:
                 pend.work = dist.all_reduce(buf, group=self.groups[stage], async_op=True)
                 pend.work.wait(timeout=self.timeout)
             except RuntimeError as err:
                 raise self._fail(pend, err) from err
+
+    def all_reduce_async(self, buf: torch.Tensor, stage: GroupKey, peers: Sequence[Rank],
+                         what: str) -> _Pending:
+        """Post an in-place sum of ``buf`` over the group ``stage`` and return at once (a
+        gradient bucket, from a hook in the middle of the backward); complete it with
+        :meth:`wait_all_reduces`. Posting order must be the same on every rank of the group."""
+        pend = self._collective(buf, stage, peers, what)
+        pend.launched = self.recorder.now()
+        try:
+            pend.work = dist.all_reduce(buf, group=self.groups[stage], async_op=True)
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
+        try:  # completion time for the timeline, stamped by whichever thread completes it
+            pend.work.get_future().add_done_callback(
+                lambda _fut: setattr(pend, "completed", self.recorder.now()))
+        except (RuntimeError, AttributeError):  # a backend without futures: stamped at wait
+            pass
+        return pend
+
+    def wait_all_reduces(self, pends: Sequence[_Pending], name: str, **args: Any) -> None:
+        """Wait, in posting order, for asynchronous all-reduces (each wait at most the timeout;
+        a failure names the group). The blocking part is one ``allreduce`` event (its args hold
+        each bucket's launch and completion times); each bucket's launch -> completion interval
+        goes to :attr:`background`."""
+        start = self.recorder.now()
+        for pend in pends:
+            try:
+                pend.work.wait(timeout=self.timeout)
+            except RuntimeError as err:
+                raise self._fail(pend, err) from err
+        end = self.recorder.now()
+        done = [end if p.completed is None else min(p.completed, end) for p in pends]
+        launched = [p.launched for p in pends]
+        self.recorder.add("allreduce", name, start, end, buckets=len(pends),
+                          launched=[round(t, 6) for t in launched],
+                          completed=[round(t, 6) for t in done], **args)
+        if self.recorder.enabled:
+            base = {**self.recorder.base_args, **args}
+            self.background.extend(
+                TimelineEvent("allreduce", f"allreduce {p.name}", t0, t1,
+                              {**base, "bucket": i, "numel": p.tensor.numel(), "async": True})
+                for i, (p, t0, t1) in enumerate(zip(pends, launched, done)))
 
     def barrier(self) -> None:
         """All ranks: the end of a run (no rank leaves while a peer may still talk to it)."""

@@ -6,7 +6,10 @@ receives the stage's inputs (model inputs are read locally: every rank has the b
 forward and sends each output straight to every consuming stage's owner of k; ``B k`` receives the
 gradients of its outputs, runs the backward and sends its inputs' gradients to their producers;
 ``U i`` all-reduces the stage's gradient sums among its replicas (their own process group) and
-steps the optimizer; tied parameters also sum their gradients over every rank holding them. The
+steps the optimizer; tied parameters also sum their gradients over every rank holding them. With
+``overlap_allreduce`` (default) the replicas' sum is bucketed and launched from hooks during the
+last backward before the update, as DDP does (:mod:`fxpipe.runtime.buckets`); ``U`` then only
+waits for it. The
 receives of the next actions are posted ahead (``prepost``), so messages arrive during compute.
 All transport goes through :class:`~fxpipe.runtime.comm.Comm`; all compute through the same
 :class:`StageReplica` the reference executor uses; every part is stamped on the rank's timeline.
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from fxpipe.codegen.split import MODEL, StageSpec
 from fxpipe.errors import FxpipeError
 
+from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout, GradBuckets, last_backwards
 from .comm import BACKWARD, FORWARD, Comm, make_groups, rank_name, synchronized_start
 from .reference import Batch, planned_reads
 from .schedule import Action, Rank, Schedule
@@ -45,12 +49,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class RankResult:
     """What one rank reports back: losses of the minibatches it finished (last stage only), its
-    latest weights, the peak bytes of weights its stash held and its timeline."""
+    latest weights, the peak bytes of weights its stash held and its timeline. ``background``:
+    the asynchronous bucket all-reduces (launch -> completion), which overlap the timeline's
+    events and so are kept apart (``sorted(timeline + background)`` for a trace showing them)."""
 
     losses: dict[int, float]
     params: dict[str, torch.Tensor]
     peak_bytes: int
     timeline: list[TimelineEvent] = field(default_factory=list)
+    background: list[TimelineEvent] = field(default_factory=list)
 
 
 class RankExecutor:
@@ -60,9 +67,15 @@ class RankExecutor:
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  comm: Comm, *, stashing: bool = True, device: torch.device | None = None,
                  fault: tuple[str, int] | None = None, recorder: Recorder | None = None,
-                 prepost: int = 2) -> None:
+                 prepost: int = 2, overlap_allreduce: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.stages = list(stages)
         self.prepost = prepost
+        self.overlap_allreduce = overlap_allreduce
+        self.bucket_bytes = bucket_bytes
+        self._buckets: GradBuckets | None = None  # built on first use (replicated stages only)
+        self._final_b: dict[int, int] = {}  # action index of a round's last B -> its U's index
+        self._round = ""  # the U whose buckets are in flight (for messages)
         self._posted: dict[tuple[str, int], list[Any]] = {}
         # tied parameters are found by identity: do it before .to(device) and anything else
         self.tied = [(stages_, [t.names[me[0]] for t in ts]) for stages_, ts
@@ -138,8 +151,34 @@ class RankExecutor:
         log.debug("%s: F%d done (stage %d)", self.comm.who, k, s)
         return loss
 
-    def backward(self, a: Action) -> None:
+    def buckets(self) -> GradBuckets | None:
+        """The stage's gradient buckets, or None when its replicas' sum is not overlapped (one
+        replica, or ``overlap_allreduce=False``: one flat all-reduce at ``U``)."""
+        s, reps = self.me[0], self.schedule.replicas
+        if not self.overlap_allreduce or reps[s] < 2:
+            return None
+        if self._buckets is None:
+            latest = self.replica.stash.latest
+            ref = next(iter(latest.values()), torch.zeros(()))
+            layout = BucketLayout.build(latest, self.replica.stash.trainable, self.bucket_bytes,
+                                        ref.dtype)
+            peers = [(s, j) for j in range(reps[s])]
+            self._buckets = GradBuckets(
+                layout, self.device,
+                lambda i, buf: self.comm.all_reduce_async(buf, s, peers,
+                                                          f"bucket {i} of {self._round}"))
+            log.debug("%s: %d gradient buckets of sizes %s", self.comm.who, len(layout),
+                      layout.sizes)
+        return self._buckets
+
+    def backward(self, a: Action, *, update: Action | None = None) -> None:
+        """``update``: the U this backward is the last one before; its hooks then launch the
+        stage's gradient buckets (when they are overlapped, see :meth:`buckets`)."""
         k, st = a.minibatch, self.spec
+        bk = self.buckets() if update is not None else None
+        if bk is not None:
+            self._round = str(update)
+            bk.start()
         posted: list[list[Any]] = self._receives(a)
         out_grads: list[torch.Tensor | None] = []
         for group in posted:
@@ -149,23 +188,36 @@ class RankExecutor:
                 total = g if total is None else total + g
             out_grads.append(total)
         with self.rec.span("backward", str(a), minibatch=k, version=a.version):
-            in_grads = self.replica.backward(k, out_grads)
+            in_grads = self.replica.backward(k, out_grads,
+                                             on_grad=None if bk is None else bk.ready)
         for n, src, g in zip(st.inputs, st.sources, in_grads):
             if src != MODEL and g is not None:
                 self.comm.send(g, self.schedule.owner(src, k),
                                self.comm.tag(k, self.wire.index(n), BACKWARD),
                                self._what("gradient", n, k), self.wire.spec(n, k))
+        if bk is not None:  # parameters without a gradient this time, the count: last buckets
+            with self.rec.span("allreduce", f"post buckets {update}", group=str(self.me[0])):
+                bk.finish(self.replica.grad_sums, self.replica.count)
 
     def update(self, a: Action) -> None:
         """Replicas sum their gradients (the stage's group); tied parameters sum their LOCAL
         gradients over every rank holding them (their own group), as the reference does."""
         s = self.me[0]
         reps = self.schedule.replicas
+        bk = self.buckets()
+        if bk is not None and not bk.active:  # no backward this round: post everything now
+            self._round = str(a)
+            bk.start()
+            bk.finish(self.replica.grad_sums, self.replica.count)
         with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
-            buf = self.replica.local_gradient()
+            buf = self.replica.local_gradient() if bk is None or self.tied else None
             segs = [(key, names, self.replica.segment(buf, names)) for key, names in self.tied]
-        if reps[s] > 1:
+        if bk is not None:
+            self.comm.wait_all_reduces(bk.pending, f"allreduce {a}", group=str(s))
+            buf = bk.flat()
+        elif reps[s] > 1:
             self.comm.all_reduce(buf, s, [(s, j) for j in range(reps[s])], f"U{a.minibatch}")
+        assert buf is not None
         for key, names, seg in segs:
             peers = [(t, j) for t in key for j in range(reps[t])]
             self.comm.all_reduce(seg, key, peers, f"tied {names} U{a.minibatch}")
@@ -177,6 +229,7 @@ class RankExecutor:
         """Walk the action list; then wait for every send and for all ranks to finish."""
         losses: dict[int, float] = {}
         actions = self.schedule.actions[self.me]
+        self._final_b = last_backwards([b.kind for b in actions])
         for i, a in enumerate(actions):
             if self.fault is not None and i == self.fault[1]:
                 _inject(self.fault[0], self.comm.who, a)
@@ -187,14 +240,17 @@ class RankExecutor:
                 if loss is not None:
                     losses[a.minibatch] = loss
             elif a.kind == "B":
-                self.backward(a)
+                u = self._final_b.get(i)
+                self.backward(a, update=None if u is None else actions[u])
             else:
                 self.update(a)
         self.comm.flush()
         self.comm.barrier()
+        background = sorted(self.comm.background, key=lambda e: e.start)
+        self.comm.background.clear()
         return RankResult(losses, {n: t.detach().cpu() for n, t in
                                    self.replica.parameters().items()},
-                          self.replica.stash.peak_bytes, self._take_timeline())
+                          self.replica.stash.peak_bytes, self._take_timeline(), background)
 
     def _take_timeline(self) -> list[TimelineEvent]:
         """This run's events (with idle gaps); the recorder starts empty for the next run."""
@@ -232,6 +288,8 @@ class WorkerConfig:
     device: str = "cpu"
     faults: dict[int, tuple[str, int]] = field(default_factory=dict)
     log_level: int = logging.WARNING
+    overlap_allreduce: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def schedule(self) -> Schedule:
         return Schedule(self.schedule_kind, self.replicas, self.num_minibatches, self.actions)
@@ -269,7 +327,8 @@ def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:
     comm = Comm(me, rank_of, len(cfg.wire.values), cfg.timeout_s, device, groups, recorder=rec)
     ex = RankExecutor(cfg.stages, sched, me, cfg.loss_fn, cfg.optimizer_factory, cfg.wire,
                       comm, stashing=cfg.stashing, device=device, fault=cfg.faults.get(index),
-                      recorder=rec)
+                      recorder=rec, overlap_allreduce=cfg.overlap_allreduce,
+                      bucket_bytes=cfg.bucket_bytes)
     return ex.run(cfg.batches)
 
 

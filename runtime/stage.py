@@ -12,6 +12,7 @@ minibatches of the group (= plain SGD for one replica updating after every minib
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -172,11 +173,17 @@ class StageReplica:
         sent = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
         return sent, (float(loss.detach()) if loss is not None else None)
 
-    def backward(self, minibatch: int, output_grads: Sequence[torch.Tensor | None]
+    def backward(self, minibatch: int, output_grads: Sequence[torch.Tensor | None], *,
+                 on_grad: Callable[[str, torch.Tensor], None] | None = None
                  ) -> list[torch.Tensor | None]:
         """Backward of ``minibatch`` given the gradients of its outputs (ignored on the last
         stage); accumulates parameter gradients and returns the inputs' gradients (None for
-        non-differentiable inputs; zeros where an input did not influence the outputs)."""
+        non-differentiable inputs; zeros where an input did not influence the outputs).
+
+        ``on_grad(name, sum)``: called in the middle of the backward, as soon as parameter
+        ``name``'s gradient is computed, with its new gradient sum (the same tensor that is then
+        kept): lets the caller all-reduce it while the rest of the backward runs. Parameters
+        without a gradient are not reported."""
         if minibatch not in self._flight:
             raise StashError(f"backward of minibatch {minibatch} on stage {self.spec.index} "
                              "without its forward", "run F<k> before B<k>")
@@ -196,17 +203,44 @@ class StageReplica:
         names = self.stash.trainable
         wrt = [fl.inputs[i] for i in diff_in] + [weights[n] for n in names]
         grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
-        if roots and wrt:
-            grads = torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+        summed: dict[str, torch.Tensor] = {}  # sums already made by the hooks
+        hooks = ([weights[n].register_hook(functools.partial(self._hook, n, summed, on_grad))
+                  for n in names] if on_grad is not None and roots else [])
+        try:
+            if roots and wrt:
+                grads = torch.autograd.grad(roots, wrt, seeds, allow_unused=True)
+        finally:
+            for h in hooks:  # the weights are shared with other minibatches' graphs
+                h.remove()
         self.stash.release(minibatch)
         for n, g in zip(names, grads[len(diff_in):]):
-            if g is not None:
+            if n in summed:
+                self._grad_sum[n] = summed[n]
+            elif g is not None:
                 self._grad_sum[n] = self._grad_sum[n] + g if n in self._grad_sum else g
         self._count += 1
         in_grads: list[torch.Tensor | None] = [None] * len(fl.inputs)
         for i, g in zip(diff_in, grads[:len(diff_in)]):
             in_grads[i] = torch.zeros_like(fl.inputs[i]) if g is None else g
         return in_grads
+
+    def _hook(self, name: str, summed: dict[str, torch.Tensor],
+              on_grad: Callable[[str, torch.Tensor], None], g: torch.Tensor) -> None:
+        """Tensor hook of weight ``name``: the same sum :meth:`backward` would make afterwards
+        (so results do not depend on hooks), made now and handed to ``on_grad``."""
+        total = self._grad_sum[name] + g if name in self._grad_sum else g
+        summed[name] = total
+        on_grad(name, total)
+
+    @property
+    def count(self) -> int:
+        """Minibatches whose backward ran since the last update."""
+        return self._count
+
+    @property
+    def grad_sums(self) -> Mapping[str, torch.Tensor]:
+        """Gradient sums since the last update by parameter name (absent: no gradient yet)."""
+        return self._grad_sum
 
     # ------------------------------------------------------------------ updates
     def local_gradient(self) -> torch.Tensor:

@@ -16,6 +16,7 @@ checkpoint saves).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from datetime import timedelta
@@ -160,6 +161,7 @@ class DistributedBackend:
         if self._owns_group:
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method="env://",
                                     rank=self.index, world_size=self.world, timeout=self.timeout)
+        self._agree_on_pipeline()
         ties = list(tie_sets(tied_parameters(self.stages)))  # before .to(device): by identity
         groups = make_groups(list(replicas), self.rank_of, ties, timeout_s)
         self.comm = Comm(self.me, self.rank_of, len(crossing_values(self.stages)), timeout_s, dev,
@@ -168,6 +170,23 @@ class DistributedBackend:
                                WirePlan((), (), ()), self.comm, stashing=stashing, device=dev)
         self.local: dict[Rank, StageReplica] = {self.me: self.ex.replica}
         log.info("%s ready on %s", self.comm.who, dev)
+
+    def _agree_on_pipeline(self) -> None:
+        """Every rank must run the same plan. Ranks that each profiled the model on their own
+        machine can plan differently (measured times differ), and then the job would deadlock:
+        compare before any group or message depends on the plan, and fail on every rank."""
+        mine = pipeline_key(self.stages, self.replicas)
+        keys: list[Any] = [None] * self.world
+        self._collective("plan agreement", lambda: dist.all_gather_object(keys, mine))
+        differ = [i for i, k in enumerate(keys) if k != keys[0]]
+        if differ:
+            raise RuntimeConfigError(
+                f"ranks {differ} planned a different pipeline than rank 0 (this rank: replicas "
+                f"{self.replicas}, plan key {mine})",
+                "costs measured on each rank differ: make the plan once (compiled.plan.save("
+                "'plan.json') or `fxpipe plan --save-plan`) and pass plan=fxpipe.Plan.load("
+                "'plan.json') to fxpipe.compile on every rank, or plan with estimated costs "
+                "(fxpipe.Cluster.from_env(device='V100'))")
 
     # ------------------------------------------------------------------ collectives
     def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -240,3 +259,12 @@ class DistributedBackend:
 
     def describe(self) -> str:
         return rank_name(self.me, self.index)
+
+
+def pipeline_key(stages: Sequence[StageSpec], replicas: Sequence[int]) -> str:
+    """A short hash of what every rank must agree on: replicas and each stage's nodes and I/O."""
+    h = hashlib.sha256(repr(list(replicas)).encode())
+    for st in stages:
+        h.update(repr((st.inputs, st.sources, st.outputs, st.consumers,
+                       [n.name for n in st.gm.graph.nodes])).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,195 @@
+"""Gradient buckets of a replicated stage: the replicas' all-reduce overlapped with the backward.
+
+Why: summing the replicas' gradients only at the update (one flat all-reduce) leaves the network
+idle during the backward pass and the CPU idle during the all-reduce. As in DDP, the trainable
+parameters are assigned once to fixed-size buckets in reverse order of use (the last layers'
+gradients are ready first in the backward); during the LAST backward before an update (the rank's
+action list says which one it is: after it, the gradient sums of this round are final), a hook
+copies each parameter's final gradient sum into its bucket slot, and a full bucket is all-reduced
+asynchronously at once. The update only waits for the buckets (each wait with the timeout).
+
+Invariants that keep every replica's collectives matched and the result exact:
+
+* every replica builds the same layout (same names, shapes, dtypes, cap) and launches the buckets
+  in index order, one collective per bucket per round, even if its hooks fire in another order or
+  a parameter got no gradient (such slots are filled when the backward ends: with the gradient sum
+  of earlier minibatches of the round, or zeros);
+* the minibatch count of the round is the last element of the last bucket (launched when the
+  backward ends), so the mean stays sum / count when replicas ran different numbers of
+  minibatches; a replica without a backward in the round fills and launches everything at ``U``;
+* the elementwise sums are those of the single flat all-reduce (only the packing differs), and
+  :meth:`GradBuckets.flat` rebuilds exactly :meth:`StageReplica.local_gradient`'s layout, so the
+  update code is shared with the flat path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""DDP's default ``bucket_cap_mb`` (25 MiB)."""
+
+Launch = Callable[[int, torch.Tensor], Any]
+"""(bucket index, buffer) -> a pending all-reduce (posted through Comm, summing in place)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter's gradient sum lives: bucket ``bucket``, elements [offset, +numel)."""
+
+    bucket: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The fixed assignment of a replica's trainable parameters to buckets (see the module doc).
+
+    ``names``: trainable parameter names in the replica's own (forward) order; ``buckets[i]``:
+    the names in bucket i (reverse order of use); ``sizes[i]``: its number of elements (the last
+    one has one more: the minibatch count); ``dtypes[i]``: its dtype (a bucket holds one dtype).
+    """
+
+    names: tuple[str, ...]
+    slots: Mapping[str, Slot]
+    buckets: tuple[tuple[str, ...], ...]
+    sizes: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @classmethod
+    def build(cls, params: Mapping[str, torch.Tensor], names: Sequence[str],
+              cap_bytes: int = DEFAULT_BUCKET_BYTES,
+              count_dtype: torch.dtype = torch.float32) -> BucketLayout:
+        """Greedy packing of ``names`` (reversed) into buckets of at most ``cap_bytes`` (a larger
+        parameter gets a bucket of its own; a dtype change starts a new bucket)."""
+        buckets: list[list[str]] = []
+        sizes: list[int] = []
+        dtypes: list[torch.dtype] = []
+        slots: dict[str, Slot] = {}
+        used = 0
+        for n in reversed(list(names)):
+            p = params[n]
+            nbytes = p.numel() * p.element_size()
+            if not buckets or dtypes[-1] != p.dtype or (used + nbytes > cap_bytes and used > 0):
+                buckets.append([])
+                sizes.append(0)
+                dtypes.append(p.dtype)
+                used = 0
+            slots[n] = Slot(len(buckets) - 1, sizes[-1], p.numel())
+            buckets[-1].append(n)
+            sizes[-1] += p.numel()
+            used += nbytes
+        if not buckets:  # no trainable parameters: the count alone is still summed
+            buckets.append([])
+            sizes.append(0)
+            dtypes.append(count_dtype)
+        sizes[-1] += 1
+        return cls(tuple(names), slots, tuple(map(tuple, buckets)), tuple(sizes), tuple(dtypes))
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+
+@dataclass
+class GradBuckets:
+    """One replica's buckets, reused round after round: fill, launch in order, wait, read back.
+
+    ``launch`` posts one bucket's all-reduce (see :data:`Launch`); ``pending`` holds what it
+    returned for each launched bucket of the open round, in bucket order."""
+
+    layout: BucketLayout
+    device: torch.device
+    launch: Launch
+    bufs: list[torch.Tensor] = field(init=False)
+    pending: list[Any] = field(init=False, default_factory=list)
+    active: bool = field(init=False, default=False)
+    _missing: list[int] = field(init=False, default_factory=list)
+    _filled: set[str] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.bufs = [torch.zeros(n, dtype=d, device=self.device)
+                     for n, d in zip(self.layout.sizes, self.layout.dtypes)]
+
+    def start(self) -> None:
+        """Open a round: from now on :meth:`ready` fills slots and launches full buckets."""
+        if self.active:
+            raise RuntimeError("gradient buckets: a round is already open (missing wait at U)")
+        self.active = True
+        self.pending, self._filled = [], set()
+        self._missing = [len(names) for names in self.layout.buckets]
+        self._missing[-1] += 1  # the count
+
+    def ready(self, name: str, grad_sum: torch.Tensor) -> None:
+        """Parameter ``name``'s gradient sum of this round is final (called from a hook in the
+        middle of the backward): copy it into its slot; launch every bucket now complete."""
+        if name in self._filled:  # a second hook call would double count in the bucket
+            raise RuntimeError(f"gradient of {name!r} reported twice in one round")
+        s = self.layout.slots[name]
+        self.bufs[s.bucket][s.offset:s.offset + s.numel].copy_(grad_sum.reshape(-1))
+        self._filled.add(name)
+        self._missing[s.bucket] -= 1
+        self._launch_complete()
+
+    def finish(self, grad_sums: Mapping[str, torch.Tensor], count: int) -> None:
+        """The backward ended: fill the slots no hook filled (their sum of the round, or zeros)
+        and the count, and launch the remaining buckets, in order."""
+        for n in self.layout.names:
+            if n not in self._filled:
+                g = grad_sums.get(n)
+                s = self.layout.slots[n]
+                view = self.bufs[s.bucket][s.offset:s.offset + s.numel]
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g.reshape(-1))
+                self._filled.add(n)
+                self._missing[s.bucket] -= 1
+        self.bufs[-1][-1] = float(count)
+        self._missing[-1] -= 1
+        self._launch_complete()
+        assert len(self.pending) == len(self.bufs), "every bucket must be launched"
+
+    def _launch_complete(self) -> None:
+        """Launch, in index order, the buckets whose slots are all filled (DDP's rule: bucket i
+        waits for i-1, so every replica posts the same collectives in the same order)."""
+        i = len(self.pending)
+        while i < len(self.bufs) and self._missing[i] == 0:
+            self.pending.append(self.launch(i, self.bufs[i]))
+            i += 1
+
+    def flat(self) -> torch.Tensor:
+        """The summed buckets in :meth:`StageReplica.local_gradient`'s layout (closes the
+        round; call after every bucket's all-reduce was waited for)."""
+        lay = self.layout
+        parts = [self.bufs[lay.slots[n].bucket][lay.slots[n].offset:
+                                                  lay.slots[n].offset + lay.slots[n].numel]
+                 for n in lay.names]
+        self.active = False
+        return torch.cat([*parts, self.bufs[-1][-1:].to(_flat_dtype(self.bufs))])
+
+
+def _flat_dtype(bufs: Sequence[torch.Tensor]) -> torch.dtype:
+    out = bufs[0].dtype
+    for b in bufs[1:]:
+        out = torch.promote_types(out, b.dtype)
+    return out
+
+
+def last_backwards(kinds: Sequence[str]) -> dict[int, int]:
+    """For an action list given as its kinds (e.g. ``"FFBUFBU"``): index of the last ``B``
+    before each ``U`` -> index of that ``U``. After that backward the round's gradient sums are
+    final, so its hooks may launch the buckets (earlier backwards of the round may not: a later
+    one still adds to the sums)."""
+    out: dict[int, int] = {}
+    last: int | None = None
+    for i, k in enumerate(kinds):
+        if k == "B":
+            last = i
+        elif k == "U":
+            if last is not None:
+                out[last] = i
+            last = None
+    return out

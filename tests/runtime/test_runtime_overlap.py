@@ -1,0 +1,204 @@
+"""Replicas' gradient all-reduce bucketed and overlapped with the backward pass (as DDP does).
+
+Unit tests of the bucket layout and round logic need no processes; the distributed checks share
+ONE spawned world of 3 ranks (rt_spawn.py), with a tiny bucket cap so that every replicated stage
+has several buckets, and compare the overlapped path with the reference executor and with the
+flat all-reduce (``overlap_allreduce=False``).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+import rt_spawn
+import torch
+from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
+from rt_spawn import Job, run_jobs
+from rt_tied import TiedLM, ce, sgd_m, token_batches
+
+from fxpipe.runtime.buckets import BucketLayout, GradBuckets, last_backwards
+from fxpipe.runtime.executor import WorkerConfig
+from fxpipe.runtime.reference import ReferenceExecutor, RunResult
+from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.stage import StageReplica
+
+TIGHT = dict(rtol=1e-6, atol=1e-7)
+TINY = 96  # bytes: stage 0 of the width-16 MLP (2 linear layers) then has 4 buckets
+wide_mlp = functools.partial(tiny_mlp, width=16)
+
+
+# ----------------------------------------------------------------------------- no processes
+def test_layout_reverse_order_cap_and_count() -> None:
+    params = {"a": torch.zeros(4), "b": torch.zeros(30), "c": torch.zeros(2), "d": torch.zeros(3)}
+    lay = BucketLayout.build(params, ["a", "b", "c", "d"], cap_bytes=24)
+    assert lay.buckets == (("d", "c"), ("b",), ("a",))  # b (120 B) alone: larger than the cap
+    assert lay.sizes == (5, 30, 4 + 1)  # the count rides in the last bucket
+    assert lay.slots["c"].offset == 3 and lay.slots["c"].bucket == 0
+    empty = BucketLayout.build({}, [], count_dtype=torch.float64)
+    assert empty.sizes == (1,) and empty.dtypes == (torch.float64,)
+
+
+def test_last_backwards_marks_the_final_backward_of_each_round() -> None:
+    assert last_backwards("FFBUFBUFBUBU") == {2: 3, 5: 6, 8: 9, 10: 11}
+    assert last_backwards("FFBBUFFBBU") == {3: 4, 8: 9}  # B0 of a flush round: sums not final
+    assert last_backwards("FFBUFBUBUU") == {2: 3, 5: 6, 7: 8}  # the last U has no backward
+
+
+def test_buckets_launch_in_order_and_rebuild_the_flat_layout() -> None:
+    params = {n: torch.randn(3) for n in "abcd"}
+    lay = BucketLayout.build(params, list(params), cap_bytes=12)  # one parameter per bucket
+    launched: list[int] = []
+    bk = GradBuckets(lay, torch.device("cpu"), lambda i, buf: launched.append(i) or i)
+    bk.start()
+    bk.ready("c", params["c"])  # bucket 1: waits for bucket 0 (parameter d)
+    assert launched == []
+    bk.ready("d", params["d"])
+    assert launched == [0, 1]
+    with pytest.raises(RuntimeError, match="twice"):
+        bk.ready("d", params["d"])
+    bk.finish({"b": params["b"]}, count=3)  # a: no gradient -> zeros; the count; the rest
+    assert launched == [0, 1, 2, 3] and bk.pending == [0, 1, 2, 3]
+    want = torch.cat([torch.zeros(3), params["b"], params["c"], params["d"], torch.tensor([3.])])
+    assert torch.equal(bk.flat(), want) and not bk.active
+
+
+def test_hooks_report_each_sum_mid_backward_and_change_nothing() -> None:
+    """The hook path of StageReplica.backward keeps bit-identical gradient sums."""
+    (spec,) = split(wide_mlp(), [])
+    data = batches(2)
+
+    def run(hook: Callable[[str, torch.Tensor], None] | None) -> StageReplica:
+        rep = StageReplica(spec, sgd, loss_fn=loss_fn)
+        for k, (x, y) in enumerate(data):
+            rep.forward(k, None, [x], y)
+            rep.backward(k, [], on_grad=hook if k == 1 else None)
+        return rep
+
+    seen: list[tuple[str, torch.Tensor]] = []
+    hooked, plain = run(lambda n, g: seen.append((n, g.clone()))), run(None)
+    names = hooked.stash.trainable
+    assert [n for n, _ in seen] == list(reversed(names))  # reverse order of use
+    for n, g in seen:
+        assert torch.equal(g, hooked.grad_sums[n]) and torch.equal(g, plain.grad_sums[n])
+    assert hooked.count == plain.count == 2
+    assert torch.equal(hooked.local_gradient(), plain.local_gradient())
+
+
+# ----------------------------------------------------------------------------- distributed
+@dataclass(frozen=True)
+class Case:
+    kind: str
+    n: int
+    m: int | None = None
+    replicas: tuple[int, ...] = (2, 1)
+    overlap: bool = True
+    tied: bool = False
+
+    def parts(self) -> tuple[Any, ...]:
+        """(stages, schedule, loss, optimizer, data) -- fresh each call."""
+        model, cuts = (TiedLM(), [1]) if self.tied else (wide_mlp(), [4][:len(self.replicas) - 1])
+        sched = make_schedule(self.kind, list(self.replicas), self.n, microbatches=self.m)
+        lf, opt = (ce, sgd_m) if self.tied else (loss_fn, sgd)
+        data = token_batches(self.n) if self.tied else batches(self.n)
+        return split(model, cuts), sched, lf, opt, data
+
+    def job(self) -> Job:
+        stages, sched, lf, opt, data = self.parts()
+        return Job(stages, list(self.replicas), sched, lf, opt, data)
+
+    def reference(self) -> RunResult:
+        stages, sched, lf, opt, data = self.parts()
+        return ReferenceExecutor(stages, list(self.replicas), sched, lf, opt).run(data)
+
+
+CASES = {
+    "pipedream": Case("pipedream", 7),  # odd: replica 1's last U has no backward
+    "pipedream-flat": Case("pipedream", 7, overlap=False),
+    "1f1b-flush": Case("1f1b-flush", 5, 3),  # rounds of 2 and 1 minibatches per replica
+    "1f1b-flush-flat": Case("1f1b-flush", 5, 3, overlap=False),
+    "gpipe": Case("gpipe", 8, 4),
+    "2bw": Case("2bw", 12, 4),
+    "one-stage-2": Case("pipedream", 6, replicas=(2,)),
+    "tied-1f1b-flush": Case("1f1b-flush", 8, 4, tied=True),
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, RunResult]:
+    """Every case in one world; each job's WorkerConfig gets its own overlap option (run_jobs
+    builds the configs in job order)."""
+    opts = [dict(overlap_allreduce=c.overlap, bucket_bytes=TINY) for c in CASES.values()]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rt_spawn, "WorkerConfig", lambda **kw: WorkerConfig(**kw, **opts.pop(0)))
+        got = run_jobs([c.job() for c in CASES.values()])
+    assert not opts
+    return dict(zip(CASES, got))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed_equals_reference(name: str, results) -> None:
+    got, ref = results[name], CASES[name].reference()
+    torch.testing.assert_close(got.losses, ref.losses, **TIGHT)
+    for rank in ref.replica_params:
+        torch.testing.assert_close(got.replica_params[rank], ref.replica_params[rank], **TIGHT)
+    assert got.peak_bytes == ref.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["pipedream", "1f1b-flush"])
+def test_overlapped_and_flat_give_the_same_parameters(name: str, results) -> None:
+    a, b = results[name], results[name + "-flat"]
+    for rank, params in a.replica_params.items():
+        for n, p in params.items():
+            assert torch.equal(p, b.replica_params[rank][n]), (name, rank, n)
+
+
+def _waits(res: RunResult, rank: int) -> list[Any]:
+    return [e for e in res.timeline[rank] if e.category == "allreduce"
+            and e.name.startswith("allreduce U")]
+
+
+@pytest.mark.parametrize("name", ["pipedream", "1f1b-flush", "one-stage-2"])
+def test_first_bucket_is_launched_before_the_backward_ends(name: str, results) -> None:
+    """On every replica of stage 0: before each update that follows a backward, bucket 0 was
+    launched during that backward (hooks), and every bucket before the wait at U started."""
+    res, checked = results[name], 0
+    for rank in (0, 1):  # the two replicas of stage 0
+        evs = res.timeline[rank]
+        waits = _waits(res, rank)
+        assert waits and all(w.args["buckets"] >= 3 for w in waits), waits
+        for w in waits:
+            launched, completed = w.args["launched"], w.args["completed"]
+            assert all(t <= w.start for t in launched) and all(
+                a <= b for a, b in zip(launched, launched[1:]))
+            assert all(c <= w.end + 1e-6 for c in completed)
+            prior = [e for e in evs if e.end <= w.start and (e.category == "backward" or (
+                e.category == "optimizer" and not e.name.endswith("gradients")))]
+            if not prior or prior[-1].category != "backward":
+                continue  # a round without a backward: buckets posted at U itself
+            b = prior[-1]
+            assert b.start < launched[0] < b.end, (rank, b, launched)
+            checked += 1
+    assert checked >= 2
+
+
+def test_flat_path_has_no_bucket_waits(results) -> None:
+    for rank in (0, 1):
+        waits = [e for e in results["pipedream-flat"].timeline[rank] if e.category == "allreduce"]
+        assert waits and all("buckets" not in e.args for e in waits)
+
+
+def test_hung_replica_fails_the_bucket_wait_naming_the_group() -> None:
+    """Replica 1 hangs before its first backward: replica 0 launched its buckets during B0 and
+    its wait at U0 times out, naming the replica group and a peer in it."""
+    from fxpipe.runtime.errors import WorkerFailedError
+    from fxpipe.runtime.launch import run_distributed
+
+    sched = make_schedule("pipedream", [2], 4)
+    with pytest.raises(WorkerFailedError) as info:
+        run_distributed(split(wide_mlp(), []), [2], sched, loss_fn, sgd, batches(4),
+                        timeout_s=2, join_timeout_s=120, faults={1: ("hang", 1)})
+    msg = info.value.errors[0]
+    assert "bucket 0 of U0 among 2 replicas of stage 0" in msg, msg
+    assert "stage 0 replica 1 (rank 1)" in msg and "timeout 2 s" in msg, msg
