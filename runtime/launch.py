@@ -98,7 +98,8 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int], schedu
     return RunResult([losses[k] for k in range(sched.num_minibatches)],
                      [rp[(s, 0)] for s in range(len(stages))], rp,
                      {rank: results[i]["peak_bytes"] for i, rank in enumerate(sched.ranks)},
-                     {i: r.get("timeline", []) for i, r in enumerate(results)})
+                     {i: r.get("timeline", []) for i, r in enumerate(results)},
+                     {i: r.get("background", []) for i, r in enumerate(results)})
 
 
 def _join(procs: list[Any], timeout_s: float, join_timeout_s: float | None) -> None:

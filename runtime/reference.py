@@ -40,7 +40,9 @@ class RunResult:
     ``losses[k]``: loss of minibatch k. ``params[s]``: stage s's latest weights by the model's own
     names (replica 0; replicas of a stage stay equal). ``replica_params`` and ``peak_bytes``
     (weights held by the stash, peak) per rank. ``timeline``: global rank index (position in
-    ``schedule.ranks``) -> its events (see :mod:`fxpipe.runtime.timeline`).
+    ``schedule.ranks``) -> its events (see :mod:`fxpipe.runtime.timeline`). ``background``: the
+    same for work that overlaps the rank's own events (bucketed gradient all-reduces launched
+    during a backward), kept apart so ``timeline`` stays sequential per rank.
     """
 
     losses: list[float]
@@ -48,6 +50,7 @@ class RunResult:
     replica_params: dict[Rank, dict[str, torch.Tensor]] = field(default_factory=dict)
     peak_bytes: dict[Rank, int] = field(default_factory=dict)
     timeline: dict[int, list[TimelineEvent]] = field(default_factory=dict)
+    background: dict[int, list[TimelineEvent]] = field(default_factory=dict)
 
     def merged_params(self) -> dict[str, torch.Tensor]:
         """Every stage's weights in one dict (the model's state after training)."""

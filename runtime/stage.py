@@ -7,8 +7,9 @@ gradients are summed.
 
 Gradient semantics of an update ``U``: each replica sums the parameter gradients of the minibatches
 it ran since its previous update and counts them; the replicas of the stage add up both (an
-all-reduce of one flat buffer) and the update uses sum / count, the mean gradient over the
-minibatches of the group (= plain SGD for one replica updating after every minibatch).
+all-reduce of one flat buffer, or the same sums in buckets launched during the last backward of
+the round: :mod:`fxpipe.runtime.buckets`) and the update uses sum / count, the mean gradient over
+the minibatches of the group (= plain SGD for one replica updating after every minibatch).
 """
 from __future__ import annotations
 

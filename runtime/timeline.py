@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 CATEGORIES = ("forward", "backward", "send", "recv", "allreduce", "optimizer", "idle")
 COMPUTE = frozenset({"forward", "backward", "optimizer"})
 _TID = {c: i for i, c in enumerate(CATEGORIES)}
+_BACKGROUND_TID = len(_TID) + 1
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,11 @@ Timeline = Mapping[int, Sequence[TimelineEvent]]
 """global rank -> its events, sorted by start (what RunResult.timeline holds)."""
 
 
-def to_chrome_trace(timeline: Timeline, names: Mapping[int, str] | None = None) -> dict:
-    """The Trace Event Format dict (see the module doc); ``names``: rank -> process label."""
+def to_chrome_trace(timeline: Timeline, names: Mapping[int, str] | None = None,
+                    background: Timeline | None = None) -> dict:
+    """The Trace Event Format dict (see the module doc); ``names``: rank -> process label;
+    ``background``: per-rank events that overlap the rank's own (bucketed all-reduces in flight
+    during a backward), drawn on a track of their own."""
     events: list[dict[str, Any]] = []
     for rank in sorted(timeline):
         label = (names or {}).get(rank, f"rank {rank}")
@@ -120,18 +124,28 @@ def to_chrome_trace(timeline: Timeline, names: Mapping[int, str] | None = None) 
                            "tid": _TID.get(e.category, len(_TID)),
                            "ts": round(e.start * 1e6, 3), "dur": round(e.duration * 1e6, 3),
                            "args": {k: _jsonable(v) for k, v in e.args.items()}})
+        bg = (background or {}).get(rank, [])
+        if bg:
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": _BACKGROUND_TID,
+                           "args": {"name": "allreduce (overlapped)"}})
+        for e in bg:
+            events.append({"name": e.name, "cat": e.category, "ph": "X", "pid": rank,
+                           "tid": _BACKGROUND_TID, "ts": round(e.start * 1e6, 3),
+                           "dur": round(e.duration * 1e6, 3),
+                           "args": {k: _jsonable(v) for k, v in e.args.items()}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def write_chrome_trace(timeline: Timeline, path: str | Path,
-                       names: Mapping[int, str] | None = None) -> Path:
+                       names: Mapping[int, str] | None = None,
+                       background: Timeline | None = None) -> Path:
     """Write the trace JSON for chrome://tracing or ui.perfetto.dev; returns the path."""
     if not timeline:
         raise ConfigError("empty timeline", "run with the timeline enabled (the default)")
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(to_chrome_trace(timeline, names)))
+    tmp.write_text(json.dumps(to_chrome_trace(timeline, names, background)))
     tmp.replace(p)
     log.info("wrote trace of %d ranks to %s", len(timeline), p)
     return p

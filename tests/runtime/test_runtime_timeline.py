@@ -55,3 +55,17 @@ def test_reference_run_trace(tmp_path) -> None:
 def test_empty_timeline_is_an_error(tmp_path) -> None:
     with pytest.raises(ConfigError, match="empty timeline"):
         write_chrome_trace({}, tmp_path / "t.json")
+
+
+def test_background_events_get_a_track_of_their_own() -> None:
+    """Bucketed all-reduces overlap the backward: they are drawn on a separate track, so the
+    rank's own track stays sequential."""
+    own = {0: [TimelineEvent("backward", "B0", 0.0, 2.0)]}
+    bg = {0: [TimelineEvent("allreduce", "bucket 0", 1.0, 3.0, {"async": True})]}
+    trace = to_chrome_trace(own, background=bg)
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    (b,) = [e for e in xs if e["name"] == "B0"]
+    (a,) = [e for e in xs if e["name"] == "bucket 0"]
+    assert a["tid"] != b["tid"] and a["ts"] == 1e6 < b["ts"] + b["dur"]
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert "allreduce (overlapped)" in names
