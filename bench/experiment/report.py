@@ -65,7 +65,7 @@ def report(summary: dict) -> str:
            "[docs/cluster-experiment.md](docs/cluster-experiment.md).",
            "",
            f"Model `bigtail` ({summary['plans']['param_bytes'] / 1e6:.2f} MB of fp32 parameters), "
-           f"minibatch {a['batch']} (DDP: global batch {a['batch']}), SGD lr {a['lr']} momentum 0.9, "
+           f"minibatch {a['batch']} (DDP: global batch {a['batch']}), SGD lr {a['lr']} momentum {a['momentum']}, "
            f"{a['epochs']} epochs (DDP stops once it reaches {a['target']:.0%}). Times are training "
            "time (evaluation excluded); bytes are interface tx counters of both hosts during "
            "training; ms/minibatch per "
