@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -83,11 +84,34 @@ def steady_rate(done_at: Sequence[float], batch: int, warmup: int) -> float:
     return batch * (n - 1 - warmup) / (done_at[-1] - done_at[warmup])
 
 
+def fxpipe_updates(events: Sequence[Any]) -> dict[int, list[Any]]:
+    """A rank's optimizer events grouped by update number (``args["update"]``, else the ``U<k>``
+    in the name): the runtime may record several spans per update (e.g. "U3 gradients", "U3")."""
+    out: dict[int, list[Any]] = {}
+    for e in events:
+        if e.category != "optimizer":
+            continue
+        k = e.args.get("update") if hasattr(e, "args") else None
+        if k is None:
+            m = re.match(r"U(\d+)", e.name)
+            if m is None:
+                continue
+            k = int(m.group(1))
+        out.setdefault(int(k), []).append(e)
+    return dict(sorted(out.items()))
+
+
 def fxpipe_done_at(timeline: dict[int, list[Any]], rank: int = 0) -> list[float]:
-    """Completion time of each minibatch at ``rank`` (the input stage): the end of its ``U<k>``
-    (pipedream, one replica: update k follows backward k), from the runtime's own timeline."""
-    ups = sorted((e for e in timeline[rank] if e.category == "optimizer"), key=lambda e: e.start)
-    return [e.end for e in ups]
+    """Completion time of each minibatch at ``rank`` (the input stage): the end of the last
+    optimizer span of its update ``U<k>`` (pipedream, one replica: update k follows backward k),
+    from the runtime's own timeline."""
+    return [max(e.end for e in evs) for evs in fxpipe_updates(timeline[rank]).values()]
+
+
+def fxpipe_first_forward(timeline: dict[int, list[Any]], rank: int = 0) -> float:
+    """Start of the rank's first forward, in seconds after the runtime's common start (the
+    barrier after rendezvous): what the rank spent setting up before training."""
+    return min(e.start for e in timeline[rank] if e.category == "forward")
 
 
 # ----------------------------------------------------------------------------- stats

@@ -75,7 +75,8 @@ def measure(specs, replicas, batches, warmup: int) -> dict:
         lo, hi = steady_window(evs)
         ranks[r] = dict(busy=busy[r], shares=window_shares(evs, lo, hi),
                         fb=per_mb(evs, "forward", warmup) + per_mb(evs, "backward", warmup),
-                        opt=per_mb(evs, "optimizer", warmup))
+                        opt=statistics.median(sum(e.duration for e in g) for g in
+                                              list(rc.fxpipe_updates(evs).values())[warmup:]))
     return dict(tpm=tpm, ranks=ranks)
 
 
