@@ -10,7 +10,9 @@ issues, not a 2x rule of thumb). Time is then
 
 with bytes_moved = input tensor bytes + output bytes + the module's parameter and buffer bytes,
 and about twice that for the backward. Pure views (reshape, getitem, size) move nothing and
-cost nothing.
+cost nothing. The weight update (``update_s``) of the parameters a node owns is memory-bound:
+``optimizer_bytes_factor * parameter bytes / mem_bandwidth + one launch per tensor`` (see
+:mod:`fxpipe.costmodel.update`).
 """
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxpipe.errors import ConfigError
+
 from .extract import annotate_parameters
 from .hardware import DeviceSpec, get_device
 from .profiler import NodeCall, describe_value, is_inplace_error, isolated, iter_node_calls
+from .update import SGD_BYTES_FACTOR, estimate_update_s, owned_trainable
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +68,22 @@ def _roofline(flops: float, nbytes: float, device: DeviceSpec) -> float:
 
 
 def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
-                   device: DeviceSpec | str) -> fx.GraphModule:
+                   device: DeviceSpec | str, *,
+                   optimizer_bytes_factor: float = SGD_BYTES_FACTOR) -> fx.GraphModule:
     """Annotate every placeholder and compute node of ``gm`` with ``flops``, ``backward_flops``,
-    ``bytes_moved`` and roofline ``forward_s``/``backward_s`` for ``device`` (a
+    ``bytes_moved`` and roofline ``forward_s``/``backward_s``/``update_s`` for ``device`` (a
     :class:`DeviceSpec` or a name from the device table). Returns ``gm``, annotated.
+
+    ``optimizer_bytes_factor``: bytes an optimizer step moves per parameter byte (5 for SGD with
+    momentum: read param, grad, momentum, write param, momentum; about 7 for Adam).
 
     The backward covers what training computes: gradients of the node's inputs that need one
     and of its trainable parameters (see :func:`fxpipe.costmodel.profiler.profile_graph`).
     """
     spec = device if isinstance(device, DeviceSpec) else get_device(device)
+    if not isinstance(optimizer_bytes_factor, (int, float)) or optimizer_bytes_factor < 0:
+        raise ConfigError(f"optimizer_bytes_factor must be >= 0, got {optimizer_bytes_factor!r}",
+                          "about 5 for SGD with momentum, 7 for Adam, 3 for plain SGD")
     annotate_parameters(gm)
     counter = FlopCounterMode(display=False)
     with isolated(gm):
@@ -81,7 +93,7 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
                 meta.setdefault(k, v)
             if call.node.op == "placeholder":
                 meta.update(flops=0, backward_flops=0, bytes_moved=0, forward_s=0.0,
-                            backward_s=0.0)
+                            backward_s=0.0, update_s=0.0)
                 continue
             try:
                 args, kwargs, leaves = call.make_inputs()
@@ -116,7 +128,9 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
                 flops=flops, backward_flops=bflops, bytes_moved=nbytes_in_flight,
                 forward_s=_roofline(flops, nbytes_in_flight, spec) if works else 0.0,
                 backward_s=(_roofline(bflops, 2 * nbytes_in_flight, spec)
-                            if has_backward and (bflops > 0 or nbytes_in_flight > 0) else 0.0))
+                            if has_backward and (bflops > 0 or nbytes_in_flight > 0) else 0.0),
+                update_s=estimate_update_s(owned_trainable(gm, call.node), spec,
+                                           optimizer_bytes_factor))
             del out, outs
     log.info("estimated %d nodes for %s", len(gm.graph.nodes), spec.name)
     return gm

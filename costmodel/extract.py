@@ -148,6 +148,8 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
             parameter_bytes=float(meta.get("parameter_bytes", 0)),
             inputs=inputs, params=tuple(meta.get("params", ())),
             shared_params=tuple(meta.get("shared_params", ())),
-            sendable=bool(meta.get("sendable", meta.get("is_tensor", True)))))
+            sendable=bool(meta.get("sendable", meta.get("is_tensor", True))),
+            # graphs costed before the update was modelled have none: 0, as in old profiles
+            update_s=float(meta.get("update_s", 0.0))))
     return Profile(nodes=tuple(nodes), batch_size=batch_size, device=device, source=source,
                    meta={"graph_nodes": len(gm.graph.nodes)})

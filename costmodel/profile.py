@@ -4,6 +4,11 @@ A :class:`Profile` is what the partitioner consumes. It is produced by the profi
 analytical estimator from an annotated FX graph, loaded from fxpipe's JSON, or imported from
 PipeDream's ``graph.txt`` (see :mod:`fxpipe.costmodel.pipedream`). Times are seconds per
 minibatch, sizes are bytes (batch included).
+
+``update_s`` is the optimizer step for the parameters a node owns. It is part of ``compute_s``
+because in the ``pipedream`` (1F1B) schedule every replica runs F, B and U for each minibatch it
+processes, so a stage is busy for all three. Profiles written before the field existed (and
+PipeDream imports, whose profiles have no update time) load with ``update_s = 0``.
 """
 from __future__ import annotations
 
@@ -40,10 +45,16 @@ class ProfileNode:
     # False when the output cannot travel between stages (e.g. a tuple of tensors, an opaque
     # Python object); the partitioner never cuts while such a value is live.
     sendable: bool = True
+    # Seconds per optimizer step for the parameters this node OWNS (0 for the others). Last
+    # field, so positional construction keeps working; default 0.0, so older JSON files and
+    # PipeDream imports (which measured no update) still load.
+    update_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
-        return self.forward_s + self.backward_s
+        """Forward + backward + weight update: the node's share of a stage's busy time per
+        minibatch (the update runs once per minibatch in the 1F1B schedule)."""
+        return self.forward_s + self.backward_s + self.update_s
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class Profile:
                         f"node {n.name!r} consumes {i!r}, which is not an earlier node",
                         "profile nodes must be listed in a topological order")
             for v, what in ((n.forward_s, "forward_s"), (n.backward_s, "backward_s"),
+                            (n.update_s, "update_s"),
                             (n.activation_bytes, "activation_bytes"),
                             (n.parameter_bytes, "parameter_bytes")):
                 if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
@@ -85,6 +97,10 @@ class Profile:
     @property
     def total_compute_s(self) -> float:
         return sum(n.compute_s for n in self.nodes)
+
+    @property
+    def total_update_s(self) -> float:
+        return sum(n.update_s for n in self.nodes)
 
     @property
     def total_parameter_bytes(self) -> float:

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.errors import ConfigError, InputMismatchError
 
 from .extract import annotate_parameters, fetch_attr
+from .update import OptimizerFactory, default_optimizer, measure_updates
 
 log = logging.getLogger(__name__)
 
@@ -288,14 +289,20 @@ def _median_time(make: Callable[[], Callable[[], Any]], warmup: int, repeats: in
 
 
 def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, warmup: int = 2,
-                  repeats: int = 5) -> fx.GraphModule:
-    """Measure ``forward_s`` and ``backward_s`` of every placeholder and compute node of ``gm``
-    on this machine (median over ``repeats`` after ``warmup`` runs) and annotate parameters.
+                  repeats: int = 5,
+                  optimizer_factory: OptimizerFactory | None = None) -> fx.GraphModule:
+    """Measure ``forward_s``, ``backward_s`` and ``update_s`` of every placeholder and compute
+    node of ``gm`` on this machine (median over ``repeats`` after ``warmup`` runs) and annotate
+    parameters.
 
     Forward is timed with grad enabled, as in training (autograd bookkeeping included). Backward
     is ``autograd.grad`` of the node's outputs w.r.t. its gradient-needing inputs and trainable
     parameters; inputs that training never differentiates (model inputs, integer tensors, values
-    computed from them alone) are not differentiated here either. Returns ``gm``, annotated.
+    computed from them alone) are not differentiated here either.
+
+    ``update_s`` is one ``step()`` of ``optimizer_factory(params)`` (default: SGD, lr 0.01,
+    momentum 0.9) for the trainable parameters the node owns, timed on clones with random
+    gradients (see :mod:`fxpipe.costmodel.update`); nodes owning none get 0. Returns ``gm``.
     """
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
@@ -337,5 +344,11 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
                 log.warning("cannot time the backward of node %r (%s); recording 0",
                             call.node.name, e)
             backward = None
+        updates = measure_updates(
+            gm, optimizer_factory or default_optimizer,
+            lambda step: _median_time(lambda: step, warmup, repeats, sync, reuse=True))
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "call_module", "call_function", "call_method"):
+                node.meta["fxpipe"]["update_s"] = updates.get(node.name, 0.0)
     log.info("profiled %d nodes in %.2f s", len(gm.graph.nodes), time.perf_counter() - t_start)
     return gm

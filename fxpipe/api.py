@@ -198,11 +198,11 @@ def _meta_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def cost_graph(traced: TracedGraph, example_inputs: tuple[Any, ...], cluster: Cluster,
-               *, repeats: int = 5) -> Profile:
+               *, repeats: int = 5, optimizer: Callable[..., Any] | None = None) -> Profile:
     """Annotate node costs (measured here, or estimated for ``cluster.device``) and extract them."""
     gm = traced.gm
     if cluster.device is None:
-        profile_graph(gm, example_inputs, repeats=repeats)
+        profile_graph(gm, example_inputs, repeats=repeats, optimizer_factory=optimizer)
         device = "this machine (measured)"
     else:
         meta_gm = _meta_copy(gm)
@@ -219,12 +219,15 @@ def cost_graph(traced: TracedGraph, example_inputs: tuple[Any, ...], cluster: Cl
 def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             example_inputs: Any, loss_fn: LossFn | None = None, stages: int | None = None,
             straight: bool = False, sync: str = "allreduce", plan: Plan | None = None,
-            leaf_modules: Sequence[Any] = (), repeats: int = 5) -> CompiledModel:
+            leaf_modules: Sequence[Any] = (), repeats: int = 5,
+            optimizer: Callable[..., Any] | None = None) -> CompiledModel:
     """Compile ``model`` for ``cluster``: trace, cost, partition, split.
 
     ``stages`` forces the number of stages, ``straight`` one worker per stage, ``plan`` reuses a
     saved plan (it must have been made for this model). Costs are measured on this machine
     unless ``cluster.device`` names a device from the table, in which case they are estimated.
+    ``optimizer`` (``lambda params: torch.optim.Adam(params)``) is the optimizer whose step is
+    timed per stage (default: SGD with momentum), since every replica steps after each backward.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -233,7 +236,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
         example_inputs = (example_inputs,)
     traced = trace(model, example_inputs, leaf_modules=leaf_modules)
     fingerprint = model_fingerprint(traced.gm)
-    profile = cost_graph(traced, example_inputs, cluster, repeats=repeats)
+    profile = cost_graph(traced, example_inputs, cluster, repeats=repeats, optimizer=optimizer)
     if plan is None:
         plan = partition(profile, cluster, sync=sync, stages=stages, straight=straight)
         plan = replace(plan, model_fingerprint=fingerprint)

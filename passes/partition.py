@@ -74,6 +74,8 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 f"cannot make {stages!r} stages: the maximum is {max_stages} "
                 f"({m} workers, {cuttable} places where the graph can be cut)",
                 f"pass stages between 1 and {max_stages}, or None to let fxpipe choose")
+    # compute_s = forward + backward + update: in the pipedream (1F1B) schedule every replica
+    # steps after each of its backwards, so the update is stage time like F and B
     compute = [nd.compute_s for nd in profile.nodes]
     params = [nd.parameter_bytes for nd in profile.nodes]
     acts = [nd.activation_bytes for nd in profile.nodes]
@@ -90,11 +92,11 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
             "use more workers or devices with more memory, a smaller batch, or "
             "optimizer_state_factor matching your optimizer") from None
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
-    return _make_plan(profile, cluster, sync, sol, dp.bottleneck)
+    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha)
 
 
 def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
-               dp_time: float) -> Plan:
+               dp_time: float, alpha: list[float]) -> Plan:
     names = profile.names
     bounds = list(sol.starts) + [len(names)]
     crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])
@@ -107,7 +109,10 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
             input_bytes=sol.cut_bytes[s], comm_s=sol.cut_times[s],
             parameter_bytes=float(sum(nd.parameter_bytes for nd in profile.nodes[a:e])),
             activation_bytes=float(sum(nd.activation_bytes for nd in profile.nodes[a:e])),
-            memory_bytes=sol.memory[s], in_flight=sol.in_flight[s]))
+            memory_bytes=sol.memory[s], in_flight=sol.in_flight[s],
+            # the update is already inside compute_s (node compute_s includes it); this is the
+            # same alpha C split, reported on its own
+            update_s=alpha[r - 1] * sum(nd.update_s for nd in profile.nodes[a:e])))
         if a > 0:
             log.debug("stage %d receives %s", s, ", ".join(crossing[a]))
     stage_of = {nm: s for s, sp in enumerate(stage_plans) for nm in sp.nodes}

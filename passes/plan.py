@@ -21,9 +21,11 @@ PLAN_FORMAT = "fxpipe.plan/1"
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage. Times are seconds per minibatch as seen by the pipeline: ``compute_s``
-    is the stage's forward+backward time divided among its replicas, ``sync_s`` its weight
-    synchronisation, ``comm_s`` the time to move ``input_bytes`` into it (activations forward,
-    gradients back). ``memory_bytes`` is per replica, with ``in_flight`` weight versions."""
+    is the stage's forward+backward+update time divided among its replicas, ``update_s`` the
+    optimizer-step part of it (shown separately so users see what the update costs), ``sync_s``
+    its weight synchronisation, ``comm_s`` the time to move ``input_bytes`` into it
+    (activations forward, gradients back). ``memory_bytes`` is per replica, with ``in_flight``
+    weight versions."""
 
     index: int
     nodes: tuple[str, ...]
@@ -37,6 +39,8 @@ class StagePlan:
     activation_bytes: float
     memory_bytes: float
     in_flight: int
+    # Last with a default: plans saved before the update was modelled load with 0.0.
+    update_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,8 @@ class Plan:
 
     def summary(self) -> str:
         """A human-readable table plus the headline numbers."""
-        head = f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10} {'comm':>10} {'memory':>10}"
+        head = (f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10} {'update':>10} "
+                f"{'comm':>10} {'memory':>10}")
         lines = [head, "-" * len(head)]
         for s in self.stages:
             span = (f"{s.nodes[0]}..{s.nodes[-1]} ({len(s.nodes)})" if len(s.nodes) > 1
@@ -93,7 +98,10 @@ class Plan:
                 span = span[:37] + "..."
             lines.append(f"{s.index:>5}  {span:<40} {s.replicas:>8} "
                          f"{format_seconds(s.compute_s + s.sync_s):>10} "
-                         f"{format_seconds(s.comm_s):>10} {format_bytes(s.memory_bytes):>10}")
+                         f"{format_seconds(s.update_s):>10} {format_seconds(s.comm_s):>10} "
+                         f"{format_bytes(s.memory_bytes):>10}")
+        lines.append("(compute = forward + backward + update + sync, per minibatch; update = "
+                     "the optimizer step, included in compute)")
         lines.append("")
         lines.append(f"time per minibatch: {format_seconds(self.time_per_minibatch)}"
                      f" ({self.sync} sync, {self.workers_used} of {self.cluster.get('workers')} workers)")
@@ -137,6 +145,8 @@ class Plan:
                     if not all(isinstance(x, str) for x in nodes):
                         raise PlanFormatError(f"{where}: field 'nodes' must be a list of names")
                     kw["nodes"] = tuple(nodes)
+                elif f.name == "update_s" and f.name not in sd:
+                    kw[f.name] = 0.0  # written before the update was in the cost model
                 elif f.name in ("index", "replicas", "in_flight"):
                     kw[f.name] = _get(sd, f.name, int, where)
                 else:
