@@ -25,3 +25,12 @@ def write_section(name: str, markdown: str, path: Path = BENCHMARKS) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def publish(name: str, markdown: str, out: str | None = None) -> None:
+    """A benchmark's last step: its section into BENCHMARKS.md (or ``out``), and to stdout."""
+    if out:
+        Path(out).write_text(markdown.rstrip() + "\n")
+    else:
+        write_section(name, markdown)
+    print(markdown)

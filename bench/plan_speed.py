@@ -98,14 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     for model, n, w, ours, theirs, t_ours, t_dp in dp_rows:
         lines.append(f"| {model} | {n} | {w} | {ours * 1e3:.4f} ms | {theirs * 1e3:.4f} ms | "
                      f"{t_ours:.4f} | {t_dp:.2f} | {t_dp / t_ours:.0f}x |")
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
-    else:
-        sys.path.insert(0, str(ROOT / "bench"))
-        from _report import write_section
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _report import publish
 
-        write_section("plan_speed", "\n".join(lines))
-    log.info("wrote %s", args.out or "BENCHMARKS.md")
+    publish("plan_speed", "\n".join(lines), args.out)
     return 0
 
 

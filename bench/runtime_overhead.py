@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_common as rc  # noqa: E402
-from _report import write_section  # noqa: E402
+from _report import publish  # noqa: E402
 
 import fxpipe  # noqa: E402
 from fxpipe import models  # noqa: E402
@@ -159,11 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "must match exactly (one stage = plain SGD); VGG16's dropout draws its masks from each "
         "process's own RNG stream, which the two runs do not align, so its weights drift apart.",
     ])
-    if args.out:
-        Path(args.out).write_text(md + "\n")
-    else:
-        write_section(SECTION, md)
-    print(md)
+    publish(SECTION, md, args.out)
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_common as rc  # noqa: E402
-from _report import write_section  # noqa: E402
+from _report import publish  # noqa: E402
 
 import fxpipe  # noqa: E402
 from fxpipe.runtime.launch import run_distributed  # noqa: E402
@@ -160,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Cells: median [min-max] over the rounds.",
     ])
-    if args.out:
-        Path(args.out).write_text(md + "\n")
-    else:
-        write_section(SECTION, md)
-    print(md)
+    publish(SECTION, md, args.out)
     return 0
 
 

@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_common as rc  # noqa: E402
-from _report import write_section  # noqa: E402
+from _report import publish  # noqa: E402
 
 import fxpipe  # noqa: E402
 from fxpipe.runtime.launch import free_port, run_distributed  # noqa: E402
@@ -251,11 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|",
         *sweep_rows,
     ])
-    if args.out:
-        Path(args.out).write_text(md + "\n")
-    else:
-        write_section(SECTION, md)
-    print(md)
+    publish(SECTION, md, args.out)
     return 0
 
 
