@@ -19,7 +19,9 @@ Invariants that keep every replica's collectives matched and the result exact:
   minibatches; a replica without a backward in the round fills and launches everything at ``U``;
 * the elementwise sums are those of the single flat all-reduce (only the packing differs), and
   :meth:`GradBuckets.flat` rebuilds exactly :meth:`StageReplica.local_gradient`'s layout, so the
-  update code is shared with the flat path.
+  update code is shared with the flat path; :meth:`GradBuckets.grads` gives the same values as
+  views into the buckets (no copy), which the update uses when no tied parameter needs the flat
+  layout.
 """
 from __future__ import annotations
 
@@ -159,6 +161,19 @@ class GradBuckets:
         while i < len(self.bufs) and self._missing[i] == 0:
             self.pending.append(self.launch(i, self.bufs[i]))
             i += 1
+
+    def grads(self, params: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+        """The summed gradients as views into the buckets, shaped like ``params[name]``, and
+        the summed count (closes the round; call after every bucket's all-reduce was waited
+        for). Why views: the update divides them in place and hands them to the optimizer, which
+        saves the pass over gradient memory :meth:`flat` costs; the buckets are refilled
+        completely next round, so writing into them is harmless."""
+        lay = self.layout
+        out = {n: self.bufs[lay.slots[n].bucket][lay.slots[n].offset:
+                                                 lay.slots[n].offset + lay.slots[n].numel]
+               .view(params[n].shape) for n in lay.names}
+        self.active = False
+        return out, float(self.bufs[-1][-1])
 
     def flat(self) -> torch.Tensor:
         """The summed buckets in :meth:`StageReplica.local_gradient`'s layout (closes the

@@ -92,7 +92,8 @@ class RankExecutor:
         last = len(self.stages) - 1
         self.replica = StageReplica(self.spec, optimizer_factory,
                                     loss_fn=loss_fn if me[0] == last else None,
-                                    stashing=stashing, planned_reads=planned_reads(schedule, me))
+                                    stashing=stashing, planned_reads=planned_reads(schedule, me),
+                                    model_input_grads=False)  # sent nowhere: not computed
 
     def _what(self, kind: str, name: str, k: int) -> str:
         return f"{kind} {name!r} of minibatch {k}"
@@ -209,11 +210,20 @@ class RankExecutor:
             self._round = str(a)
             bk.start()
             bk.finish(self.replica.grad_sums, self.replica.count)
+        if reps[s] == 1 and not self.tied:  # nobody to sum with: no flat buffer at all
+            with self.rec.span("optimizer", str(a), update=a.minibatch):
+                self.replica.apply_local_update()
+            return
         with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
             buf = self.replica.local_gradient() if bk is None or self.tied else None
             segs = [(key, names, self.replica.segment(buf, names)) for key, names in self.tied]
         if bk is not None:
             self.comm.wait_all_reduces(bk.pending, f"allreduce {a}", group=str(s))
+            if not self.tied:  # the buckets' views go to the optimizer (no flat copy)
+                grads, count = bk.grads(self.replica.stash.latest)
+                with self.rec.span("optimizer", str(a), update=a.minibatch):
+                    self.replica.apply_grads(grads, count, writable=grads)
+                return
             buf = bk.flat()
         elif reps[s] > 1:
             self.comm.all_reduce(buf, s, [(s, j) for j in range(reps[s])], f"U{a.minibatch}")
@@ -306,7 +316,17 @@ def init_rank(index: int, cfg: WorkerConfig, world_size: int | None = None) -> f
     dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.port}",
                             rank=index, world_size=world_size or len(cfg.schedule().ranks),
                             timeout=timeout)
+    warm_imports()
     return synchronized_start(max(cfg.timeout_s, 60.0))
+
+
+def warm_imports() -> None:
+    """Pay the lazy imports of the first optimizer before the timeline's common start.
+
+    Why: ``torch.optim.Optimizer`` imports ``torch._dynamo`` on first use (about 1.3 s on CPU),
+    which otherwise lands between the timeline's zero and the first forward of every rank (the
+    executor builds its optimizer after the start) and reads as start-up idle time."""
+    import torch._dynamo  # noqa: F401
 
 
 def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:

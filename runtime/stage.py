@@ -10,13 +10,22 @@ it ran since its previous update and counts them; the replicas of the stage add 
 all-reduce of one flat buffer, or the same sums in buckets launched during the last backward of
 the round: :mod:`fxpipe.runtime.buckets`) and the update uses sum / count, the mean gradient over
 the minibatches of the group (= plain SGD for one replica updating after every minibatch).
+
+Why the update path avoids copies: on a one-stage run the gradient memory is touched by the
+backward and by the optimizer anyway; every extra pass (concatenating, dividing into a new tensor,
+cloning) costs as much again, and every fresh allocation of a large tensor pays page faults. So
+a gradient sum is accumulated in place once the replica owns it, a lone replica without tied
+weights hands its sums straight to the optimizer (:meth:`StageReplica.apply_local_update`), and
+the flat path divides views of the summed buffer in place. The floating-point operations (one
+addition per minibatch in order, one division by the count) are exactly those of the copying
+version, so results are bit-identical.
 """
 from __future__ import annotations
 
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch.func import functional_call
@@ -131,8 +140,15 @@ class StageReplica:
 
     def __init__(self, spec: StageSpec, optimizer_factory: OptimizerFactory, *,
                  loss_fn: LossFn | None = None, stashing: bool = True,
-                 planned_reads: Mapping[int, int] | None = None) -> None:
+                 planned_reads: Mapping[int, int] | None = None,
+                 model_input_grads: bool = True) -> None:
         self.spec = spec
+        # False: model inputs get no gradient (backward returns None for them). Why: nobody
+        # consumes it in the distributed executor, and for the input stage it is a whole extra
+        # product with the first layer's weights per backward; parameter gradients do not
+        # depend on it.
+        self._no_grad_in = frozenset() if model_input_grads else frozenset(
+            i for i, src in enumerate(spec.sources) if src == MODEL)
         self.is_last = loss_fn is not None
         self.loss_fn = loss_fn
         params = dict(spec.gm.named_parameters())
@@ -141,6 +157,10 @@ class StageReplica:
         self.buffers = {n: b.detach().clone() for n, b in spec.gm.named_buffers()}
         self._flight: dict[int, _InFlight] = {}
         self._grad_sum: dict[str, torch.Tensor] = {}
+        # names whose sum is a tensor this replica allocated (safe to add to / divide in place);
+        # a first gradient is kept as autograd returned it, which may alias a tensor that is sent
+        # on (e.g. the gradient of ``x + w`` is the incoming gradient itself)
+        self._owned: set[str] = set()
         self._count = 0
 
     def _call(self, weights: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> tuple:
@@ -160,7 +180,8 @@ class StageReplica:
         """Run the forward of ``minibatch`` on weight ``version``; return the detached outputs
         (to send on) and, on the last stage, the loss value."""
         ins = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor)
-               and is_differentiable(t) else t for t in inputs]
+               and is_differentiable(t) and i not in self._no_grad_in else t
+               for i, t in enumerate(inputs)]
         weights = self.stash.acquire(minibatch, version)
         if self.stash.stashing:
             outs = self._call(weights, _writable(ins))
@@ -215,10 +236,8 @@ class StageReplica:
                 h.remove()
         self.stash.release(minibatch)
         for n, g in zip(names, grads[len(diff_in):]):
-            if n in summed:
-                self._grad_sum[n] = summed[n]
-            elif g is not None:
-                self._grad_sum[n] = self._grad_sum[n] + g if n in self._grad_sum else g
+            if n not in summed and g is not None:  # the hooks already added theirs
+                self._accumulate(n, g)
         self._count += 1
         in_grads: list[torch.Tensor | None] = [None] * len(fl.inputs)
         for i, g in zip(diff_in, grads[:len(diff_in)]):
@@ -229,9 +248,22 @@ class StageReplica:
               on_grad: Callable[[str, torch.Tensor], None], g: torch.Tensor) -> None:
         """Tensor hook of weight ``name``: the same sum :meth:`backward` would make afterwards
         (so results do not depend on hooks), made now and handed to ``on_grad``."""
-        total = self._grad_sum[name] + g if name in self._grad_sum else g
-        summed[name] = total
-        on_grad(name, total)
+        summed[name] = self._accumulate(name, g)
+        on_grad(name, summed[name])
+
+    def _accumulate(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """Add ``g`` to ``name``'s gradient sum and return the sum. The first gradient is kept
+        as is (no copy); the second allocates the sum once; later ones add in place (the same
+        additions, in the same order, as ``sum = sum + g``)."""
+        cur = self._grad_sum.get(name)
+        if cur is None:
+            self._grad_sum[name] = g
+        elif name in self._owned:
+            cur.add_(g)
+        else:
+            self._grad_sum[name] = cur + g
+            self._owned.add(name)
+        return self._grad_sum[name]
 
     @property
     def count(self) -> int:
@@ -279,16 +311,37 @@ class StageReplica:
 
     def apply_update(self, total: torch.Tensor) -> int:
         """Step the optimizer with the mean gradient in ``total`` (the sum over the stage's
-        replicas of :meth:`local_gradient`); returns the new weight version."""
+        replicas of :meth:`local_gradient`); returns the new weight version. ``total`` is
+        consumed: its parts are divided in place and handed to the optimizer as views."""
         count = float(total[-1])
         grads: dict[str, torch.Tensor] = {}
         offset = 0
         for n in self.stash.trainable:
             p = self.stash.latest[n]
-            flat = total[offset:offset + p.numel()]
-            grads[n] = (flat / count if count > 0 else flat).reshape(p.shape).clone()
+            grads[n] = total[offset:offset + p.numel()].reshape(p.shape)
             offset += p.numel()
+        return self.apply_grads(grads, count, writable=grads)
+
+    def apply_local_update(self) -> int:
+        """The update of a replica that sums with nobody (one replica, no tied parameters):
+        its own gradient sums go straight to the optimizer, with no flat buffer; the same
+        values as ``apply_update(local_gradient())``."""
+        latest = self.stash.latest
+        grads = {n: self._grad_sum[n] if n in self._grad_sum else torch.zeros_like(latest[n])
+                 for n in self.stash.trainable}
+        writable = {n for n in grads if n in self._owned or n not in self._grad_sum}
+        return self.apply_grads(grads, float(self._count), writable=writable)
+
+    def apply_grads(self, grads: Mapping[str, torch.Tensor], count: float, *,
+                    writable: Collection[str]) -> int:
+        """Step the optimizer with ``grads[n] / count`` (every trainable name; ``count`` 0:
+        no minibatch, the sums are used as they are; 1: nothing to divide, ``x / 1 == x``).
+        Names in ``writable`` are divided in place, the others into a new tensor. Resets the
+        round's sums and count; returns the new weight version."""
+        if count > 0 and count != 1:
+            grads = {n: g.div_(count) if n in writable else g / count for n, g in grads.items()}
         self._grad_sum.clear()
+        self._owned.clear()
         self._count = 0
         return self.stash.update(grads)
 

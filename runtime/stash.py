@@ -14,6 +14,13 @@ tensors, points the optimizer at the clones and steps those; the old dict keeps 
 untouched old tensors, which the in-flight autograd graphs saved. If nobody needs the current
 version, the update is done in place and no memory is added. ``bytes_held`` counts unique storages.
 
+Why a free list: under pipedream the input stage copies on every update in steady state, while
+each backward drops the oldest version; allocating the copy anew each time costs page faults on
+a tensor as large as the stage's weights. So the trainable tensors of a dropped version are kept
+(at most one version's worth, keyed by shape, stride, dtype and device) and the next copy-on-write
+writes into them. Spares are only reused by that copy; an update that needs no copy frees them,
+so steady memory stays that of the versions held (``spare_bytes`` reports them separately).
+
 ``stashing=False`` (an ablation only): the backward uses the latest weights; the owner recomputes
 the forward with them (see :mod:`fxpipe.runtime.stage`), so no old version is ever kept.
 """
@@ -21,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Hashable, Iterable, Mapping
 
 import torch
 
@@ -56,6 +63,7 @@ class WeightStash:
         self._older: dict[int, dict[str, torch.Tensor]] = {}
         self._inflight: dict[int, int] = {}  # minibatch -> version its forward read
         self._reads: Counter[int] = Counter(planned_reads or {})
+        self._spare: dict[Hashable, list[torch.Tensor]] = {}  # see the module doc
         self.peak_bytes = self.bytes_held()
 
     # ------------------------------------------------------------------ reading versions
@@ -117,6 +125,8 @@ class WeightStash:
         if self.optimizer is not None:
             if self._needed(self.version):
                 self._copy_on_write()
+            else:  # in place: nobody reads the current version; spares would only sit idle
+                self._spare.clear()
             for n in self.trainable:
                 self._latest[n].grad = grads[n]
             self.optimizer.step()
@@ -133,6 +143,7 @@ class WeightStash:
             raise StashError(f"rebase with minibatches {sorted(self._inflight)} in flight",
                              "finish every backward before starting a new schedule")
         self._older.clear()
+        self._spare.clear()
         self.version = 0
 
     def set_planned_reads(self, planned_reads: Mapping[int, int]) -> None:
@@ -140,13 +151,22 @@ class WeightStash:
         self._reads = Counter(planned_reads)
 
     def _copy_on_write(self) -> None:
-        """Keep the current tensors as an old version; give the optimizer fresh clones."""
+        """Keep the current tensors as an old version; give the optimizer copies (written into
+        spares of a dropped version when there are some, else fresh clones)."""
         old = self._latest
         new = dict(old)
         swap: dict[int, torch.Tensor] = {}
+        reused = 0
         for n in self.trainable:
-            new[n] = old[n].detach().clone().requires_grad_(True)
+            free = self._spare.get(_key(old[n]))
+            if free:
+                with torch.no_grad():
+                    new[n] = free.pop().copy_(old[n])
+                reused += 1
+            else:
+                new[n] = old[n].detach().clone().requires_grad_(True)
             swap[id(old[n])] = new[n]
+        self._spare.clear()
         assert self.optimizer is not None
         for group in self.optimizer.param_groups:
             group["params"] = [swap.get(id(p), p) for p in group["params"]]
@@ -155,19 +175,39 @@ class WeightStash:
                 self.optimizer.state[new[n]] = self.optimizer.state.pop(old[n])
         self._older[self.version] = old
         self._latest = new
-        log.debug("version %d stashed (%d tensors copied)", self.version, len(swap))
+        log.debug("version %d stashed (%d tensors copied, %d into spares)", self.version,
+                  len(swap), reused)
 
     def _needed(self, v: int) -> bool:
         return self._reads[v] > 0 or v in self._inflight.values()
 
     def _collect(self) -> None:
+        """Drop the old versions nobody needs; keep one version's trainable tensors as spares
+        (they are the stash's own copies: no other version or the optimizer holds them, and the
+        graphs of the minibatches that read them are gone)."""
         for v in [v for v in self._older if not self._needed(v)]:
-            del self._older[v]
+            dropped = self._older.pop(v)
+            if not self._spare:
+                for n in self.trainable:
+                    t = dropped[n]
+                    if t is not self._latest[n]:
+                        t.grad = None
+                        self._spare.setdefault(_key(t), []).append(t)
 
     # ------------------------------------------------------------------ accounting
     def bytes_held(self) -> int:
         """Bytes of the unique tensor storages across the latest and all stashed versions."""
         return _unique_bytes(t for d in [self._latest, *self._older.values()] for t in d.values())
+
+    def spare_bytes(self) -> int:
+        """Bytes kept for the next copy-on-write (a dropped version's tensors; not counted in
+        :meth:`bytes_held`, and never more than one version's worth)."""
+        return _unique_bytes(t for ts in self._spare.values() for t in ts)
+
+
+def _key(t: torch.Tensor) -> Hashable:
+    """Tensors interchangeable as copy-on-write targets: same layout, dtype and device."""
+    return (tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:

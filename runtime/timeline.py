@@ -11,6 +11,12 @@ Events of one rank never overlap: an action is recorded as its parts in the orde
 only its posting (the transfer itself runs in the background). ``idle`` events fill the gaps
 between a rank's recorded events.
 
+One update may produce several ``optimizer`` spans: the distributed executor records gathering
+the gradients ("U3 gradients": flattening them for an all-reduce) apart from the step itself
+("U3"), with the all-reduce wait between them; a lone replica without tied weights records only
+the step. Every span of update k carries ``args["update"] = k``: group by it (not by name, not
+by counting spans) to get the time of, or the completion of, one update.
+
 The trace format is the Trace Event Format's complete events (``ph: "X"``, microseconds), which
 chrome://tracing and https://ui.perfetto.dev open: ``pid`` = global rank, ``tid`` = category.
 """
