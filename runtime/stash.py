@@ -122,7 +122,10 @@ class WeightStash:
     def update(self, grads: Mapping[str, torch.Tensor]) -> int:
         """Apply one optimizer step with ``grads`` (by name, trainable params only) to the latest
         weights; returns the new version number."""
-        if self.optimizer is not None:
+        if self.optimizer is None:
+            if self._needed(self.version):  # nothing trainable: every version is the same dict
+                self._older[self.version] = self._latest
+        else:
             if self._needed(self.version):
                 self._copy_on_write()
             else:  # in place: nobody reads the current version; spares would only sit idle

@@ -1,7 +1,7 @@
 """Every schedule, vertical sync and tied parameters, distributed (gloo, CPU) against the
 reference executor, and the flush schedules against big-batch SGD.
 
-All the runs share ONE spawned world of 3 ranks (2-stage jobs leave the third rank spare): see
+All the runs share ONE spawned world of 4 ranks (smaller jobs leave the other ranks spare): see
 rt_spawn.py. Each test below checks one job of that world.
 """
 from __future__ import annotations
@@ -64,6 +64,7 @@ THREE = {
     "pipedream-2-1": Case(tiny_mlp, (2,), (2, 1), "pipedream", 8),
     "pipedream-3stage-skip": Case(SkipMLP, (2, 4), (1, 1, 1), "pipedream", 8),
     "pipedream-3stage-vsync": Case(tiny_mlp, (1, 3), (1, 1, 1), "pipedream", 8, vsync=True),
+    "pipedream-4stage": Case(tiny_mlp, (1, 2, 3), (1, 1, 1, 1), "pipedream", 8),
     "tied-pipedream-3stage": Case(TiedLM, (1, 3), (1, 1, 1), "pipedream", 8, tied=True),
     "tied-noam1-3stage": Case(TiedLM, (1, 3), (1, 1, 1), "pipedream", 6, noam=1, tied=True),
     "tied-1f1b-flush-2-1": Case(TiedLM, (1,), (2, 1), "1f1b-flush", 8, 4, tied=True),

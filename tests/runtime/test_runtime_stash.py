@@ -93,3 +93,21 @@ def test_planned_reads_keep_an_old_version() -> None:
     assert stash.versions_held() == [1]
     with pytest.raises(StashError, match="version 0 is not held"):
         stash.acquire(2, 0)
+
+
+def test_stage_without_parameters_still_answers_old_versions() -> None:
+    """A stage of activations alone (a Tanh between two cuts) has no optimizer, but its updates
+    still count versions: a backward must find the version its forward read (4-stage pipedream:
+    F0 F1 F2 B0 U0 F3 B1 on stage 1)."""
+    stash = WeightStash({}, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    for k in (0, 1, 2):
+        stash.acquire(k, None)
+    assert stash.for_backward(0)[0] == 0
+    stash.release(0)
+    assert stash.update({}) == 1
+    stash.acquire(3, None)
+    version, weights = stash.for_backward(1)
+    assert version == 0 and weights == {}
+    stash.release(1)
+    stash.release(2)
+    assert stash.versions_held() == [1]
