@@ -88,6 +88,11 @@ def _free_port() -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """The launcher: validate what can be validated here, then run torchrun with N workers."""
     _check_data(args.data)
+    if args.data == "digits":  # fail here, before torchrun starts N processes to say the same
+        from fxpipe import models
+
+        spec = models.get(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed)
+        digits_for(tuple(spec.example_inputs[0].shape), args.model)
     nproc = args.nproc
     if args.plan:
         from fxpipe.passes import Plan
@@ -144,19 +149,30 @@ def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
         return (synthetic_loader(spec.make_batch, bs, args.num_batches, args.seed),
                 synthetic_loader(spec.make_batch, bs, args.eval_batches, args.seed + 1)
                 if args.eval_batches > 0 else None)
-    import torch
-    from sklearn.datasets import load_digits  # checked by _check_data
-
-    shape = tuple(spec.example_inputs[0].shape)
-    if len(spec.example_inputs) != 1 or shape[1:] != (64,):
-        raise ConfigError(f"--data digits gives 64 features, {args.model} takes {shape}",
-                          "use --data synthetic for this model")
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
+    x, y = digits_for(tuple(spec.example_inputs[0].shape), args.model)
     split = len(x) * 4 // 5
     return (ShardedDataset((x[:split],), y[:split], batch_size=bs, seed=args.seed, drop_last=True),
             ShardedDataset((x[split:],), y[split:], batch_size=bs, shuffle=False, drop_last=True))
+
+
+def digits_for(shape: tuple[int, ...], model: str) -> tuple[Any, Any]:
+    """scikit-learn's 8x8 digits shaped for a model's input: 64 features for a vector model,
+    or images resized (bilinear) to its H x W and repeated over its channels for an image model,
+    so any zoo classifier can train on a real dataset without downloads."""
+    import torch
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits  # checked by _check_data
+
+    data, target = load_digits(return_X_y=True)
+    x = torch.tensor(data, dtype=torch.float32) / 16.0  # (1797, 64) in [0, 1]
+    if len(shape) == 2 and shape[1] == 64:
+        return x, torch.tensor(target, dtype=torch.long)
+    if len(shape) == 4:
+        images = F.interpolate(x.view(-1, 1, 8, 8), size=shape[2:], mode="bilinear",
+                               align_corners=False)
+        return images.expand(-1, shape[1], -1, -1).contiguous(), torch.tensor(target)
+    raise ConfigError(f"--data digits gives 8x8 images (64 features); {model} takes inputs of "
+                      f"shape {shape}", "use --data synthetic for this model")
 
 
 def run_worker(args: argparse.Namespace) -> int:

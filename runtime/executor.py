@@ -19,6 +19,7 @@ what each of them runs.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -77,6 +78,7 @@ class RankExecutor:
         self._final_b: dict[int, int] = {}  # action index of a round's last B -> its U's index
         self._round = ""  # the U whose buckets are in flight (for messages)
         self._posted: dict[tuple[str, int], list[Any]] = {}
+        self._fb: tuple[Sequence[Action], list[int]] | None = None  # see prepost_ahead
         # tied parameters are found by identity: do it before .to(device) and anything else
         self.tied = [(stages_, [t.names[me[0]] for t in ts]) for stages_, ts
                      in tie_sets(tied_parameters(self.stages)).items() if me[0] in stages_]
@@ -89,6 +91,9 @@ class RankExecutor:
         self.device = device or torch.device("cpu")
         self.fault = fault
         self.spec.gm.to(self.device)
+        # whether any F or B of this rank receives a message (a lone stage receives nothing)
+        self._receives_any = (any(src != MODEL for src in self.spec.sources)
+                              or any(c != MODEL for cons in self.spec.consumers for c in cons))
         last = len(self.stages) - 1
         self.replica = StageReplica(self.spec, optimizer_factory,
                                     loss_fn=loss_fn if me[0] == last else None,
@@ -127,9 +132,16 @@ class RankExecutor:
         """Post now the receives of action ``i`` and of the next ``prepost`` F/B actions, in list
         order, so their data arrives while this rank computes (communication overlapped with
         compute). Buffers come from the wire plan: posting early costs only their memory."""
-        ahead = [b for b in actions[i:] if b.kind != "U"][:self.prepost + 1]
+        if self._fb is None or self._fb[0] is not actions:  # (list, its F/B action positions)
+            self._fb = (actions, [j for j, b in enumerate(actions) if b.kind != "U"])
+        fb = self._fb[1]
+        lo = bisect.bisect_left(fb, i)
+        ahead = [actions[j] for j in fb[lo:lo + self.prepost + 1]]
         new = [b for b in ahead if (b.kind, b.minibatch) not in self._posted]
-        if new:
+        if new and not self._receives_any:  # nothing ever arrives: no posting, no event
+            for b in new:
+                self._posted[(b.kind, b.minibatch)] = self._post(b)
+        elif new:
             with self.rec.span("recv", "post " + " ".join(map(str, new))):
                 for b in new:
                     self._posted[(b.kind, b.minibatch)] = self._post(b)

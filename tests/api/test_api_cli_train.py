@@ -1,0 +1,22 @@
+"""`fxpipe train --data digits`: scikit-learn's digits shaped for any zoo classifier."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxpipe.cli_train import digits_for
+from fxpipe.errors import ConfigError
+
+
+def test_digits_as_vectors_and_as_images() -> None:
+    x, y = digits_for((4, 64), "mlp")
+    assert x.shape == (1797, 64) and y.shape == (1797,) and y.dtype == torch.long
+    assert float(x.min()) == 0.0 and float(x.max()) == 1.0
+    images, labels = digits_for((4, 3, 32, 32), "vgg16")
+    assert images.shape == (1797, 3, 32, 32) and torch.equal(labels, y)
+    assert torch.equal(images[:, 0], images[:, 2])  # the grey image on every channel
+
+
+def test_digits_for_a_model_that_is_no_image_classifier() -> None:
+    with pytest.raises(ConfigError, match=r"s2vt takes inputs of shape \(4, 8, 64\)"):
+        digits_for((4, 8, 64), "s2vt")
