@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -33,7 +34,7 @@ from torch.func import functional_call
 from fxpipe.codegen.split import MODEL, StageSpec
 
 from .errors import RuntimeConfigError, StashError
-from .stash import OptimizerFactory, WeightStash
+from .stash import OptimizerFactory, WeightStash, swapped_call, tensor_slots
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +163,14 @@ class StageReplica:
         # on (e.g. the gradient of ``x + w`` is the incoming gradient itself)
         self._owned: set[str] = set()
         self._count = 0
+        self._slots = tensor_slots(spec.gm)
+        self._clone_in = _may_write_inputs(spec)  # see _writable
 
     def _call(self, weights: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> tuple:
-        out = functional_call(self.spec.gm, {**weights, **self.buffers}, tuple(inputs))
+        if self._slots is None:
+            out = functional_call(self.spec.gm, {**weights, **self.buffers}, tuple(inputs))
+        else:
+            out = swapped_call(self.spec.gm, self._slots, (weights, self.buffers), inputs)
         if not isinstance(out, tuple) or len(out) != len(self.spec.outputs):
             raise RuntimeConfigError(f"stage {self.spec.index} returned {type(out).__name__}, "
                                      f"expected a tuple of {len(self.spec.outputs)} values",
@@ -184,12 +190,12 @@ class StageReplica:
                for i, t in enumerate(inputs)]
         weights = self.stash.acquire(minibatch, version)
         if self.stash.stashing:
-            outs = self._call(weights, _writable(ins))
+            outs = self._call(weights, _writable(ins, self._clone_in))
             loss = self._loss(outs, target) if self.is_last else None
             self._flight[minibatch] = _InFlight(ins, outs, loss)
         else:
             with torch.no_grad():
-                outs = self._call(weights, _writable(ins))
+                outs = self._call(weights, _writable(ins, self._clone_in))
                 loss = self._loss(outs, target) if self.is_last else None
             self._flight[minibatch] = _InFlight(ins, None, None, target)
         sent = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
@@ -212,7 +218,7 @@ class StageReplica:
         fl = self._flight.pop(minibatch)
         _, weights = self.stash.for_backward(minibatch)
         if fl.outputs is None:  # no stashing: recompute with the latest weights
-            outs = self._call(weights, _writable(fl.inputs))
+            outs = self._call(weights, _writable(fl.inputs, self._clone_in))
             fl = _InFlight(fl.inputs, outs, self._loss(outs, fl.target) if self.is_last else None)
         if self.is_last:
             roots, seeds = [fl.loss], [None]
@@ -350,8 +356,36 @@ class StageReplica:
         return {n: t.detach().clone() for n, t in self.stash.latest.items()}
 
 
-def _writable(ins: Sequence[Any]) -> list[Any]:
-    """The stage's inputs as non-leaf clones: a received activation is a leaf that requires grad,
-    and a stage that starts with an in-place op (a cut right before ``ReLU(inplace=True)``) may
-    not write into a leaf. The leaves stay in ``_InFlight`` for their gradients."""
-    return [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in ins]
+def _writable(ins: Sequence[Any], which: Collection[int]) -> list[Any]:
+    """The stage's inputs ``which`` as non-leaf clones: a received activation is a leaf that
+    requires grad, and a stage that starts with an in-place op (a cut right before
+    ``ReLU(inplace=True)``) may not write into a leaf. The leaves stay in ``_InFlight`` for their
+    gradients. Inputs no op may write into (:func:`_may_write_inputs`) are passed as they are."""
+    return [x.clone() if i in which and isinstance(x, torch.Tensor) and x.requires_grad else x
+            for i, x in enumerate(ins)]
+
+
+# consumers that never write into their input and return a fresh tensor (not a view of it)
+_FRESH_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                  torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.ReLU,
+                  torch.nn.GELU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.MaxPool2d,
+                  torch.nn.AvgPool2d, torch.nn.AdaptiveAvgPool2d)
+_FRESH_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
+                              operator.matmul, torch.add, torch.mul, torch.matmul, torch.cat,
+                              torch.nn.functional.linear, torch.relu})
+
+
+def _may_write_inputs(spec: StageSpec) -> frozenset[int]:
+    """Positions of the inputs that some op might write into in place: every one, except those
+    whose every user is a known out-of-place op with a fresh result (conservative)."""
+    gm = spec.gm
+    if not isinstance(gm, torch.fx.GraphModule):
+        return frozenset(range(len(spec.inputs)))
+    def safe(user: torch.fx.Node) -> bool:
+        if user.op == "call_module":
+            mod = gm.get_submodule(str(user.target))
+            return type(mod) in _FRESH_MODULES and not getattr(mod, "inplace", False)
+        return (user.op == "call_function" and user.target in _FRESH_FUNCTIONS
+                and not user.kwargs.get("inplace", False) and "out" not in user.kwargs)
+    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return frozenset(i for i, n in enumerate(holders) if not all(safe(u) for u in n.users))

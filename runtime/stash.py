@@ -7,12 +7,13 @@ weights the forward used, so those must be kept ("stashed") until that backward 
 optimizer keeps updating the latest weights.
 
 How it stays cheap: a version is just a ``dict[name, Tensor]`` passed to
-``torch.func.functional_call``, so minibatches that read the same version share one dict (nothing
-is copied while no update happens). At an update, if the current version is still needed (a
-minibatch in flight read it, or a planned future forward will), the stash clones the trainable
-tensors, points the optimizer at the clones and steps those; the old dict keeps referencing the
-untouched old tensors, which the in-flight autograd graphs saved. If nobody needs the current
-version, the update is done in place and no memory is added. ``bytes_held`` counts unique storages.
+``torch.func.functional_call`` (or the leaner :func:`swapped_call`), so minibatches that read the
+same version share one dict (nothing is copied while no update happens). At an update, if the
+current version is still needed (a minibatch in flight read it, or a planned future forward will),
+the stash clones the trainable tensors, points the optimizer at the clones and steps those; the old
+dict keeps referencing the untouched old tensors, which the in-flight autograd graphs saved. If
+nobody needs the current version, the update is done in place and no memory is added.
+``bytes_held`` counts unique storages.
 
 Why a free list: under pipedream the input stage copies on every update in steady state, while
 each backward drops the oldest version; allocating the copy anew each time costs page faults on
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Callable, Hashable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -122,12 +123,14 @@ class WeightStash:
     def update(self, grads: Mapping[str, torch.Tensor]) -> int:
         """Apply one optimizer step with ``grads`` (by name, trainable params only) to the latest
         weights; returns the new version number."""
+        copied = False
         if self.optimizer is None:
             if self._needed(self.version):  # nothing trainable: every version is the same dict
                 self._older[self.version] = self._latest
         else:
             if self._needed(self.version):
                 self._copy_on_write()
+                copied = True
             else:  # in place: nobody reads the current version; spares would only sit idle
                 self._spare.clear()
             for n in self.trainable:
@@ -137,7 +140,8 @@ class WeightStash:
                 self._latest[n].grad = None
         self.version += 1
         self._collect()
-        self.peak_bytes = max(self.peak_bytes, self.bytes_held())
+        if copied:  # else the storages held are a subset of ones already counted in the peak
+            self.peak_bytes = max(self.peak_bytes, self.bytes_held())
         return self.version
 
     def rebase(self) -> None:
@@ -219,3 +223,49 @@ def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
         seen[key] = t.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+_Slots = list[tuple[str, list[tuple[dict, str]]]]
+
+
+def tensor_slots(gm: torch.nn.Module) -> _Slots | None:
+    """Where each parameter and buffer of ``gm`` lives: name (the first name of that tensor, as
+    ``named_parameters()`` / ``named_buffers()`` give it) -> every (``_parameters`` or
+    ``_buffers`` dict, key) holding it (a tensor shared under several names gets the same value
+    at each, as ``functional_call`` unties them). None (use ``functional_call``) for modules with
+    parametrizations, which need its re-parametrisation machinery."""
+    from torch.nn.utils import parametrize
+    if any(parametrize.is_parametrized(m) for m in gm.modules()):
+        return None
+    first: dict[int, str] = {}
+    slots: dict[str, list[tuple[dict, str]]] = {}
+    for mname, mod in gm.named_modules(remove_duplicate=False):
+        for store in (mod._parameters, mod._buffers):
+            for attr, t in store.items():
+                if t is None:
+                    continue
+                name = first.setdefault(id(t), f"{mname}.{attr}" if mname else attr)
+                slots.setdefault(name, []).append((store, attr))
+    return list(slots.items())
+
+
+def swapped_call(gm: torch.nn.Module, slots: _Slots,
+                  values: tuple[Mapping[str, torch.Tensor], ...], inputs: Sequence[Any]) -> Any:
+    """``functional_call(gm, {**values[0], **values[1]}, inputs)`` without its per-call set-up:
+    the tensors are put straight into the modules' parameter/buffer dicts (found once by
+    :func:`tensor_slots`) and the originals put back afterwards, whatever happens."""
+    saved: list[tuple[dict, str, Any]] = []
+    try:
+        for name, places in slots:
+            t = values[1].get(name)
+            if t is None:
+                t = values[0].get(name)
+            if t is None:  # not given: the module's own tensor, as functional_call (strict=False)
+                continue
+            for store, attr in places:
+                saved.append((store, attr, store[attr]))
+                store[attr] = t
+        return gm(*inputs)
+    finally:
+        for store, attr, old in reversed(saved):
+            store[attr] = old
