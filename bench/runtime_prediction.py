@@ -150,10 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         *rows,
         "",
         "Per stage, from the runtime's timeline (steady-state window = middle half of each rank's "
-        "forward/backward events; the shares are % of that window; the optimizer step is not in "
-        "the plan's compute):",
+        "forward/backward events; the shares are % of that window; the plan's compute "
+        "includes its profiled optimizer step, U):",
         "",
-        "| stages | stage | plan compute ms (F+B) | measured F+B ms | measured optimizer ms | "
+        "| stages | stage | plan compute ms (F+B+U) | measured F+B ms | measured optimizer ms | "
         "busy fraction | forward % | backward % | optimizer % | recv wait % | send % | idle % |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *stage_rows,
