@@ -35,6 +35,7 @@ import torch.distributed as dist
 from fxpipe.codegen.split import MODEL, StageSpec
 from fxpipe.errors import FxpipeError
 
+from .allocator import keep_freed_memory
 from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout, GradBuckets, last_backwards
 from .comm import BACKWARD, FORWARD, Comm, make_groups, rank_name, synchronized_start
 from .reference import Batch, planned_reads
@@ -320,6 +321,7 @@ class WorkerConfig:
 def init_rank(index: int, cfg: WorkerConfig, world_size: int | None = None) -> float:
     """Join the world's process group (of ``world_size`` ranks, default: the schedule's);
     returns the timeline's common start (taken after a barrier)."""
+    keep_freed_memory()
     device = torch.device(cfg.device)
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)

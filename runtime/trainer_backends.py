@@ -28,6 +28,7 @@ from torch.func import functional_call
 
 from fxpipe.codegen.split import MODEL, StageSpec
 
+from .allocator import keep_freed_memory
 from .comm import FORWARD, Comm, make_groups, rank_name
 from .errors import PeerError, RuntimeConfigError
 from .reference import ReferenceExecutor, planned_reads
@@ -157,6 +158,7 @@ class DistributedBackend:
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(dev)
         self.device = dev
+        keep_freed_memory()
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method="env://",
