@@ -30,7 +30,7 @@ from fxpipe.errors import ConfigError, PlanFormatError
 
 from .modelio import ModelIO
 from .sourcegen import module_source, tensor_inventory
-from .split import StageSpec
+from .split import StageSpec, model_io
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,7 @@ def export_stages(stages: Sequence[StageSpec], directory: str | os.PathLike[str]
     stale stage files it listed are removed, and any other file is left alone. Refuses to
     overwrite a ``stage_*``/``stages.json``/``plan.json`` file that no fxpipe manifest owns.
     """
-    if not stages:
-        raise ConfigError("export_stages got no stages", hint="pass split_graph's result")
-    io = stages[0].io
-    if io is None:
-        raise ConfigError("the stages carry no model I/O description",
-                          hint="build them with split_graph")
+    io = model_io(stages, "export_stages")
     directory = Path(directory)
     manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, "num_stages": len(stages),
                                 "model_io": io.to_json(), "stages": []}

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import ConfigError
 
-from .split import StageSpec
+from .split import StageSpec, model_io
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +23,7 @@ def run_stages(stages: Sequence[StageSpec], args: Sequence[Any],
     Values are routed by name: each stage reads its inputs from the model inputs or from what
     earlier stages produced, so a skip connection needs no relaying.
     """
-    if not stages:
-        raise ConfigError("run_stages got no stages", hint="pass the list split_graph returned")
-    io = stages[0].io
-    if io is None:
-        raise ConfigError("the stages carry no model I/O description",
-                          hint="build them with split_graph or load_exported")
+    io = model_io(stages, "run_stages")
     if not isinstance(args, (tuple, list)):
         args = (args,)
     env: dict[str, Any] = io.bind_inputs(args, kwargs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,6 +44,18 @@ class StageSpec:
     outputs: tuple[str, ...]
     consumers: tuple[tuple[int, ...], ...]
     io: ModelIO | None = field(default=None, compare=False, repr=False)
+
+
+def model_io(stages: Sequence[StageSpec], caller: str) -> ModelIO:
+    """The model I/O description shared by ``stages``; a clear error for an empty list or stages
+    built some other way than :func:`split_graph` / ``load_exported``."""
+    if not stages:
+        raise ConfigError(f"{caller} got no stages", hint="pass the list split_graph returned")
+    io = stages[0].io
+    if io is None:
+        raise ConfigError("the stages carry no model I/O description",
+                          hint="build them with split_graph or load_exported")
+    return io
 
 
 def is_guard_node(node: fx.Node) -> bool:

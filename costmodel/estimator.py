@@ -29,7 +29,7 @@ from fxpipe.errors import ConfigError
 
 from .extract import annotate_parameters
 from .hardware import DeviceSpec, get_device
-from .profiler import NodeCall, describe_value, is_inplace_error, isolated, iter_node_calls
+from .profiler import NodeCall, is_inplace_error, isolated, iter_node_calls
 from .update import SGD_BYTES_FACTOR, estimate_update_s, owned_trainable
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,7 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
     counter = FlopCounterMode(display=False)
     with isolated(gm):
         for call in iter_node_calls(gm, example_inputs):
-            meta = call.node.meta.setdefault("fxpipe", {})
-            for k, v in describe_value(call.value).items():
-                meta.setdefault(k, v)
+            meta = call.meta()
             if call.node.op == "placeholder":
                 meta.update(flops=0, backward_flops=0, bytes_moved=0, forward_s=0.0,
                             backward_s=0.0, update_s=0.0)

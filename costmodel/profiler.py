@@ -94,6 +94,14 @@ class NodeCall:
     input_values: dict[fx.Node, Any] = field(default_factory=dict)  # real value per input node
     value: Any = None               # the node's real output
 
+    def meta(self) -> dict[str, Any]:
+        """The node's ``meta["fxpipe"]`` with the value's description filled in where tracing
+        has not already written it (profiling and estimating both start from this)."""
+        meta = self.node.meta.setdefault("fxpipe", {})
+        for k, v in describe_value(self.value).items():
+            meta.setdefault(k, v)
+        return meta
+
     def make_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
         """Fresh detached inputs; floating tensors whose gradient training needs become leaves
         with ``requires_grad=True``. A value consumed twice maps to one leaf."""
@@ -311,9 +319,7 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
     annotate_parameters(gm)
     with isolated(gm):
         for call in iter_node_calls(gm, example_inputs):
-            meta = call.node.meta.setdefault("fxpipe", {})
-            for k, v in describe_value(call.value).items():
-                meta.setdefault(k, v)
+            meta = call.meta()
             if call.node.op == "placeholder":
                 meta["forward_s"], meta["backward_s"] = 0.0, 0.0
                 continue
