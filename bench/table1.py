@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -24,9 +23,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _report import write_section  # noqa: E402
 
 from fxpipe.costmodel import Cluster, Profile  # noqa: E402
-from fxpipe.errors import InfeasiblePlanError  # noqa: E402
 from fxpipe.passes import partition  # noqa: E402
-from fxpipe.runtime.plansim import data_parallel_plan, simulate_plan  # noqa: E402
+from fxpipe.runtime.plan_choice import choose_by_simulation  # noqa: E402
+from fxpipe.runtime.plansim import data_parallel_plan, minibatches_for, simulate_plan  # noqa: E402
 
 log = logging.getLogger("fxpipe.bench.table1")
 PROFILES = ROOT.parent / "shared" / "data" / "pipedream-profiles"
@@ -35,7 +34,7 @@ MODELS = {"VGG16": "vgg16", "AlexNet": "alexnet", "ResNet-50": "resnet50",
 WORKERS = (4, 8, 16, 64)
 BANDWIDTHS = ("10Gbps", "25Gbps")
 SYNC = "parameter-server"
-MEMORY = None  # unconstrained: 16 GB at the profiles' batch sizes rules out BSP itself
+MEMORY = None  # unconstrained: 16 GB at the profiles' batch sizes would rule out BSP itself
 
 
 def gpt_profile() -> Profile:
@@ -62,34 +61,43 @@ def replicas_text(replicas: list[int]) -> str:
     return "-".join(map(str, replicas))
 
 
-def minibatches_for(replicas: list[int]) -> int:
-    """Enough minibatches for several whole round-robin rounds (capped; the simulator falls
-    back to a running-max slope when lcm(replicas) is huge)."""
-    return int(min(max(200, 8 * math.lcm(*replicas)), 2000))
-
-
 def row(name: str, profile: Profile, workers: int, bandwidth: str) -> list[str]:
     cluster = Cluster(workers=workers, bandwidth=bandwidth, memory=MEMORY)
-    note = ""
-    try:
-        plan = partition(profile, cluster, sync=SYNC)
-    except InfeasiblePlanError:
-        cluster = Cluster(workers=workers, bandwidth=bandwidth)
-        plan = partition(profile, cluster, sync=SYNC)
-        note = " *"
+    plan = partition(profile, cluster, sync=SYNC)
+    chosen = choose_by_simulation(profile, cluster, sync=SYNC).plan
     sim = simulate_plan(plan, profile, minibatches=minibatches_for(plan.replicas))
-    bsp = simulate_plan(data_parallel_plan(profile, cluster, sync=SYNC), profile, minibatches=200)
+    csim = simulate_plan(chosen, profile, minibatches=minibatches_for(chosen.replicas))
+    bsp = simulate_plan(data_parallel_plan(profile, cluster, sync=SYNC), profile,
+                        minibatches=minibatches_for([workers]))
     one = profile.total_compute_s  # one worker: forward + backward, nothing to communicate
-    reduction = 1.0 - sim.bytes_per_minibatch / bsp.bytes_per_minibatch
-    return [name, str(workers), bandwidth.replace("Gbps", ""), f"{one / bsp.steady_state_period:.2f}x",
-            replicas_text(plan.replicas) + note, f"{one / sim.steady_state_period:.2f}x",
+    reduction = 1.0 - csim.bytes_per_minibatch / bsp.bytes_per_minibatch
+    return [name, str(workers), bandwidth.replace("Gbps", ""),
+            f"{one / bsp.steady_state_period:.2f}x",
+            replicas_text(plan.replicas), f"{plan.speedup_over_data_parallel:.2f}x",
             f"{bsp.steady_state_period / sim.steady_state_period:.2f}x",
-            f"{plan.speedup_over_data_parallel:.2f}x", f"{sim.relative_error:+.0%}",
-            f"{reduction:.0%}"]
+            f"{sim.relative_error:+.0%}",
+            replicas_text(chosen.replicas), f"{one / csim.steady_state_period:.2f}x",
+            f"{bsp.steady_state_period / csim.steady_state_period:.2f}x", f"{reduction:.0%}"]
 
 
-HEAD = ["model", "workers", "Gbps", "BSP speedup", "fxpipe plan", "fxpipe speedup",
-        "over BSP (sim)", "over BSP (planner)", "sim vs planner", "comm. reduction"]
+HEAD = ["model", "workers", "Gbps", "BSP speedup", "planner's plan", "over BSP (planner)",
+        "over BSP (sim)", "sim vs planner", "fxpipe plan (chosen by simulation)",
+        "fxpipe speedup", "over BSP (sim)", "comm. reduction"]
+
+
+def choice_note(rows: list[list[str]]) -> str:
+    """What choosing by simulation changed, computed from the rows (columns of HEAD)."""
+    ratio = lambda cell: float(cell.rstrip("x"))  # noqa: E731
+    changed = [r for r in rows if r[4] != r[8]]
+    worst = min(rows, key=lambda r: ratio(r[6]))
+    return (f"Choosing by simulation changed the plan in {len(changed)} of {len(rows)} rows; "
+            f"simulated against BSP, the planner's plans range from {ratio(worst[6]):.2f}x "
+            f"({worst[0]}, {worst[1]} workers, {worst[2]} Gbps: {worst[4]}, while the chosen "
+            f"plan there is {worst[8]} at {ratio(worst[10]):.2f}x) to "
+            f"{max(ratio(r[6]) for r in rows):.2f}x; the chosen plans from "
+            f"{min(ratio(r[10]) for r in rows):.2f}x to {max(ratio(r[10]) for r in rows):.2f}x "
+            "(never below BSP: data parallelism is a candidate). bench/simcheck "
+            "(`simulator-validation`) checks the simulator against measured runtime timelines.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,15 +124,20 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Profiles: PipeDream's published GPU profiles (`../shared/data/pipedream-profiles/`) and "
         "the zoo's full-size GPT (GPT-2 small, batch 8 x 1024 tokens) estimated for a V100 on the "
-        "meta device. Clusters: one worker per machine, every link at the given bandwidth, 16 GB "
-        "per worker (`*`: no plan fits, shown unconstrained). Sync model for both fxpipe and BSP: "
-        "`parameter-server` (PipeDream's optimizer: `(C + 4 (r-1)/r P/B) / r`). Speedups are "
-        "steady-state throughput from `fxpipe.runtime.plansim.simulate_plan` (pipedream 1F1B "
-        "schedule, links as full-duplex resources, sends overlapping compute); 1 worker = the "
-        "profile's forward + backward time. `over BSP (planner)` is the planner's own prediction; "
-        "`sim vs planner` the simulated time per minibatch against the planner's. Communication "
-        "reduction: bytes on the wire per sample (activations + gradients across cuts, plus "
-        "weight sync of replicated stages) against BSP's weight sync.",
+        "meta device. Clusters: one worker per machine, every link at the given bandwidth, memory "
+        "unconstrained (16 GB at the profiles' batch sizes would rule out BSP itself). Sync model "
+        "for both fxpipe and BSP: `parameter-server` (PipeDream's optimizer: `(C + 4 (r-1)/r "
+        "P/B) / r`). Speedups are steady-state throughput from "
+        "`fxpipe.runtime.plansim.simulate_plan` (pipedream 1F1B schedule, links as full-duplex "
+        "resources, sends overlapping compute); 1 worker = the profile's forward + backward "
+        "time. `planner's plan`: the analytic optimum (`fxpipe.passes.partition`), with its own "
+        "prediction and its simulation (`sim vs planner`: simulated time per minibatch against "
+        "the planner's). `fxpipe plan`: `fxpipe.compile(..., choose=\"simulation\")` / `fxpipe "
+        "plan --choose simulation`, the fastest simulated of the planner's candidates (its best "
+        "plan per stage count and the chain of merges of its optimum down to data parallelism; "
+        "`fxpipe.runtime.plan_choice`). Communication reduction (of that plan): bytes on the wire "
+        "per sample (activations + gradients across cuts, plus weight sync of replicated "
+        "stages) against BSP's weight sync.",
         "",
         *lines,
         "",
@@ -139,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         "activations and gradients at once, the planner charges `2X/B` to one link); positive, "
         "up to several x, for plans with many unevenly replicated stages: the default 1F1B "
         "windows (NOAM = ceil(workers / r_0)) cannot hide communication round trips, and the "
-        "replicas of a stage wait for each other at every per-round update. The schedule's own "
-        "unit simulator (`runtime/simulate.py`, no communication) shows the same loss, e.g. "
-        "replicas 2-3-2-1 at twice the planner's time. Negative communication reductions "
-        "(ResNet-50, Inception-v3) mean the pipeline sends more activation bytes than BSP sends "
-        "weights.",
+        "replicas of a stage wait for each other at every per-round update. Negative "
+        "communication reductions (ResNet-50, Inception-v3) mean the pipeline sends more "
+        "activation bytes than BSP sends weights.",
+        "",
+        choice_note(rows),
     ])
     if not args.no_write:
         write_section("table1", md)

@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "compile": "fxpipe.api", "CompiledModel": "fxpipe.api", "load": "fxpipe.api",
+    "choose_plan": "fxpipe.api",
     "Cluster": "fxpipe.costmodel.hardware", "Profile": "fxpipe.costmodel.profile",
     "Plan": "fxpipe.passes.plan", "partition": "fxpipe.passes.partition",
     "trace": "fxpipe.tracing",
@@ -26,7 +27,7 @@ __all__ = sorted([*_LAZY, "ConfigError", "FxpipeError", "InfeasiblePlanError",
                   "InputMismatchError", "PlanFormatError", "ProfileFormatError", "TracingError"])
 
 if TYPE_CHECKING:
-    from fxpipe.api import CompiledModel, compile, load
+    from fxpipe.api import CompiledModel, choose_plan, compile, load
     from fxpipe.costmodel.hardware import Cluster
     from fxpipe.costmodel.profile import Profile
     from fxpipe.passes.partition import partition

@@ -220,7 +220,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             example_inputs: Any, loss_fn: LossFn | None = None, stages: int | None = None,
             straight: bool = False, sync: str = "allreduce", plan: Plan | None = None,
             leaf_modules: Sequence[Any] = (), repeats: int = 5,
-            optimizer: Callable[..., Any] | None = None) -> CompiledModel:
+            optimizer: Callable[..., Any] | None = None, choose: str = "planner") -> CompiledModel:
     """Compile ``model`` for ``cluster``: trace, cost, partition, split.
 
     ``stages`` forces the number of stages, ``straight`` one worker per stage, ``plan`` reuses a
@@ -228,6 +228,8 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     unless ``cluster.device`` names a device from the table, in which case they are estimated.
     ``optimizer`` (``lambda params: torch.optim.Adam(params)``) is the optimizer whose step is
     timed per stage (default: SGD with momentum), since every replica steps after each backward.
+    ``choose="simulation"`` picks among the planner's candidates by simulating each one
+    (:func:`choose_plan`); the default takes the planner's optimum.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -238,7 +240,8 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     fingerprint = model_fingerprint(traced.gm)
     profile = cost_graph(traced, example_inputs, cluster, repeats=repeats, optimizer=optimizer)
     if plan is None:
-        plan = partition(profile, cluster, sync=sync, stages=stages, straight=straight)
+        plan = choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,
+                           choose=choose)
         plan = replace(plan, model_fingerprint=fingerprint)
     elif plan.model_fingerprint not in (None, fingerprint):
         raise PlanFormatError(
@@ -252,6 +255,27 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     log.info("compiled %s into %d stage(s), replicas %s", type(model).__name__, len(specs),
              plan.replicas)
     return CompiledModel(model, traced, profile, plan, specs, loss_fn, cluster)
+
+
+CHOOSERS = ("planner", "simulation")
+
+
+def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
+                stages: int | None = None, straight: bool = False,
+                choose: str = "planner") -> Plan:
+    """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds).
+    ``simulation``: the planner's candidates, each event-simulated with its schedule, the fastest
+    kept (``fxpipe.runtime.plan_choice``; seconds at 16 workers): it sees the 1F1B start-up and
+    replicas waiting for each other, which the analytic bottleneck does not."""
+    if choose not in CHOOSERS:
+        raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
+    if choose == "planner":
+        return partition(profile, cluster, sync=sync, stages=stages, straight=straight)
+    from fxpipe.runtime.plan_choice import choose_by_simulation
+
+    choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages, straight=straight)
+    log.info("%s", choice.summary())
+    return choice.plan
 
 
 def load(directory: str | os.PathLike[str]) -> tuple[Plan | None, list[StageSpec]]:

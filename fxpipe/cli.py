@@ -66,8 +66,8 @@ def _resolve_model(args: argparse.Namespace) -> tuple[Any, tuple[Any, ...]]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from fxpipe.api import choose_plan
     from fxpipe.costmodel import Cluster, Profile
-    from fxpipe.passes import partition
     from fxpipe.units import format_seconds
 
     cluster = Cluster(workers=args.workers, bandwidth=args.bandwidth, device=args.device,
@@ -79,14 +79,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError("--export and --svg need a model, not a profile",
                               "pass a zoo name or file.py:factory")
         profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
-        plan = partition(profile, cluster, sync=args.sync, stages=args.stages, straight=args.straight)
+        plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
+                           straight=args.straight, choose=args.choose)
     else:
         from fxpipe.api import compile as fx_compile
 
         model, inputs = _resolve_model(args)
         compiled = fx_compile(model, cluster, example_inputs=inputs, stages=args.stages,
-                              straight=args.straight, sync=args.sync)
-        plan = compiled.plan
+                              straight=args.straight, sync=args.sync, choose=args.choose)
+        plan, profile = compiled.plan, compiled.profile
         if args.export:
             compiled.export(args.export)
             print(f"exported stages and plan.json to {args.export}")
@@ -96,6 +97,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.save_plan:
         plan.save(args.save_plan)
     print(plan.summary())
+    if args.choose == "simulation":
+        from fxpipe.runtime.plansim import simulate_plan
+
+        sim = simulate_plan(plan, profile)
+        print(f"chosen by simulation among the planner's candidates (-v lists them): simulated "
+              f"{format_seconds(sim.steady_state_period)} per minibatch in steady state")
     dp = plan.data_parallel_time
     print(f"data-parallel training on the same cluster: {format_seconds(dp)} per minibatch; "
           f"fxpipe's plan: {format_seconds(plan.time_per_minibatch)} "
@@ -119,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sync", default="allreduce", choices=["allreduce", "parameter-server"])
     pl.add_argument("--stages", type=int, default=None, help="force the number of stages")
     pl.add_argument("--straight", action="store_true", help="one worker per stage")
+    pl.add_argument("--choose", default="planner", choices=["planner", "simulation"],
+                    help="planner: the analytic optimum; simulation: simulate the planner's "
+                    "best plan per stage count and keep the fastest (slower; sees 1F1B start-up "
+                    "and replicas waiting for each other)")
     pl.add_argument("--size", default="mini", help="zoo model size: mini or full")
     pl.add_argument("--batch-size", type=int, default=None)
     pl.add_argument("--input-shape", default=None, help="for factories that return a bare module")

@@ -4,10 +4,10 @@
 every cut of a profile's order.
 """
 from .cuts import all_crossing_values, crossing_values, cut_bytes
-from .partition import SYNC_MODELS, coefficients, partition
+from .partition import SYNC_MODELS, coefficients, partition, plan_for
 from .plan import PLAN_FORMAT, Plan, StagePlan
 from .solver import Solution, evaluate, minimum_memory, solve
 
-__all__ = ["partition", "Plan", "StagePlan", "solve", "Solution", "evaluate", "minimum_memory",
+__all__ = ["partition", "plan_for", "Plan", "StagePlan", "solve", "Solution", "evaluate", "minimum_memory",
            "cut_bytes", "crossing_values", "all_crossing_values", "coefficients", "SYNC_MODELS",
            "PLAN_FORMAT"]

@@ -46,8 +46,10 @@ def coefficients(cluster: Cluster, sync: str) -> tuple[list[float], list[float],
         bw = cluster.intra_bandwidth if (one_machine or r <= cluster.workers_per_machine) \
             else cluster.bandwidth
         alpha.append(1.0 / r)
-        if sync == "allreduce":
-            beta.append(2.0 * (r - 1) / r / bw)
+        # a replicated stage takes whole minibatches round robin and syncs once per round of r
+        # minibatches, so the sync time is divided by r like the compute
+        if sync == "allreduce":  # ring all-reduce: (C + 2 (r-1)/r P/B) / r
+            beta.append(2.0 * (r - 1) / r / bw / r)
         else:  # PipeDream: (C + 4 (r-1)/r P/B) / r
             beta.append(4.0 * (r - 1) / r / bw / r)
         gamma.append(2.0 / (cut_bw * r))
@@ -91,6 +93,36 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
             f"plan needs {format_bytes(need)} ({need:.0f} bytes) per worker",
             "use more workers or devices with more memory, a smaller batch, or "
             "optimizer_state_factor matching your optimizer") from None
+    dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
+    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha)
+
+
+def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,
+             sync: str = "allreduce", optimizer_state_factor: float = 1.0) -> Plan:
+    """The plan of a GIVEN partition (stage s starts at node ``starts[s]``, ``starts[0] == 0``,
+    and runs on ``replicas[s]`` workers), costed with the planner's exact expressions: to compare
+    plans the solver did not choose (benchmarks, what-if questions, choosing by simulation)."""
+    n, m = len(profile.nodes), cluster.workers
+    ok = (len(starts) == len(replicas) >= 1 and starts[0] == 0
+          and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < n
+          and all(isinstance(r, int) and r >= 1 for r in replicas))
+    if not ok:
+        raise ConfigError(f"not a partition of {n} nodes: starts {starts}, replicas {replicas}",
+                          "starts: increasing node indices from 0; one replica count (>= 1) "
+                          "per stage")
+    if sum(replicas) > m:
+        raise InfeasiblePlanError(f"replicas {replicas} need {sum(replicas)} workers, the "
+                                  f"cluster has {m}", "use fewer replicas or a larger Cluster")
+    cb = cut_bytes(profile)
+    if not all(np.isfinite(cb[a - 1]) for a in starts[1:]):
+        bad = [profile.names[a] for a in starts[1:] if not np.isfinite(cb[a - 1])]
+        raise InfeasiblePlanError(f"cannot cut before {bad[0]!r}: a value that cannot be sent "
+                                  "(not a tensor) is live there", "move that stage boundary")
+    alpha, beta, gamma = coefficients(cluster, sync)
+    args = ([nd.compute_s for nd in profile.nodes], [nd.parameter_bytes for nd in profile.nodes],
+            [nd.activation_bytes for nd in profile.nodes], cb.tolist(), m, alpha, beta, gamma)
+    sol = evaluate(*args, list(starts), list(replicas),
+                   optimizer_state_factor=optimizer_state_factor)
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
     return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha)
 

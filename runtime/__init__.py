@@ -19,6 +19,7 @@ _EXPORTS = {
     "write_chrome_trace": "timeline", "busy_fraction": "timeline", "TimelineEvent": "timeline",
     "Trainer": "trainer", "make_trainer": "trainer", "ShardedDataset": "data",
     "simulate_plan": "plansim", "PlanSimulation": "plansim",
+    "choose_by_simulation": "plan_choice", "SimulatedChoice": "plan_choice",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -110,10 +110,15 @@ class GradBuckets:
     active: bool = field(init=False, default=False)
     _missing: list[int] = field(init=False, default_factory=list)
     _filled: set[str] = field(init=False, default_factory=set)
+    _views: dict[str, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.bufs = [torch.zeros(n, dtype=d, device=self.device)
                      for n, d in zip(self.layout.sizes, self.layout.dtypes)]
+        # each slot as a flat view, made once: the buffers live as long as the buckets, and
+        # slicing 2x per parameter per round is a visible cost on small stages
+        self._views = {n: self.bufs[sl.bucket][sl.offset:sl.offset + sl.numel]
+                       for n, sl in self.layout.slots.items()}
 
     def start(self) -> None:
         """Open a round: from now on :meth:`ready` fills slots and launches full buckets."""
@@ -129,27 +134,29 @@ class GradBuckets:
         middle of the backward): copy it into its slot; launch every bucket now complete."""
         if name in self._filled:  # a second hook call would double count in the bucket
             raise RuntimeError(f"gradient of {name!r} reported twice in one round")
-        s = self.layout.slots[name]
-        self.bufs[s.bucket][s.offset:s.offset + s.numel].copy_(grad_sum.reshape(-1))
+        self._views[name].copy_(grad_sum.reshape(-1))
         self._filled.add(name)
-        self._missing[s.bucket] -= 1
+        self._missing[self.layout.slots[name].bucket] -= 1
         self._launch_complete()
 
     def finish(self, grad_sums: Mapping[str, torch.Tensor], count: int) -> None:
         """The backward ended: fill the slots no hook filled (their sum of the round, or zeros)
         and the count, and launch the remaining buckets, in order."""
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for n in self.layout.names:
             if n not in self._filled:
                 g = grad_sums.get(n)
-                s = self.layout.slots[n]
-                view = self.bufs[s.bucket][s.offset:s.offset + s.numel]
                 if g is None:
-                    view.zero_()
+                    self._views[n].zero_()
                 else:
-                    view.copy_(g.reshape(-1))
+                    dst.append(self._views[n])
+                    src.append(g.reshape(-1))
                 self._filled.add(n)
-                self._missing[s.bucket] -= 1
-        self.bufs[-1][-1] = float(count)
+                self._missing[self.layout.slots[n].bucket] -= 1
+        if dst:  # one dispatch for all of them (the usual case: no hooks, one bucket)
+            torch._foreach_copy_(dst, src)
+        self.bufs[-1][-1:].fill_(float(count))
         self._missing[-1] -= 1
         self._launch_complete()
         assert len(self.pending) == len(self.bufs), "every bucket must be launched"
@@ -162,26 +169,35 @@ class GradBuckets:
             self.pending.append(self.launch(i, self.bufs[i]))
             i += 1
 
+    @property
+    def early(self) -> frozenset[str]:
+        """Names whose hook may launch a bucket before the backward ends: those outside the
+        last bucket. The last one also holds the count, so it launches from :meth:`finish`
+        only; hooking its parameters would cost a Python call each and gain nothing (with one
+        bucket, as on a small model, no parameter needs a hook at all)."""
+        return frozenset(self.layout.names) - frozenset(self.layout.buckets[-1])
+
     def grads(self, params: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-        """The summed gradients as views into the buckets, shaped like ``params[name]``, and
-        the summed count (closes the round; call after every bucket's all-reduce was waited
-        for). Why views: the update divides them in place and hands them to the optimizer, which
-        saves the pass over gradient memory :meth:`flat` costs; the buckets are refilled
-        completely next round, so writing into them is harmless."""
+        """The mean gradients (each bucket divided in place by the summed count, once per
+        bucket rather than once per parameter; count 0: the sums as they are) as views into
+        the buckets, shaped like ``params[name]``, and the summed count (closes the round; call
+        after every bucket's all-reduce was waited for). Why views: the optimizer takes them
+        as they are, which saves the pass over gradient memory :meth:`flat` costs; the buckets
+        are refilled completely next round, so writing into them is harmless. The division is
+        elementwise, so the values equal dividing each parameter's sum on its own."""
         lay = self.layout
-        out = {n: self.bufs[lay.slots[n].bucket][lay.slots[n].offset:
-                                                 lay.slots[n].offset + lay.slots[n].numel]
-               .view(params[n].shape) for n in lay.names}
+        count = float(self.bufs[-1][-1])
+        if count > 0 and count != 1:
+            for i, b in enumerate(self.bufs):
+                (b[:-1] if i == len(self.bufs) - 1 else b).div_(count)
+        out = {n: self._views[n].view(params[n].shape) for n in lay.names}
         self.active = False
-        return out, float(self.bufs[-1][-1])
+        return out, count
 
     def flat(self) -> torch.Tensor:
         """The summed buckets in :meth:`StageReplica.local_gradient`'s layout (closes the
         round; call after every bucket's all-reduce was waited for)."""
-        lay = self.layout
-        parts = [self.bufs[lay.slots[n].bucket][lay.slots[n].offset:
-                                                  lay.slots[n].offset + lay.slots[n].numel]
-                 for n in lay.names]
+        parts = [self._views[n] for n in self.layout.names]
         self.active = False
         return torch.cat([*parts, self.bufs[-1][-1:].to(_flat_dtype(self.bufs))])
 

@@ -202,8 +202,9 @@ class RankExecutor:
                 total = g if total is None else total + g
             out_grads.append(total)
         with self.rec.span("backward", str(a), minibatch=k, version=a.version):
-            in_grads = self.replica.backward(k, out_grads,
-                                             on_grad=None if bk is None else bk.ready)
+            in_grads = self.replica.backward(
+                k, out_grads, on_grad=None if bk is None or not bk.early else bk.ready,
+                hooked=None if bk is None else bk.early)
         for n, src, g in zip(st.inputs, st.sources, in_grads):
             if src != MODEL and g is not None:
                 self.comm.send(g, self.schedule.owner(src, k),
@@ -233,9 +234,9 @@ class RankExecutor:
         if bk is not None:
             self.comm.wait_all_reduces(bk.pending, f"allreduce {a}", group=str(s))
             if not self.tied:  # the buckets' views go to the optimizer (no flat copy)
-                grads, count = bk.grads(self.replica.stash.latest)
+                grads, count = bk.grads(self.replica.stash.latest)  # already the mean
                 with self.rec.span("optimizer", str(a), update=a.minibatch):
-                    self.replica.apply_grads(grads, count, writable=grads)
+                    self.replica.apply_grads(grads, min(count, 1.0), writable=grads)
                 return
             buf = bk.flat()
         elif reps[s] > 1:

@@ -157,6 +157,14 @@ def stage_costs(plan: Plan, profile: Profile | None = None) -> list[StageCosts]:
     return out
 
 
+def minibatches_for(replicas: list[int], floor: int = 200, cap: int = 2000) -> int:
+    """Enough minibatches to measure a plan's steady state: several whole round-robin rounds
+    (8 x lcm(replicas)), at least ``floor``, at most ``cap`` (beyond it the steady state is
+    measured as the slope of the running maximum, see ``steady_state``). Too few (e.g. 200 for
+    64 replicas: 3 rounds) and start-up dominates the estimate."""
+    return int(min(max(floor, 8 * math.lcm(*replicas)), cap))
+
+
 def cut_bandwidth(cluster: Cluster) -> float:
     """Bytes/s of a cut transfer: the planner's choice (inter-machine unless one machine)."""
     return cluster.intra_bandwidth if cluster.machines == 1 else cluster.bandwidth
@@ -179,8 +187,7 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam)
     sim = _Sim(sched, costs, cut_bandwidth(cluster), latency, duplex)
     sim.run()
-    period, lo, hi = _steady_window(sched.replicas, sched.kind, sched.group, sim.done,
-                                    sim.makespan, sched.windows)
+    period, lo, hi = steady_state(sched, sim.done, sim.makespan)
     util = []
     for s, r in enumerate(sched.replicas):
         fr = [_busy(sim.events[sim.gid[(s, j)]], lo, hi) for j in range(r)]
@@ -302,6 +309,15 @@ class _Sim:
         self.cut_bytes += nbytes
         self.record(src, "send", name, start, end, bytes=nbytes, to=self.gid[dst])
         self.push(end + self.lat, "arrive", key)
+
+
+def steady_state(sched: Any, done: list[float], makespan: float) -> tuple[float, float, float]:
+    """(seconds per minibatch once the pipeline is full, window start, window end) of a run of
+    ``sched`` in which minibatch k's last backward ended at ``done[k]``: the simulator's measure,
+    public so that a MEASURED run (the runtime's timeline) is reduced the same way."""
+    if len(done) != sched.num_minibatches:
+        raise ConfigError(f"{len(done)} completion times for {sched.num_minibatches} minibatches")
+    return _steady_window(sched.replicas, sched.kind, sched.group, done, makespan, sched.windows)
 
 
 def _steady_window(replicas: tuple[int, ...], kind: str, group: int, done: list[float],

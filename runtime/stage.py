@@ -202,8 +202,8 @@ class StageReplica:
         return sent, (float(loss.detach()) if loss is not None else None)
 
     def backward(self, minibatch: int, output_grads: Sequence[torch.Tensor | None], *,
-                 on_grad: Callable[[str, torch.Tensor], None] | None = None
-                 ) -> list[torch.Tensor | None]:
+                 on_grad: Callable[[str, torch.Tensor], None] | None = None,
+                 hooked: Collection[str] | None = None) -> list[torch.Tensor | None]:
         """Backward of ``minibatch`` given the gradients of its outputs (ignored on the last
         stage); accumulates parameter gradients and returns the inputs' gradients (None for
         non-differentiable inputs; zeros where an input did not influence the outputs).
@@ -211,7 +211,8 @@ class StageReplica:
         ``on_grad(name, sum)``: called in the middle of the backward, as soon as parameter
         ``name``'s gradient is computed, with its new gradient sum (the same tensor that is then
         kept): lets the caller all-reduce it while the rest of the backward runs. Parameters
-        without a gradient are not reported."""
+        without a gradient are not reported. ``hooked``: the names reported this way (default:
+        every trainable one); the caller reads the other sums from :attr:`grad_sums` after."""
         if minibatch not in self._flight:
             raise StashError(f"backward of minibatch {minibatch} on stage {self.spec.index} "
                              "without its forward", "run F<k> before B<k>")
@@ -233,7 +234,8 @@ class StageReplica:
         grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
         summed: dict[str, torch.Tensor] = {}  # sums already made by the hooks
         hooks = ([weights[n].register_hook(functools.partial(self._hook, n, summed, on_grad))
-                  for n in names] if on_grad is not None and roots else [])
+                  for n in names if hooked is None or n in hooked]
+                 if on_grad is not None and roots else [])
         try:
             if roots and wrt:
                 grads = torch.autograd.grad(roots, wrt, seeds, allow_unused=True)

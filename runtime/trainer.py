@@ -94,6 +94,7 @@ class Trainer:
         check_stages(self.stages, self.replicas)
         self.loss_fn, self.kind, self.vertical_sync = loss_fn, schedule, vertical_sync
         self.microbatches = microbatches
+        self._schedules: dict[int, Schedule] = {}
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.keep_checkpoints, self.seed, self.progress = keep_checkpoints, seed, progress
         self.on_checkpoint, self.fingerprint = on_checkpoint, fingerprint
@@ -122,8 +123,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def _schedule(self, n: int) -> Schedule:
-        sched = make_schedule(self.kind, self.replicas, n, microbatches=self.microbatches)
-        return sched.with_vertical_sync() if self.vertical_sync else sched
+        """The (validated) schedule of a segment of ``n`` minibatches, made once per length:
+        every full segment of every epoch has the same one, and making it costs milliseconds,
+        which on a small model is a visible share of an epoch."""
+        sched = self._schedules.get(n)
+        if sched is None:
+            sched = make_schedule(self.kind, self.replicas, n, microbatches=self.microbatches)
+            sched = self._schedules[n] = sched.with_vertical_sync() if self.vertical_sync else sched
+        return sched
 
     def _lead(self, it: Any, n: int | None, what: str, wire: bool = True) -> tuple[list[Part], int]:
         """Rank 0 reads up to ``n`` minibatches and tells every rank how many (and their wire

@@ -8,7 +8,7 @@ import pytest
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import ConfigError, InfeasiblePlanError
-from fxpipe.passes import Plan, partition
+from fxpipe.passes import Plan, partition, plan_for
 
 PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pipedream-profiles"
 
@@ -101,3 +101,31 @@ def test_shared_parameters_reported() -> None:
     plan = partition(prof, Cluster(workers=4, bandwidth="1Gbps"), stages=2)
     assert plan.shared_parameters == {"emb.weight": (0, 1)}
     assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_plan_for_reproduces_the_solvers_plan_and_prices_others() -> None:
+    prof = chain([(0.01, 1e6, 1e5)] * 3 + [(0.04, 1e3, 1e5)])
+    cluster = Cluster(workers=4, bandwidth="1Gbps")
+    best = partition(prof, cluster)
+    starts = [prof.names.index(sp.nodes[0]) for sp in best.stages]
+    same = plan_for(prof, cluster, starts, best.replicas)
+    assert same == best  # the same frozen plan, field by field
+    other = plan_for(prof, cluster, [0, 3], [1, 1])  # stage 0: 3 x 10 ms, one worker
+    assert other.replicas == [1, 1] and other.stages[1].nodes == ("n3",)
+    assert other.time_per_minibatch == pytest.approx(max(0.03, 0.04, 2 * 1e5 / 1.25e8))
+    assert other.time_per_minibatch >= best.time_per_minibatch
+
+
+@pytest.mark.parametrize("starts, replicas, err, match", [
+    ([1, 2], [1, 1], ConfigError, "not a partition"),
+    ([0, 2, 1], [1, 1, 1], ConfigError, "not a partition"),
+    ([0, 2], [1], ConfigError, "not a partition"),
+    ([0, 2], [0, 1], ConfigError, "not a partition"),
+    ([0, 9], [1, 1], ConfigError, "not a partition"),
+    ([0, 2], [4, 1], InfeasiblePlanError, "need 5 workers"),
+])
+def test_plan_for_rejects_bad_partitions(starts: list[int], replicas: list[int], err: type,
+                                          match: str) -> None:
+    prof = chain([(0.01, 1e6, 1e5)] * 4)
+    with pytest.raises(err, match=match):
+        plan_for(prof, Cluster(workers=4, bandwidth="1Gbps"), starts, replicas)

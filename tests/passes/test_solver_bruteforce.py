@@ -16,7 +16,7 @@ def coeffs(m: int, sync: str, bw: float, intra: float, wpm: int) -> tuple[list, 
     for r in range(1, m + 1):
         w = intra if r <= wpm else bw
         a.append(1.0 / r)
-        b.append(2.0 * (r - 1) / r / w if sync == "allreduce" else 4.0 * (r - 1) / r / w / r)
+        b.append((2.0 if sync == "allreduce" else 4.0) * (r - 1) / r / w / r)
         g.append(2.0 / (bw * r))
     return a, b, g
 

@@ -64,6 +64,44 @@ def test_buckets_launch_in_order_and_rebuild_the_flat_layout() -> None:
     assert torch.equal(bk.flat(), want) and not bk.active
 
 
+def test_only_parameters_outside_the_last_bucket_are_hooked() -> None:
+    params = {n: torch.randn(3) for n in "abcd"}
+    several = GradBuckets(BucketLayout.build(params, list(params), cap_bytes=24),
+                          torch.device("cpu"), lambda i, buf: i)
+    assert several.layout.buckets == (("d", "c"), ("b", "a"))
+    assert several.early == {"c", "d"}  # a and b share the count's bucket: launched at finish
+    one = GradBuckets(BucketLayout.build(params, list(params)), torch.device("cpu"),
+                      lambda i, buf: i)
+    assert one.early == frozenset()
+
+
+def test_grads_are_the_mean_divided_once_per_bucket() -> None:
+    params = {n: torch.randn(2, 3) for n in "abc"}
+    sums = {n: torch.randn(2, 3) for n in "abc"}
+    for count, want_div in ((4, 4.0), (1, 1.0), (0, 1.0)):
+        bk = GradBuckets(BucketLayout.build(params, list(params), cap_bytes=24),
+                         torch.device("cpu"), lambda i, buf: i)
+        bk.start()
+        bk.finish(sums, count=count)
+        grads, got = bk.grads(params)
+        assert got == count and not bk.active
+        for n in "abc":  # bit-identical to dividing each parameter's sum on its own
+            assert grads[n].shape == (2, 3) and torch.equal(grads[n], sums[n] / want_div)
+
+
+def test_hooking_a_subset_reports_only_it_and_changes_nothing() -> None:
+    (spec,) = split(wide_mlp(), [])
+    x, y = batches(1)[0]
+    seen: list[str] = []
+    rep, plain = StageReplica(spec, sgd, loss_fn=loss_fn), StageReplica(spec, sgd, loss_fn=loss_fn)
+    first = rep.stash.trainable[0]
+    for r, hook in ((rep, lambda n, g: seen.append(n)), (plain, None)):
+        r.forward(0, None, [x], y)
+        r.backward(0, [], on_grad=hook, hooked={first})
+    assert seen == [first]
+    assert torch.equal(rep.local_gradient(), plain.local_gradient())
+
+
 def test_hooks_report_each_sum_mid_backward_and_change_nothing() -> None:
     """The hook path of StageReplica.backward keeps bit-identical gradient sums."""
     (spec,) = split(wide_mlp(), [])

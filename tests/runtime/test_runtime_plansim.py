@@ -75,8 +75,11 @@ def test_sync_at_update_amortises_to_plan_sync(sync: str) -> None:
     prof = chain((1.0, 2.0, 0.0, 500_000.0))  # P / B = 0.5 s
     plan = data_parallel_plan(prof, Cluster(workers=2, bandwidth=BW), sync=sync)
     sim = simulate_plan(plan, prof, minibatches=40)
-    # allreduce: 3/2 + 2 (1/2) 0.5 = 2.0; parameter-server: (3 + 4 (1/2) 0.5) / 2 = 2.0
-    assert plan.time_per_minibatch == pytest.approx(2.0)
+    # one sync per round of 2 minibatches: allreduce (3 + 2 (1/2) 0.5) / 2 = 1.75 (the update
+    # holds both replicas for one ring all-reduce, 0.5 s); parameter-server (3 + 4 (1/2) 0.5) / 2
+    want, ring = {"allreduce": (1.75, 0.5), "parameter-server": (2.0, 1.0)}[sync]
+    assert plan.time_per_minibatch == pytest.approx(want)
+    assert sim.costs[0].update_s == pytest.approx(ring)
     assert sim.costs[0].update_s == pytest.approx(2 * plan.stages[0].sync_s)
     assert sim.steady_state_period == pytest.approx(plan.time_per_minibatch, rel=1e-12)
     # ring / sharded PS: 2 (r-1) P bytes per update, one update per 2 minibatches

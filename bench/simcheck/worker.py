@@ -1,0 +1,79 @@
+"""One rank of a simulator-validation run (see bench/simcheck/run.py), under torchrun:
+
+    torchrun --nnodes H ... -m bench.simcheck.worker --plan plan.json --minibatches 48 --out DIR
+
+Trains ``SleepChain`` with the given plan (PipeDream 1F1B, weight stashing) for ``--epochs``
+segments of ``--minibatches`` and writes OUT/rank<R>.json: each segment's wall time (the
+runtime's own ``time_s``) and the last segment's timeline (absolute ``perf_counter`` times:
+every emulated host shares this machine's monotonic clock, so the ranks line up).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fxpipe.api import compile as fx_compile
+from fxpipe.costmodel import Cluster
+from fxpipe.passes import Plan
+from fxpipe.runtime.data import ShardedDataset
+
+from .model import BATCH, SleepLayer, build, data
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--plan", required=True)
+    p.add_argument("--minibatches", type=int, default=48)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    plan = Plan.load(args.plan)
+    x, y = data(args.minibatches)
+    # device="CPU": the plan is given; do not measure the (sleeping) costs again on every rank
+    compiled = fx_compile(build(), Cluster(workers=plan.workers_used, device="CPU"),
+                          example_inputs=(x[:BATCH],), loss_fn=F.cross_entropy, plan=plan,
+                          leaf_modules=[SleepLayer])
+    trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+                               timeout_s=120, progress=False)
+    ex = trainer.backend.ex
+    ex.rec.enabled = True  # the trainer records no timeline by default (its comm's recorder)
+    results: list[Any] = []
+    run = ex.run
+
+    def keep(*a: Any, **k: Any) -> Any:  # the trainer drops the timeline; keep each segment's
+        res = run(*a, **k)
+        results.append(res)
+        return res
+
+    ex.run = keep  # type: ignore[method-assign]
+    loader = ShardedDataset((x,), y, batch_size=BATCH, seed=0, drop_last=True)
+    history = trainer.fit(loader, epochs=args.epochs)
+    t0 = ex.rec.t0
+    last = results[-1]
+    events = [{"category": e.category, "name": e.name, "start": t0 + e.start, "end": t0 + e.end,
+               "args": {k: v for k, v in e.args.items() if isinstance(v, (int, float, str))}}
+              for e in [*last.timeline, *last.background] if e.category != "idle"]
+    out = {"rank": rank, "stage_replica": list(ex.me), "replicas": list(plan.replicas),
+           "segment_s": [h["time_s"] for h in history], "minibatches": args.minibatches,
+           "events": events}
+    path = Path(args.out) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    trainer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

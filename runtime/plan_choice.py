@@ -1,0 +1,140 @@
+"""Choose a plan by simulating the planner's candidates: ``choose_by_simulation``.
+
+Why: the planner minimises an analytic bottleneck (``max`` over stage and cut times). That is
+exact for its cost model and fast enough to search every partition, but it cannot see what the
+schedule adds on top: the 1F1B start-up, windows too small to hide a communication round trip,
+and replicas of a stage that wait for each other at every update. With several unevenly
+replicated stages those effects can double a plan's time (see BENCHMARKS.md, ``table1``), while
+on the measured runs of ``bench/simcheck`` the event simulator stays within a few percent of the
+runtime. So: let the planner propose its best plan for every stage count (a handful of plans,
+from plain data parallelism to the unconstrained optimum), simulate each under the same cost
+model, and keep the fastest simulated one (ties: fewer stages).
+
+Candidates: the planner's optimum; the chain of plans obtained from it by merging, one step at a
+time, the two adjacent stages whose merge the planner rates best (ending at plain data
+parallelism; each costed by ``plan_for``, so cheap at any size); and, where that exact search is
+cheap (at most ``exact_up_to`` workers; it is O(S M^2 N) per probe), the planner's exact optimum
+for every stage count up to ``max_stages``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile
+from fxpipe.errors import ConfigError, InfeasiblePlanError
+from fxpipe.passes.partition import partition, plan_for
+from fxpipe.passes.plan import Plan
+
+from .plansim import PlanSimulation, minibatches_for, simulate_plan
+
+log = logging.getLogger(__name__)
+
+TIE = 1e-9  # relative: simulated times this close are ties, won by fewer stages
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One proposed plan: its replicas, the planner's and the simulator's time per minibatch."""
+
+    replicas: tuple[int, ...]
+    planner_s: float
+    simulated_s: float
+
+
+@dataclass(frozen=True)
+class SimulatedChoice:
+    """The chosen plan, its simulation, and every candidate (in proposal order)."""
+
+    plan: Plan
+    simulation: PlanSimulation
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def planner_plan(self) -> Candidate:
+        """The planner's own optimum (the candidate with the smallest planner time)."""
+        return min(self.candidates, key=lambda c: c.planner_s)
+
+    def summary(self) -> str:
+        lines = ["candidates (planner's best plan per stage count, simulated):"]
+        for c in self.candidates:
+            mark = " <- chosen" if c.replicas == tuple(self.plan.replicas) else ""
+            lines.append(f"  {'-'.join(map(str, c.replicas)):>24}  planner "
+                         f"{c.planner_s * 1e3:9.3f} ms  simulated {c.simulated_s * 1e3:9.3f} ms"
+                         f"{mark}")
+        return "\n".join(lines)
+
+
+def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
+                         stages: int | None = None, straight: bool = False,
+                         optimizer_state_factor: float = 1.0, max_stages: int = 8,
+                         exact_up_to: int = 16, minibatches: int = 200) -> SimulatedChoice:
+    """The planner's candidates (see the module doc; only the ``stages``-stage optimum when
+    ``stages`` is given), each simulated with the pipedream schedule for at least
+    ``minibatches`` (more for many replicas: ``plansim.minibatches_for``); returns the fastest
+    in steady state."""
+    for name, v in (("max_stages", max_stages), ("exact_up_to", exact_up_to),
+                    ("minibatches", minibatches)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    kw = dict(sync=sync, optimizer_state_factor=optimizer_state_factor)
+    best = partition(profile, cluster, stages=stages, straight=straight, **kw)  # raises if none
+    plans = [best]
+    if stages is None:
+        if not straight:
+            plans += _merge_chain(profile, cluster, best, kw)
+        if cluster.workers <= exact_up_to:
+            for s in range(1, min(max_stages, cluster.workers) + 1):
+                try:
+                    plans.append(partition(profile, cluster, stages=s, straight=straight, **kw))
+                except InfeasiblePlanError:  # more stages than cut points, or memory
+                    continue
+    seen: set[tuple] = set()
+    sims: list[tuple[Plan, PlanSimulation]] = []
+    for p in plans:
+        key = (tuple(_starts(profile, p)), tuple(p.replicas))
+        if key not in seen:
+            seen.add(key)
+            n = minibatches_for(p.replicas, floor=minibatches)
+            sims.append((p, simulate_plan(p, profile, minibatches=n)))
+    cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period)
+                  for p, s in sims)
+    fastest = min(s.steady_state_period for _, s in sims)
+    plan, sim = min((ps for ps in sims if ps[1].steady_state_period <= fastest * (1 + TIE)),
+                    key=lambda ps: (len(ps[0].stages), ps[1].steady_state_period))
+    log.info("chose replicas %s by simulation (%.4g s/minibatch; the planner's optimum %s: %.4g "
+             "s simulated)", plan.replicas, sim.steady_state_period, best.replicas,
+             sims[0][1].steady_state_period)
+    return SimulatedChoice(plan, sim, cands)
+
+
+def _starts(profile: Profile, plan: Plan) -> list[int]:
+    index = {n: i for i, n in enumerate(profile.names)}
+    return [index[sp.nodes[0]] for sp in plan.stages]
+
+
+def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict) -> list[Plan]:
+    """From ``plan``, repeatedly merge the adjacent pair of stages (replicas summed) whose merged
+    plan the planner rates fastest, down to one stage. Merges that do not fit (memory) are
+    skipped; the chain stops when no merge fits."""
+    out: list[Plan] = []
+    starts, reps = _starts(profile, plan), list(plan.replicas)
+    while len(starts) > 1:
+        options = []
+        for i in range(len(starts) - 1):
+            s2 = starts[:i + 1] + starts[i + 2:]
+            r2 = reps[:i] + [reps[i] + reps[i + 1]] + reps[i + 2:]
+            try:
+                options.append(plan_for(profile, cluster, s2, r2, **kw))
+            except InfeasiblePlanError:
+                continue
+        cap = cluster.memory
+        options = [p for p in options
+                   if cap is None or all(sp.memory_bytes <= cap for sp in p.stages)]
+        if not options:
+            break
+        nxt = min(options, key=lambda p: p.time_per_minibatch)
+        out.append(nxt)
+        starts, reps = _starts(profile, nxt), list(nxt.replicas)
+    return out

@@ -1,0 +1,92 @@
+"""choose_by_simulation: candidates, the choice, and the compile/CLI switch."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fxpipe.api import choose_plan
+from fxpipe.cli import main as cli_main
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile, ProfileNode
+from fxpipe.errors import ConfigError
+from fxpipe.passes import partition
+from fxpipe.runtime.plan_choice import _merge_chain, choose_by_simulation
+from fxpipe.runtime.plansim import simulate_plan
+
+PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pipedream-profiles"
+
+
+def chain(n: int, f: float, b: float, act: float, par: float) -> Profile:
+    return Profile(nodes=tuple(
+        ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=f, backward_s=b,
+                    activation_bytes=act, parameter_bytes=par, inputs=(f"n{i - 1}",) if i else ())
+        for i in range(n)), batch_size=4)
+
+
+def inception() -> Profile:
+    path = PROFILES / "inception_v3" / "graph.txt"
+    if not path.exists():
+        pytest.skip(f"PipeDream profiles not found at {PROFILES} (shared data absent)")
+    return Profile.from_pipedream(path)
+
+
+def test_simulation_rejects_the_planners_unevenly_replicated_optimum() -> None:
+    """Inception-v3, 8 workers, 10 Gbps: the planner's 2-3-2-1 simulates at about twice its
+    predicted time (1F1B windows, replicas waiting at updates); a 7-1 candidate does not."""
+    prof, cluster = inception(), Cluster(workers=8, bandwidth="10Gbps")
+    choice = choose_by_simulation(prof, cluster, sync="parameter-server")
+    planner = partition(prof, cluster, sync="parameter-server")
+    first = choice.candidates[0]
+    assert first.replicas == tuple(planner.replicas) == (2, 3, 2, 1)
+    assert first.planner_s == planner.time_per_minibatch
+    assert first.simulated_s > 1.8 * first.planner_s
+    assert choice.plan.replicas == [7, 1]
+    assert choice.simulation.steady_state_period < 0.5 * first.simulated_s
+    assert all(choice.simulation.steady_state_period <= c.simulated_s for c in choice.candidates)
+    assert (8,) in {c.replicas for c in choice.candidates}  # data parallelism is a candidate
+    assert "<- chosen" in choice.summary() and choice.planner_plan == first
+
+
+def test_merge_chain_walks_down_to_data_parallelism() -> None:
+    prof, cluster = chain(6, 1.0, 2.0, 1000.0, 8.0), Cluster(workers=6, bandwidth=1e6)
+    best = partition(prof, cluster, straight=True)
+    assert best.replicas == [1] * 6
+    steps = _merge_chain(prof, cluster, best, {"sync": "allreduce",
+                                               "optimizer_state_factor": 1.0})
+    assert [len(p.stages) for p in steps] == [5, 4, 3, 2, 1]
+    assert all(p.workers_used == 6 for p in steps) and steps[-1].replicas == [6]
+
+
+def test_agreeing_models_keep_the_planners_choice() -> None:
+    # compute-bound, negligible communication: data parallelism, exactly as planned
+    prof, cluster = chain(4, 1.0, 2.0, 8.0, 8.0), Cluster(workers=4, bandwidth=1e12)
+    choice = choose_by_simulation(prof, cluster)
+    assert choice.plan == partition(prof, cluster) and choice.plan.replicas == [4]
+    assert choice.simulation.steady_state_period == pytest.approx(3.0, rel=1e-6)
+
+
+def test_forced_stages_has_one_candidate_and_bad_arguments_are_clear() -> None:
+    prof, cluster = chain(4, 1.0, 2.0, 8.0, 8.0), Cluster(workers=4, bandwidth=1e6)
+    choice = choose_by_simulation(prof, cluster, stages=2)
+    assert len(choice.candidates) == 1 and len(choice.plan.stages) == 2
+    sim = simulate_plan(choice.plan, prof)
+    assert choice.simulation.steady_state_period == sim.steady_state_period
+    with pytest.raises(ConfigError, match="max_stages must be a positive integer, got 0"):
+        choose_by_simulation(prof, cluster, max_stages=0)
+    with pytest.raises(ConfigError, match="unknown choose='fastest'"):
+        choose_plan(prof, cluster, choose="fastest")
+
+
+def test_cli_plan_choose_simulation(capsys: pytest.CaptureFixture[str]) -> None:
+    inception()  # skips without the shared profiles
+    graph = str(PROFILES / "inception_v3" / "graph.txt")
+    argv = ["plan", graph, "--workers", "8", "--bandwidth", "10Gbps", "--sync",
+            "parameter-server"]
+    assert cli_main(argv) == 0
+    capsys.readouterr()
+    assert cli_main([*argv, "--choose", "simulation"]) == 0
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit() and "node" in ln]
+    assert [int(r[3]) for r in rows] == [7, 1], out  # stage, nodes, (count), replicas
+    assert "chosen by simulation" in out
