@@ -3,8 +3,9 @@
     taskset -c 1 python -m bench.experiment.plan OUT_DIR --model bigtail --batch 64 --mbit 20 50 200
 
 Writes OUT_DIR/profile-<MODEL>-b<B>.json and, per bandwidth, plan-<mode>-<MODEL>-b<B>-<M>mbit.json for
-mode fxpipe (the planner's choice for Cluster(workers=2, bandwidth)) and straight (2 stages x 1
-replica), plus plans.json describing them (replicas, predicted time per minibatch, the
+mode fxpipe (chosen by simulation among the planner's candidates for Cluster(workers=2,
+bandwidth): ``fxpipe.compile(..., choose="simulation")``) and straight (2 stages x 1 replica),
+plus plans.json describing them (and the planner's analytic optimum) (replicas, predicted time per minibatch, the
 simulator's prediction). Run pinned to one core with one intra-op thread, like a host.
 """
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from fxpipe.api import compile as fx_compile
-from fxpipe.costmodel import Cluster
+from fxpipe.costmodel import Cluster, Profile
 from fxpipe.passes import partition
+from fxpipe.runtime.plan_choice import choose_by_simulation
 from fxpipe.runtime.plansim import data_parallel_plan, simulate_plan
 
 from .common import build_model, digits_split, loadavg, param_bytes
@@ -28,6 +30,18 @@ from .common import build_model, digits_split, loadavg, param_bytes
 
 def mbit_to_bytes(mbit: float) -> float:
     return mbit * 1e6 / 8
+
+
+def split_batch(profile: Profile, r: int) -> Profile:
+    """The profile of one DDP replica when a minibatch is SPLIT over ``r`` replicas: forward and
+    backward times and activations scale with the batch (1/r), the optimizer step does not.
+    fxpipe's data-parallel plan gives each replica WHOLE minibatches (round robin); DDP with the
+    same samples per update as the pipelines gives each host 1/r of one."""
+    nodes = tuple(dataclasses.replace(n, forward_s=n.forward_s / r, backward_s=n.backward_s / r,
+                                      activation_bytes=n.activation_bytes / r)
+                  for n in profile.nodes)
+    return dataclasses.replace(profile, nodes=nodes,
+                               batch_size=(profile.batch_size or r) // r)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +71,17 @@ def main(argv: list[str] | None = None) -> int:
             "plans": {}}
     for mbit in args.mbit:
         cluster = Cluster(workers=2, bandwidth=mbit_to_bytes(mbit))
-        plans = {"fxpipe": partition(profile, cluster),
+        # fxpipe's plan: chosen by simulation among the planner's candidates (the analytic
+        # optimum charges a cut 2X/B on one link, so at 20 Mbit/s it prefers ONE worker, while
+        # the emulated links are full duplex; the simulator models that)
+        optimum = partition(profile, cluster)
+        plans = {"fxpipe": choose_by_simulation(profile, cluster).plan,
                  "straight": partition(profile, cluster, stages=2, straight=True)}
+        info["plans"][f"optimum@{mbit:g}"] = {
+            "replicas": list(optimum.replicas),
+            "planner_s_per_minibatch": optimum.time_per_minibatch,
+            "sim_steady_s_per_minibatch": simulate_plan(
+                optimum, profile, minibatches=args.minibatches).steady_state_period}
         dp = data_parallel_plan(profile, cluster)
         for mode, plan in plans.items():
             plan = dataclasses.replace(plan, model_fingerprint=fp)
@@ -87,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             "replicas": list(dp.replicas), "planner_s_per_minibatch": dp.time_per_minibatch,
             "sim_s_per_minibatch_epoch": dsim.makespan / args.minibatches,
             "sim_steady_s_per_minibatch": dsim.steady_state_period}
+        # DDP with the pipelines' samples per update: each minibatch split over the 2 hosts,
+        # i.e. a round-robin plan over half-minibatches, two of which make one of ours
+        r = cluster.workers
+        half = split_batch(profile, r)
+        sdp = data_parallel_plan(half, cluster)
+        ssim = simulate_plan(sdp, half, minibatches=args.minibatches * r)
+        info["plans"][f"ddp@{mbit:g}"] = {
+            "replicas": list(sdp.replicas), "planner_s_per_minibatch": sdp.time_per_minibatch * r,
+            "sim_s_per_minibatch_epoch": ssim.makespan / args.minibatches,
+            "sim_steady_s_per_minibatch": ssim.steady_state_period * r}
         print(f"{mbit:g} Mbit/s: fxpipe plan {plans['fxpipe'].replicas} "
               f"{plans['fxpipe'].time_per_minibatch * 1e3:.1f} ms/minibatch; straight "
               f"{plans['straight'].time_per_minibatch * 1e3:.1f} ms; data parallel "

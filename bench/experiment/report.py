@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 from .run import measured_s_per_minibatch, time_to
@@ -14,23 +15,50 @@ def _f(v, fmt: str = ".1f", none: str = "not reached") -> str:
     return none if v is None else format(v, fmt)
 
 
-def _prediction(res: dict, plans: dict, key: str, batch: int) -> tuple[float | None, float | None]:
+def _prediction(res: dict, plans: dict, key: str, batch: int,
+                ddp: str) -> tuple[float | None, float | None]:
     mode = res["mode"]
-    if mode == "ddp":
-        p = plans["plans"].get(f"dp@{key}", {})
+    if mode == "ddp":  # ddp: minibatches split over the hosts; dp: whole ones (round robin)
+        p = plans["plans"].get(f"{ddp}@{key}", {})
         return p.get("planner_s_per_minibatch"), p.get("sim_s_per_minibatch_epoch")
     p = plans["plans"][f"{'fxpipe' if mode == 'fxpipe' else 'straight'}@{key}"]
+    if mode == "flush":  # the planner and the simulator time pipedream's schedule only
+        return None, None
     if mode == "mp":
         return p["mp_planner_s_per_minibatch"], p["mp_sim_s_per_minibatch_epoch"]
     return p["planner_s_per_minibatch"], p["sim_s_per_minibatch_epoch"]
 
 
-def table(results: list[dict], plans: dict, key: str, targets: list[float], batch: int) -> str:
+def _compute(res: dict, plans: dict, key: str, batch: int) -> str:
+    """Per rank: the profiled compute of one minibatch on its stage (forward + backward +
+    update of ONE replica, what the plan assumes, without the replicas' sync) against what the
+    runtime's timeline measured on that rank (forward + backward + optimizer spans of the
+    segments after the first), both per ``batch`` samples."""
+    from fxpipe.passes import Plan
+
+    busy = res.get("busy_s_per_sample") or []
+    if res["mode"] == "ddp" or not busy or not all(busy):
+        return "-"
+    mode = "fxpipe" if res["mode"] == "fxpipe" else "straight"
+    entry = plans["plans"].get(f"{mode}@{key}", {})
+    plan = Plan.load(entry["path"]) if entry.get("path") else None
+    stage_of = [s for s, r in enumerate(res["replicas"]) for _ in range(r)]  # rank order
+    cells = []
+    for rank, b in enumerate(busy):
+        meas = sum(b.get(c, 0.0) for c in ("forward", "backward", "optimizer")) * batch
+        st = plan.stages[stage_of[rank]] if plan and plan.replicas == res["replicas"] else None
+        prof = "?" if st is None else f"{st.compute_s * st.replicas * 1e3:.1f}"
+        cells.append(f"{prof} / {meas * 1e3:.1f}")
+    return ", ".join(cells)
+
+
+def table(results: list[dict], plans: dict, key: str, targets: list[float], batch: int,
+          ddp_plan: str = "ddp") -> str:
     ddp = next((r for r in results if r["mode"] == "ddp"), None)
     head = ("| mode | replicas | " + " | ".join(f"time to {t:.0%} (s)" for t in targets) +
             " | speedup vs DDP | final acc | samples/s | wire bytes/sample (train) | vs DDP | "
             "planner ms/minibatch | sim ms/minibatch | measured ms/minibatch | planner err | "
-            "sim err | loadavg (1 min) |")
+            "sim err | compute per rank, ms: profiled / measured | loadavg (1 min) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         tt = [time_to(r, t) for t in targets]
@@ -39,7 +67,7 @@ def table(results: list[dict], plans: dict, key: str, targets: list[float], batc
             sp = time_to(ddp, targets[-1]) / tt[-1]
         bps = r["train_bytes_per_sample"]
         red = (1 - bps / ddp["train_bytes_per_sample"]) if ddp and bps is not None else None
-        pred, sim = _prediction(r, plans, key, batch)
+        pred, sim = _prediction(r, plans, key, batch, ddp_plan)
         meas = measured_s_per_minibatch(r, batch)
         la = [e["loadavg"][0] for e in r["epochs"]]
         lines.append(
@@ -49,7 +77,7 @@ def table(results: list[dict], plans: dict, key: str, targets: list[float], batc
             f"{_f(pred and pred * 1e3, '.1f', '-')} | {_f(sim and sim * 1e3, '.1f', '-')} | "
             f"{meas * 1e3:.1f} | {_f(pred and (pred / meas - 1) * 100, '+.0f', '-')}% | "
             f"{_f(sim and (sim / meas - 1) * 100, '+.0f', '-')}% | "
-            f"{min(la):.2f}-{max(la):.2f} |")
+            f"{_compute(r, plans, key, batch)} | {min(la):.2f}-{max(la):.2f} |")
     return "\n".join(lines)
 
 
@@ -73,7 +101,15 @@ def report(summary: dict) -> str:
            "fill and drain included), sim = simulate_plan makespan / minibatches of one epoch.",
            ""]
     for key, results in summary["main"].items():
-        out += [f"**{key} Mbit/s** (fxpipe plan {summary['plans']['plans'][f'fxpipe@{key}']['replicas']})",
+        pl = summary["plans"]["plans"]
+        opt = pl.get(f"optimum@{key}")
+        why = "" if opt is None else (
+            f"; the planner's analytic optimum is {opt['replicas']} at "
+            f"{opt['planner_s_per_minibatch'] * 1e3:.1f} ms/minibatch, simulated "
+            f"{opt['sim_steady_s_per_minibatch'] * 1e3:.1f} ms")
+        out += [f"**{key} Mbit/s** (fxpipe plan {pl[f'fxpipe@{key}']['replicas']}, chosen by "
+                f"simulation, {pl[f'fxpipe@{key}']['sim_steady_s_per_minibatch'] * 1e3:.1f} "
+                f"ms/minibatch simulated{why})",
                 "", table(results, summary["plans"], key, targets, a["batch"]), ""]
     if summary.get("harm"):
         hkey = f"{a['harm_mbit']:g}"
@@ -82,10 +118,16 @@ def report(summary: dict) -> str:
                 f"{hkey} Mbit/s**: the planner picks {hp['plans'][f'fxpipe@{hkey}']['replicas']} "
                 f"(data parallelism; predicted {hp['plans'][f'fxpipe@{hkey}']['planner_s_per_minibatch'] * 1e3:.2f} "
                 f"ms/minibatch vs straight pipeline {hp['plans'][f'straight@{hkey}']['planner_s_per_minibatch'] * 1e3:.2f} ms)",
-                "", table(summary["harm"], hp, hkey, targets, a["batch"]), ""]
-        f, d = summary["harm"]
-        out += [f"fxpipe / DDP samples/s: {f['samples_per_s'] / d['samples_per_s']:.3f} "
-                f"(after epoch 1: {_f(f['samples_per_s_after_first'] and f['samples_per_s_after_first'] / d['samples_per_s_after_first'], '.3f', '-')})", ""]
+                "", table(summary["harm"], hp, hkey, targets, a["batch"], ddp_plan="dp"), ""]
+        pairs = summary.get("harm_runs") or [summary["harm"]]
+        ratios = [f["samples_per_s"] / d["samples_per_s"] for f, d in pairs]
+        after = [f["samples_per_s_after_first"] / d["samples_per_s_after_first"]
+                 for f, d in pairs if f["samples_per_s_after_first"] and d["samples_per_s_after_first"]]
+        out += [f"fxpipe / DDP samples/s over {len(pairs)} alternating repeats (fxpipe, ddp, "
+                f"fxpipe, ...; the table shows the first): median {statistics.median(ratios):.3f} "
+                f"(each: {', '.join(f'{x:.3f}' for x in ratios)}); after epoch 1: median "
+                f"{_f(statistics.median(after) if after else None, '.3f', '-')} "
+                f"(each: {', '.join(f'{x:.3f}' for x in after)})", ""]
     return "\n".join(out)
 
 

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "docs" / "figures"
 PY = sys.executable
 log = logging.getLogger("bench.experiment")
-MAIN_MODES = ("fxpipe", "straight", "mp", "ddp")
+MAIN_MODES = ("fxpipe", "straight", "mp", "flush", "ddp")
 
 
 def make_plans(out: Path, model: str, batch: int, mbits: list[float]) -> dict:
@@ -47,14 +47,17 @@ def make_plans(out: Path, model: str, batch: int, mbits: list[float]) -> dict:
     return json.loads((out / f"plans-{model}-b{batch}.json").read_text())
 
 
-def run_mode(mode: str, mbit: float, run_dir: Path, worker_args: list[str], timeout: float) -> dict:
-    """One mode at one bandwidth on a fresh 2-host cluster; returns the merged result."""
+def run_mode(mode: str, mbit: float, run_dir: Path, worker_args: list[str], timeout: float,
+             hosts: int = 2) -> dict:
+    """One mode at one bandwidth on a fresh cluster of ``hosts`` (2, or fewer when fxpipe's plan
+    uses fewer workers than the cluster has); returns the merged result."""
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     la0 = loadavg()
     t0 = time.perf_counter()
-    with EmulatedCluster(hosts=2, bandwidth=f"{mbit:g}Mbit", latency=0, prefix="fxpexp") as c:
+    with EmulatedCluster(hosts=hosts, bandwidth=f"{mbit:g}Mbit", latency=0,
+                         prefix="fxpexp") as c:
         before = [c.link_bytes(h) for h in range(c.hosts)]
         procs = torchrun_across(c, ["-m", "bench.experiment.worker", "--mode", mode,
                                     "--out", str(run_dir), *worker_args],
@@ -65,7 +68,7 @@ def run_mode(mode: str, mbit: float, run_dir: Path, worker_args: list[str], time
             for p in procs:
                 print(read_output(p)[-3000:], file=sys.stderr)
             raise RuntimeError(f"{mode} at {mbit:g} Mbit/s failed: exit codes {codes}")
-    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(hosts)]
     res = merge(ranks)
     res.update(mode=mode, mbit=mbit, launcher_s=time.perf_counter() - t0,
                link_tx_bytes=[a["tx_bytes"] - b["tx_bytes"] for a, b in zip(after, before)],
@@ -96,6 +99,7 @@ def merge(ranks: list[dict]) -> dict:
     samples = sum(e["samples"] for e in epochs)
     seg = sum(e["segment_time_s"] for e in epochs)
     return {"replicas": r0.get("replicas"), "epochs": epochs,
+            "busy_s_per_sample": [r.get("busy_s_per_sample") for r in ranks],
             "final_accuracy": epochs[-1]["test_accuracy"] if epochs else None,
             "samples": samples, "samples_per_s": samples / seg if seg else None,
             "samples_per_s_after_first": (sum(e["samples"] for e in epochs[1:]) /
@@ -155,11 +159,14 @@ def harm_case(args: argparse.Namespace, out: Path, summary: dict) -> None:
     hc = ["--model", "small", "--batch", str(hb), "--global-batch", str(per_update),
           "--epochs", str(args.harm_epochs), "--lr", str(args.harm_lr),
           "--momentum", str(args.momentum)]
-    harm = [run_mode("fxpipe", args.harm_mbit, out / f"harm-{hkey}mbit" / "fxpipe",
-                     [*hc, "--plan", hp["path"]], args.timeout),
-            run_mode("ddp", args.harm_mbit, out / f"harm-{hkey}mbit" / "ddp", hc,
-                     args.timeout)]
-    summary["harm"] = harm
+    runs = []
+    for i in range(args.harm_repeats):  # alternating, so drifting machine load hits both alike
+        runs.append([run_mode("fxpipe", args.harm_mbit, out / f"harm-{hkey}mbit" / f"fxpipe{i}",
+                              [*hc, "--plan", hp["path"]], args.timeout),
+                     run_mode("ddp", args.harm_mbit, out / f"harm-{hkey}mbit" / f"ddp{i}", hc,
+                              args.timeout)])
+    harm = runs[0]
+    summary["harm"], summary["harm_runs"] = harm, runs
     if not args.smoke:
         plot(harm, args.harm_mbit, args.target, FIGURES / f"cluster-do-no-harm-{hkey}mbit.png",
              f"do-no-harm: small model, 2 hosts x 1 core, {hkey} Mbit/s")
@@ -168,7 +175,7 @@ def harm_case(args: argparse.Namespace, out: Path, summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--mbit", type=float, nargs="+", default=[50, 200])
+    p.add_argument("--mbit", type=float, nargs="+", default=[20, 50, 200])
     p.add_argument("--modes", nargs="+", default=list(MAIN_MODES))
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch", type=int, default=64)
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, default=0.90)
     p.add_argument("--harm-mbit", type=float, default=1000)
     p.add_argument("--harm-epochs", type=int, default=10)
+    p.add_argument("--harm-repeats", type=int, default=3, help="alternating fxpipe/ddp pairs")
     p.add_argument("--harm-lr", type=float, default=0.05)
     p.add_argument("--no-harm-case", action="store_true")
     p.add_argument("--out", default="/tmp/fxpipe-cluster-experiment")
@@ -188,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.smoke:
         args.mbit, args.epochs, args.harm_epochs, args.no_report = args.mbit[:1], 1, 1, True
+        args.harm_repeats = 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -203,10 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for mode in args.modes:
             plan_mode = "fxpipe" if mode == "fxpipe" else "straight"
-            wa = [*common, "--plan", plans["plans"][f"{plan_mode}@{key}"]["path"]]
+            entry = plans["plans"][f"{plan_mode}@{key}"]
+            wa = [*common, "--plan", entry["path"]]
             if mode == "ddp":
                 wa += ["--stop-at", str(args.target)]
-            res = run_mode(mode, mbit, out / f"{key}mbit" / mode, wa, args.timeout)
+            hosts = sum(entry["replicas"]) if mode != "ddp" else 2
+            res = run_mode(mode, mbit, out / f"{key}mbit" / mode, wa, args.timeout, hosts)
             results.append(res)
         summary["main"][key] = results
         (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -13,6 +13,8 @@ together every round; ddp splits ``--global-batch`` over the ranks):
   every rank loads the same one), PipeDream 1F1B schedule;
 * straight: the 2-stage x 1-replica plan, 1F1B;
 * mp: the same 2-stage plan with one minibatch in flight (gpipe, 1 microbatch per batch);
+* flush: the same 2-stage plan, PipeDream-Flush (1f1b-flush, 2 microbatches of --batch/2 per
+  update): pipelined, but no weight staleness;
 * ddp: torch DistributedDataParallel over gloo (BSP).
 
 Each rank writes OUT/rank<R>.json: per epoch the cumulative training time (evaluation excluded),
@@ -52,15 +54,19 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
 
     xtr, ytr, xte, yte = digits_split()
     plan = Plan.load(args.plan)
+    # flush: PipeDream-Flush (1F1B, no staleness), each --batch minibatch as 2 microbatches of
+    # half the size, one update per minibatch: the same samples per update as the others
+    schedule, micro = {"mp": ("gpipe", 1), "flush": ("1f1b-flush", 2)}.get(args.mode,
+                                                                          ("pipedream", None))
+    batch = args.batch // (micro or 1)
     # device="CPU": the plan is given, so skip measuring costs again on every rank
     compiled = fx_compile(build_model(args.model), Cluster(workers=2, device="CPU"),
-                          example_inputs=(xtr[:args.batch],), loss_fn=F.cross_entropy, plan=plan)
-    schedule, micro = ("gpipe", 1) if args.mode == "mp" else ("pipedream", None)
+                          example_inputs=(xtr[:batch],), loss_fn=F.cross_entropy, plan=plan)
     lr, mom = args.lr, args.momentum
     trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mom),
                                schedule=schedule, microbatches=micro, timeout_s=300,
                                seed=TRAIN_SEED, progress=False)
-    train = ShardedDataset((xtr,), ytr, batch_size=args.batch, seed=TRAIN_SEED, drop_last=True)
+    train = ShardedDataset((xtr,), ytr, batch_size=batch, seed=TRAIN_SEED, drop_last=True)
     test = ShardedDataset((xte,), yte, batch_size=args.eval_batch, shuffle=False, drop_last=True)
     marks: list[dict] = []
     orig = trainer.evaluate
@@ -73,6 +79,25 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
         return res
 
     trainer.evaluate = evaluate  # type: ignore[method-assign]
+    # the runtime's own timeline: how long this rank's forwards, backwards and updates really
+    # took, to compare with the profile the plan was made from (the trainer records none by
+    # default)
+    ex = trainer.backend.ex
+    ex.rec.enabled = True
+    busy: dict[str, float] = {}
+    segments = [0, 0]  # segments seen, forwards counted (of the segments after the first)
+    run = ex.run
+
+    def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        res = run(*a, **k)
+        segments[0] += 1
+        if segments[0] > 1:  # the first segment warms up
+            for e in res.timeline:
+                busy[e.category] = busy.get(e.category, 0.0) + e.end - e.start
+                segments[1] += e.category == "forward"
+        return res
+
+    ex.run = timed  # type: ignore[method-assign]
     log["replicas"] = list(plan.replicas)
     log["schedule"] = schedule
     log["net_start"] = net_bytes()
@@ -90,6 +115,9 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
                               "samples": h["samples"], "segment_time_s": h["time_s"],
                               "net_train_end": m["net_train_end"], "net_eval_end": m["net_eval_end"],
                               "loadavg": m["loadavg"]})
+    n = segments[1] * batch  # this rank's samples in the measured segments
+    log["busy_s_per_sample"] = {k: v / n for k, v in busy.items()} if n else {}
+    log["stage_replica"] = list(ex.me)
     trainer.close()
 
 
@@ -149,7 +177,7 @@ def run_ddp(args: argparse.Namespace, rank: int, log: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, choices=("fxpipe", "straight", "mp", "ddp"))
+    p.add_argument("--mode", required=True, choices=("fxpipe", "straight", "mp", "flush", "ddp"))
     p.add_argument("--model", default="bigtail")
     p.add_argument("--plan", help="plan.json (fxpipe, straight, mp)")
     p.add_argument("--batch", type=int, default=64, help="pipeline minibatch (per replica)")
