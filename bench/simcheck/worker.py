@@ -10,7 +10,6 @@ every emulated host shares this machine's monotonic clock, so the ranks line up)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,6 +22,8 @@ from fxpipe.api import compile as fx_compile
 from fxpipe.costmodel import Cluster
 from fxpipe.passes import Plan
 from fxpipe.runtime.data import ShardedDataset
+
+from bench.experiment.common import write_json
 
 from .model import BATCH, SleepLayer, build, data
 
@@ -65,9 +66,7 @@ def main() -> int:
     out = {"rank": rank, "stage_replica": list(ex.me), "replicas": list(plan.replicas),
            "segment_s": [h["time_s"] for h in history], "minibatches": args.minibatches,
            "events": events}
-    path = Path(args.out) / f"rank{rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out))
+    write_json(Path(args.out) / f"rank{rank}.json", out)  # atomic: the driver reads it after
     trainer.close()
     return 0
 
