@@ -38,6 +38,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, metavar="FILE", help="simulate this plan.json")
     p.add_argument("--stages", type=int, default=None, help="force the number of stages")
     p.add_argument("--straight", action="store_true", help="one worker per stage")
+    p.add_argument("--choose", default="planner", choices=["planner", "simulation"],
+                   help="which plan to simulate: the planner's optimum, or the fastest simulated "
+                   "of its candidates (as fxpipe plan --choose)")
     p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
     p.add_argument("--minibatches", type=int, default=200)
     p.add_argument("--half-duplex", action="store_true",
@@ -52,7 +55,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]:
     from fxpipe.costmodel import Profile
-    from fxpipe.passes import Plan, partition
+    from fxpipe.passes import Plan
 
     suffix = Path(args.model).suffix
     if suffix in (".txt", ".json"):
@@ -71,14 +74,16 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
             raise ConfigError(f"plan {args.plan!r} names nodes the profile lacks "
                               f"(e.g. {sorted(missing)[0]!r})", "pass the model the plan was made for")
     else:
-        plan = partition(profile, cluster, sync=args.sync, stages=args.stages,
-                         straight=args.straight)
+        from fxpipe.api import choose_plan
+
+        plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
+                           straight=args.straight, choose=args.choose)
     return profile, plan
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from fxpipe.costmodel import Cluster
-    from fxpipe.runtime.plansim import data_parallel_plan, simulate_plan
+    from fxpipe.runtime.plansim import data_parallel_plan, minibatches_for, simulate_plan
     from fxpipe.units import format_bytes, format_seconds
 
     cluster = Cluster(workers=args.workers, bandwidth=args.bandwidth, device=args.device,
@@ -88,8 +93,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     duplex = not args.half_duplex
     sim = simulate_plan(plan, profile, schedule=args.schedule, minibatches=args.minibatches,
                         latency_s=args.latency, duplex=duplex)
+    # the baseline runs long enough for whole rounds of all its replicas (200 minibatches are 3
+    # rounds of 64, where start-up would still dominate)
     bsp = simulate_plan(data_parallel_plan(profile, cluster, sync=plan.sync), profile,
-                        minibatches=args.minibatches, latency_s=args.latency, duplex=duplex)
+                        minibatches=minibatches_for([cluster.workers], floor=args.minibatches),
+                        latency_s=args.latency, duplex=duplex)
     print(plan.summary())
     print()
     print(sim.summary())

@@ -90,3 +90,19 @@ def test_cli_plan_choose_simulation(capsys: pytest.CaptureFixture[str]) -> None:
     rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit() and "node" in ln]
     assert [int(r[3]) for r in rows] == [7, 1], out  # stage, nodes, (count), replicas
     assert "chosen by simulation" in out
+
+
+def test_cli_simulate_choose_simulation(capsys: pytest.CaptureFixture[str]) -> None:
+    inception()  # skips without the shared profiles
+    graph = str(PROFILES / "inception_v3" / "graph.txt")
+    argv = ["simulate", graph, "--workers", "8", "--bandwidth", "10Gbps", "--sync",
+            "parameter-server"]
+    speedups = {}
+    for choose in ("planner", "simulation"):
+        assert cli_main([*argv, "--choose", choose]) == 0
+        out = capsys.readouterr().out
+        rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit() and "node" in ln]
+        speedups[choose] = ([int(r[3]) for r in rows],
+                            float(out.rsplit("over BSP ", 1)[1].split("x")[0]))
+    assert speedups["planner"][0] == [2, 3, 2, 1] and speedups["simulation"][0] == [7, 1]
+    assert speedups["planner"][1] < 1.0 < speedups["simulation"][1]
