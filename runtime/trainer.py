@@ -40,6 +40,7 @@ from .errors import RuntimeConfigError
 from .schedule import SCHEDULE_KINDS, Schedule, make_schedule
 from .stage import LossFn, StageReplica, check_stages
 from .stash import OptimizerFactory
+from .timeline import TimelineEvent
 from .trainer_backends import DistributedBackend, ReferenceBackend
 from .trainer_progress import Progress
 from .wire import make_wire_plan
@@ -57,7 +58,10 @@ class Trainer:
     ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica).
     ``executor``: "distributed" (this process is one torchrun rank) or "reference" (every rank
     in this process, deterministic: the oracle). ``on_checkpoint(epoch, minibatch)`` is called
-    on every rank after a checkpoint is complete.
+    on every rank after a checkpoint is complete. ``timeline=True`` (distributed executor)
+    records this rank's forwards, backwards, updates, sends, receives and all-reduces: one
+    ``(events, background)`` pair per segment in :attr:`timelines`, in seconds since
+    :attr:`timeline_origin` (a ``time.perf_counter()`` value).
     """
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
@@ -70,6 +74,7 @@ class Trainer:
                  timeout_s: float = 60.0, seed: int = 0, device: str | None = None,
                  progress: bool = True, stashing: bool = True,
                  on_checkpoint: Callable[[int, int], None] | None = None,
+                 timeline: bool = False,
                  fingerprint: str | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
@@ -104,11 +109,15 @@ class Trainer:
         empty = Schedule(schedule, tuple(self.replicas), 0, {r: () for r in
                          ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
         if executor == "reference":
+            if timeline:
+                raise RuntimeConfigError("timeline=True needs executor='distributed'",
+                                         "the reference executor is the oracle, not a timing")
             self.backend: Any = ReferenceBackend(self.stages, self.replicas, loss_fn, optimizer,
                                                  empty, stashing=stashing)
         else:
             self.backend = DistributedBackend(self.stages, self.replicas, loss_fn, optimizer,
                                               empty, stashing=stashing, timeout_s=timeout_s,
+                                              timeline=timeline,
                                               device=device)
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
         self.schedulers = {r: lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
@@ -315,6 +324,17 @@ class Trainer:
                     if src is not None:
                         t.copy_(src)
         self._have = sorted(merged)
+
+    @property
+    def timelines(self) -> list[tuple[list[TimelineEvent], list[TimelineEvent]]]:
+        """Per segment so far, this rank's (events, background) when ``timeline=True``."""
+        return getattr(self.backend, "timelines", [])
+
+    @property
+    def timeline_origin(self) -> float:
+        """The ``perf_counter()`` the timelines count from (the same clock on every process of
+        one machine, so ranks on one machine line up)."""
+        return self.backend.comm.recorder.t0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Trained weights and buffers by the model's own names: every stage's on rank 0 (and in

@@ -35,6 +35,7 @@ from .reference import ReferenceExecutor, planned_reads
 from .schedule import Rank, Schedule
 from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
 from .stash import OptimizerFactory
+from .timeline import Recorder, TimelineEvent
 from .wire import WirePlan, crossing_values
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,8 @@ class DistributedBackend:
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
                  optimizer_factory: OptimizerFactory, empty: Schedule, *, stashing: bool = True,
-                 timeout_s: float = 60.0, device: str | None = None) -> None:
+                 timeout_s: float = 60.0, device: str | None = None,
+                 timeline: bool = False) -> None:
         from .executor import RankExecutor  # torch.distributed users only
 
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -167,7 +169,9 @@ class DistributedBackend:
         ties = list(tie_sets(tied_parameters(self.stages)))  # before .to(device): by identity
         groups = make_groups(list(replicas), self.rank_of, ties, timeout_s)
         self.comm = Comm(self.me, self.rank_of, len(crossing_values(self.stages)), timeout_s, dev,
-                         groups)
+                         groups, recorder=Recorder(enabled=timeline))
+        # per segment: this rank's (events, background all-reduces); see Trainer(timeline=)
+        self.timelines: list[tuple[list[TimelineEvent], list[TimelineEvent]]] = []
         self.ex = RankExecutor(self.stages, empty, self.me, loss_fn, optimizer_factory,
                                WirePlan((), (), ()), self.comm, stashing=stashing, device=dev)
         self.local: dict[Rank, StageReplica] = {self.me: self.ex.replica}
@@ -222,7 +226,10 @@ class DistributedBackend:
         assert wire is not None
         prepare_segment(self.ex.replica, sched, self.me)
         self.ex.schedule, self.ex.wire = sched, wire
-        return self.ex.run(parts).losses
+        res = self.ex.run(parts)
+        if self.comm.recorder.enabled:
+            self.timelines.append((res.timeline, res.background))
+        return res.losses
 
     def evaluate(self, parts: list[Part], wire: WirePlan | None) -> Metrics:
         """Forward-only pipeline: each rank runs its minibatches in increasing order, receiving

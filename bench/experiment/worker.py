@@ -63,9 +63,11 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
     compiled = fx_compile(build_model(args.model), Cluster(workers=2, device="CPU"),
                           example_inputs=(xtr[:batch],), loss_fn=F.cross_entropy, plan=plan)
     lr, mom = args.lr, args.momentum
+    # timeline=True: how long this rank's forwards, backwards and updates really took, to
+    # compare with the profile the plan was made from
     trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mom),
                                schedule=schedule, microbatches=micro, timeout_s=300,
-                               seed=TRAIN_SEED, progress=False)
+                               seed=TRAIN_SEED, progress=False, timeline=True)
     train = ShardedDataset((xtr,), ytr, batch_size=batch, seed=TRAIN_SEED, drop_last=True)
     test = ShardedDataset((xte,), yte, batch_size=args.eval_batch, shuffle=False, drop_last=True)
     marks: list[dict] = []
@@ -79,25 +81,6 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
         return res
 
     trainer.evaluate = evaluate  # type: ignore[method-assign]
-    # the runtime's own timeline: how long this rank's forwards, backwards and updates really
-    # took, to compare with the profile the plan was made from (the trainer records none by
-    # default)
-    ex = trainer.backend.ex
-    ex.rec.enabled = True
-    busy: dict[str, float] = {}
-    segments = [0, 0]  # segments seen, forwards counted (of the segments after the first)
-    run = ex.run
-
-    def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
-        res = run(*a, **k)
-        segments[0] += 1
-        if segments[0] > 1:  # the first segment warms up
-            for e in res.timeline:
-                busy[e.category] = busy.get(e.category, 0.0) + e.end - e.start
-                segments[1] += e.category == "forward"
-        return res
-
-    ex.run = timed  # type: ignore[method-assign]
     log["replicas"] = list(plan.replicas)
     log["schedule"] = schedule
     log["net_start"] = net_bytes()
@@ -115,9 +98,15 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
                               "samples": h["samples"], "segment_time_s": h["time_s"],
                               "net_train_end": m["net_train_end"], "net_eval_end": m["net_eval_end"],
                               "loadavg": m["loadavg"]})
-    n = segments[1] * batch  # this rank's samples in the measured segments
+    busy: dict[str, float] = {}
+    forwards = 0
+    for timeline, _ in trainer.timelines[1:]:  # the first segment warms up
+        for e in timeline:
+            busy[e.category] = busy.get(e.category, 0.0) + e.end - e.start
+            forwards += e.category == "forward"
+    n = forwards * batch  # this rank's samples in the measured segments
     log["busy_s_per_sample"] = {k: v / n for k, v in busy.items()} if n else {}
-    log["stage_replica"] = list(ex.me)
+    log["stage_replica"] = list(trainer.backend.me)
     trainer.close()
 
 

@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,26 +43,15 @@ def main() -> int:
                           example_inputs=(x[:BATCH],), loss_fn=F.cross_entropy, plan=plan,
                           leaf_modules=[SleepLayer])
     trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
-                               timeout_s=120, progress=False)
-    ex = trainer.backend.ex
-    ex.rec.enabled = True  # the trainer records no timeline by default (its comm's recorder)
-    results: list[Any] = []
-    run = ex.run
-
-    def keep(*a: Any, **k: Any) -> Any:  # the trainer drops the timeline; keep each segment's
-        res = run(*a, **k)
-        results.append(res)
-        return res
-
-    ex.run = keep  # type: ignore[method-assign]
+                               timeout_s=120, progress=False, timeline=True)
     loader = ShardedDataset((x,), y, batch_size=BATCH, seed=0, drop_last=True)
     history = trainer.fit(loader, epochs=args.epochs)
-    t0 = ex.rec.t0
-    last = results[-1]
+    t0 = trainer.timeline_origin
+    timeline, background = trainer.timelines[-1]
     events = [{"category": e.category, "name": e.name, "start": t0 + e.start, "end": t0 + e.end,
                "args": {k: v for k, v in e.args.items() if isinstance(v, (int, float, str))}}
-              for e in [*last.timeline, *last.background] if e.category != "idle"]
-    out = {"rank": rank, "stage_replica": list(ex.me), "replicas": list(plan.replicas),
+              for e in [*timeline, *background] if e.category != "idle"]
+    out = {"rank": rank, "stage_replica": list(trainer.backend.me), "replicas": list(plan.replicas),
            "segment_s": [h["time_s"] for h in history], "minibatches": args.minibatches,
            "events": events}
     write_json(Path(args.out) / f"rank{rank}.json", out)  # atomic: the driver reads it after

@@ -130,7 +130,8 @@ def test_distributed_without_torchrun_env_says_how_to_launch(monkeypatch: pytest
                                        ({"executor": "mpi"}, "unknown executor"),
                                        ({"checkpoint_every": 3}, "without checkpoint_dir"),
                                        ({"checkpoint_dir": "x", "checkpoint_every": 3,
-                                         "segment": 2}, "not a multiple")])
+                                         "segment": 2}, "not a multiple"),
+                                       ({"timeline": True}, "timeline=True needs executor")])
 def test_bad_arguments(kw: dict, match: str) -> None:
     with pytest.raises(RuntimeConfigError, match=match):
         Trainer(stages(), [1, 1], F.mse_loss, sgd, **{"executor": "reference", **kw})

@@ -48,7 +48,8 @@ def test_distributed_resume_after_a_crash_matches_uninterrupted_and_reference(tm
     ref = _run([sys.executable, str(HERE / "trainer_job.py"), str(tmp_path / "ref.pt"),
                 "--ckpt", str(tmp_path / "ref"), "--executor", "reference"])
     assert ref.returncode == 0, ref.stdout[-3000:]
-    full = _torchrun(str(tmp_path / "full.pt"), "--ckpt", str(tmp_path / "full"))
+    # the uninterrupted run records its timeline: recording must not change a single bit
+    full = _torchrun(str(tmp_path / "full.pt"), "--ckpt", str(tmp_path / "full"), "--timeline")
     assert full.returncode == 0, full.stdout[-3000:]
     crashed = _torchrun(str(tmp_path / "run.pt"), "--ckpt", str(tmp_path / "run"),
                         "--crash-after", "5")  # mid epoch 2, after checkpoint (1, 2)
@@ -62,6 +63,9 @@ def test_distributed_resume_after_a_crash_matches_uninterrupted_and_reference(tm
         assert torch.equal(got["state"][name], t), name
         torch.testing.assert_close(oracle["state"][name], t, rtol=1e-6, atol=1e-7)
     assert [h["loss"] for h in got["history"]] == [h["loss"] for h in want["history"]]
+    # 7 minibatches per epoch in segments of checkpoint_every=2; rank 0 runs each F and B once
+    assert want["timelines"] == [[n, n] for n in [2, 2, 2, 1] * 2]
+    assert got["timelines"] == []  # not recorded unless asked
 
 
 def test_stage_may_start_with_an_in_place_op() -> None:

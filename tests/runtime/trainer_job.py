@@ -49,7 +49,7 @@ def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
                                                   gamma=0.5),
                    schedule=args.schedule, checkpoint_dir=args.ckpt, checkpoint_every=2,
                    executor=args.executor, timeout_s=30, progress=False,
-                   on_checkpoint=on_checkpoint)
+                   on_checkpoint=on_checkpoint, timeline=args.timeline)
 
 
 def main() -> int:
@@ -60,6 +60,7 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--executor", default="distributed")
     p.add_argument("--schedule", default="pipedream")
+    p.add_argument("--timeline", action="store_true", help="record; save per-segment counts")
     args = p.parse_args()
     torch.set_num_threads(1)
     done = []
@@ -73,7 +74,10 @@ def main() -> int:
     trainer = make_trainer(args, crash if args.crash_after else None)
     history = trainer.fit(dataset(), epochs=2, eval_loader=dataset(), resume=args.resume)
     if int(os.environ.get("RANK", "0")) == 0:
-        torch.save({"state": trainer.state_dict(), "history": history}, Path(args.out))
+        counts = [[sum(e.category == c for e in tl) for c in ("forward", "backward")]
+                  for tl, _ in trainer.timelines]
+        torch.save({"state": trainer.state_dict(), "history": history, "timelines": counts},
+                   Path(args.out))
     trainer.close()
     return 0
 
