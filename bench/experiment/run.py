@@ -10,9 +10,8 @@ logs and the hosts' interface counters, and tears the cluster down. Then the do-
 (a small model at 1 Gbit/s where the planner picks data parallelism): fxpipe vs ddp. Plans are
 made first, on ONE core (bench/experiment/plan.py), and loaded by every rank.
 
-Writes OUT/summary.json (default OUT=/tmp/fxpipe-cluster-experiment), docs/figures/
-cluster-acc-vs-time-<M>mbit.png, and (unless --smoke or --no-report) the "cluster-experiment"
-section of BENCHMARKS.md.
+Writes OUT/summary.json (default OUT=/tmp/fxpipe-cluster-experiment) and, unless --smoke or
+--no-report, docs/figures/cluster-*.png and the "cluster-experiment" section of BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -167,7 +166,7 @@ def harm_case(args: argparse.Namespace, out: Path, summary: dict) -> None:
                               args.timeout)])
     harm = runs[0]
     summary["harm"], summary["harm_runs"] = harm, runs
-    if not args.smoke:
+    if not args.no_report:  # the published figures: only with the published tables
         plot(harm, args.harm_mbit, args.target, FIGURES / f"cluster-do-no-harm-{hkey}mbit.png",
              f"do-no-harm: small model, 2 hosts x 1 core, {hkey} Mbit/s")
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -190,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-harm-case", action="store_true")
     p.add_argument("--out", default="/tmp/fxpipe-cluster-experiment")
     p.add_argument("--smoke", action="store_true", help="1 epoch at the first bandwidth")
-    p.add_argument("--no-report", action="store_true", help="don't write BENCHMARKS.md")
+    p.add_argument("--no-report", action="store_true",
+                   help="don't write BENCHMARKS.md or docs/figures")
     p.add_argument("--timeout", type=float, default=600)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
         summary["main"][key] = results
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        if not args.smoke:
+        if not args.no_report:
             plot(results, mbit, args.target, FIGURES / f"cluster-acc-vs-time-{key}mbit.png",
                  f"digits, VGG-style big-tail CNN, 2 hosts x 1 core, {key} Mbit/s")
     if not args.no_harm_case and (len(args.mbit) == 1 or summary["harm"] is None):
