@@ -116,25 +116,23 @@ def _starts(profile: Profile, plan: Plan) -> list[int]:
 
 def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict) -> list[Plan]:
     """From ``plan``, repeatedly merge the adjacent pair of stages (replicas summed) whose merged
-    plan the planner rates fastest, down to one stage. Merges that do not fit (memory) are
-    skipped; the chain stops when no merge fits."""
+    plan the planner rates fastest, down to one stage. Merges that do not fit in memory are
+    skipped; the chain stops when none fits. (Dropping a boundary of a valid plan keeps the
+    others valid and the worker count, so ``plan_for`` accepts every merge.)"""
     out: list[Plan] = []
+    cap = cluster.memory
     starts, reps = _starts(profile, plan), list(plan.replicas)
     while len(starts) > 1:
         options = []
         for i in range(len(starts) - 1):
             s2 = starts[:i + 1] + starts[i + 2:]
             r2 = reps[:i] + [reps[i] + reps[i + 1]] + reps[i + 2:]
-            try:
-                options.append(plan_for(profile, cluster, s2, r2, **kw))
-            except InfeasiblePlanError:
-                continue
-        cap = cluster.memory
-        options = [p for p in options
-                   if cap is None or all(sp.memory_bytes <= cap for sp in p.stages)]
+            p = plan_for(profile, cluster, s2, r2, **kw)
+            if cap is None or all(sp.memory_bytes <= cap for sp in p.stages):
+                options.append((p.time_per_minibatch, i, p, s2))
         if not options:
             break
-        nxt = min(options, key=lambda p: p.time_per_minibatch)
+        _, _, nxt, starts = min(options, key=lambda o: o[:2])  # ties: the leftmost merge
         out.append(nxt)
-        starts, reps = _starts(profile, nxt), list(nxt.replicas)
+        reps = list(nxt.replicas)
     return out
