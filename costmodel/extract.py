@@ -123,6 +123,7 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
     node in program order (``get_attr`` nodes are folded into their consumers, the ``output``
     node is dropped). Times come from :func:`profile_graph` or :func:`estimate_graph`."""
     nodes: list[ProfileNode] = []
+    outputs = {a.name for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", *_COMPUTE_OPS):
             continue
@@ -150,6 +151,7 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
             shared_params=tuple(meta.get("shared_params", ())),
             sendable=bool(meta.get("sendable", meta.get("is_tensor", True))),
             # graphs costed before the update was modelled have none: 0, as in old profiles
-            update_s=float(meta.get("update_s", 0.0))))
+            update_s=float(meta.get("update_s", 0.0)),
+            is_output=node.name in outputs))
     return Profile(nodes=tuple(nodes), batch_size=batch_size, device=device, source=source,
                    meta={"graph_nodes": len(gm.graph.nodes)})

@@ -42,9 +42,27 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.imatmul, operator.setitem}
 
 
+def schema_mutates(target: Any) -> bool:
+    """Does an aten operator write into one of its arguments, by its schema (``Tensor(a!)``)?
+
+    Why the schema and not the name: an overload such as ``aten.add_.Tensor`` is an
+    ``OpOverload`` whose ``__name__`` is ``add_.Tensor``, and ``aten.index_put_`` or ops with an
+    ``out=`` argument mutate without a name ending in ``_`` at all."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(schema_mutates(getattr(target, o)) for o in target.overloads())
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """Heuristic: does this node mutate one of its inputs? Such nodes get private input copies."""
-    if node.kwargs.get("inplace") is True:
+    """Does this node mutate one of its inputs? Such nodes get private input copies, so timing
+    them repeatedly never changes the values later nodes compute. Static: the op's schema, an
+    ``out=`` or ``inplace=True`` argument, a module's ``inplace`` flag, a trailing-underscore
+    method or function name; :func:`iter_node_calls` also catches any other write at run time
+    (an input's version counter moved)."""
+    if node.kwargs.get("inplace") is True or "out" in node.kwargs:
         return True
     if node.op == "call_module":
         return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True
@@ -52,11 +70,17 @@ def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
         name = str(node.target)
         return name.endswith("_") and not name.startswith("__")
     if node.op == "call_function":
-        if node.target in _INPLACE_OPERATORS:
+        if node.target in _INPLACE_OPERATORS or schema_mutates(node.target):
             return True
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.startswith("__")
     return False
+
+
+def _versions(values: Any) -> list[tuple[torch.Tensor, int]]:
+    """(tensor, version counter) of every tensor in ``values``: an in-place write bumps it."""
+    return [(t, t._version) for t in pytree.tree_leaves(values)
+            if isinstance(t, torch.Tensor) and not t.is_inference()]
 
 
 def is_inplace_error(e: BaseException) -> bool:
@@ -239,6 +263,7 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
             needs_grad[node] = bool(params) or any(grad_in.values())
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            before = _versions((args, kwargs))
             try:
                 with torch.no_grad():
                     value = fn(*args, **kwargs)
@@ -248,9 +273,12 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
                     f"{type(e).__name__}: {e}",
                     "check that example_inputs match what the model's forward() expects") from e
             env[node] = value
+            wrote = any(t._version != v for t, v in before)
+            if wrote and not _is_inplace(node, gm):
+                log.debug("node %r wrote into an input; profiled on private copies", node.name)
             call = NodeCall(node, fn, tuple(args), dict(kwargs), grad_in, params,
-                            _is_inplace(node, gm), {a: env[a] for a in node.all_input_nodes},
-                            value=value)
+                            wrote or _is_inplace(node, gm),
+                            {a: env[a] for a in node.all_input_nodes}, value=value)
             yield call
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a.op != "get_attr":
