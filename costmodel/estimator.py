@@ -100,7 +100,10 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
         _estimate_nodes(fake_gm, fake_inputs, spec, optimizer_bytes_factor)
     for node, fake in zip(gm.graph.nodes, fake_gm.graph.nodes):
         if "fxpipe" in fake.meta:
-            node.meta.setdefault("fxpipe", {}).update(fake.meta["fxpipe"])
+            meta = node.meta.setdefault("fxpipe", {})
+            for stale in ("forward_iqr_s", "backward_iqr_s"):  # an earlier measurement's
+                meta.pop(stale, None)
+            meta.update(fake.meta["fxpipe"])
     log.info("estimated %d nodes for %s", len(gm.graph.nodes), spec.name)
     return gm
 

@@ -153,5 +153,11 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
             # graphs costed before the update was modelled have none: 0, as in old profiles
             update_s=float(meta.get("update_s", 0.0)),
             is_output=node.name in outputs))
+    meta: dict[str, Any] = {"graph_nodes": len(gm.graph.nodes)}
+    metas = [n.meta.get("fxpipe", {}) for n in gm.graph.nodes]
+    if any("forward_iqr_s" in m for m in metas):  # measured: how stable the medians are
+        iqr = sum(m.get("forward_iqr_s", 0.0) + m.get("backward_iqr_s", 0.0) for m in metas)
+        total = sum(n.forward_s + n.backward_s for n in nodes)
+        meta["spread"] = iqr / total if total > 0 else 0.0
     return Profile(nodes=tuple(nodes), batch_size=batch_size, device=device, source=source,
-                   meta={"graph_nodes": len(gm.graph.nodes)})
+                   meta=meta)

@@ -223,8 +223,11 @@ def cost_graph(traced: TracedGraph, cluster: Cluster, *, repeats: int = 5,
     else:
         estimate_graph(gm, inputs, get_device(cluster.device))
         device = f"{cluster.device} (estimated)"
-    return to_profile(gm, batch_size=_batch_size(inputs), device=device,
-                      source=f"fxpipe:{traced.method}")
+    profile = to_profile(gm, batch_size=_batch_size(inputs), device=device,
+                         source=f"fxpipe:{traced.method}")
+    if cluster.device is None:
+        profile.meta["threads"] = 1  # profile_graph's default: one thread, as each CPU rank
+    return profile
 
 
 TRACERS = ("auto", "symbolic_trace", "export")
@@ -259,7 +262,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             straight: bool = False, sync: str = "allreduce", plan: Plan | None = None,
             leaf_modules: Sequence[Any] = (), repeats: int = 5,
             optimizer: Callable[..., Any] | None = None, choose: str = "planner",
-            tracer: str = "auto") -> CompiledModel:
+            tracer: str = "auto", plan_timeout_s: float = 600.0) -> CompiledModel:
     """Compile ``model`` for ``cluster``: trace, cost, partition, split.
 
     ``example_inputs``: a tuple of positional inputs, a dict of keyword inputs (a Hugging Face
@@ -277,6 +280,10 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     ``tracer``: "auto" (torch.fx.symbolic_trace, else torch.export: the first that gives a graph
     that runs, trains and exports), "symbolic_trace" or "export"; ``compiled.tracer`` says which
     one ran.
+
+    In a distributed job (torchrun: ``WORLD_SIZE > 1``) only rank 0 measures costs and plans;
+    the other ranks receive its profile and plan (waiting at most ``plan_timeout_s``), so every
+    rank runs the same pipeline however differently their cores are loaded.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -288,15 +295,26 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     if loss_fn is None and _computes_own_loss(traced):
         loss_fn = model_loss
     fingerprint = model_fingerprint(traced.gm)
-    profile = cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer)
-    if plan is None:
-        plan = choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,
-                           choose=choose)
-        plan = replace(plan, model_fingerprint=fingerprint)
-    elif plan.model_fingerprint not in (None, fingerprint):
+    if plan is not None and plan.model_fingerprint not in (None, fingerprint):
         raise PlanFormatError(
             f"the plan was made for a different model (fingerprint {plan.model_fingerprint}, "
             f"this model is {fingerprint})", "re-plan with fxpipe.compile(model, cluster, ...)")
+
+    def make() -> dict[str, Any]:
+        profile = cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer)
+        chosen = plan if plan is not None else replace(
+            choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,
+                        choose=choose), model_fingerprint=fingerprint)
+        return {"profile": profile.to_dict(), "plan": chosen.to_dict()}
+
+    from fxpipe.runtime.agree import shared  # a torchrun job: rank 0 plans for every rank
+
+    made = shared(make, "plan", plan_timeout_s)
+    profile, plan = Profile.from_dict(made["profile"]), Plan.from_dict(made["plan"])
+    if plan.model_fingerprint not in (None, fingerprint):
+        raise PlanFormatError(f"rank 0 planned a different model (fingerprint "
+                              f"{plan.model_fingerprint}, this rank's is {fingerprint})",
+                              "every rank must build the same model with the same example inputs")
     assignment = stage_assignment(plan)
     for node in traced.gm.graph.nodes:
         if node.name in assignment:

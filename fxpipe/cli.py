@@ -97,6 +97,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.save_plan:
         plan.save(args.save_plan)
     print(plan.summary())
+    if "spread" in profile.meta:
+        print(f"costs measured on this machine ({profile.meta.get('threads', 1)} thread); spread "
+              f"of the measurements (IQR / median): {100 * profile.meta['spread']:.1f}%")
     if args.choose == "simulation":
         from fxpipe.runtime.plansim import simulate_plan
 

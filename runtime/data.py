@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -63,15 +63,21 @@ def iter_parts(loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: boo
     for k, item in enumerate(loader):
         if k < start:
             continue
+        if isinstance(item, Mapping):  # keyword inputs, labels among them (a HF collator's batch)
+            yield (item if need_inputs or need_targets else None, None)
+            continue
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise RuntimeConfigError(f"the loader yielded {type(item).__name__} at minibatch {k}",
-                                     "a training loader yields (inputs, target) pairs")
+                                     "a training loader yields (inputs, target) pairs or dicts "
+                                     "of keyword inputs")
         yield (item[0] if need_inputs else None, item[1] if need_targets else None)
 
 
 def batch_size_of(inputs: Any) -> int:
     """Samples in a minibatch: dim 0 of its first tensor input (0 if there is none)."""
-    for x in inputs if isinstance(inputs, (tuple, list)) else (inputs,):
+    values = (inputs.values() if isinstance(inputs, Mapping)
+              else inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+    for x in values:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     return 0

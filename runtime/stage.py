@@ -122,8 +122,11 @@ def sync_components(tied: Sequence[TiedParameter]) -> list[tuple[int, ...]]:
 
 
 def model_env(stages: Sequence[StageSpec], inputs: Any) -> dict[str, Any]:
-    """Model inputs by placeholder name (a tensor, or a tuple of positional inputs)."""
+    """Model inputs by placeholder name, from a tensor, a tuple of positional inputs or a dict
+    of keyword inputs (a Hugging Face batch)."""
     io = stages[-1].io
+    if isinstance(inputs, Mapping):
+        return io.bind_inputs((), inputs)  # type: ignore[union-attr]
     args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     return io.bind_inputs(args, None)  # type: ignore[union-attr]
 
