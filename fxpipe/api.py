@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fxpipe.codegen import StageSpec, draw_plan, export_stages, load_exported, run_stages, split_graph
+from fxpipe.codegen.visualize import module_span
 from fxpipe.costmodel import Cluster, Profile, estimate_graph, get_device, profile_graph, to_profile
 from fxpipe.errors import ConfigError, PlanFormatError
 from fxpipe.passes import Plan, partition
@@ -203,6 +204,12 @@ class CompiledModel:
                      memory_bytes=st.memory_bytes, stage_time_s=st.stage_time_s)
                 for st in self.plan.stages]
         draw_plan(self.stage_specs, path, stage_info=info)
+
+    def summary(self) -> str:
+        """The plan's table (:meth:`Plan.summary`), each stage described by the modules it
+        covers (``model.layers.3..model.layers.7``) where the tracer recorded them."""
+        spans = [module_span(st.gm) for st in self.stage_specs]
+        return self.plan.summary(spans if all(spans) else None)
 
     def __repr__(self) -> str:
         return (f"CompiledModel({type(self.model).__name__}, stages={len(self.stage_specs)}, "

@@ -49,6 +49,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--size", default="mini", help="zoo model size: mini or full")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--input-shape", default=None, help="for factories that return a bare module")
+    from fxpipe.cli import add_model_arguments
+
+    add_model_arguments(p)
     p.set_defaults(func=cmd_simulate)
     return p
 
@@ -64,9 +67,10 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
         from fxpipe.api import compile as fx_compile
         from fxpipe.cli import _resolve_model
 
-        model, inputs = _resolve_model(args)
-        profile = fx_compile(model, cluster, example_inputs=inputs, stages=args.stages,
-                             straight=args.straight, sync=args.sync).profile
+        spec = _resolve_model(args)
+        profile = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
+                             stages=args.stages, straight=args.straight, sync=args.sync,
+                             tracer=args.tracer).profile
     if args.plan:
         plan = Plan.load(args.plan)
         missing = set(plan.stage_of()) - set(profile.names)

@@ -86,14 +86,18 @@ class Plan:
         """Node name -> stage index (what codegen's split_graph takes)."""
         return {n: s.index for s in self.stages for n in s.nodes}
 
-    def summary(self) -> str:
-        """A human-readable table plus the headline numbers."""
+    def summary(self, spans: list[str] | None = None) -> str:
+        """A human-readable table plus the headline numbers. ``spans``: what each stage holds,
+        in words (default: its first and last node), e.g. the modules a compiled model's stages
+        cover, which read better than an aten graph's node names."""
         head = (f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10} {'update':>10} "
                 f"{'comm':>10} {'memory':>10}")
         lines = [head, "-" * len(head)]
         for s in self.stages:
             span = (f"{s.nodes[0]}..{s.nodes[-1]} ({len(s.nodes)})" if len(s.nodes) > 1
                     else f"{s.nodes[0]} (1)") if s.nodes else "(empty)"
+            if spans is not None:
+                span = f"{spans[s.index]} ({len(s.nodes)})"
             if len(span) > 40:
                 span = span[:37] + "..."
             lines.append(f"{s.index:>5}  {span:<40} {s.replicas:>8} "
