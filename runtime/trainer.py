@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -75,7 +75,8 @@ class Trainer:
                  progress: bool = True, stashing: bool = True,
                  on_checkpoint: Callable[[int, int], None] | None = None,
                  timeline: bool = False,
-                 fingerprint: str | None = None) -> None:
+                 fingerprint: str | None = None,
+                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         if schedule not in SCHEDULE_KINDS:
@@ -103,6 +104,7 @@ class Trainer:
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.keep_checkpoints, self.seed, self.progress = keep_checkpoints, seed, progress
         self.on_checkpoint, self.fingerprint = on_checkpoint, fingerprint
+        self.state_keys = dict(state_keys) if state_keys is not None else None
         self.history: History = []
         for st in self.stages:
             st.gm.train()
@@ -337,11 +339,22 @@ class Trainer:
         return self.backend.comm.recorder.t0
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Trained weights and buffers by the model's own names: every stage's on rank 0 (and in
-        the reference executor), only this rank's stage on other ranks."""
+        """Trained weights and buffers: every stage's on rank 0 (and in the reference executor),
+        only this rank's stage on other ranks. With ``state_keys`` (a compiled model's trainer:
+        the model's own ``state_dict`` keys -> (stage, name there), or the tensor itself for
+        state no stage holds) exactly the model's keys, tied aliases included, so that
+        ``model.load_state_dict(trainer.state_dict())`` takes it strictly; else each stage's
+        own names."""
+        have = getattr(self, "_have", range(len(self.stages)))
+        states = {s: self.stages[s].gm.state_dict() for s in have}
+        if self.state_keys is None:
+            return {n: t.detach() for st in states.values() for n, t in st.items()}
         out: dict[str, torch.Tensor] = {}
-        for s in getattr(self, "_have", range(len(self.stages))):
-            out.update({n: t.detach() for n, t in self.stages[s].gm.state_dict().items()})
+        for key, where in self.state_keys.items():
+            if isinstance(where, torch.Tensor):
+                out[key] = where.detach()
+            elif where[0] in states:
+                out[key] = states[where[0]][where[1]].detach()
         return out
 
     def close(self) -> None:
@@ -355,5 +368,8 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     if loss_fn is None:
         raise RuntimeConfigError("this model was compiled without loss_fn",
                                  "pass loss_fn=... to fxpipe.compile or to trainer()")
+    own = compiled.model.state_dict()
+    keys = {k: own[k] if where is None else where
+            for k, where in compiled.state_locations().items()}
     return Trainer(compiled.stage_specs, compiled.plan.replicas, loss_fn,
-                   fingerprint=compiled.plan.model_fingerprint, **kwargs)
+                   fingerprint=compiled.plan.model_fingerprint, state_keys=keys, **kwargs)
