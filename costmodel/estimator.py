@@ -94,7 +94,7 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
         raise ConfigError(f"optimizer_bytes_factor must be >= 0, got {optimizer_bytes_factor!r}",
                           "about 5 for SGD with momentum, 7 for Adam, 3 for plain SGD")
     annotate_parameters(gm)
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # tensor constants in node args
     fake_gm, fake_inputs = _fake_copy(gm, example_inputs, mode)
     with mode:
         _estimate_nodes(fake_gm, fake_inputs, spec, optimizer_bytes_factor)

@@ -226,7 +226,10 @@ def _bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> dict[fx.Node, Any]:
             raise InputMismatchError(
                 f"missing example input for {p.target!r}: {len(inputs)} given, "
                 f"{len(placeholders)} expected", "pass one example value per forward() argument")
-    return bound
+    # the walk runs the model for real: an in-place op on an input must not write into the
+    # caller's example tensors (later phases, and the user, still read them)
+    return {p: pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor)
+                               else t, v) for p, v in bound.items()}
 
 
 def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCall]:

@@ -93,8 +93,17 @@ class CompiledModel:
         """Which tracer captured the model: "symbolic_trace" or "export"."""
         return self.traced.method
 
+    def _needs_values(self, what: str) -> None:
+        if on_meta(self.model):
+            raise ConfigError(
+                f"cannot {what}: the model is on the meta device (shapes, no values), so it can "
+                "be planned and drawn but not run, exported or trained",
+                "build it with real weights (or model.to_empty(device='cpu') and load a "
+                "checkpoint), then compile it again, e.g. with plan=compiled.plan")
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the stages in order on the model's own arguments (positional and keyword)."""
+        self._needs_values("run the stages")
         return run_stages(self.stage_specs, args, kwargs)
 
     def loss(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -191,11 +200,13 @@ class CompiledModel:
         :class:`fxpipe.runtime.trainer.Trainer` for every option."""
         from fxpipe.runtime.trainer import make_trainer
 
+        self._needs_values("train")
         return make_trainer(self, **kwargs)
 
     # --- artefacts -----------------------------------------------------------------------------
     def export(self, directory: str | os.PathLike[str]) -> None:
         """Readable ``stage_k.py`` + weights per stage, plus ``plan.json``."""
+        self._needs_values("export the stages")
         export_stages(self.stage_specs, directory, plan_json=self.plan.to_dict())
 
     def visualize(self, path: str | os.PathLike[str]) -> None:

@@ -30,7 +30,9 @@ SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="zoo model name (fxpipe.models.names())")
+    p.add_argument("model", help="zoo model name (fxpipe.models.names()), hf:Class[:key=value,...] "
+                   "(a Hugging Face architecture from its config; synthetic token batches with "
+                   "labels) or file.py:factory returning an fxpipe.models.ModelSpec")
     p.add_argument("--data", required=True, help="synthetic | digits")
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="plan.json (fxpipe plan --save-plan)")
@@ -53,6 +55,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None, metavar="FILE", help="rank 0 saves the trained weights")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
+    p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -89,10 +93,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     """The launcher: validate what can be validated here, then run torchrun with N workers."""
     _check_data(args.data)
     if args.data == "digits":  # fail here, before torchrun starts N processes to say the same
-        from fxpipe import models
-
-        spec = models.get(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed)
-        digits_for(tuple(spec.example_inputs[0].shape), args.model)
+        spec = _spec(args)
+        digits_for(_input_shape(spec), args.model)
     nproc = args.nproc
     if args.plan:
         from fxpipe.passes import Plan
@@ -141,15 +143,37 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _spec(args: argparse.Namespace) -> Any:
+    """The ModelSpec MODEL names (zoo, hf:Class or file.py:factory)."""
+    from fxpipe import models
+
+    return models.resolve(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed,
+                          seq_len=args.seq_len)
+
+
+def _input_shape(spec: Any) -> tuple[int, ...]:
+    """Shape of the one positional input --data digits feeds."""
+    inputs = spec.example_inputs
+    if not isinstance(inputs, tuple) or len(inputs) != 1:
+        raise ConfigError(f"--data digits feeds one image or vector input; {spec.name} takes "
+                          f"{list(inputs) if isinstance(inputs, dict) else len(inputs)} inputs",
+                          "use --data synthetic for this model")
+    return tuple(inputs[0].shape)
+
+
 def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
     from fxpipe.runtime.data import ShardedDataset, synthetic_loader
 
     bs = spec.batch_size
     if args.data == "synthetic":
+        if spec.make_batch is None:
+            raise ConfigError(f"{args.model} comes with no batch maker for --data synthetic",
+                              "return an fxpipe.models.ModelSpec (with make_batch) from the "
+                              "factory")
         return (synthetic_loader(spec.make_batch, bs, args.num_batches, args.seed),
                 synthetic_loader(spec.make_batch, bs, args.eval_batches, args.seed + 1)
                 if args.eval_batches > 0 else None)
-    x, y = digits_for(tuple(spec.example_inputs[0].shape), args.model)
+    x, y = digits_for(_input_shape(spec), args.model)
     split = len(x) * 4 // 5
     return (ShardedDataset((x[:split],), y[:split], batch_size=bs, seed=args.seed, drop_last=True),
             ShardedDataset((x[split:],), y[split:], batch_size=bs, shuffle=False, drop_last=True))
@@ -179,7 +203,6 @@ def run_worker(args: argparse.Namespace) -> int:
     """One torchrun rank: build, compile, train; rank 0 prints the history."""
     import torch
 
-    from fxpipe import models
     from fxpipe.api import compile as fx_compile
     from fxpipe.costmodel import Cluster
     from fxpipe.passes import Plan
@@ -187,11 +210,11 @@ def run_worker(args: argparse.Namespace) -> int:
 
     _check_data(args.data)
     rank = int(os.environ.get("RANK", "0"))
-    spec = models.get(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed)
+    spec = _spec(args)
     plan = Plan.load(args.plan) if args.plan else None
     compiled = fx_compile(spec.model, Cluster.from_env(device=args.device),
                           example_inputs=spec.example_inputs, loss_fn=spec.loss_fn, plan=plan,
-                          stages=args.stages, straight=args.straight)
+                          stages=args.stages, straight=args.straight, tracer=args.tracer)
     if rank == 0:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
     lr, mom = args.lr, args.momentum

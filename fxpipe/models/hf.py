@@ -57,6 +57,9 @@ def build(spec: str, *, meta: bool = False, seed: int = 0) -> torch.nn.Module:
     except ImportError as err:
         raise ConfigError("hf: models need the package transformers, which is not installed",
                           "pip install transformers") from err
+    # a config shrunk from the command line trips warnings about ids outside the vocabulary
+    # that mean nothing for planning or synthetic training
+    transformers.utils.logging.set_verbosity_error()
     name, overrides = parse(spec)
     cls = getattr(transformers, name, None)
     config_class = getattr(cls, "config_class", None)
@@ -69,6 +72,11 @@ def build(spec: str, *, meta: bool = False, seed: int = 0) -> torch.nn.Module:
     except (TypeError, ValueError) as err:
         raise ConfigError(f"{config_class.__name__} rejects {overrides}: {err}",
                           "check the override names against the config class") from err
+    if getattr(config, "is_encoder_decoder", False) and \
+            getattr(config, "decoder_start_token_id", None) is None:
+        # a bare config (T5's) has none; the hub's checkpoints start decoding at the pad token
+        pad = getattr(config, "pad_token_id", None)
+        config.decoder_start_token_id = 0 if pad is None else pad
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if meta:
