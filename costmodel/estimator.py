@@ -160,7 +160,9 @@ def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: D
             targets = leaves + call.params
             bflops = 0
             has_backward = bool(outs and targets)
-            if has_backward:
+            # a pure view's backward is a view of the gradient: no FLOPs, no bytes (below), so
+            # it costs 0 without asking autograd (a third of an aten graph's nodes are views)
+            if has_backward and not (is_view and flops == 0):
                 grads = [torch.ones_like(t) for t in outs]  # values do not change FLOPs
                 try:
                     with counter:

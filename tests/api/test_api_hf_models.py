@@ -144,3 +144,16 @@ def test_train_hf_model_from_the_shell() -> None:
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "plan: replicas [1, 1], schedule 1f1b-flush" in res.stdout
     assert "epoch 1: loss 4." in res.stdout  # ln(64) = 4.16: a fresh 64-token LM
+
+
+def test_an_exported_graph_refuses_other_shapes_with_a_hint() -> None:
+    spec = models.resolve(LLAMA, batch_size=2, seq_len=8)
+    compiled = fxpipe.compile(spec.model, 2, example_inputs=spec.example_inputs, repeats=1)
+    assert compiled.tracer == "export"
+    ids = torch.randint(0, 64, (3, 8))
+    with pytest.raises(fxpipe.InputMismatchError,
+                       match=r"'input_ids' has shape \(3, 8\).*traced with torch.export for "
+                             r"shape \(2, 8\)(.|\n)*drop_last=True"):
+        compiled(input_ids=ids, labels=ids)
+    ids = torch.randint(0, 64, (2, 8))
+    compiled(input_ids=ids, labels=ids)  # the traced shape runs
