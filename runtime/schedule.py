@@ -187,8 +187,10 @@ def _insert_updates(acts: list[Action], group_of: dict[int, int], groups: int) -
     b_pos = [i for i, a in enumerate(acts) if a.kind == "B"]
     b_grp = [group_of[acts[i].minibatch] for i in b_pos]
     after: dict[int, list[int]] = {}
+    n_le = 0  # B's come in increasing minibatch order, so b_grp is sorted: one sweep (linear)
     for g in range(groups):
-        n_le = sum(1 for x in b_grp if x <= g)  # B's come in increasing minibatch order
+        while n_le < len(b_grp) and b_grp[n_le] <= g:
+            n_le += 1
         pos = b_pos[n_le - 1] + 1 if n_le else (b_pos[0] if b_pos else len(acts))
         after.setdefault(pos, []).append(g)
     out: list[Action] = []
@@ -256,8 +258,11 @@ def make_schedule(kind: str, replicas: list[int], num_minibatches: int, *,
                     acts[(s, j)] = _with_versions(body, lambda k, u: max(0, k // m - 1))
             else:
                 body = []
+                by_batch: dict[int, list[int]] = {}  # one pass over mine (not one per batch)
+                for k in mine:
+                    by_batch.setdefault(k // m, []).append(k)
                 for b in range(math.ceil(n / m)):
-                    batch = [k for k in mine if b * m <= k < (b + 1) * m]
+                    batch = by_batch.get(b, [])
                     if kind == "gpipe":
                         body += [Action("F", k) for k in batch] + [Action("B", k) for k in batch]
                     else:
