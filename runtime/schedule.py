@@ -340,14 +340,20 @@ def _static_checks(sched: Schedule) -> None:
                                 f"{sorted(counts)}", "replicas all-reduce every update together")
 
 
-def execution_order(sched: Schedule,
-                    sync: Sequence[Sequence[int]] = ()) -> list[tuple[Rank, int]]:
+def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = (),
+                    delay: int = 0) -> list[tuple[Rank, int]]:
     """Run every rank's list in order against the data dependencies; return (rank, index) in a
     valid execution order (a topological order, which ``simulate`` times), or raise
     :class:`DeadlockError` naming each stuck rank and what it waits for. F(k) on stage s needs
     F(k) on stage s-1; B(k) needs B(k) on stage s+1 (on the last stage its own F(k)); U<i> needs
-    every replica of its stage, and of the stages in its ``sync`` set (tied weights), at U<i>."""
-    S, together = sched.num_stages, {s: tuple(c) for c in sync for s in c}
+    every replica of its stage at U<i>. Stages in one ``sync`` set share tied weights: with
+    ``delay`` 0 their U<i> happen together (one all-reduce); with ``delay`` d > 0, U<i> of one
+    of them needs U<i-d> done on every rank of the others (it applies round i-d's sum, see
+    :func:`fxpipe.runtime.reference.tied_delay`)."""
+    S = sched.num_stages
+    together = {s: tuple(c) for c in sync for s in c} if delay == 0 else {}
+    lagged = {s: tuple(t for t in c if t != s) for c in sync for s in c} if delay > 0 else {}
+    updates = {rank: 0 for rank in sched.ranks}  # U's done (delay > 0)
     ptr = {rank: 0 for rank in sched.ranks}
     done: set[tuple[str, int, int]] = set()
     order: list[tuple[Rank, int]] = []
@@ -371,9 +377,13 @@ def execution_order(sched: Schedule,
                     if not all(ptr[p] < len(sched.actions[p]) and sched.actions[p][ptr[p]] == a
                                for p in peers):
                         break
+                    if any(updates[(t, j)] <= a.minibatch - delay for t in lagged.get(rank[0], ())
+                           for j in range(sched.replicas[t])):
+                        break
                     for p in peers:
                         order.append((p, ptr[p]))
                         ptr[p] += 1
+                        updates[p] += 1
                 else:
                     dep = need(rank, a)
                     if dep is not None and dep not in done:
@@ -388,7 +398,7 @@ def execution_order(sched: Schedule,
         parts = []
         for rank, a in sorted(stuck.items()):
             dep = need(rank, a)
-            what = (f"all replicas of stage {rank[0]} at {a}" if a.kind == "U"
+            what = (f"all replicas of stage {rank[0]} (and tied stages) at {a}" if a.kind == "U"
                     else f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "nothing")
             parts.append(f"stage {rank[0]} replica {rank[1]} stuck at {a} waiting for {what}")
         raise DeadlockError("deadlock: " + "; ".join(parts),

@@ -73,11 +73,11 @@ def main() -> int:
 
     trainer = make_trainer(args, crash if args.crash_after else None)
     history = trainer.fit(dataset(), epochs=2, eval_loader=dataset(), resume=args.resume)
+    state = trainer.state_dict()  # collective: every rank; rank 0 gets the whole model
     if int(os.environ.get("RANK", "0")) == 0:
         counts = [[sum(e.category == c for e in tl) for c in ("forward", "backward")]
                   for tl, _ in trainer.timelines]
-        torch.save({"state": trainer.state_dict(), "history": history, "timelines": counts},
-                   Path(args.out))
+        torch.save({"state": state, "history": history, "timelines": counts}, Path(args.out))
     trainer.close()
     return 0
 
