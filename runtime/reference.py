@@ -21,7 +21,7 @@ import torch
 from fxpipe.codegen.split import MODEL, StageSpec
 
 from .errors import RuntimeConfigError
-from .schedule import Rank, Schedule, execution_order, validate
+from .schedule import Rank, Schedule, execution_order, tie_delay, validate
 from .stage import (LossFn, StageReplica, TiedParameter, check_stages, model_env, sync_components,
                     tie_sets, tied_parameters)
 from .stash import OptimizerFactory
@@ -83,10 +83,7 @@ def tied_delay(sched: Schedule, tied: Sequence[TiedParameter]) -> int:
     ``d`` = the difference of the in-flight windows of the lowest and highest stage sharing a
     weight (0 with NOAM = 1, where the pipeline has nothing in flight, so plain SGD is kept).
     Flushing schedules update every stage at the batch end anyway: synchronous (d = 0)."""
-    if not tied or not sched.kind.startswith("pipedream") or not sched.windows:
-        return 0
-    return max(max(0, sched.windows[min(t.stages)] - sched.windows[max(t.stages)])
-               for t in tied)
+    return tie_delay(sched, [t.stages for t in tied])
 
 
 def check_schedule(stages: Sequence[StageSpec], replicas: Sequence[int], sched: Schedule,

@@ -407,6 +407,16 @@ def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = (),
     return order
 
 
+def tie_delay(sched: Schedule, tie_stage_sets: Sequence[Sequence[int]]) -> int:
+    """Rounds by which tied weights' updates lag their gradients under ``sched`` (0 for the
+    flushing kinds and when nothing is tied): the largest difference of in-flight windows
+    between the lowest and highest stage of a set. See ``fxpipe.runtime.reference.tied_delay``
+    for why; pure, so the plan simulator prices the same delay the runtime uses."""
+    if not tie_stage_sets or not sched.kind.startswith("pipedream") or not sched.windows:
+        return 0
+    return max(max(0, sched.windows[min(c)] - sched.windows[max(c)]) for c in tie_stage_sets)
+
+
 def validate(sched: Schedule) -> None:
     """Raise :class:`ScheduleError` (or :class:`DeadlockError`) unless an in-order executor can
     carry ``sched`` out to the end with consistent weight versions."""
