@@ -17,7 +17,14 @@ from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.trainer import Trainer, make_trainer
 
 momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+
+
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
+
+
+# stepped after every update (the default): resuming must restore it exactly
+step_lr = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=_warmup)
 
 
 class Crash(Exception):
