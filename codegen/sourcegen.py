@@ -59,7 +59,11 @@ def _owner_expr(path: str) -> str:
 
 
 def _ctor(module: torch.nn.Module, target: str) -> str:
-    """``torch.nn.X(...)`` rebuilding ``module`` (its repr), verified by evaluating it."""
+    """``torch.nn.X(...)`` rebuilding ``module`` (its repr), verified by evaluating it; a module
+    of fxpipe's own (tracing.modes) says how to build itself (``fxpipe_source()``)."""
+    own = getattr(module, "fxpipe_source", None)
+    if callable(own) and type(module).__module__.startswith("fxpipe."):
+        return str(own())
     why = ""
     expr = f"torch.nn.{module!r}"
     if list(module.children()) or not type(module).__module__.startswith("torch.nn.modules"):

@@ -30,6 +30,7 @@ from torch import nn
 
 from fxpipe.errors import ConfigError, InputMismatchError, TracingError
 
+from .modes import exported_in_train_mode, follow_modes
 from .shapes import preserved_state, propagate_shapes
 
 Method = Literal["symbolic_trace", "export"]
@@ -218,13 +219,14 @@ def _quiet_export() -> Iterator[None]:
 
 
 def _export(model: nn.Module, inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
-    with _quiet_export():
+    with _quiet_export(), exported_in_train_mode(model):  # every dropout and its p in the graph
         ep = torch.export.export(model, inputs, strict=False)
         gm = ep.module()
     _strip_checks(gm)
     _rebind_to_originals(gm, model)
     _match_module_order(gm, model)
     _canonical_get_attrs(gm)
+    follow_modes(gm, model)  # dropout, attention dropout, BatchNorm follow train()/eval()
     return gm
 
 
