@@ -182,3 +182,25 @@ def test_forward_returns_the_loss_on_the_device_not_a_number() -> None:
     x, y = batches(1)[0]
     _, loss = StageReplica(spec, momentum, loss_fn=loss_fn).forward(0, None, [x], y)
     assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
+
+
+def test_export_traced_model_compiled_in_eval_mode_trains_evaluates_and_stays_in_eval() -> None:
+    """The Hugging Face path (torch.export): a model handed over in eval mode trains with its
+    dropout and BatchNorm in train mode, evaluates in eval mode, and is in eval mode after."""
+    from fxpipe.codegen.split import placed_nodes, split_graph
+    from fxpipe.tracing.trace import trace
+
+    model = Noisy().eval()
+    data, held = batches(6), batches(3, seed=7)
+    gm = trace(model, (data[0][0],), method="export").gm
+    nodes = placed_nodes(gm)
+    stages = split_graph(gm, {n.name: int(i > len(nodes) // 2) for i, n in enumerate(nodes)})
+    before = [m.training for st in stages for m in st.gm.modules()]
+    trainer = Trainer(stages, [1, 1], loss_fn, momentum, executor="reference", progress=False)
+    got = trainer.fit(data, epochs=1, eval_loader=held)[0]["eval_loss"]
+    assert [m.training for st in stages for m in st.gm.modules()] == before
+    assert not model.bn.training and not model.drop.training
+    assert int(model.bn.num_batches_tracked) == 6  # one per training minibatch, none in eval
+    with torch.no_grad():
+        want = sum(float(loss_fn(model(x), y)) for x, y in held) / len(held)
+    assert got == pytest.approx(want, rel=1e-6)
