@@ -68,8 +68,13 @@ History = list[dict[str, float]]
 _EVAL_CHUNK = 64  # eval minibatches per exchange
 DEFAULT_SEGMENT = 256
 """Minibatches per segment when neither ``segment`` nor ``checkpoint_every`` is given: bounds the
-memory of an epoch of any length and lets training start after 256 minibatches are read, for a
-drain of (stages - 1) slots per 256 minibatches (about 1% on 4 stages)."""
+memory of an epoch of any length, for a drain of (stages - 1) slots per 256 minibatches (about
+1% on 4 stages). The first segments of an epoch ramp up (8, 16, 32, ... 256 minibatches: a
+segment as long as everything before it plus 8), so training starts once 8 minibatches are read
+even from a slow loader; boundaries depend only on the position, so a resume replays them. All
+are rounded up to whole update groups (m minibatches for the batched kinds, lcm(replicas) for
+pipedream), so a boundary never cuts a batch in two."""
+FIRST_SEGMENT = 8
 LR_INTERVALS = ("step", "epoch")
 
 
@@ -120,13 +125,19 @@ class Trainer:
         if checkpoint_every is not None and checkpoint_dir is None:
             raise RuntimeConfigError("checkpoint_every without checkpoint_dir",
                                      "pass checkpoint_dir='ckpt/'")
-        self.segment = segment or checkpoint_every or DEFAULT_SEGMENT
+        self.stages, self.replicas = list(stages), list(replicas)
+        check_stages(self.stages, self.replicas)
+        # default segments are whole update groups (m minibatches for the batched kinds, a
+        # round of every replica for pipedream), so a boundary never splits a batch
+        group = (math.lcm(*self.replicas) if schedule == "pipedream"
+                 else microbatches or sum(self.replicas))
+        self._ramp = segment is None and checkpoint_every is None
+        self._first = group * math.ceil(FIRST_SEGMENT / group)
+        self.segment = segment or checkpoint_every or group * math.ceil(DEFAULT_SEGMENT / group)
         if checkpoint_every and checkpoint_every % self.segment:
             raise RuntimeConfigError(f"checkpoint_every={checkpoint_every} is not a multiple of "
                                      f"segment={self.segment}", "checkpoints happen only at "
                                      "segment ends (where the pipeline is drained)")
-        self.stages, self.replicas = list(stages), list(replicas)
-        check_stages(self.stages, self.replicas)
         self.loss_fn, self.kind, self.vertical_sync = loss_fn, schedule, vertical_sync
         self.microbatches = microbatches
         self._schedules: dict[int, Schedule] = {}
@@ -197,6 +208,10 @@ class Trainer:
             self._schedules[n] = sched
         return sched
 
+    def _segment_at(self, pos: int) -> int:
+        """Minibatches in the segment starting at epoch position ``pos`` (see DEFAULT_SEGMENT)."""
+        return min(self.segment, pos + self._first) if self._ramp else self.segment
+
     def _lead(self, it: PartStream, n: int, what: str, wire: bool = True
               ) -> tuple[list[Part], int]:
         """Every rank that reads data takes up to ``n`` minibatches itself (all at the same
@@ -263,7 +278,8 @@ class Trainer:
                            enabled=self.progress and self.index == 0)
             try:
                 while True:
-                    parts, n = self._lead(it, self.segment, f"epoch {epoch} segment at {pos}")
+                    want = self._segment_at(pos)
+                    parts, n = self._lead(it, want, f"epoch {epoch} segment at {pos}")
                     if n == 0:
                         break
                     torch.manual_seed(derive_seed(self.seed, epoch, pos, self.index))
@@ -275,7 +291,7 @@ class Trainer:
                     acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
                     pos += n
                     bar.update(n, acc[0] / max(acc[1], 1), acc[2] / max(acc[3], 1e-9))
-                    if n < self.segment:
+                    if n < want:
                         break
                     if self.checkpoint_every and pos % self.checkpoint_every == 0:
                         self._checkpoint(epoch, pos, acc)

@@ -204,3 +204,24 @@ def test_export_traced_model_compiled_in_eval_mode_trains_evaluates_and_stays_in
     with torch.no_grad():
         want = sum(float(loss_fn(model(x), y)) for x, y in held) / len(held)
     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_default_segments_ramp_up_in_whole_update_groups() -> None:
+    """Without segment/checkpoint_every: 8, 16, 32, ... minibatches, then 256 at a time (one
+    segment's minibatches in memory, training starting after 8 are read); with m = 6
+    microbatches every boundary falls on a batch boundary (12, 24, 48, ... then 258)."""
+    def sizes(trainer: Trainer, n: int) -> list[int]:
+        out, pos = [], 0
+        while pos < n:
+            out.append(trainer._segment_at(pos))
+            pos += out[-1]
+        return out
+
+    flat = Trainer(split(tiny_mlp(), [2]), [1, 1], loss_fn, momentum, executor="reference")
+    assert sizes(flat, 1000) == [8, 16, 32, 64, 128, 256, 256, 256]
+    flush = Trainer(split(tiny_mlp(), [2]), [1, 1], loss_fn, momentum, executor="reference",
+                    schedule="1f1b-flush", microbatches=6)
+    assert sizes(flush, 500) == [12, 24, 48, 96, 192, 258]
+    fixed = Trainer(split(tiny_mlp(), [2]), [1, 1], loss_fn, momentum, executor="reference",
+                    segment=5)
+    assert sizes(fixed, 12) == [5, 5, 5]
