@@ -107,3 +107,14 @@ class CudaClock:
     def seconds(self, mark: Any) -> float:
         mark.synchronize()
         return self._host + self._ref.elapsed_time(mark) / 1e3
+
+
+def move_constants(gm: torch.nn.Module, device: torch.device) -> None:
+    """Move the tensors a graph holds that are neither parameters nor buffers (a traced
+    constant such as ``_tensor_constant0``) to ``device``: ``Module.to`` leaves them behind, and
+    a stage whose weights are swapped in on a GPU would otherwise mix devices."""
+    for mod in gm.modules():
+        slots = set(mod._parameters) | set(mod._buffers)
+        for name, value in list(vars(mod).items()):
+            if isinstance(value, torch.Tensor) and name not in slots and value.device != device:
+                setattr(mod, name, value.to(device))

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from fxpipe.codegen.split import StageSpec
 
 from .errors import WorkerFailedError
-from .executor import WorkerConfig, worker_main
+from .worker import WorkerConfig, worker_main
 from .reference import Batch, RunResult, check_schedule
 from .schedule import Schedule
 from .stage import LossFn

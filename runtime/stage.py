@@ -34,6 +34,7 @@ from torch.func import functional_call
 
 from fxpipe.codegen.split import MODEL, StageSpec
 
+from .device import move_constants
 from .errors import RuntimeConfigError, StashError
 from .stash import OptimizerFactory, WeightStash, swapped_call, tensor_slots
 
@@ -414,17 +415,6 @@ def modes(module: torch.nn.Module, training: bool) -> Iterator[None]:
     finally:
         for m, was in saved:
             m.training = was
-
-
-def move_constants(gm: torch.nn.Module, device: torch.device) -> None:
-    """Move the tensors a graph holds that are neither parameters nor buffers (a traced
-    constant such as ``_tensor_constant0``) to ``device``: ``Module.to`` leaves them behind, and
-    a stage whose weights are swapped in on a GPU would otherwise mix devices."""
-    for mod in gm.modules():
-        slots = set(mod._parameters) | set(mod._buffers)
-        for name, value in list(vars(mod).items()):
-            if isinstance(value, torch.Tensor) and name not in slots and value.device != device:
-                setattr(mod, name, value.to(device))
 
 
 def _writable(ins: Sequence[Any], which: Collection[int]) -> list[Any]:

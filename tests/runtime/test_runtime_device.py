@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from rt_helpers import batches, split, tiny_mlp
+from rt_helpers import batches, split
 
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.wire import make_wire_plan
@@ -41,8 +41,8 @@ def test_spawned_rank_i_drives_gpu_i(monkeypatch: pytest.MonkeyPatch) -> None:
     with it (it used to take GPU 0 whatever its rank)."""
     import torch.distributed as dist
 
-    from fxpipe.runtime import executor
-    from fxpipe.runtime.executor import WorkerConfig, init_rank
+    from fxpipe.runtime import worker
+    from fxpipe.runtime.worker import WorkerConfig, init_rank
 
     calls: dict[str, Any] = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -50,8 +50,8 @@ def test_spawned_rank_i_drives_gpu_i(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, **kw: calls.update(backend=backend, **kw))
-    monkeypatch.setattr(executor, "synchronized_start", lambda timeout: 0.0)
-    monkeypatch.setattr(executor, "warm_imports", lambda: None)
+    monkeypatch.setattr(worker, "synchronized_start", lambda timeout: 0.0)
+    monkeypatch.setattr(worker, "warm_imports", lambda: None)
     cfg = WorkerConfig(stages=[], schedule_kind="pipedream", replicas=(1, 1, 1, 1),
                        num_minibatches=0, actions={}, loss_fn=None, optimizer_factory=None,
                        batches=[], wire=None, outdir="", port=1, device="cuda")
