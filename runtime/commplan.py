@@ -325,7 +325,8 @@ def check_logs(logs: Mapping[int, Sequence[Event]]) -> int:
     if stuck or pending:
         raise CommOrderError(f"deadlock under NCCL's rules: hosts waiting at {stuck}, stream "
                              f"heads not completing {pending}",
-                             "each batch must be able to meet its partners in order")
+                             "issue every rank's messages in one global order "
+                             "(fxpipe.runtime.commplan.comm_plans)")
     return sum(len(ev[2]) for log_ in logs.values() for ev in log_ if ev[0] == "p2p")
 
 
