@@ -64,16 +64,13 @@ _SHARDING_HINT = ("fxpipe pairs minibatch k's inputs and targets across stages i
 
 def check_loader(loader: Any) -> None:
     """Refuse a loader that gives each rank a different share of the data (see the module doc):
-    a ``DistributedSampler`` (or any sampler with ``num_replicas > 1``) on the loader or its
-    batch sampler."""
+    a ``DistributedSampler``, or any sampler with ``num_replicas > 1``, on the loader or its
+    batch sampler (one replica is a plain sampler: allowed)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
     for obj in (getattr(loader, "sampler", None), batch_sampler,
                 getattr(batch_sampler, "sampler", None)):
-        if obj is None:
-            continue
         replicas = getattr(obj, "num_replicas", None)
-        from torch.utils.data.distributed import DistributedSampler
-        if isinstance(obj, DistributedSampler) or (isinstance(replicas, int) and replicas > 1):
+        if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas > 1:
             raise RuntimeConfigError(
                 f"the loader's {type(obj).__name__} shards the data by rank (num_replicas="
                 f"{replicas}, rank={getattr(obj, 'rank', '?')}): the input stage would train "

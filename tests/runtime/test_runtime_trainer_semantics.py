@@ -134,6 +134,8 @@ def test_a_distributed_sampler_is_refused_with_the_way_out() -> None:
         trainer.fit(loader, epochs=1)
     assert "SAME loader over the whole dataset" in (info.value.hint or "")
     trainer.fit(DataLoader(ds, batch_size=4, shuffle=True), epochs=1)  # the way out works
+    one = DistributedSampler(ds, num_replicas=1, rank=0)  # one replica: a plain sampler
+    trainer.fit(DataLoader(ds, batch_size=4, sampler=one), epochs=1)
 
 
 def test_fingerprints_tell_whether_two_ranks_read_the_same_minibatches() -> None:
