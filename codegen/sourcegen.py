@@ -60,7 +60,11 @@ def _owner_expr(path: str) -> str:
 
 
 def _ctor(module: torch.nn.Module, target: str) -> str:
-    """``torch.nn.X(...)`` rebuilding ``module`` (its repr), verified by evaluating it."""
+    """``torch.nn.X(...)`` rebuilding ``module`` (its repr), verified by evaluating it; a module
+    of fxpipe's own (tracing.modes) says how to build itself (``fxpipe_source()``)."""
+    own = getattr(module, "fxpipe_source", None)
+    if callable(own) and type(module).__module__.startswith("fxpipe."):
+        return str(own())
     expr, why = constructor_expr(module)
     if expr is None:
         raise ConfigError(f"cannot export submodule {target!r} ({type(module).__qualname__}) as "

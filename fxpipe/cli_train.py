@@ -227,14 +227,15 @@ def run_worker(args: argparse.Namespace) -> int:
     train, evaluate = _loaders(args, spec)
     t0 = time.perf_counter()
     history = trainer.fit(train, epochs=args.epochs, eval_loader=evaluate, resume=args.resume)
-    if rank == 0:
+    state = trainer.state_dict() if args.save else None  # collective: rank 0 gets every stage
+    if rank == 0 and not trainer.idle:
         for h in history:
             extra = "".join(f", {k} {h[k]:.4f}" for k in ("eval_loss", "eval_accuracy") if k in h)
             print(f"epoch {int(h['epoch'])}: loss {h['loss']:.4f}, "
                   f"{h['samples_per_s']:.1f} samples/s{extra}", flush=True)
         print(f"trained in {time.perf_counter() - t0:.1f} s", flush=True)
-        if args.save:
-            torch.save(trainer.state_dict(), args.save)
+        if state is not None:
+            torch.save(state, args.save)
     trainer.close()
     return 0
 

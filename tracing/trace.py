@@ -32,6 +32,7 @@ from fxpipe.errors import ConfigError, InputMismatchError, TracingError
 
 from .leaves import rebuildable
 from .modelio import ModelIO
+from .modes import exported_in_train_mode, follow_modes
 from .shapes import preserved_state, propagate_shapes
 
 log = logging.getLogger(__name__)
@@ -250,13 +251,14 @@ def _quiet_export() -> Iterator[None]:
 
 def _export(model: nn.Module, inputs: tuple[Any, ...],
             kwargs: Mapping[str, Any]) -> torch.fx.GraphModule:
-    with _quiet_export():
+    with _quiet_export(), exported_in_train_mode(model):  # every dropout and its p in the graph
         ep = torch.export.export(model, inputs, dict(kwargs) or None, strict=False)
         gm = ep.module()
     _strip_checks(gm)
     _rebind_to_originals(gm, model)
     _match_module_order(gm, model)
     _canonical_get_attrs(gm)
+    follow_modes(gm, model)  # dropout, attention dropout, BatchNorm follow train()/eval()
     return gm
 
 
