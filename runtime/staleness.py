@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import ConfigError
+from fxpipe.passes.plan import format_staleness
 
 from .localsgd import DEFAULT_AVERAGE_EVERY, LOCALSGD, LocalSGDSchedule, make_localsgd_schedule
 from .schedule import SCHEDULE_KINDS, Rank, Schedule, make_schedule
@@ -199,17 +200,21 @@ def own_delays(kind: str, replicas: Sequence[int], *, vertical_sync: bool = Fals
 def format_table(table: Mapping[str, Any], *, max_stages: int = 8) -> str:
     """Rows of ``own/global`` per stage (``table``: variant -> Staleness or (own, global) pairs);
     pipelines deeper than ``max_stages`` show the worst stage only."""
-    rows = {v: (t.pairs() if isinstance(t, Staleness) else tuple(tuple(p) for p in t))
-            for v, t in table.items()}
-    if not rows:
+    if not table:
         return ""
-    S = max(len(p) for p in rows.values())
-    wide = S <= max_stages
-    cols = [f"stage {s}" for s in range(S)] if wide else ["worst stage"]
-    w = max(len(v) for v in rows) + 2
-    lines = [f"{'schedule':<{w}}" + "".join(f"{c:>10}" for c in cols)]
-    for v, pairs in rows.items():
-        cells = ([f"{o}/{g}" for o, g in pairs] if wide else
-                 [f"{max(o for o, _ in pairs)}/{max(g for _, g in pairs)}"])
-        lines.append(f"{v:<{w}}" + "".join(f"{c:>10}" for c in cells))
-    return "\n".join(lines)
+    return format_staleness({v: (t.pairs() if isinstance(t, Staleness) else t)
+                             for v, t in table.items()}, max_stages)
+
+
+STALENESS_BUDGET = 6000
+"""Largest (minibatches x ranks) simulated per variant for a plan's report: deeper or wider
+pipelines take seconds per variant in pure Python, so their plans carry no table (compute one
+with :func:`staleness_table` when needed)."""
+
+
+def plan_staleness(replicas: Sequence[int]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The table a plan carries (``Plan.staleness``): variant -> per-stage (own, global); empty
+    when the pipeline is beyond :data:`STALENESS_BUDGET`."""
+    if steady_minibatches(replicas) * sum(replicas) > STALENESS_BUDGET:
+        return {}
+    return {v: st.pairs() for v, st in staleness_table(replicas).items()}

@@ -75,3 +75,57 @@ def test_format_table_is_readable() -> None:
     assert text.splitlines()[1].split() == ["pipedream", "1/3", "0/2"]
     deep = format_table({"pipedream": [(o, 2 * o) for o in range(12)]})
     assert "worst stage" in deep and "11/22" in deep
+
+
+def _row(text: str, name: str) -> list[str]:
+    """The cells of the table row of schedule ``name`` in a printed report."""
+    return next(line.split()[1:] for line in text.splitlines() if line.split()[:1] == [name])
+
+
+def _profile():
+    from fxpipe.costmodel.profile import Profile, ProfileNode
+
+    nodes = tuple(ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=1e-3,
+                              backward_s=2e-3, activation_bytes=1e3, parameter_bytes=1e4,
+                              inputs=(f"n{i - 1}",) if i else ()) for i in range(6))
+    return Profile(nodes=nodes, batch_size=8)
+
+
+def test_plan_json_carries_the_table_and_old_plans_still_load(tmp_path) -> None:
+    import json
+    from dataclasses import replace
+
+    from fxpipe.costmodel.hardware import Cluster
+    from fxpipe.errors import PlanFormatError
+    from fxpipe.passes import Plan, partition
+    from fxpipe.runtime.staleness import plan_staleness
+
+    plan = partition(_profile(), Cluster(workers=3, bandwidth="1Gbps"), stages=3, straight=True)
+    assert plan.staleness == {} and "staleness" not in plan.summary()  # passes cannot compute it
+    full = replace(plan, staleness=plan_staleness(plan.replicas))
+    assert full.staleness["pipedream"] == ((2, 7), (1, 6), (0, 4))
+    assert _row(full.summary(), "pipedream") == ["2/7", "1/6", "0/4"]
+    d = json.loads(json.dumps(full.to_dict()))
+    assert d["staleness"]["pipedream"] == [[2, 7], [1, 6], [0, 4]]
+    assert Plan.from_dict(d) == full
+    d.pop("staleness")  # a plan file written before the field existed
+    assert Plan.from_dict(d).staleness == {}
+    for bad in ({"pipedream": [[1, 2]]}, {"pipedream": [[1, -2]] * 3}, [1], {"x": "y"}):
+        with pytest.raises(PlanFormatError, match="staleness"):
+            Plan.from_dict({**d, "staleness": bad}, origin="p.json")
+
+
+def test_fxpipe_simulate_reports_staleness(tmp_path, capsys) -> None:
+    import argparse
+
+    from fxpipe.cli_simulate import add_simulate_parser
+
+    _profile().save(tmp_path / "p.json")
+    parser = argparse.ArgumentParser(prog="fxpipe")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", str(tmp_path / "p.json"), "--workers", "2",
+                              "--straight", "--stages", "2", "--minibatches", "24"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "weight staleness" in out and _row(out, "pipedream") == ["1/3", "0/2"]
+    assert "weight staleness of pipedream: worst stage 1 own updates, 3 global" in out
