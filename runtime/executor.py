@@ -38,9 +38,10 @@ from fxpipe.errors import FxpipeError
 from .allocator import keep_freed_memory
 from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout, GradBuckets, last_backwards
 from .comm import BACKWARD, FORWARD, Comm, make_groups, rank_name, synchronized_start
+from .mitigation import Mitigation, make_replica
 from .reference import Batch, planned_reads
 from .schedule import Action, Rank, Schedule
-from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
+from .stage import LossFn, model_env, tie_sets, tied_parameters
 from .stash import OptimizerFactory
 from .timeline import Recorder, TimelineEvent
 from .wire import WirePlan
@@ -70,7 +71,8 @@ class RankExecutor:
                  comm: Comm, *, stashing: bool = True, device: torch.device | None = None,
                  fault: tuple[str, int] | None = None, recorder: Recorder | None = None,
                  prepost: int = 2, overlap_allreduce: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, mitigation: Mitigation | None = None,
+                 delay: int = 0) -> None:
         self.stages = list(stages)
         self.prepost = prepost
         self.overlap_allreduce = overlap_allreduce
@@ -96,7 +98,8 @@ class RankExecutor:
         self._receives_any = (any(src != MODEL for src in self.spec.sources)
                               or any(c != MODEL for cons in self.spec.consumers for c in cons))
         last = len(self.stages) - 1
-        self.replica = StageReplica(self.spec, optimizer_factory,
+        self.replica = make_replica(self.spec, optimizer_factory, delay=delay,  # mitigation.py
+                                    mitigation=mitigation,
                                     loss_fn=loss_fn if me[0] == last else None,
                                     stashing=stashing, planned_reads=planned_reads(schedule, me),
                                     model_input_grads=False)  # sent nowhere: not computed

@@ -172,11 +172,13 @@ def cut_bandwidth(cluster: Cluster) -> float:
 
 def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str = "pipedream",
                   minibatches: int = 200, latency_s: float | None = None,
-                  duplex: bool = True, noam: int | None = None) -> PlanSimulation:
+                  duplex: bool = True, noam: int | None = None,
+                  microbatches: int | None = None) -> PlanSimulation:
     """Event-simulate ``plan``'s schedule under the cost model (see the module doc).
 
     ``latency_s`` overrides the cluster's per-message latency; ``noam`` the input stage's
-    admission window (more minibatches in flight hide longer communication round trips)."""
+    admission window (more minibatches in flight hide longer communication round trips);
+    ``microbatches`` the batched kinds' minibatches per update (default: the workers)."""
     if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
         raise ConfigError(f"minibatches must be a positive integer, got {minibatches!r}")
     cluster = Cluster.from_dict(dict(plan.cluster))
@@ -184,7 +186,8 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     if not (latency >= 0 and math.isfinite(latency)):
         raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
     costs = stage_costs(plan, profile)
-    sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam)
+    sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam,
+                          microbatches=microbatches if schedule != "pipedream" else None)
     sim = _Sim(sched, costs, cut_bandwidth(cluster), latency, duplex)
     sim.run()
     period, lo, hi = steady_state(sched, sim.done, sim.makespan)

@@ -37,7 +37,11 @@ from fxpipe.codegen.split import MODEL, StageSpec
 from . import checkpoint as ckpt
 from .data import Part, batch_size_of, derive_seed, iter_parts, take
 from .errors import RuntimeConfigError
-from .schedule import SCHEDULE_KINDS, Schedule, make_schedule
+from .auto import AutoOptions, Decision
+from .auto import resolve as resolve_auto
+from .schedule import Schedule, make_schedule
+from .schedule_spec import AUTO, parse_schedule
+from .staleness import own_delays
 from .stage import LossFn, StageReplica, check_stages
 from .stash import OptimizerFactory
 from .timeline import TimelineEvent
@@ -55,7 +59,13 @@ class Trainer:
     """Trains the stages of a plan with a PipeDream schedule (see the module doc).
 
     ``stages``/``replicas``: the CompiledModel's ``stage_specs`` and ``plan.replicas``.
-    ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica).
+    ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica; a factory that
+    also takes ``stage`` and ``delay`` keywords receives the stage index and its weight delay).
+    ``schedule``: a kind (``pipedream``, ``1f1b-flush``, ``gpipe``, ``2bw``), ``pipedream`` with
+    staleness mitigations (``"pipedream+predict"``, :mod:`fxpipe.runtime.mitigation`), or
+    ``"auto"``: chosen at the start of :meth:`fit` by a pilot (:mod:`fxpipe.runtime.auto`,
+    ``auto_options``), recorded in :attr:`auto_decision` (the default of
+    ``CompiledModel.trainer``; this class defaults to ``pipedream``).
     ``executor``: "distributed" (this process is one torchrun rank) or "reference" (every rank
     in this process, deterministic: the oracle). ``on_checkpoint(epoch, minibatch)`` is called
     on every rank after a checkpoint is complete. ``timeline=True`` (distributed executor)
@@ -76,12 +86,14 @@ class Trainer:
                  on_checkpoint: Callable[[int, int], None] | None = None,
                  timeline: bool = False,
                  fingerprint: str | None = None,
-                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None) -> None:
+                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None,
+                 auto_options: AutoOptions | Mapping[str, Any] | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
-        if schedule not in SCHEDULE_KINDS:
-            raise RuntimeConfigError(f"unknown schedule {schedule!r}",
-                                     f"use one of {SCHEDULE_KINDS}")
+        spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
+        if spec.kind == AUTO and vertical_sync:
+            raise RuntimeConfigError("vertical_sync=True with schedule='auto'",
+                                     "name the schedule: schedule='pipedream', vertical_sync=True")
         if executor not in ("distributed", "reference"):
             raise RuntimeConfigError(f"unknown executor {executor!r}",
                                      "use 'distributed' (torchrun) or 'reference' (one process)")
@@ -98,7 +110,11 @@ class Trainer:
                                      "segment ends (where the pipeline is drained)")
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
-        self.loss_fn, self.kind, self.vertical_sync = loss_fn, schedule, vertical_sync
+        self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync
+        self.schedule_name, self.mitigation = spec.name, spec.mitigation
+        self.optimizer, self.stashing, self._lr_scheduler = optimizer, stashing, lr_scheduler
+        self.auto_options = AutoOptions.make(auto_options)
+        self.auto_decision: Decision | None = None  # what schedule="auto" chose, and why
         self.microbatches = microbatches
         self._schedules: dict[int, Schedule] = {}
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
@@ -108,19 +124,22 @@ class Trainer:
         self.history: History = []
         for st in self.stages:
             st.gm.train()
-        empty = Schedule(schedule, tuple(self.replicas), 0, {r: () for r in
+        kind = "1f1b-flush" if spec.kind == AUTO else spec.kind  # auto: until fit() chooses
+        empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in
                          ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
+        mitigated = dict(mitigation=spec.mitigation, delays=own_delays(
+            kind, self.replicas, vertical_sync=vertical_sync, microbatches=microbatches))
         if executor == "reference":
             if timeline:
                 raise RuntimeConfigError("timeline=True needs executor='distributed'",
                                          "the reference executor is the oracle, not a timing")
             self.backend: Any = ReferenceBackend(self.stages, self.replicas, loss_fn, optimizer,
-                                                 empty, stashing=stashing)
+                                                 empty, stashing=stashing, **mitigated)
         else:
             self.backend = DistributedBackend(self.stages, self.replicas, loss_fn, optimizer,
                                               empty, stashing=stashing, timeout_s=timeout_s,
                                               timeline=timeline,
-                                              device=device)
+                                              device=device, **mitigated)
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
         self.schedulers = {r: lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
                            if lr_scheduler is not None and w.stash.optimizer is not None}
@@ -133,6 +152,20 @@ class Trainer:
         self.need_targets = ref or last in mine
 
     # ------------------------------------------------------------------ helpers
+    def adopt(self, schedule: str) -> None:
+        """Switch to ``schedule`` before training (what ``schedule="auto"`` chose): new stage
+        replicas with the same initial weights, optimizers made for the new schedule's delays."""
+        spec = parse_schedule(schedule)
+        self.kind, self.schedule_name, self.mitigation = spec.kind, spec.name, spec.mitigation
+        self._schedules.clear()
+        self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
+                             delays=own_delays(spec.kind, self.replicas,
+                                               vertical_sync=self.vertical_sync,
+                                               microbatches=self.microbatches))
+        self.local = self.backend.local
+        self.schedulers = {r: self._lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
+                           if self._lr_scheduler is not None and w.stash.optimizer is not None}
+
     def _schedule(self, n: int) -> Schedule:
         """The (validated) schedule of a segment of ``n`` minibatches, made once per length:
         every full segment of every epoch has the same one, and making it costs milliseconds,
@@ -169,6 +202,8 @@ class Trainer:
         """Train for ``epochs`` (counting from 0, so resuming a 3-epoch run with epochs=3 only
         finishes it); returns the per-epoch history, also in ``self.history``."""
         epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
+        if self.kind == AUTO:
+            resolve_auto(self, train_loader, resume)
         if resume:
             epoch0, pos0, partial = self._resume()
         total = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore
@@ -250,7 +285,7 @@ class Trainer:
         self.backend.all_sum([0.0], "checkpoint barrier")  # every stage file exists now
         if self.index == 0:
             info = {"history": self.history, "partial": acc, "replicas": self.replicas,
-                    "schedule": self.kind, "segment": self.segment, "seed": self.seed,
+                    "schedule": self.schedule_name, "segment": self.segment, "seed": self.seed,
                     "fingerprint": self.fingerprint}
             ckpt.write_manifest(self.checkpoint_dir, epoch, pos, len(self.stages), info)
             if self.keep_checkpoints:
@@ -281,10 +316,10 @@ class Trainer:
                                        f"(model {m.get('fingerprint')}), this pipeline has "
                                        f"{self.replicas} (model {self.fingerprint})",
                                        "resume with the plan the checkpoint was trained with")
-        if (m.get("segment"), m.get("schedule")) != (self.segment, self.kind):
+        if (m.get("segment"), m.get("schedule")) != (self.segment, self.schedule_name):
             log.warning("checkpoint was made with schedule %s and segment %s; resuming with %s "
                         "and %s will not reproduce the uninterrupted run exactly",
-                        m.get("schedule"), m.get("segment"), self.kind, self.segment)
+                        m.get("schedule"), m.get("segment"), self.schedule_name, self.segment)
         for rank, w in self.local.items():
             self._load_stage(rank, w, ckpt.load_stage(found, rank[0]))
         self.history = [dict(h) for h in m.get("history", [])]
@@ -371,5 +406,10 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     own = compiled.model.state_dict()
     keys = {k: own[k] if where is None else where
             for k, where in compiled.state_locations().items()}
+    kwargs.setdefault("schedule", "auto")  # the default for a compiled model: see runtime/auto.py
+    report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
+    auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
+            **dict(kwargs.pop("auto_options", None) or {})}
     return Trainer(compiled.stage_specs, compiled.plan.replicas, loss_fn,
-                   fingerprint=compiled.plan.model_fingerprint, state_keys=keys, **kwargs)
+                   fingerprint=compiled.plan.model_fingerprint, state_keys=keys,
+                   auto_options=auto, **kwargs)
