@@ -7,7 +7,9 @@
   schedule costs: their extra element-wise work is not modelled). Without a plan (a Trainer
   built from bare stages) a unit-cost simulation (forward 1, backward 2, no network) stands in.
 * **Minibatches to the level**: a pilot. Every candidate trains a copy of the user's own model,
-  from the same weights, on the same first ``pilot`` minibatches (default 200), on the reference
+  from the same weights, on the same first ``pilot`` minibatches (default 200, at most
+  ``max_fraction`` = 1/4 of the run's minibatches; from as many epochs of the loader as that
+  takes: the loader must be re-iterable), on the reference
   executor (the distributed runtime's single-process oracle; CPU, in this process, every rank
   alike). The training losses are smoothed (trailing mean over ``pilot // 8`` minibatches); the
   level is where the synchronous baseline (``1f1b-flush``) ends the pilot; a candidate's count is
@@ -30,7 +32,7 @@ import copy
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -44,6 +46,8 @@ from .schedule_spec import parse_schedule
 log = logging.getLogger(__name__)
 
 SYNCHRONOUS = ("1f1b-flush", "gpipe")
+SAFE = ("the synchronous schedule is never statistically worse, so it is the safe choice "
+        "without a measurement")
 DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "2bw", "pipedream", "pipedream+lr_scale",
                       "pipedream+predict", "pipedream+dc", "pipedream+momentum",
                       "pipedream+predict+momentum")
@@ -56,6 +60,7 @@ class AutoOptions:
 
     pilot: int = 200
     min_pilot: int = 40
+    max_fraction: float = 0.25
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     margin: float = 0.05
     plan: Any = None
@@ -245,8 +250,7 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     if options.pilot <= 0 or len(batches) < options.min_pilot:
         why = ("the pilot is disabled" if options.pilot <= 0 else
                f"only {len(batches)} minibatches for a pilot (min_pilot={options.min_pilot})")
-        return Decision("1f1b-flush", f"{why}: the synchronous schedule is never statistically "
-                        "worse, so it is the safe choice without a measurement")
+        return Decision("1f1b-flush", f"{why}: {SAFE}")
     t0 = time.perf_counter()
     curves, notes = pilot(stages, replicas, loss_fn, optimizer, batches[:options.pilot],
                           options.candidates, microbatches=microbatches, seed=seed)
@@ -260,7 +264,17 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
 
 # ----------------------------------------------------------------------------- the trainer's side
 
-def resolve(trainer: Any, loader: Any, resume: bool) -> Decision:
+def pilot_length(opts: AutoOptions, loader: Any, epochs: int) -> int:
+    """Minibatches the pilot may read: ``pilot``, at most ``max_fraction`` of the run's
+    minibatches when the loader has a length (a pilot longer than that would cost more than it
+    can save; below ``min_pilot`` there is none)."""
+    n = opts.pilot
+    if hasattr(loader, "__len__"):
+        n = min(n, int(opts.max_fraction * epochs * len(loader)))
+    return max(n, 0)
+
+
+def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decision:
     """Choose the schedule of ``trainer`` (built with ``schedule="auto"``) before its first
     epoch and adopt it. Every rank runs the same pilot on the same minibatches (so none waits
     long at a collective), then rank 0's decision is broadcast. Resuming takes the schedule the
@@ -275,10 +289,22 @@ def resolve(trainer: Any, loader: Any, resume: bool) -> Decision:
         if found is not None:
             decision = Decision(found, "the checkpoint being resumed was trained with it")
     if decision is None:
-        batches = (take(iter_parts(loader, 0, trainer.seed, need_inputs=True, need_targets=True),
-                        opts.pilot) if opts.pilot > 0 else [])
+        want = pilot_length(opts, loader, epochs)
+        if 0 < want < opts.min_pilot:
+            decision = Decision("1f1b-flush", f"a pilot may read {want} minibatches of this run "
+                                f"(at most {opts.max_fraction:.0%} of {epochs} x {len(loader)}), "
+                                f"fewer than min_pilot={opts.min_pilot}: {SAFE}")
+    if decision is None:
+        batches: list[Any] = []
+        for epoch in range(want if want >= opts.min_pilot else 0):  # small datasets: more epochs
+            got = take(iter_parts(loader, epoch, trainer.seed, need_inputs=True,
+                                  need_targets=True), want - len(batches))
+            batches += got
+            if not got or len(batches) >= want:
+                break
         decision = choose(trainer.stages, trainer.replicas, trainer.loss_fn, trainer.optimizer,
-                          batches, opts, microbatches=trainer.microbatches, seed=trainer.seed)
+                          batches, replace(opts, pilot=min(opts.pilot, max(want, 1))),
+                          microbatches=trainer.microbatches, seed=trainer.seed)
         decision = trainer.backend.broadcast(decision, "auto: decision")  # rank 0's
     trainer.adopt(decision.schedule)
     trainer.auto_decision = decision

@@ -203,7 +203,7 @@ class Trainer:
         finishes it); returns the per-epoch history, also in ``self.history``."""
         epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
         if self.kind == AUTO:
-            resolve_auto(self, train_loader, resume)
+            resolve_auto(self, train_loader, resume, epochs)
         if resume:
             epoch0, pos0, partial = self._resume()
         total = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore

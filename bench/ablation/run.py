@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = "/tmp/fxpipe-ablation/results.jsonl"
+SAME_AT_EVERY_DEPTH = ("1f1b-flush", "2bw")
 TRAINED = ("1f1b-flush", "2bw", "pipedream", "pipedream-nostash", "pipedream+vsync", "localsgd",
            "pipedream+lr_scale", "pipedream+predict", "pipedream+dc", "pipedream+momentum",
            "pipedream+predict+momentum")
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             for S in a.depths.split(",") for o in a.optimizers.split(",")
             for v in a.variants.split(",")
             if f"{t}|{S}|{v}|{o}|{seed}" not in done]
+    # flush and 2bw do the same arithmetic at every depth (the mean gradient of the update's B
+    # samples, on the current / the previous weights; only rounding differs): their runs at
+    # S > 2 repeat S = 2 and go last (the report falls back to S = 2 where they are missing)
+    jobs.sort(key=lambda j: j[2] in SAME_AT_EVERY_DEPTH and j[1] > 2)
     print(f"{len(jobs)} runs to do ({len(done)} already in {out}), {a.workers} workers", flush=True)
     t0 = time.time()
     ctx = mp.get_context("spawn")

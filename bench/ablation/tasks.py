@@ -152,7 +152,7 @@ def _digits_task(name: str, build: Callable[[], nn.Module], flat: bool, updates:
 
 
 def _lm_task(updates: int) -> Task:
-    context, eval_windows = 32, 256
+    context, eval_windows = 32, 128
     data = stdlib_bytes()
     split = int(len(data) * 0.9)
     train, val = data[:split], data[split:]
@@ -183,11 +183,11 @@ def make_task(name: str, updates: int | None = None) -> Task:
     """``cnn``, ``mlp`` or ``lm`` with its default budget (or ``updates``)."""
     if name == "cnn":
         return _digits_task("cnn", lambda: DigitsVGG(256, (32, 32, 16)), False,
-                            updates or 300, sgd_lr=0.1, adamw_lr=2e-3)
+                            updates or 200, sgd_lr=0.1, adamw_lr=2e-3)
     if name == "mlp":
-        return _digits_task("mlp", DeepMLP, True, updates or 300, sgd_lr=0.1, adamw_lr=1e-3)
+        return _digits_task("mlp", DeepMLP, True, updates or 200, sgd_lr=0.1, adamw_lr=1e-3)
     if name == "lm":
-        return _lm_task(updates or 300)
+        return _lm_task(updates or 200)
     raise ValueError(f"unknown task {name!r}: use cnn, mlp or lm")
 
 

@@ -70,7 +70,7 @@ def trainer(schedule: str, **kw) -> Trainer:
 
 def test_auto_then_training_equals_training_the_chosen_schedule() -> None:
     data = batches(60)
-    opts = {"pilot": 48, "min_pilot": 40,
+    opts = {"pilot": 48, "min_pilot": 40, "max_fraction": 1.0,
             "candidates": ("1f1b-flush", "pipedream", "pipedream+lr_scale")}
     auto = trainer("auto", auto_options=opts)
     auto.fit(data, epochs=1)
@@ -88,8 +88,20 @@ def test_auto_without_a_pilot_picks_the_synchronous_schedule(tmp_path: Path) -> 
     t = trainer("auto", auto_options={"pilot": 0}, checkpoint_dir=str(tmp_path))
     t.fit(batches(6), epochs=1)
     assert t.schedule_name == "1f1b-flush" and "disabled" in t.auto_decision.reason
+    short = trainer("auto")  # 2 x 60 minibatches: a pilot may read 30 < min_pilot
+    short.fit(batches(60), epochs=2)
+    assert short.schedule_name == "1f1b-flush" and "may read 30 minibatches" in \
+        short.auto_decision.reason
+    class OneShot:  # yields its minibatches once: the pilot cannot read further epochs
+        def __init__(self, data: list) -> None:
+            self.data, self.used = data, False
+
+        def __iter__(self):
+            out, self.used = ([] if self.used else self.data), True
+            return iter(out)
+
     few = trainer("auto")
-    few.fit(batches(6), epochs=1)
+    few.fit(OneShot(batches(6)), epochs=1)
     assert few.schedule_name == "1f1b-flush" and "only 6 minibatches" in few.auto_decision.reason
     # a resumed run keeps the checkpoint's schedule, whatever a pilot would say
     t2 = Trainer(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn,
@@ -121,8 +133,8 @@ def test_compiled_trainer_defaults_to_auto_and_reports_in_the_summary() -> None:
     compiled = fx_compile(copy.deepcopy(tiny_mlp()), 3, example_inputs=(data[0][0],),
                           loss_fn=loss_fn, stages=3, straight=True, repeats=1)
     t = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), executor="reference",
-                         progress=False, auto_options={"pilot": 40, "candidates": (
-                             "1f1b-flush", "pipedream")})
+                         progress=False, auto_options={"pilot": 40, "max_fraction": 1.0,
+                                                       "candidates": ("1f1b-flush", "pipedream")})
     t.fit(data, epochs=1)
     assert t.auto_decision.periods_from == "the plan simulator"
     assert "schedule auto -> " in compiled.summary()
