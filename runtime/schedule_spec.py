@@ -36,6 +36,11 @@ def parse_schedule(spec: str) -> ScheduleSpec:
         raise RuntimeConfigError(f"schedule={spec!r} is not a string",
                                  f"use 'auto' or one of {SCHEDULE_KINDS}")
     kind, _, rest = spec.partition("+")
+    if kind == "localsgd":
+        raise RuntimeConfigError("schedule 'localsgd' in the Trainer",
+                                 "LocalSGD runs on the reference executor only: "
+                                 "fxpipe.runtime.localsgd_executor.LocalSGDExecutor with "
+                                 "fxpipe.runtime.localsgd.make_localsgd_schedule")
     if kind not in SCHEDULE_KINDS + (AUTO,):
         raise RuntimeConfigError(f"unknown schedule {spec!r}",
                                  f"use 'auto', one of {SCHEDULE_KINDS}, or 'pipedream+<mitigation>'"
