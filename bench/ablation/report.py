@@ -204,9 +204,11 @@ def auto_picks(data: dict, t: str, S: int, o: str, per: dict[str, float], pilot:
 
 # ----------------------------------------------------------------------------- output
 
-def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Path) -> None:
-    """Updates to target relative to flush, every variant, task x depth, one marker per
-    optimizer (mean over the seeds that reached it; a cross at the top: no seed reached it)."""
+def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Path,
+           key: str = "updates") -> None:
+    """Updates (``key="updates"``) or predicted time (``"time_ms"``) to target relative to
+    flush's, every variant, task x depth, one marker per optimizer (mean over the seeds that
+    reached it; a cross at the top: no seed reached it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -221,13 +223,13 @@ def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Pat
             ax = axes[i][j]
             for k, o in enumerate(opts):
                 base = stats.get((t, S, "1f1b-flush", o))
-                if base is None or math.isnan(base["updates"][0]):
+                if base is None or math.isnan(base[key][0]):
                     continue
                 for x, v in enumerate(ORDER):
                     st = stats.get((t, S, v, o))
                     if st is None:
                         continue
-                    r = st["updates"][0] / base["updates"][0]
+                    r = st[key][0] / base[key][0]
                     xx = x + (k - 1.5) * 0.15
                     if math.isnan(r):
                         ax.plot(xx, top, "x", color=colors[o])
@@ -243,9 +245,11 @@ def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Pat
                                ha="right", fontsize=7)
             ax.set_title(f"{t}, S = {S}", fontsize=10)
             if j == 0:
-                ax.set_ylabel("updates to target / flush's")
+                ax.set_ylabel(("updates" if key == "updates" else "predicted time")
+                              + " to target / flush's")
     axes[0][0].legend(fontsize=8, loc="upper left")
-    fig.suptitle("Updates to target relative to 1f1b-flush (mean of 3 seeds; x = never within "
+    what = "Updates" if key == "updates" else "Predicted time (simulated commodity cluster)"
+    fig.suptitle(f"{what} to target relative to 1f1b-flush (mean of 3 seeds; x = never within "
                  "the budget; dashed: 1.1x)", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -348,6 +352,9 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
     lines.append("")
     lines.append(f"![updates to target relative to flush]({fig_rel})")
     lines.append("")
+    lines.append(f"![predicted time to target relative to flush]"
+                 f"({fig_rel.replace('.png', '-time.png')})")
+    lines.append("")
     # full tables
     lines.append("**All rows**: updates to target (mean ± sd, seeds that reached it / seeds), "
                  "final metric (mean ± sd), predicted time to target in ms (simulated seconds "
@@ -407,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     tasks = sorted({k[0] for k in data})
     opts = [o for o in ("sgd0", "sgd0.5", "sgd0.9", "adamw") if any(k[3] == o for k in data)]
     figure(data, extra["stats"], tasks, opts, Path(a.figure))
+    figure(data, extra["stats"], tasks, opts,
+           Path(a.figure).with_name(Path(a.figure).stem + "-time.png"), key="time_ms")
     runs = sum(len(v) for k, v in data.items() if k[2] != "gpipe" and
                not any(r.get("fallback") for r in v))
     head = (f"### Statistical efficiency: schedules, mitigations and auto\n\n"

@@ -12,7 +12,6 @@ as one update). The k-th update sees the same samples in every variant.
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -176,7 +175,3 @@ def run_one(task: Task, run: Run) -> dict[str, Any]:
             "train_losses": [round(x, 5) if math.isfinite(x) else None for x in per_update],
             "seconds": round(time.perf_counter() - t0, 2),
             "torch": torch.__version__}
-
-
-def clone_stages(stages: list[Any]) -> list[Any]:
-    return copy.deepcopy(stages)
