@@ -196,8 +196,11 @@ class CompiledModel:
     # --- training ------------------------------------------------------------------------------
     def trainer(self, **kwargs: Any) -> Any:
         """A pipeline trainer for this plan: ``trainer(optimizer=lambda ps: SGD(ps, lr=0.05),
-        schedule="pipedream", checkpoint_dir="ckpt/").fit(loader, epochs=3)``; see
-        :class:`fxpipe.runtime.trainer.Trainer` for every option."""
+        checkpoint_dir="ckpt/").fit(loader, epochs=3)``; see
+        :class:`fxpipe.runtime.trainer.Trainer` for every option. The schedule defaults to
+        ``"auto"`` (a pilot on the first minibatches and this plan's simulated throughput pick
+        it, see :mod:`fxpipe.runtime.auto`; :meth:`summary` then says what and why); pass
+        ``schedule="pipedream"`` (or another) to skip the pilot."""
         from fxpipe.runtime.trainer import make_trainer
 
         self._needs_values("train")
@@ -218,9 +221,12 @@ class CompiledModel:
 
     def summary(self) -> str:
         """The plan's table (:meth:`Plan.summary`), each stage described by the modules it
-        covers (``model.layers.3..model.layers.7``) where the tracer recorded them."""
+        covers (``model.layers.3..model.layers.7``) where the tracer recorded them; after a
+        trainer with ``schedule="auto"`` chose, also what it chose and why."""
         spans = [module_span(st.gm) for st in self.stage_specs]
-        return self.plan.summary(spans if all(spans) else None)
+        text = self.plan.summary(spans if all(spans) else None)
+        decision = getattr(self, "auto_decision", None)  # set by a trainer's schedule="auto"
+        return text if decision is None else f"{text}\n\n{decision.summary()}"
 
     def __repr__(self) -> str:
         return (f"CompiledModel({type(self.model).__name__}, stages={len(self.stage_specs)}, "
@@ -333,6 +339,10 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
         raise PlanFormatError(f"rank 0 planned a different model (fingerprint "
                               f"{plan.model_fingerprint}, this rank's is {fingerprint})",
                               "every rank must build the same model with the same example inputs")
+    if not plan.staleness:  # every rank derives the same table from the agreed replicas
+        from fxpipe.runtime.staleness import plan_staleness
+
+        plan = replace(plan, staleness=plan_staleness(plan.replicas))
     assignment = stage_assignment(plan)
     for node in traced.gm.graph.nodes:
         if node.name in assignment:

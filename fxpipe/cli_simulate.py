@@ -94,6 +94,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       memory=args.memory, workers_per_machine=args.workers_per_machine,
                       intra_bandwidth=args.intra_bandwidth, latency=args.latency)
     profile, plan = _profile_and_plan(args, cluster)
+    if not plan.staleness:
+        from dataclasses import replace
+
+        from fxpipe.runtime.staleness import plan_staleness
+
+        plan = replace(plan, staleness=plan_staleness(plan.replicas))
     duplex = not args.half_duplex
     sim = simulate_plan(plan, profile, schedule=args.schedule, minibatches=args.minibatches,
                         latency_s=args.latency, duplex=duplex)
@@ -105,6 +111,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(plan.summary())
     print()
     print(sim.summary())
+    stale = plan.staleness.get(args.schedule)
+    if stale:
+        print(f"weight staleness of {args.schedule}: worst stage {max(o for o, _ in stale)} own "
+              f"updates, {max(g for _, g in stale)} global block updates (table above)")
     print(f"BSP data parallelism on {cluster.workers} workers: "
           f"{format_seconds(bsp.steady_state_period)} per minibatch, "
           f"{format_bytes(bsp.bytes_per_minibatch)} on the wire per minibatch; simulated speedup "

@@ -2,6 +2,7 @@
 
     fxpipe train alexnet --data synthetic --nproc 4 --epochs 2 --checkpoint-dir ckpt/
     fxpipe train vgg16 --data synthetic --nproc 2 --plan plan.json --schedule 1f1b-flush
+    fxpipe train mlp --data digits --nproc 4 --schedule pipedream+predict   # or auto (default)
 
 On one machine the command launches torchrun itself (``python -m torch.distributed.run
 --nproc-per-node N ... -m fxpipe.cli_train WORKER-ARGS``); every rank then builds the same zoo
@@ -26,7 +27,6 @@ from typing import Any, Sequence
 from fxpipe.errors import ConfigError, FxpipeError
 
 log = logging.getLogger("fxpipe")
-SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +42,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=2, help="synthetic evaluation minibatches")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
+    p.add_argument("--schedule", default="auto",
+                   help="auto (default: chosen by a pilot and the simulated throughput), "
+                   "pipedream, 1f1b-flush, gpipe, 2bw, or pipedream+MITIGATIONS (lr_scale, "
+                   "predict, dc, momentum, joined with +)")
+    p.add_argument("--pilot", type=int, default=None,
+                   help="auto: minibatches per candidate in the pilot (0: none, pick 1f1b-flush)")
     p.add_argument("--vertical-sync", action="store_true")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="minibatches")
@@ -92,6 +97,9 @@ def _free_port() -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """The launcher: validate what can be validated here, then run torchrun with N workers."""
     _check_data(args.data)
+    from fxpipe.runtime.schedule_spec import parse_schedule
+
+    parse_schedule(args.schedule)  # a misspelt schedule fails here, not in N workers
     if args.data == "digits":  # fail here, before torchrun starts N processes to say the same
         spec = _spec(args)
         digits_for(_input_shape(spec), args.model)
@@ -221,6 +229,7 @@ def run_worker(args: argparse.Namespace) -> int:
     trainer = make_trainer(compiled,
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mom),
                            schedule=args.schedule, vertical_sync=args.vertical_sync,
+                           auto_options={} if args.pilot is None else {"pilot": args.pilot},
                            checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
                            seed=args.seed, progress=not args.no_progress)
@@ -228,6 +237,8 @@ def run_worker(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     history = trainer.fit(train, epochs=args.epochs, eval_loader=evaluate, resume=args.resume)
     state = trainer.state_dict() if args.save else None  # collective: rank 0 gets every stage
+    if rank == 0 and trainer.auto_decision is not None:
+        print(trainer.auto_decision.summary(), flush=True)
     if rank == 0 and not trainer.idle:
         for h in history:
             extra = "".join(f", {k} {h[k]:.4f}" for k in ("eval_loss", "eval_accuracy") if k in h)

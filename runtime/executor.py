@@ -43,9 +43,10 @@ from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout, GradBuckets, last_backw
 from .comm import Comm, _Pending
 from .commplan import Issuer, Msg, RankPlan, comm_plans, links_of
 from .device import to_device
+from .mitigation import Mitigation, make_replica
 from .reference import Batch, planned_reads, tied_delay
 from .schedule import Action, Rank, Schedule
-from .stage import LossFn, StageReplica, model_env, sync_components, tie_sets, tied_parameters
+from .stage import LossFn, model_env, sync_components, tie_sets, tied_parameters
 from .stash import OptimizerFactory
 from .timeline import Recorder, TimelineEvent
 from .wire import WirePlan
@@ -77,7 +78,8 @@ class RankExecutor:
                  comm: Comm, *, stashing: bool = True, device: torch.device | None = None,
                  fault: tuple[str, int] | None = None, recorder: Recorder | None = None,
                  overlap_allreduce: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, mitigation: Mitigation | None = None,
+                 delay: int = 0) -> None:
         self.stages = list(stages)
         self.links = links_of(self.stages)
         self.overlap_allreduce = overlap_allreduce
@@ -104,7 +106,8 @@ class RankExecutor:
         self._inbox: dict[Msg, _Pending] = {}
         self._out: dict[str, torch.Tensor] = {}
         last = len(self.stages) - 1
-        self.replica = StageReplica(self.spec, optimizer_factory,
+        self.replica = make_replica(self.spec, optimizer_factory, delay=delay,  # mitigation.py
+                                    mitigation=mitigation,
                                     loss_fn=loss_fn if me[0] == last else None,
                                     stashing=stashing, planned_reads=planned_reads(schedule, me),
                                     model_input_grads=False,  # sent nowhere: not computed

@@ -215,11 +215,13 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
                   minibatches: int = 200, latency_s: float | None = None,
                   duplex: bool = True, noam: int | None = None,
                   tied: Sequence[TiedSync] | None = None,
-                  tied_delay: int | None = None) -> PlanSimulation:
+                  tied_delay: int | None = None,
+                  microbatches: int | None = None) -> PlanSimulation:
     """Event-simulate ``plan``'s schedule under the cost model (see the module doc).
 
     ``latency_s`` overrides the cluster's per-message latency; ``noam`` the input stage's
-    admission window (more minibatches in flight hide longer communication round trips).
+    admission window (more minibatches in flight hide longer communication round trips);
+    ``microbatches`` the batched kinds' minibatches per update (default: the workers).
     ``tied``: shared parameters (default: found in ``profile``); ``tied_delay``: rounds by which
     their sum lags (default: the runtime's, ``schedule.tie_delay``)."""
     if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
@@ -229,7 +231,8 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     if not (latency >= 0 and math.isfinite(latency)):
         raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
     costs = stage_costs(plan, profile)
-    sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam)
+    sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam,
+                          microbatches=microbatches if schedule != "pipedream" else None)
     if tied is None:
         tied = tied_from_profile(plan, profile) if profile is not None else []
     delay = tie_delay(sched, [t.stages for t in tied]) if tied_delay is None else tied_delay

@@ -21,7 +21,9 @@ import torch
 from fxpipe.codegen.split import MODEL, StageSpec
 
 from .errors import RuntimeConfigError
-from .schedule import Rank, Schedule, execution_order, tie_delay, validate
+from .mitigation import Mitigation, MitigatedReplica, check_mitigation, make_replica
+from .schedule import SCHEDULE_KINDS, Rank, Schedule, execution_order, tie_delay, validate
+from .staleness import own_delays
 from .stage import (LossFn, StageReplica, TiedParameter, check_stages, model_env, sync_components,
                     tie_sets, tied_parameters)
 from .stash import OptimizerFactory
@@ -129,19 +131,32 @@ class ReferenceExecutor:
 
     ``vertical_sync``: every stage uses, for minibatch k, the weight version the input stage used
     (PipeDream's vertical sync; needs equal replica counts). ``stashing=False`` is the ablation in
-    which backwards use the latest weights.
+    which backwards use the latest weights. ``mitigation`` (pipedream only): see
+    :mod:`fxpipe.runtime.mitigation`; ``delays``: each stage's own-update delay, which the
+    optimizer factory and the mitigations receive (default: the schedule's steady state, see
+    :func:`fxpipe.runtime.staleness.own_delays`; give it when ``schedule`` is a placeholder).
     """
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], schedule: Schedule,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, *,
-                 stashing: bool = True, vertical_sync: bool = False) -> None:
+                 stashing: bool = True, vertical_sync: bool = False,
+                 mitigation: Mitigation | str | None = None,
+                 delays: Sequence[int] | None = None) -> None:
         self.stages = list(stages)
         self.replicas = list(replicas)
         self.schedule = schedule.with_vertical_sync() if vertical_sync else schedule
         check_schedule(self.stages, self.replicas, self.schedule)
+        self.mitigation = Mitigation.parse(mitigation)
+        self.delays = list(delays) if delays is not None else (
+            own_delays(schedule.kind, self.replicas, vertical_sync=vertical_sync,
+                       microbatches=schedule.group if schedule.kind != "pipedream" else None)
+            if schedule.kind in SCHEDULE_KINDS else [0] * len(self.stages))
+        check_mitigation(self.mitigation, kind=schedule.kind, stashing=stashing,
+                         vertical_sync=vertical_sync, stages=self.stages, delays=self.delays)
         last = len(self.stages) - 1
         self.workers: dict[Rank, StageReplica] = {
-            rank: StageReplica(self.stages[rank[0]], optimizer_factory,
+            rank: make_replica(self.stages[rank[0]], optimizer_factory,
+                               delay=self.delays[rank[0]], mitigation=self.mitigation,
                                loss_fn=loss_fn if rank[0] == last else None, stashing=stashing,
                                planned_reads=planned_reads(self.schedule, rank))
             for rank in self.schedule.ranks}
@@ -166,6 +181,9 @@ class ReferenceExecutor:
                 w.stash.rebase()
                 w.stash.set_planned_reads(planned_reads(sched, rank))
         self._runs += 1
+        for rank, w in self.workers.items():
+            if isinstance(w, MitigatedReplica):
+                w.prepare(sched, rank)
         envs: dict[int, dict[str, Any]] = {}
         acts: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, minibatch, consumer stage)
         grads: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, minibatch, consumer stage)

@@ -51,8 +51,12 @@ from fxpipe.codegen.split import MODEL, StageSpec
 
 from .data import Part, PartStream, batch_size_of, derive_seed, take
 from .errors import RuntimeConfigError
+from .auto import AutoOptions, Decision
+from .auto import resolve as resolve_auto
 from .reference import check_schedule
-from .schedule import SCHEDULE_KINDS, Schedule, make_schedule
+from .schedule import Schedule, make_schedule
+from .schedule_spec import AUTO, parse_schedule
+from .staleness import own_delays
 from .stage import LossFn, StageReplica, check_stages, tied_parameters
 from .stash import OptimizerFactory
 from .timeline import TimelineEvent
@@ -81,7 +85,13 @@ class Trainer(CheckpointMixin):
     """Trains the stages of a plan with a PipeDream schedule (see the module doc).
 
     ``stages``/``replicas``: the CompiledModel's ``stage_specs`` and ``plan.replicas``.
-    ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica).
+    ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica; a factory that
+    also takes ``stage`` and ``delay`` keywords receives the stage index and its weight delay).
+    ``schedule``: a kind (``pipedream``, ``1f1b-flush``, ``gpipe``, ``2bw``), ``pipedream`` with
+    staleness mitigations (``"pipedream+predict"``, :mod:`fxpipe.runtime.mitigation`), or
+    ``"auto"``: chosen at the start of :meth:`fit` by a pilot (:mod:`fxpipe.runtime.auto`,
+    ``auto_options``), recorded in :attr:`auto_decision` (the default of
+    ``CompiledModel.trainer``; this class defaults to ``pipedream``).
     ``executor``: "distributed" (this process is one torchrun rank) or "reference" (every rank
     in this process, deterministic: the oracle). ``device``: None (``cuda:LOCAL_RANK`` when
     CUDA is available, else the CPU), "cpu", "cuda" or "cuda:N". ``timeout_s`` bounds every
@@ -107,12 +117,14 @@ class Trainer(CheckpointMixin):
                  on_checkpoint: Callable[[int, int], None] | None = None,
                  timeline: bool = False,
                  fingerprint: str | None = None,
-                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None) -> None:
+                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None,
+                 auto_options: AutoOptions | Mapping[str, Any] | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
-        if schedule not in SCHEDULE_KINDS:
-            raise RuntimeConfigError(f"unknown schedule {schedule!r}",
-                                     f"use one of {SCHEDULE_KINDS}")
+        spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
+        if spec.kind == AUTO and vertical_sync:
+            raise RuntimeConfigError("vertical_sync=True with schedule='auto'",
+                                     "name the schedule: schedule='pipedream', vertical_sync=True")
         if executor not in ("distributed", "reference"):
             raise RuntimeConfigError(f"unknown executor {executor!r}",
                                      "use 'distributed' (torchrun) or 'reference' (one process)")
@@ -129,8 +141,9 @@ class Trainer(CheckpointMixin):
         check_stages(self.stages, self.replicas)
         # default segments are whole update groups (m minibatches for the batched kinds, a
         # round of every replica for pipedream), so a boundary never splits a batch
-        group = (math.lcm(*self.replicas) if schedule == "pipedream"
-                 else microbatches or sum(self.replicas))
+        kinds = ("pipedream", "1f1b-flush") if spec.kind == AUTO else (spec.kind,)
+        group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
+                           else microbatches or sum(self.replicas) for k in kinds))
         self._ramp = segment is None and checkpoint_every is None
         self._first = group * math.ceil(FIRST_SEGMENT / group)
         self.segment = segment or checkpoint_every or group * math.ceil(DEFAULT_SEGMENT / group)
@@ -138,7 +151,11 @@ class Trainer(CheckpointMixin):
             raise RuntimeConfigError(f"checkpoint_every={checkpoint_every} is not a multiple of "
                                      f"segment={self.segment}", "checkpoints happen only at "
                                      "segment ends (where the pipeline is drained)")
-        self.loss_fn, self.kind, self.vertical_sync = loss_fn, schedule, vertical_sync
+        self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync
+        self.schedule_name, self.mitigation = spec.name, spec.mitigation
+        self.optimizer, self.stashing, self._lr_scheduler = optimizer, stashing, lr_scheduler
+        self.auto_options = AutoOptions.make(auto_options)
+        self.auto_decision: Decision | None = None  # what schedule="auto" chose, and why
         self.microbatches = microbatches
         self._schedules: dict[int, Schedule] = {}
         self._check_tied_cadence()  # before any process group: a clear error, not a hang
@@ -148,22 +165,25 @@ class Trainer(CheckpointMixin):
         self.state_keys = dict(state_keys) if state_keys is not None else None
         self.history: History = []
         self._wire_cache: dict[Any, Any] = {}
-        empty = Schedule(schedule, tuple(self.replicas), 0, {r: () for r in
+        kind = "1f1b-flush" if spec.kind == AUTO else spec.kind  # auto: until fit() chooses
+        empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in
                          ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
+        mitigated = dict(mitigation=spec.mitigation, delays=own_delays(
+            kind, self.replicas, vertical_sync=vertical_sync, microbatches=microbatches))
         if executor == "reference" and timeline:
             raise RuntimeConfigError("timeline=True needs executor='distributed'",
                                      "the reference executor is the oracle, not a timing")
         job = surplus_rank() if executor == "distributed" else None
         if executor == "reference":
             self.backend: Any = ReferenceBackend(self.stages, self.replicas, loss_fn, optimizer,
-                                                 empty, stashing=stashing)
+                                                 empty, stashing=stashing, **mitigated)
         elif job is not None and job[0] >= len(empty.ranks):
             self.backend = IdleBackend(job[0], job[1], len(empty.ranks))
         else:
             self.backend = DistributedBackend(self.stages, self.replicas, loss_fn, optimizer,
                                               empty, stashing=stashing, timeout_s=timeout_s,
                                               data_timeout_s=data_timeout_s, timeline=timeline,
-                                              device=device)
+                                              device=device, **mitigated)
         self.idle = isinstance(self.backend, IdleBackend)
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
         self.lr_interval = lr_scheduler_interval
@@ -184,7 +204,7 @@ class Trainer(CheckpointMixin):
     def _check_tied_cadence(self) -> None:
         """Stages sharing a tied weight must update equally often, or their tied all-reduces
         never pair up (a hang until the timeout): check on a short schedule of the same kind."""
-        if not tied_parameters(self.stages):
+        if not tied_parameters(self.stages) or self.kind == AUTO:  # auto: checked in adopt()
             return
         m = self.microbatches or sum(self.replicas)
         n = 2 * math.lcm(*self.replicas) * (1 if self.kind == "pipedream" else m)
@@ -196,6 +216,24 @@ class Trainer(CheckpointMixin):
             raise RuntimeConfigError(f"schedule {self.kind!r} with replicas {self.replicas}: "
                                      f"{err}", None) from err
         del self._schedules[probe.num_minibatches]
+
+    def adopt(self, schedule: str) -> None:
+        """Switch to ``schedule`` before training (what ``schedule="auto"`` chose): new stage
+        replicas with the same initial weights, optimizers made for the new schedule's delays."""
+        spec = parse_schedule(schedule)
+        self.kind, self.schedule_name, self.mitigation = spec.kind, spec.name, spec.mitigation
+        self._schedules.clear()
+        self._check_tied_cadence()
+        self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
+                             delays=own_delays(spec.kind, self.replicas,
+                                               vertical_sync=self.vertical_sync,
+                                               microbatches=self.microbatches))
+        self.local = self.backend.local
+        self.schedulers = {r: self._lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
+                           if self._lr_scheduler is not None and w.stash.optimizer is not None}
+        if self.lr_interval == "step":
+            for r, sch in self.schedulers.items():
+                self.local[r].on_update = sch.step
 
     def _schedule(self, n: int) -> Schedule:
         """The (validated) schedule of a segment of ``n`` minibatches, made once per length:
@@ -267,6 +305,8 @@ class Trainer(CheckpointMixin):
     def _fit(self, train_loader: Iterable[Any], epochs: int, eval_loader: Iterable[Any] | None,
              resume: bool) -> None:
         epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
+        if self.kind == AUTO:
+            resolve_auto(self, train_loader, resume, epochs)
         if resume:
             epoch0, pos0, partial = self._resume()
         total = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore
@@ -409,5 +449,10 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     own = compiled.model.state_dict()
     keys = {k: own[k] if where is None else where
             for k, where in compiled.state_locations().items()}
+    kwargs.setdefault("schedule", "auto")  # the default for a compiled model: see runtime/auto.py
+    report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
+    auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
+            **dict(kwargs.pop("auto_options", None) or {})}
     return Trainer(compiled.stage_specs, compiled.plan.replicas, loss_fn,
-                   fingerprint=compiled.plan.model_fingerprint, state_keys=keys, **kwargs)
+                   fingerprint=compiled.plan.model_fingerprint, state_keys=keys,
+                   auto_options=auto, **kwargs)

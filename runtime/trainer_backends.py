@@ -40,6 +40,7 @@ from .allocator import keep_freed_memory
 from .comm import Comm, make_groups, rank_name
 from .device import CudaClock, pinned, rank_device
 from .errors import PeerError, RuntimeConfigError
+from .mitigation import MitigatedReplica, Mitigation
 from .reference import ReferenceExecutor, planned_reads
 from .schedule import Rank, Schedule
 from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
@@ -76,6 +77,8 @@ def prepare_segment(replica: StageReplica, sched: Schedule, rank: Rank) -> None:
     """A new schedule counts weight versions from 0 and declares its forwards to the stash."""
     replica.stash.rebase()
     replica.stash.set_planned_reads(planned_reads(sched, rank))
+    if isinstance(replica, MitigatedReplica):  # weight prediction needs the schedule's horizons
+        replica.prepare(sched, rank)
 
 
 class ReferenceBackend:
@@ -86,10 +89,20 @@ class ReferenceBackend:
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
                  optimizer_factory: OptimizerFactory, empty: Schedule, *,
-                 stashing: bool = True) -> None:
+                 stashing: bool = True, mitigation: Mitigation | None = None,
+                 delays: Sequence[int] | None = None) -> None:
         self.stages, self.replicas, self.loss_fn = list(stages), list(replicas), loss_fn
-        self.ex = ReferenceExecutor(self.stages, self.replicas, empty, loss_fn, optimizer_factory,
-                                    stashing=stashing)
+        self.empty = empty
+        self.rebuild(optimizer_factory, stashing=stashing, mitigation=mitigation, delays=delays)
+
+    def rebuild(self, optimizer_factory: OptimizerFactory, *, stashing: bool,
+                mitigation: Mitigation | None, delays: Sequence[int] | None) -> None:
+        """(Re)make every stage replica, from the stages' weights (``Trainer.adopt``)."""
+        kind = "pipedream" if mitigation is not None else self.empty.kind
+        empty = Schedule(kind, self.empty.replicas, 0, self.empty.actions)
+        self.ex = ReferenceExecutor(self.stages, self.replicas, empty, self.loss_fn,
+                                    optimizer_factory, stashing=stashing, mitigation=mitigation,
+                                    delays=delays)
         self.local: dict[Rank, StageReplica] = dict(self.ex.workers)
 
     def run_segment(self, sched: Schedule, parts: list[Part], wire: WirePlan | None
@@ -155,7 +168,9 @@ class DistributedBackend:
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
                  optimizer_factory: OptimizerFactory, empty: Schedule, *, stashing: bool = True,
                  timeout_s: float = 60.0, data_timeout_s: float = 600.0,
-                 device: str | None = None, timeline: bool = False) -> None:
+                 device: str | None = None, timeline: bool = False,
+                 mitigation: Mitigation | None = None,
+                 delays: Sequence[int] | None = None) -> None:
         from .executor import RankExecutor  # torch.distributed users only
 
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -203,10 +218,20 @@ class DistributedBackend:
                          groups, recorder=Recorder(enabled=timeline, device_clock=clock))
         # per segment: this rank's (events, background all-reduces); see Trainer(timeline=)
         self.timelines: list[tuple[list[TimelineEvent], list[TimelineEvent]]] = []
-        self.ex = RankExecutor(self.stages, empty, self.me, loss_fn, optimizer_factory,
-                               WirePlan((), (), ()), self.comm, stashing=stashing, device=dev)
-        self.local: dict[Rank, StageReplica] = {self.me: self.ex.replica}
+        self.empty = empty
+        self.rebuild(optimizer_factory, stashing=stashing, mitigation=mitigation, delays=delays)
         log.info("%s ready on %s", self.comm.who, dev)
+
+    def rebuild(self, optimizer_factory: OptimizerFactory, *, stashing: bool,
+                mitigation: Mitigation | None, delays: Sequence[int] | None) -> None:
+        """(Re)make this rank's stage replica, from the stage's weights (``Trainer.adopt``)."""
+        from .executor import RankExecutor
+
+        self.ex = RankExecutor(self.stages, self.empty, self.me, self.loss_fn, optimizer_factory,
+                               WirePlan((), (), ()), self.comm, stashing=stashing,
+                               device=self.device, mitigation=mitigation,
+                               delay=(delays or [0] * len(self.stages))[self.me[0]])
+        self.local: dict[Rank, StageReplica] = {self.me: self.ex.replica}
 
     def _agree_on_pipeline(self) -> None:
         """Every rank must run the same plan. Ranks that each profiled the model on their own

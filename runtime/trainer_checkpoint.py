@@ -58,7 +58,7 @@ class CheckpointMixin:
         self.backend.all_sum([0.0], "checkpoint barrier")  # every stage file exists now
         if self.index == 0:
             info = {"history": self.history, "partial": acc, "replicas": self.replicas,
-                    "schedule": self.kind, "segment": self.segment, "seed": self.seed,
+                    "schedule": self.schedule_name, "segment": self.segment, "seed": self.seed,
                     "fingerprint": self.fingerprint}
             ckpt.write_manifest(self.checkpoint_dir, epoch, pos, len(self.stages), info)
             if self.keep_checkpoints:
@@ -89,10 +89,10 @@ class CheckpointMixin:
                                        f"(model {m.get('fingerprint')}), this pipeline has "
                                        f"{self.replicas} (model {self.fingerprint})",
                                        "resume with the plan the checkpoint was trained with")
-        if (m.get("segment"), m.get("schedule")) != (self.segment, self.kind):
+        if (m.get("segment"), m.get("schedule")) != (self.segment, self.schedule_name):
             log.warning("checkpoint was made with schedule %s and segment %s; resuming with %s "
                         "and %s will not reproduce the uninterrupted run exactly",
-                        m.get("schedule"), m.get("segment"), self.kind, self.segment)
+                        m.get("schedule"), m.get("segment"), self.schedule_name, self.segment)
         for rank, w in self.local.items():
             self._load_stage(rank, w, ckpt.load_stage(found, rank[0]))
         self.history = [dict(h) for h in m.get("history", [])]
