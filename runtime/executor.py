@@ -39,7 +39,7 @@ from .allocator import keep_freed_memory
 from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout, GradBuckets, last_backwards
 from .comm import BACKWARD, FORWARD, Comm, make_groups, rank_name, synchronized_start
 from .reference import Batch, planned_reads
-from .schedule import Action, Rank, Schedule
+from .schedule import Action, Rank, Schedule, split_ranks
 from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
 from .stash import OptimizerFactory
 from .timeline import Recorder, TimelineEvent
@@ -96,6 +96,7 @@ class RankExecutor:
         self._receives_any = (any(src != MODEL for src in self.spec.sources)
                               or any(c != MODEL for cons in self.spec.consumers for c in cons))
         last = len(self.stages) - 1
+        self._split = False  # this run's B computes input gradients only, W the rest (see run)
         self.replica = StageReplica(self.spec, optimizer_factory,
                                     loss_fn=loss_fn if me[0] == last else None,
                                     stashing=stashing, planned_reads=planned_reads(schedule, me),
@@ -134,7 +135,7 @@ class RankExecutor:
         order, so their data arrives while this rank computes (communication overlapped with
         compute). Buffers come from the wire plan: posting early costs only their memory."""
         if self._fb is None or self._fb[0] is not actions:  # (list, its F/B action positions)
-            self._fb = (actions, [j for j, b in enumerate(actions) if b.kind != "U"])
+            self._fb = (actions, [j for j, b in enumerate(actions) if b.kind in ("F", "B")])
         fb = self._fb[1]
         lo = bisect.bisect_left(fb, i)
         ahead = [actions[j] for j in fb[lo:lo + self.prepost + 1]]
@@ -204,12 +205,28 @@ class RankExecutor:
         with self.rec.span("backward", str(a), minibatch=k, version=a.version):
             in_grads = self.replica.backward(
                 k, out_grads, on_grad=None if bk is None or not bk.early else bk.ready,
-                hooked=None if bk is None else bk.early)
+                hooked=None if bk is None else bk.early, split=self._split)
         for n, src, g in zip(st.inputs, st.sources, in_grads):
             if src != MODEL and g is not None:
                 self.comm.send(g, self.schedule.owner(src, k),
                                self.comm.tag(k, self.wire.index(n), BACKWARD),
                                self._what("gradient", n, k), self.wire.spec(n, k))
+        self._finish_buckets(bk, update)
+
+    def weight(self, a: Action, *, update: Action | None = None) -> None:
+        """W: the weight gradients of a split backward (nothing to receive or send); ``update``
+        as for :meth:`backward`: the last W before a U launches the gradient buckets."""
+        bk = self.buckets() if update is not None else None
+        if bk is not None:
+            self._round = str(update)
+            bk.start()
+        with self.rec.span("backward", str(a), minibatch=a.minibatch, version=a.version):
+            self.replica.backward_weight(
+                a.minibatch, on_grad=None if bk is None or not bk.early else bk.ready,
+                hooked=None if bk is None else bk.early)
+        self._finish_buckets(bk, update)
+
+    def _finish_buckets(self, bk: GradBuckets | None, update: Action | None) -> None:
         if bk is not None:  # parameters without a gradient this time, the count: last buckets
             with self.rec.span("allreduce", f"post buckets {update}", group=str(self.me[0])):
                 bk.finish(self.replica.grad_sums, self.replica.count)
@@ -254,6 +271,7 @@ class RankExecutor:
         losses: dict[int, float] = {}
         actions = self.schedule.actions[self.me]
         self._final_b = last_backwards([b.kind for b in actions])
+        self._split = self.me in split_ranks(self.schedule)
         for i, a in enumerate(actions):
             if self.fault is not None and i == self.fault[1]:
                 _inject(self.fault[0], self.comm.who, a)
@@ -266,6 +284,9 @@ class RankExecutor:
             elif a.kind == "B":
                 u = self._final_b.get(i)
                 self.backward(a, update=None if u is None else actions[u])
+            elif a.kind == "W":
+                u = self._final_b.get(i)
+                self.weight(a, update=None if u is None else actions[u])
             else:
                 self.update(a)
         self.comm.flush()

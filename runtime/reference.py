@@ -21,7 +21,7 @@ import torch
 from fxpipe.codegen.split import MODEL, StageSpec
 
 from .errors import RuntimeConfigError
-from .schedule import Rank, Schedule, execution_order, validate
+from .schedule import Rank, Schedule, execution_order, split_ranks, validate
 from .stage import (LossFn, StageReplica, TiedParameter, check_stages, model_env, sync_components,
                     tie_sets, tied_parameters)
 from .stash import OptimizerFactory
@@ -148,6 +148,7 @@ class ReferenceExecutor:
         losses: dict[int, float] = {}
         pending: dict[tuple[int, int], list[Rank]] = {}
         index = {rank: i for i, rank in enumerate(sched.ranks)}
+        split = split_ranks(sched)
         recs = {rank: Recorder(args={"stage": rank[0], "replica": rank[1]}) for rank in index}
         for rank, i in execution_order(sched, self._sync):
             a = sched.actions[rank][i]
@@ -171,12 +172,16 @@ class ReferenceExecutor:
             elif a.kind == "B":
                 out_grads = [_sum([grads.pop((n, k, c), None) for c in cons if c != MODEL])
                              for n, cons in zip(st.outputs, st.consumers)]
-                in_grads = w.backward(k, out_grads)
+                in_grads = w.backward(k, out_grads, split=rank in split)
                 recs[rank].add("backward", str(a), t0, recs[rank].now(), minibatch=k,
                                version=a.version)
                 for n, src, g in zip(st.inputs, st.sources, in_grads):
                     if src != MODEL and g is not None:
                         grads[(n, k, s)] = g
+            elif a.kind == "W":
+                w.backward_weight(k)
+                recs[rank].add("backward", str(a), t0, recs[rank].now(), minibatch=k,
+                               version=a.version)
             else:
                 comp = next((c for c in self._sync if s in c), (s,))
                 group = pending.setdefault((comp[0], k), [])
