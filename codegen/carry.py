@@ -49,6 +49,15 @@ class CarryStage(nn.Module):
         self.spec_outputs = tuple(spec.outputs)
         self.carry_out = None if carry_out is None else tuple(carry_out)
         self.io = spec.io
+        # outputs a torch schedule must get as tensors of their own: a value also read inside
+        # this stage (zero-bubble schedules detach a stage's outputs in place after the input
+        # gradients, which would cut it out of the graph its weight gradients still need)
+        # (by position in the output node: a stage unpickled in another process has been
+        # re-traced, and its nodes renamed)
+        out_node = next(n for n in spec.gm.graph.nodes if n.op == "output")
+        self.shared_outputs = frozenset(
+            name for name, node in zip(self.spec_outputs, out_node.args[0])
+            if isinstance(node, torch.fx.Node) and any(u.op != "output" for u in node.users))
         missing = [n for n in self.spec_inputs if n not in self.carry_in]
         if missing:
             raise ConfigError(f"stage {spec.index} needs {missing}, which nothing carries to it",
@@ -63,14 +72,20 @@ class CarryStage(nn.Module):
         made = dict(zip(self.spec_outputs, outs))
         if self.carry_out is None:  # the last stage: the model's output
             return self.io.build_output({**env, **made})  # type: ignore[union-attr]
-        # a value passed through untouched leaves as a view, so autograd sees it as this
-        # stage's output (its gradient flows back through here to whoever made it)
-        vals = [made[n] if n in made else _through(env[n]) for n in self.carry_out]
+        # a value passed through untouched leaves as a copy, so autograd sees it as this
+        # stage's output (its gradient flows back through here to whoever made it), and so
+        # does a value this stage also reads itself (see __init__)
+        vals = [_own(made[n], n in self.shared_outputs) if n in made else _own(env[n], True)
+                for n in self.carry_out]
         return vals[0] if len(vals) == 1 else tuple(vals)
 
 
-def _through(t: Any) -> Any:
-    return t.view_as(t) if isinstance(t, torch.Tensor) else t
+def _own(t: Any, shared: bool) -> Any:
+    """``t`` as a tensor of this stage's own: a copy when it is shared (see above) or a view
+    (torch's zero-bubble backward cannot detach a view in place)."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and (shared or t._is_view()):
+        return t.clone()
+    return t
 
 
 def model_inputs(stages: Sequence[StageSpec]) -> tuple[str, ...]:

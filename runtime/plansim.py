@@ -201,9 +201,11 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
         raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
     costs = stage_costs(plan, profile)
     fbw = [(c.forward_s, c.backward_s / 2, c.backward_s / 2) for c in costs]
+    bandwidth = cut_bandwidth(cluster)
+    wire = [c.input_bytes / bandwidth + latency for c in costs]
     sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam,
-                          microbatches=microbatches, costs=fbw)
-    sim = _Sim(sched, costs, cut_bandwidth(cluster), latency, duplex)
+                          microbatches=microbatches, costs=fbw, comm=wire)
+    sim = _Sim(sched, costs, bandwidth, latency, duplex)
     sim.run()
     period, lo, hi = steady_state(sched, sim.done, sim.makespan)
     util = []

@@ -231,14 +231,16 @@ def _with_versions(acts: list[Action], forward_version) -> tuple[Action, ...]:
 
 def make_schedule(kind: str, replicas: list[int], num_minibatches: int, *,
                   noam: int | None = None, microbatches: int | None = None,
-                  costs: Sequence[tuple[float, float, float]] | None = None) -> Schedule:
+                  costs: Sequence[tuple[float, float, float]] | None = None,
+                  comm: Sequence[float] | None = None) -> Schedule:
     """Generate the schedule of ``kind`` (one of SCHEDULE_KINDS) and validate it.
 
     ``microbatches`` (m) is the number of minibatches per weight update for the batched kinds
     (default: the total number of workers, the smallest batch that fills the pipeline); pipedream
     updates after every backward round. ``noam`` overrides the input stage's admission window.
-    ``costs``: per stage (F, B, W) seconds, which the zero-bubble kinds' greedy scheduler places
-    W's by (:mod:`fxpipe.runtime.zerobubble`; default: equal unit costs).
+    ``costs``: per stage (F, B, W) seconds and ``comm`` per cut (into stage s) seconds, which the
+    zero-bubble kinds' greedy scheduler places W's by (:mod:`fxpipe.runtime.zerobubble`;
+    default: equal unit costs, no communication).
     """
     if kind not in SCHEDULE_KINDS:
         raise ConfigError(f"unknown schedule kind {kind!r}", f"use one of {SCHEDULE_KINDS}")
@@ -262,8 +264,8 @@ def make_schedule(kind: str, replicas: list[int], num_minibatches: int, *,
         from . import zerobubble
 
         wins = zerobubble.limits(kind, wins)
-        zb = [zerobubble.batch_orders(replicas, range(b * m, min(n, (b + 1) * m)), wins, costs)
-              for b in range(math.ceil(n / m))]
+        zb = [zerobubble.batch_orders(replicas, range(b * m, min(n, (b + 1) * m)), wins, costs,
+                                      comm) for b in range(math.ceil(n / m))]
     acts: dict[Rank, tuple[Action, ...]] = {}
     for s, r in enumerate(replicas):
         for j in range(r):

@@ -44,14 +44,20 @@ def limits(kind: str, windows: Sequence[int]) -> tuple[int, ...]:
 
 
 def batch_orders(replicas: Sequence[int], minibatches: Sequence[int], limit: Sequence[int],
-                 costs: Costs | None = None) -> dict[Rank, list[Action]]:
+                 costs: Costs | None = None, comm: Sequence[float] | None = None
+                 ) -> dict[Rank, list[Action]]:
     """The F/B/W actions of one batch (``minibatches``, in order) for every rank, in the order
-    the greedy list scheduler runs them (see the module doc); versions are stamped later."""
+    the greedy list scheduler runs them (see the module doc); versions are stamped later.
+    ``comm[s]``: seconds a message takes across the cut into stage s (activations forward,
+    gradients back; ``comm[0]`` unused), so a W is not put where a message will arrive."""
     S = len(replicas)
     cost = list(costs) if costs is not None else [(1.0, 1.0, 1.0)] * S
     if len(cost) != S or any(len(c) != 3 or min(c) < 0 for c in cost):
         raise ConfigError(f"costs={list(cost)!r} needs one (F, B, W) >= 0 per stage",
                           "e.g. [(1.0, 1.0, 1.0)] * stages")
+    wire = list(comm) if comm is not None else [0.0] * S
+    if len(wire) != S or min(wire) < 0:
+        raise ConfigError(f"comm={wire!r} needs one time >= 0 per stage (the cut into it)")
     ranks = [(s, j) for s, r in enumerate(replicas) for j in range(r)]
     todo_f = {rk: [k for k in minibatches if k % replicas[rk[0]] == rk[1]] for rk in ranks}
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, minibatch) -> end time
@@ -65,22 +71,33 @@ def batch_orders(replicas: Sequence[int], minibatches: Sequence[int], limit: Seq
     heap = [(0.0, i, rk) for i, rk in enumerate(ranks) if total[rk]]
     heapq.heapify(heap)
     pushes = len(heap)
-    progress, stalled = 0, {rk: -1 for rk in ranks}
+    progress = 0
+    stalled: dict[Rank, tuple[int, float]] = {rk: (-1, -1.0) for rk in ranks}
 
     def dep(kind: str, s: int, k: int) -> tuple[str, int, int] | None:
         return (("F", s - 1, k) if s > 0 else None) if kind == "F" \
             else ("F", s, k) if s == S - 1 else ("B", s + 1, k)
 
+    def arrival(key: tuple[str, int, int]) -> float:
+        """When the message of dependency ``key`` reaches its consumer (inf: not scheduled)."""
+        end = done.get(key, float("inf"))
+        if key[0] == "F":  # an activation crosses into stage key[1] + 1
+            return end + (wire[key[1] + 1] if key[1] + 1 < S else 0.0)
+        return end + wire[key[1]] if key[0] == "B" else end  # a gradient into key[1] - 1
+
     def ready(kind: str, s: int, k: int, t: float) -> bool:
         key = dep(kind, s, k)
-        return key is None or done.get(key, float("inf")) <= t
+        return key is None or (key[1] == s and done.get(key, float("inf")) <= t) or \
+            (key[1] != s and arrival(key) <= t)
 
     def arrives(kind: str, s: int, k: int, t: float) -> float:
         """When action ``kind`` of minibatch k on stage s can start, as far as is known: its
-        dependency's end once that is scheduled, else never (a rank waiting on a dependency
+        dependency's arrival once that is scheduled, else never (a rank waiting on a dependency
         nobody has scheduled yet must not wait for it, or two ranks could wait on each other)."""
         key = dep(kind, s, k)
-        return t if key is None else done.get(key, float("inf"))
+        if key is None:
+            return t
+        return done.get(key, float("inf")) if key[1] == s else arrival(key)
 
     def w_fits(rk: Rank, t: float) -> bool:
         """A W now delays no B and no F that could otherwise start before it ends."""
@@ -107,15 +124,14 @@ def batch_orders(replicas: Sequence[int], minibatches: Sequence[int], limit: Seq
             pick = Action("W", waiting_w[rk].pop(0))
             in_flight[rk] -= 1
         if pick is None:
-            # others due now may still make something ready; once a whole round of waiting
-            # ranks made no progress, only what completes (or starts) later can
-            now_ok = stalled[rk] != progress
-            later = [d for d in done.values() if d > t] + \
-                [h[0] for h in heap if h[0] > t or (now_ok and h[0] == t)]
+            # a rank due now that has not waited since the last progress may still make
+            # something ready; otherwise only what completes (or arrives, or starts) later can
+            stalled[rk] = (progress, t)
+            later = [d for key in done for d in (done[key], arrival(key)) if d > t] + \
+                [h[0] for h in heap if h[0] > t or stalled[h[2]] != (progress, t)]
             if not later:
                 raise ConfigError(f"zero-bubble scheduling is stuck on stage {s} replica {rk[1]}",
                                   "every stage needs a memory limit of at least 1")
-            stalled[rk] = progress
             heapq.heappush(heap, (min(later), pushes, rk))
             pushes += 1
             continue

@@ -35,6 +35,27 @@ def _whole(data: list, m: int) -> list:
             for i in range(0, len(data), m)]
 
 
+def _gpt_stages() -> list:
+    """The zoo's mini GPT split by fxpipe into 4 stages: tied embedding/output weights on the
+    first and last stage, residual streams and views crossing every boundary."""
+    import fxpipe
+    from fxpipe import models
+    spec = models.get("gpt", batch_size=2)
+    return fxpipe.compile(spec.model, fxpipe.Cluster(workers=4, device="V100"),
+                          example_inputs=spec.example_inputs, stages=4,
+                          straight=True).stage_specs
+
+
+def _gpt_batches(n: int) -> list:
+    from fxpipe import models
+    spec = models.get("gpt", batch_size=2)
+    return [(x, y) for (x,), y in (spec.make_batch(2, seed=k) for k in range(n))]
+
+
+def _gpt_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), y.reshape(-1))
+
+
 CASES = {
     # name: (model, cuts, world, placement, torch schedule, loss, data)
     "1f1b-2stages": (tiny_mlp, [2], 2, "loop", "Schedule1F1B", loss_fn, batches(2 * M)),
@@ -44,13 +65,20 @@ CASES = {
                                 token_batches(2 * M)),
     "interleaved-tied-across-ranks": (TiedLM, [1, 2, 3], 2, "loop", "ScheduleInterleaved1F1B",
                                       ce, token_batches(2 * M)),
+    "zbv-gpt-4stages-2ranks": (None, None, 2, "v", "ScheduleZBVZeroBubble", _gpt_loss,
+                               _gpt_batches(2 * M)),
 }
+
+
+def _stages(name: str) -> list:
+    make, cuts = CASES[name][:2]
+    return _gpt_stages() if make is None else split(make(), cuts)
 
 
 def _spawned(name: str) -> tuple[dict, list[float]]:
     from torch_pipelining_job import run
     make, cuts, world, placement, schedule, lf, data = CASES[name]
-    case = dict(stages=split(make(), cuts), placement=placement, schedule=schedule,
+    case = dict(stages=_stages(name), placement=placement, schedule=schedule,
                 microbatches=M, loss_fn=lf, optimizer=SGD, data=_whole(data, M))
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.get_context("spawn")
@@ -78,7 +106,7 @@ def _spawned(name: str) -> tuple[dict, list[float]]:
 def test_torch_schedule_on_fxpipes_split_equals_the_reference(name: str) -> None:
     make, cuts, world, placement, schedule, lf, data = CASES[name]
     params, losses = _spawned(name)
-    stages = split(make(), cuts)
+    stages = _stages(name)
     ref = ReferenceExecutor(stages, [1] * len(stages),
                             make_schedule("1f1b-flush", [1] * len(stages), len(data),
                                           microbatches=M), lf, SGD).run(data)

@@ -3,6 +3,8 @@ that equals the reference executor and minibatch SGD (every W before its batch's
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from rt_helpers import SkipMLP, batches, loss_fn, sgd, split, tiny_mlp
 from rt_spawn import Job, run_jobs
@@ -146,3 +148,20 @@ def test_distributed_equals_reference_and_minibatch_sgd(name: str, distributed) 
     for params in ref.replica_params.values():
         for n, p in params.items():
             torch.testing.assert_close(p, want[n], **TIGHT, msg=f"{name} {n}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_costs_give_a_valid_schedule(data) -> None:
+    """The greedy never gets stuck and always yields a schedule an in-order executor carries
+    out: any replica vector, stage costs (zero ones included) and message times."""
+    reps = data.draw(st.lists(st.integers(1, 2), min_size=2, max_size=4))
+    cost = st.floats(0.0, 3.0, allow_nan=False)
+    costs = [data.draw(st.tuples(cost, cost, cost)) for _ in reps]
+    comm = [data.draw(cost) for _ in reps]
+    kind = data.draw(st.sampled_from(["zb-h1", "zb-h2"]))
+    m = data.draw(st.integers(1, 8))
+    s = make_schedule(kind, reps, 2 * m, microbatches=m, costs=costs, comm=comm)
+    validate(s)
+    assert all(sum(a.kind == "W" for a in acts) == sum(a.kind == "B" for a in acts)
+               for acts in s.actions.values())

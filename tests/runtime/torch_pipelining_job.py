@@ -45,5 +45,7 @@ def run(rank: int, world: int, port: int, case: dict[str, Any], outdir: str) -> 
         torch.save({"params": params, "losses": losses}, Path(outdir) / f"rank{rank}.pt")
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 - a failing rank must exit non-zero, now
-        (Path(outdir) / f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}")
+        import traceback
+        (Path(outdir) / f"rank{rank}.err").write_text(f"{type(err).__name__}: {err}\n"
+                                                        f"{traceback.format_exc()}")
         os._exit(1)
