@@ -206,6 +206,20 @@ class CompiledModel:
         self._needs_values("train")
         return make_trainer(self, **kwargs)
 
+    def torch_stages(self, rank: int, world_size: int, *, placement: str = "loop",
+                     device: Any = None, group: Any = None) -> Any:
+        """This rank's stages as ``torch.distributed.pipelining.PipelineStage`` s, so torch's own
+        schedules (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ...) train
+        fxpipe's automatic split: skip connections carried through the stages in between, tied
+        weights summed over the ranks holding them (``.sync_tied_grads()``). See
+        :mod:`fxpipe.runtime.torch_pipelining`; every rank calls it, with torch.distributed
+        initialised."""
+        from fxpipe.runtime.torch_pipelining import torch_stages
+
+        self._needs_values("build torch pipeline stages")
+        return torch_stages(self.stage_specs, rank, world_size, placement=placement,
+                            device=device, group=group)
+
     # --- artefacts -----------------------------------------------------------------------------
     def export(self, directory: str | os.PathLike[str]) -> None:
         """Readable ``stage_k.py`` + weights per stage, plus ``plan.json``."""

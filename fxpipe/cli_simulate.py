@@ -19,7 +19,7 @@ from typing import Any
 from fxpipe.errors import ConfigError
 
 log = logging.getLogger("fxpipe")
-SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw")
+SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2")
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -43,6 +43,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "of its candidates (as fxpipe plan --choose)")
     p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
     p.add_argument("--minibatches", type=int, default=200)
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="minibatches per update of the synchronous schedules (default: workers)")
     p.add_argument("--half-duplex", action="store_true",
                    help="one port per worker for both directions (the planner's assumption)")
     p.add_argument("--trace", default=None, metavar="FILE", help="write a Chrome/Perfetto trace")
@@ -102,7 +104,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan = replace(plan, staleness=plan_staleness(plan.replicas))
     duplex = not args.half_duplex
     sim = simulate_plan(plan, profile, schedule=args.schedule, minibatches=args.minibatches,
-                        latency_s=args.latency, duplex=duplex)
+                        latency_s=args.latency, duplex=duplex, microbatches=args.microbatches)
     # the baseline runs long enough for whole rounds of all its replicas (200 minibatches are 3
     # rounds of 64, where start-up would still dominate)
     bsp = simulate_plan(data_parallel_plan(profile, cluster, sync=plan.sync), profile,

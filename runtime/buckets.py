@@ -213,11 +213,13 @@ def last_backwards(kinds: Sequence[str]) -> dict[int, int]:
     """For an action list given as its kinds (e.g. ``"FFBUFBU"``): index of the last ``B``
     before each ``U`` -> index of that ``U``. After that backward the round's gradient sums are
     final, so its hooks may launch the buckets (earlier backwards of the round may not: a later
-    one still adds to the sums)."""
+    one still adds to the sums). In a list with ``W`` actions (split backwards) the weight
+    gradients come from the W's, so the last ``W`` before each ``U`` counts instead."""
+    grads = "W" if "W" in kinds else "B"
     out: dict[int, int] = {}
     last: int | None = None
     for i, k in enumerate(kinds):
-        if k == "B":
+        if k == grads:
             last = i
         elif k == "U":
             if last is not None:

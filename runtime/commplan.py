@@ -86,7 +86,7 @@ def action_messages(links: Sequence[StageLinks], owner: Owner, me: Rank, a: Acti
                     ) -> tuple[tuple[Msg, ...], tuple[Msg, ...]]:
     """(receives, sends) of action ``a`` of rank ``me``, each sorted. ``grad_ok(name, k)``:
     whether value ``name`` of minibatch k carries a gradient (floating point on the wire)."""
-    if a.kind == "U":
+    if a.kind in ("U", "W"):  # an update's all-reduce is a collective; W computes only
         return (), ()
     st, k = links[me[0]], a.minibatch
     recvs: list[Msg] = []

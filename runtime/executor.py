@@ -45,7 +45,7 @@ from .commplan import Issuer, Msg, RankPlan, comm_plans, links_of
 from .device import to_device
 from .mitigation import Mitigation, make_replica
 from .reference import Batch, planned_reads, tied_delay
-from .schedule import Action, Rank, Schedule
+from .schedule import Action, Rank, Schedule, split_ranks
 from .stage import LossFn, model_env, sync_components, tie_sets, tied_parameters
 from .stash import OptimizerFactory
 from .timeline import Recorder, TimelineEvent
@@ -106,6 +106,7 @@ class RankExecutor:
         self._inbox: dict[Msg, _Pending] = {}
         self._out: dict[str, torch.Tensor] = {}
         last = len(self.stages) - 1
+        self._split = False  # this run's B computes input gradients only, W the rest (see run)
         self.replica = make_replica(self.spec, optimizer_factory, delay=delay,  # mitigation.py
                                     mitigation=mitigation,
                                     loss_fn=loss_fn if me[0] == last else None,
@@ -193,9 +194,25 @@ class RankExecutor:
         with self.rec.span("backward", str(a), minibatch=k, version=a.version):
             in_grads = self.replica.backward(
                 k, out_grads, on_grad=None if bk is None or not bk.early else bk.ready,
-                hooked=None if bk is None else bk.early)
+                hooked=None if bk is None else bk.early, split=self._split)
         self._out = {n: g for n, src, g in zip(st.inputs, st.sources, in_grads)
                      if src != MODEL and g is not None}
+        self._finish_buckets(bk, update)
+
+    def weight(self, a: Action, *, update: Action | None = None) -> None:
+        """W: the weight gradients of a split backward (nothing to receive or send); ``update``
+        as for :meth:`backward`: the last W before a U launches the gradient buckets."""
+        bk = self.buckets() if update is not None else None
+        if bk is not None:
+            self._round = str(update)
+            bk.start()
+        with self.rec.span("backward", str(a), minibatch=a.minibatch, version=a.version):
+            self.replica.backward_weight(
+                a.minibatch, on_grad=None if bk is None or not bk.early else bk.ready,
+                hooked=None if bk is None else bk.early)
+        self._finish_buckets(bk, update)
+
+    def _finish_buckets(self, bk: GradBuckets | None, update: Action | None) -> None:
         if bk is not None:  # parameters without a gradient this time, the count: last buckets
             with self.rec.span("allreduce", f"post buckets {update}", group=str(self.me[0])):
                 bk.finish(self.replica.grad_sums, self.replica.count)
@@ -292,6 +309,7 @@ class RankExecutor:
         if plan.ops:
             with self.rec.span("recv", "post receives"):
                 issuer.start()
+        self._split = self.me in split_ranks(sched)
         for i, a in enumerate(actions):
             if self.fault is not None and i == self.fault[1]:
                 _inject(self.fault[0], self.comm.who, a)
@@ -302,6 +320,9 @@ class RankExecutor:
             elif a.kind == "B":
                 u = self._final_b.get(i)
                 self.backward(a, plan.recvs[i], update=None if u is None else actions[u])
+            elif a.kind == "W":
+                u = self._final_b.get(i)
+                self.weight(a, update=None if u is None else actions[u])
             else:
                 self.update(a)
             if plan.sends[i]:

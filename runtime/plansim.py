@@ -52,7 +52,7 @@ from fxpipe.passes.partition import coefficients
 from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.units import format_bytes, format_seconds
 
-from .schedule import Action, Rank, make_schedule, tie_delay
+from .schedule import SYNCHRONOUS_KINDS, Action, Rank, make_schedule, tie_delay
 from .timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,15 @@ class PlanSimulation:
     sync_bytes_per_minibatch: float          # weight synchronisation of replicated stages
     events: Mapping[int, tuple[TimelineEvent, ...]] = field(hash=False)
     rank_names: Mapping[int, str] = field(hash=False)
+    # per stage: most minibatches whose activations a replica holds at once (F until B, or
+    # until W when the backward is split): the schedule's activation memory, in minibatches
+    in_flight: tuple[int, ...] = ()
+
+    @property
+    def activation_memory(self) -> tuple[float, ...]:
+        """Bytes of activations a replica of each stage holds at its peak (the plan's
+        per-minibatch activation bytes times :attr:`in_flight`)."""
+        return tuple(sp.activation_bytes * v for sp, v in zip(self.plan.stages, self.in_flight))
 
     @property
     def bytes_per_minibatch(self) -> float:
@@ -161,7 +170,10 @@ class PlanSimulation:
             lines.append(f"  stage {s}: x{self.plan.stages[s].replicas} fwd "
                          f"{format_seconds(c.forward_s)} bwd {format_seconds(c.backward_s)} "
                          f"update {format_seconds(c.update_s)} in {format_bytes(c.input_bytes)}"
-                         f"  utilisation {u:.0%}")
+                         f"  utilisation {u:.0%}"
+                         + (f"  activations {self.in_flight[s]} x "
+                            f"{format_bytes(self.plan.stages[s].activation_bytes)}"
+                            if self.in_flight else ""))
         lines.append(f"steady state: {format_seconds(self.steady_state_period)} per minibatch "
                      f"(plan predicts {format_seconds(self.plan.time_per_minibatch)}, "
                      f"{self.relative_error:+.1%}); {self.throughput:.2f} {self.throughput_unit}")
@@ -222,6 +234,8 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     ``latency_s`` overrides the cluster's per-message latency; ``noam`` the input stage's
     admission window (more minibatches in flight hide longer communication round trips);
     ``microbatches`` the batched kinds' minibatches per update (default: the workers).
+    A split backward (zero-bubble kinds) costs half the backward for B and half for W; the
+    zero-bubble kinds place their W's by the plan's own stage costs.
     ``tied``: shared parameters (default: found in ``profile``); ``tied_delay``: rounds by which
     their sum lags (default: the runtime's, ``schedule.tie_delay``)."""
     if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
@@ -231,12 +245,16 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     if not (latency >= 0 and math.isfinite(latency)):
         raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
     costs = stage_costs(plan, profile)
+    fbw = [(c.forward_s, c.backward_s / 2, c.backward_s / 2) for c in costs]
+    bandwidth = cut_bandwidth(cluster)
+    wire = [c.input_bytes / bandwidth + latency for c in costs]
     sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam,
-                          microbatches=microbatches if schedule != "pipedream" else None)
+                          microbatches=microbatches if schedule != "pipedream" else None,
+                          costs=fbw, comm=wire)
     if tied is None:
         tied = tied_from_profile(plan, profile) if profile is not None else []
     delay = tie_delay(sched, [t.stages for t in tied]) if tied_delay is None else tied_delay
-    sim = _Sim(sched, costs, cut_bandwidth(cluster), latency, duplex, tied, delay)
+    sim = _Sim(sched, costs, bandwidth, latency, duplex, tied, delay)
     sim.run()
     period, lo, hi = steady_state(sched, sim.done, sim.makespan)
     util = []
@@ -248,6 +266,8 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
              plan.time_per_minibatch)
     return PlanSimulation(
         plan=plan, schedule=sched.kind, minibatches=n, costs=tuple(costs),
+        in_flight=tuple(max(peak_in_flight(sched.actions[(s, j)]) for j in range(r))
+                        for s, r in enumerate(sched.replicas)),
         makespan=sim.makespan, steady_state_period=period, utilisation=tuple(util),
         activation_bytes_per_minibatch=sim.cut_bytes / n, sync_bytes_per_minibatch=sim.sync_bytes / n,
         events={g: tuple(sorted(evs, key=lambda e: (e.start, e.end))) for g, evs in sim.events.items()},
@@ -278,6 +298,8 @@ class _Sim:
         self.u_left: dict[tuple[int, int], int] = {}  # (stage, update) -> replicas not done
         self.u_done: set[tuple[int, int]] = set()
         self.S = sched.num_stages
+        self.split = {rank for rank, acts in sched.actions.items()
+                      if any(a.kind == "W" for a in acts)}  # B and W: half the backward each
         self.gid: dict[Rank, int] = {rank: i for i, rank in enumerate(sched.ranks)}
         self.ptr = {rank: 0 for rank in sched.ranks}
         self.events: dict[int, list[TimelineEvent]] = {g: [] for g in self.gid.values()}
@@ -359,7 +381,8 @@ class _Sim:
         if need is not None and need not in self.arrived:
             self.waiting.setdefault(need, []).append(rank)
             return
-        dur = c.forward_s if a.kind == "F" else c.backward_s
+        dur = (c.forward_s if a.kind == "F" else c.backward_s / 2 if rank in self.split
+               else c.backward_s)
         self.ptr[rank] += 1
         self.record(rank, "forward" if a.kind == "F" else "backward", str(a), now, now + dur,
                     minibatch=k)
@@ -375,7 +398,9 @@ class _Sim:
                 for waiter in self.waiting.pop(("U", s, k), []):
                     self.advance(waiter, t)
             return
-        if a.kind == "F" and s < self.S - 1:
+        if a.kind == "W":
+            self.done[k] = max(self.done[k], t)
+        elif a.kind == "F" and s < self.S - 1:
             self.send(rank, self.sched.owner(s + 1, k), self.costs[s + 1].input_bytes,
                       ("A", s + 1, k), f"act F{k}", t)
         elif a.kind == "B":
@@ -383,7 +408,7 @@ class _Sim:
                 self.send(rank, self.sched.owner(s - 1, k), self.costs[s].input_bytes,
                           ("G", s - 1, k), f"grad B{k}", t)
             else:
-                self.done[k] = t
+                self.done[k] = max(self.done[k], t)
 
     def send(self, src: Rank, dst: Rank, nbytes: float, key: tuple[str, int, int], name: str,
              ready: float) -> None:
@@ -414,7 +439,7 @@ def _steady_window(replicas: tuple[int, ...], kind: str, group: int, done: list[
     runtime.simulate, so start-up and drain do not count."""
     n = len(done)
     g = math.lcm(*replicas)
-    if kind in ("gpipe", "1f1b-flush"):
+    if kind in SYNCHRONOUS_KINDS:
         g = math.lcm(g, group)
     rounds = [max(done[k:k + g]) for k in range(0, n - g + 1, g)]
     if len(rounds) < 4:  # lcm(replicas) too large for whole rounds: slope of the running max
@@ -431,6 +456,20 @@ def _steady_window(replicas: tuple[int, ...], kind: str, group: int, done: list[
     if hi - lo >= rep:
         hi = lo + (hi - lo) // rep * rep
     return (rounds[hi] - rounds[lo]) / ((hi - lo) * g), rounds[lo], rounds[hi]
+
+
+def peak_in_flight(actions: Sequence[Action]) -> int:
+    """Most minibatches a rank's list holds activations for at once: from F until B, or until
+    W where the backward is split (what a zero-bubble schedule's memory depends on)."""
+    split = any(a.kind == "W" for a in actions)
+    held = peak = 0
+    for a in actions:
+        if a.kind == "F":
+            held += 1
+            peak = max(peak, held)
+        elif a.kind == ("W" if split else "B"):
+            held -= 1
+    return peak
 
 
 def _busy(events: list[TimelineEvent], lo: float, hi: float) -> float:

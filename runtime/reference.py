@@ -22,7 +22,8 @@ from fxpipe.codegen.split import MODEL, StageSpec
 
 from .errors import RuntimeConfigError
 from .mitigation import Mitigation, MitigatedReplica, check_mitigation, make_replica
-from .schedule import SCHEDULE_KINDS, Rank, Schedule, execution_order, tie_delay, validate
+from .schedule import (SCHEDULE_KINDS, Rank, Schedule, execution_order, split_ranks, tie_delay,
+                       validate)
 from .staleness import own_delays
 from .stage import (LossFn, StageReplica, TiedParameter, check_stages, model_env, sync_components,
                     tie_sets, tied_parameters)
@@ -190,6 +191,7 @@ class ReferenceExecutor:
         losses: dict[int, torch.Tensor] = {}
         pending: dict[tuple[int, int], list[Rank]] = {}
         index = {rank: i for i, rank in enumerate(sched.ranks)}
+        split = split_ranks(sched)
         recs = {rank: Recorder(args={"stage": rank[0], "replica": rank[1]}) for rank in index}
         self._delay = tied_delay(sched, self.tied)
         self._rounds.clear()
@@ -215,12 +217,16 @@ class ReferenceExecutor:
             elif a.kind == "B":
                 out_grads = [_sum([grads.pop((n, k, c), None) for c in cons if c != MODEL])
                              for n, cons in zip(st.outputs, st.consumers)]
-                in_grads = w.backward(k, out_grads)
+                in_grads = w.backward(k, out_grads, split=rank in split)
                 recs[rank].add("backward", str(a), t0, recs[rank].now(), minibatch=k,
                                version=a.version)
                 for n, src, g in zip(st.inputs, st.sources, in_grads):
                     if src != MODEL and g is not None:
                         grads[(n, k, s)] = g
+            elif a.kind == "W":
+                w.backward_weight(k)
+                recs[rank].add("backward", str(a), t0, recs[rank].now(), minibatch=k,
+                               version=a.version)
             else:
                 comp = next((c for c in self._sync if s in c), (s,)) if self._delay == 0 else (s,)
                 group = pending.setdefault((comp[0], k), [])

@@ -12,9 +12,14 @@ every backward round, the batched kinds one per batch. The replicas of a stage p
 ``U<i>`` together (an all-reduce of the gradients accumulated since ``U<i-1>``), which is why
 every replica of a stage has the same number of updates, some possibly with zero local gradients.
 
+``W3`` (zero-bubble kinds only) is the weight-gradient half of minibatch 3's backward: on a rank
+whose list has W actions, ``B3`` computes only the input gradients (what the previous stage waits
+for) and ``W3``, later, the weight gradients (filling what would be idle time). A rank either
+splits every backward or none.
+
 Weight versions: version v = the weights after v updates of that rank. ``Action.version`` on F is
-the version the forward reads; on B the version the backward must use (the same one, read from
-the stash: PipeDream's weight stashing); on U the version it produces.
+the version the forward reads; on B and W the version the backward must use (the same one, read
+from the stash: PipeDream's weight stashing); on U the version it produces.
 
 Only pure Python here: no torch, no processes, so the schedule can be tested, printed and
 simulated on any machine.
@@ -30,8 +35,9 @@ from typing import Literal, Mapping, Sequence
 from fxpipe.errors import ConfigError, FxpipeError
 
 Rank = tuple[int, int]
-ActionKind = Literal["F", "B", "U"]
-SCHEDULE_KINDS = ("pipedream", "1f1b-flush", "gpipe", "2bw")
+ActionKind = Literal["F", "B", "W", "U"]
+SCHEDULE_KINDS = ("pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2")
+SYNCHRONOUS_KINDS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")  # flush every batch: minibatch SGD
 
 
 class ScheduleError(FxpipeError, ValueError):
@@ -60,8 +66,8 @@ class Action:
     version: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("F", "B", "U"):
-            raise ConfigError(f"unknown action kind {self.kind!r}", "use 'F', 'B' or 'U'")
+        if self.kind not in ("F", "B", "W", "U"):
+            raise ConfigError(f"unknown action kind {self.kind!r}", "use 'F', 'B', 'W' or 'U'")
 
     def __str__(self) -> str:
         return f"{self.kind}{self.minibatch}"
@@ -70,8 +76,9 @@ class Action:
     def parse(cls, text: str) -> Action:
         """``"F3"`` -> ``Action("F", 3)``: lets tests and users write schedules as text."""
         text = text.strip()
-        if len(text) < 2 or text[0] not in "FBU" or not text[1:].isdigit():
-            raise ConfigError(f"cannot parse action {text!r}", "write e.g. 'F3', 'B3' or 'U0'")
+        if len(text) < 2 or text[0] not in "FBWU" or not text[1:].isdigit():
+            raise ConfigError(f"cannot parse action {text!r}",
+                              "write e.g. 'F3', 'B3', 'W3' or 'U0'")
         return cls(text[0], int(text[1:]))  # type: ignore[arg-type]
 
 
@@ -150,6 +157,12 @@ class Schedule:
         return cls(kind, tuple(replicas), num_minibatches, acts)
 
 
+def split_ranks(sched: Schedule) -> frozenset[Rank]:
+    """The ranks whose backwards are split into B (input gradients) and W (weight gradients)."""
+    return frozenset(rank for rank, acts in sched.actions.items()
+                     if any(a.kind == "W" for a in acts))
+
+
 # ----------------------------------------------------------------------------- generation
 
 def _windows(replicas: list[int], noam: int | None) -> tuple[int, tuple[int, ...]]:
@@ -213,18 +226,23 @@ def _with_versions(acts: list[Action], forward_version) -> tuple[Action, ...]:
         elif a.kind == "F":
             seen[a.minibatch] = forward_version(a.minibatch, updates)
             out.append(Action("F", a.minibatch, seen[a.minibatch]))
-        else:
-            out.append(Action("B", a.minibatch, seen[a.minibatch]))
+        else:  # B and W use the forward's version
+            out.append(Action(a.kind, a.minibatch, seen[a.minibatch]))
     return tuple(out)
 
 
 def make_schedule(kind: str, replicas: list[int], num_minibatches: int, *,
-                  noam: int | None = None, microbatches: int | None = None) -> Schedule:
+                  noam: int | None = None, microbatches: int | None = None,
+                  costs: Sequence[tuple[float, float, float]] | None = None,
+                  comm: Sequence[float] | None = None) -> Schedule:
     """Generate the schedule of ``kind`` (one of SCHEDULE_KINDS) and validate it.
 
     ``microbatches`` (m) is the number of minibatches per weight update for the batched kinds
     (default: the total number of workers, the smallest batch that fills the pipeline); pipedream
     updates after every backward round. ``noam`` overrides the input stage's admission window.
+    ``costs``: per stage (F, B, W) seconds and ``comm`` per cut (into stage s) seconds, which the
+    zero-bubble kinds' greedy scheduler places W's by (:mod:`fxpipe.runtime.zerobubble`;
+    default: equal unit costs, no communication).
     """
     if kind not in SCHEDULE_KINDS:
         raise ConfigError(f"unknown schedule kind {kind!r}", f"use one of {SCHEDULE_KINDS}")
@@ -243,6 +261,13 @@ def make_schedule(kind: str, replicas: list[int], num_minibatches: int, *,
         raise ConfigError(f"microbatches={m}", "use at least 1 microbatch per batch")
     noam_, wins = _windows(replicas, noam)
     n = num_minibatches
+    zb: list[dict[Rank, list[Action]]] = []
+    if kind.startswith("zb-"):
+        from . import zerobubble
+
+        wins = zerobubble.limits(kind, wins)
+        zb = [zerobubble.batch_orders(replicas, range(b * m, min(n, (b + 1) * m)), wins, costs,
+                                      comm) for b in range(math.ceil(n / m))]
     acts: dict[Rank, tuple[Action, ...]] = {}
     for s, r in enumerate(replicas):
         for j in range(r):
@@ -265,6 +290,8 @@ def make_schedule(kind: str, replicas: list[int], num_minibatches: int, *,
                     batch = by_batch.get(b, [])
                     if kind == "gpipe":
                         body += [Action("F", k) for k in batch] + [Action("B", k) for k in batch]
+                    elif zb:
+                        body += zb[b][(s, j)]
                     else:
                         body += _one_f_one_b(batch, wins[s])
                     body.append(Action("U", b))
@@ -292,8 +319,13 @@ def _static_checks(sched: Schedule) -> None:
         s = rank[0]
         fwd: dict[int, int | None] = {}
         bwd: set[int] = set()
+        wgt: set[int] = set()
         updates = 0
         for a in acts:
+            if a.kind == "W":
+                _check_weight_action(a, rank, fwd, bwd, wgt)
+                wgt.add(a.minibatch)
+                continue
             where = f"{a} on stage {s} replica {rank[1]}"
             if a.kind == "U":
                 if a.minibatch != updates or a.version not in (None, updates + 1):
@@ -328,6 +360,11 @@ def _static_checks(sched: Schedule) -> None:
         if lacking:
             raise ScheduleError(f"forward of minibatch {lacking[0]} on stage {s} replica "
                                 f"{rank[1]} lacks its backward", "add B<k> after F<k>")
+        unsplit = sorted(bwd - wgt) if wgt else []
+        if unsplit:
+            raise ScheduleError(f"backward of minibatch {unsplit[0]} on stage {s} replica "
+                                f"{rank[1]} has no W, but others on that rank do",
+                                "a rank splits every backward into B and W, or none")
     for s in range(S):
         missing = sorted(set(range(n)) - seen_f[s])
         if missing:
@@ -338,6 +375,20 @@ def _static_checks(sched: Schedule) -> None:
         if len(counts) > 1:
             raise ScheduleError(f"replicas of stage {s} make different numbers of updates "
                                 f"{sorted(counts)}", "replicas all-reduce every update together")
+
+
+def _check_weight_action(a: Action, rank: Rank, fwd: Mapping[int, int | None],
+                         bwd: set[int], wgt: set[int]) -> None:
+    """W<k>: after this rank's B<k>, once, with its forward's weight version."""
+    where = f"{a} on stage {rank[0]} replica {rank[1]}"
+    if a.minibatch not in bwd:
+        raise ScheduleError(f"{where}: weight gradients before the backward's input part",
+                            "put B<k> before W<k> on the same rank")
+    if a.minibatch in wgt:
+        raise ScheduleError(f"{where}: weight gradients repeated", "one W per B")
+    if a.version != fwd[a.minibatch]:
+        raise ScheduleError(f"{where}: uses version {a.version}, its forward used "
+                            f"{fwd[a.minibatch]}", "stash the forward's weights")
 
 
 def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = (),
@@ -362,6 +413,8 @@ def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = (),
         s = rank[0]
         if a.kind == "F":
             return None if s == 0 else ("F", s - 1, a.minibatch)
+        if a.kind == "W":  # its own B, earlier in the same list
+            return ("B", s, a.minibatch)
         return ("F", s, a.minibatch) if s == S - 1 else ("B", s + 1, a.minibatch)
 
     progress = True

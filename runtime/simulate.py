@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 
 from fxpipe.errors import ConfigError
 
-from .schedule import Action, Rank, Schedule, execution_order
+from .schedule import SYNCHRONOUS_KINDS, Action, Rank, Schedule, execution_order
 
 
 @dataclass(frozen=True)
@@ -56,17 +56,22 @@ def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]
 def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[float],
              comm_time: float | Sequence[float] = 0.0,
              update_time: float | Sequence[float] = 0.0, *,
-             sync: Sequence[Sequence[int]] = (), delay: int = 0) -> Timeline:
+             sync: Sequence[Sequence[int]] = (), delay: int = 0,
+             weight_fraction: float | Sequence[float] = 0.5) -> Timeline:
     """Time ``sched``: per-stage forward/backward seconds per minibatch (a replica handles whole
     minibatches, so these are per replica), ``comm_time`` per cut (s-1 -> s, paid by activations
     and by gradients alike) and ``update_time`` per stage (an update of all replicas together).
     ``sync``/``delay``: stage sets sharing tied weights, as in ``execution_order``: with delay 0
     their updates start together (the tied all-reduce is a barrier), with delay d an update i
-    waits for update i-d of the other stages of its set."""
+    waits for update i-d of the other stages of its set. On a rank that splits its backwards
+    (zero-bubble kinds) W takes ``weight_fraction`` of the backward and B the rest (half each:
+    ``dX = dY W^T`` and ``dW = X^T dY`` cost alike)."""
     S = sched.num_stages
     fwd = _per_stage(fwd_time, S, "fwd_time")
     bwd = _per_stage(bwd_time, S, "bwd_time")
     upd = _per_stage(update_time, S, "update_time")
+    wfr = _per_stage(weight_fraction, S, "weight_fraction")
+    split = {rank for rank, acts in sched.actions.items() if any(a.kind == "W" for a in acts)}
     comm = _per_stage(comm_time, max(S - 1, 0), "comm_time") if S > 1 else []
     free = {rank: 0.0 for rank in sched.ranks}
     end_of: dict[tuple[str, int, int], float] = {}
@@ -91,10 +96,13 @@ def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[floa
         elif a.kind == "F":
             ready = 0.0 if s == 0 else end_of[("F", s - 1, a.minibatch)] + comm[s - 1]
             start, dur = max(free[rank], ready), fwd[s]
+        elif a.kind == "W":  # after its own B, on the same rank
+            start, dur = free[rank], bwd[s] * wfr[s]
         else:
             ready = (end_of[("F", s, a.minibatch)] if s == S - 1
                      else end_of[("B", s + 1, a.minibatch)] + comm[s])
-            start, dur = max(free[rank], ready), bwd[s]
+            start = max(free[rank], ready)
+            dur = bwd[s] * (1.0 - wfr[s]) if rank in split else bwd[s]
         free[rank] = start + dur
         if a.kind != "U":
             end_of[(a.kind, s, a.minibatch)] = start + dur
@@ -119,7 +127,7 @@ def _steady_period(sched: Schedule, events: Mapping[Rank, list[Event]], makespan
     # a replicated pipeline repeats its pattern every lcm(replicas) minibatches: measure whole
     # rounds (whole batches when the schedule flushes) so the slope is exact
     g = math.lcm(*sched.replicas)
-    if sched.kind in ("gpipe", "1f1b-flush"):
+    if sched.kind in SYNCHRONOUS_KINDS:
         g = math.lcm(g, sched.group)
     groups = [max(done[k:k + g]) for k in range(0, n - g + 1, g)]
     if len(groups) < 2:
@@ -132,9 +140,10 @@ def _steady_period(sched: Schedule, events: Mapping[Rank, list[Event]], makespan
 
 def format_grid(sched: Schedule, *, width: int | None = None) -> str:
     """The schedule as the paper's figures draw it: one row per rank, one column per time slot
-    of a unit-time simulation (forward = backward = 1, no communication). Updates take no time
-    and are not drawn; idle slots are dots."""
-    tl = simulate(sched, [1.0] * sched.num_stages, [1.0] * sched.num_stages)
+    of a unit-time simulation (forward = backward = 1, no communication; a split backward's B
+    and W take a slot each). Updates take no time and are not drawn; idle slots are dots."""
+    split = any(a.kind == "W" for acts in sched.actions.values() for a in acts)
+    tl = simulate(sched, [1.0] * sched.num_stages, [2.0 if split else 1.0] * sched.num_stages)
     slots = int(round(tl.makespan))
     cells = {rank: ["."] * slots for rank in sched.ranks}
     for rank, evs in tl.events.items():

@@ -36,6 +36,7 @@ from fxpipe.codegen.split import MODEL, StageSpec
 
 from .device import move_constants
 from .errors import RuntimeConfigError, StashError
+from .splitgrad import WeightTask, input_gradients
 from .stash import OptimizerFactory, WeightStash, swapped_call, tensor_slots
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ class StageReplica:
         if device is not None:
             move_constants(spec.gm, device)
         self._flight: dict[int, _InFlight] = {}
+        self._weight_tasks: dict[int, WeightTask] = {}  # split backwards awaiting their W
         self._grad_sum: dict[str, torch.Tensor] = {}
         # names whose sum is a tensor this replica allocated (safe to add to / divide in place);
         # a first gradient is kept as autograd returned it, which may alias a tensor that is sent
@@ -219,7 +221,8 @@ class StageReplica:
 
     def backward(self, minibatch: int, output_grads: Sequence[torch.Tensor | None], *,
                  on_grad: Callable[[str, torch.Tensor], None] | None = None,
-                 hooked: Collection[str] | None = None) -> list[torch.Tensor | None]:
+                 hooked: Collection[str] | None = None,
+                 split: bool = False) -> list[torch.Tensor | None]:
         """Backward of ``minibatch`` given the gradients of its outputs (ignored on the last
         stage); accumulates parameter gradients and returns the inputs' gradients (None for
         non-differentiable inputs; zeros where an input did not influence the outputs).
@@ -228,7 +231,11 @@ class StageReplica:
         ``name``'s gradient is computed, with its new gradient sum (the same tensor that is then
         kept): lets the caller all-reduce it while the rest of the backward runs. Parameters
         without a gradient are not reported. ``hooked``: the names reported this way (default:
-        every trainable one); the caller reads the other sums from :attr:`grad_sums` after."""
+        every trainable one); the caller reads the other sums from :attr:`grad_sums` after.
+
+        ``split``: compute only the input gradients now (a zero-bubble schedule's B); the weight
+        gradients wait for :meth:`backward_weight` (its W), which also releases the weights'
+        version. The results are those of the fused backward (:mod:`.splitgrad`)."""
         if minibatch not in self._flight:
             raise StashError(f"backward of minibatch {minibatch} on stage {self.spec.index} "
                              "without its forward", "run F<k> before B<k>")
@@ -246,6 +253,11 @@ class StageReplica:
         diff_in = [i for i, t in enumerate(fl.inputs)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         names = self.stash.trainable
+        if split:
+            got, task = input_gradients(roots, seeds, [fl.inputs[i] for i in diff_in],
+                                        [weights[n] for n in names])
+            self._weight_tasks[minibatch] = task
+            return self._input_grads(fl.inputs, diff_in, got)
         wrt = [fl.inputs[i] for i in diff_in] + [weights[n] for n in names]
         grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
         summed: dict[str, torch.Tensor] = {}  # sums already made by the hooks
@@ -258,15 +270,46 @@ class StageReplica:
         finally:
             for h in hooks:  # the weights are shared with other minibatches' graphs
                 h.remove()
+        self._weights_done(minibatch, names, grads[len(diff_in):], summed)
+        return self._input_grads(fl.inputs, diff_in, grads[:len(diff_in)])
+
+    def backward_weight(self, minibatch: int, *,
+                        on_grad: Callable[[str, torch.Tensor], None] | None = None,
+                        hooked: Collection[str] | None = None) -> None:
+        """W of ``minibatch``: the weight gradients its split :meth:`backward` left, summed like
+        the fused backward's (``on_grad``/``hooked`` as there)."""
+        task = self._weight_tasks.pop(minibatch, None)
+        if task is None:
+            raise StashError(f"weight gradients of minibatch {minibatch} on stage "
+                             f"{self.spec.index} without its split backward",
+                             "run B<k> (split) before W<k>")
+        names = self.stash.trainable
+        summed: dict[str, torch.Tensor] = {}
+        hook = None
+        if on_grad is not None:
+            def hook(i: int, g: torch.Tensor) -> None:
+                if hooked is None or names[i] in hooked:
+                    self._hook(names[i], summed, on_grad, g)
+        self._weights_done(minibatch, names, task.run(hook), summed)
+
+    def _weights_done(self, minibatch: int, names: Sequence[str],
+                      grads: Sequence[torch.Tensor | None], summed: Mapping[str, torch.Tensor]
+                      ) -> None:
+        """Sum a minibatch's weight gradients (those the hooks have not summed yet), count the
+        minibatch and let its weight version go."""
         self.stash.release(minibatch)
-        for n, g in zip(names, grads[len(diff_in):]):
+        for n, g in zip(names, grads):
             if n not in summed and g is not None:  # the hooks already added theirs
                 self._accumulate(n, g)
         self._count += 1
-        in_grads: list[torch.Tensor | None] = [None] * len(fl.inputs)
-        for i, g in zip(diff_in, grads[:len(diff_in)]):
-            in_grads[i] = torch.zeros_like(fl.inputs[i]) if g is None else g
-        return in_grads
+
+    @staticmethod
+    def _input_grads(inputs: Sequence[Any], diff_in: Sequence[int],
+                     grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, g in zip(diff_in, grads):
+            out[i] = torch.zeros_like(inputs[i]) if g is None else g
+        return out
 
     def _hook(self, name: str, summed: dict[str, torch.Tensor],
               on_grad: Callable[[str, torch.Tensor], None], g: torch.Tensor) -> None:

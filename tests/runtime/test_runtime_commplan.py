@@ -171,7 +171,7 @@ SHAPES = [(reps, skip) for n in (2, 3, 4) for reps in itertools.product((1, 2, 3
           if sum(reps) <= 8 for skip in ((False, True) if n >= 3 else (False,))]
 
 
-@pytest.mark.parametrize("kind", ["pipedream", "1f1b-flush", "gpipe", "2bw"])
+@pytest.mark.parametrize("kind", ["pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2"])
 def test_plan_is_nccl_safe_for_every_shape(kind: str) -> None:
     checked = 0
     for reps, skip in SHAPES:
@@ -200,3 +200,20 @@ def test_plan_lists_each_actions_messages_in_the_global_order() -> None:
         sent = [(m.minibatch, m.value) for m in plans[a].ops if m.send and m.peer == b]
         got = [(m.minibatch, m.value) for m in plans[b].ops if not m.send and m.peer == a]
         assert sent == got
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2"])
+def test_weight_actions_carry_no_messages(kind: str) -> None:
+    """W computes weight gradients only: the zero-bubble kinds send exactly the messages of
+    1f1b-flush on the same shape (one activation and one gradient per cut and minibatch)."""
+    links = chain(3, skip=True)
+    zb = make_schedule(kind, [1, 2, 1], 16, microbatches=8)
+    flush = make_schedule("1f1b-flush", [1, 2, 1], 16, microbatches=8)
+    plans = comm_plans(links, zb, index_of(links), always)
+    for rank, plan in plans.items():
+        for a, r, s in zip(zb.actions[rank], plan.recvs, plan.sends):
+            if a.kind == "W":
+                assert r == () and s == ()
+    base = comm_plans(links, flush, index_of(links), always)
+    assert {r: sorted(p.ops) for r, p in plans.items()} == {r: sorted(p.ops)
+                                                             for r, p in base.items()}

@@ -1,0 +1,167 @@
+"""Zero-bubble schedules (ZB-H1, ZB-H2): literal tables, the bubble they leave, and training
+that equals the reference executor and minibatch SGD (every W before its batch's update)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+import torch
+from rt_helpers import SkipMLP, batches, loss_fn, sgd, split, tiny_mlp
+from rt_spawn import Job, run_jobs
+from rt_tied import TiedLM, ce, plain_sgd_groups, sgd_m, token_batches
+
+from fxpipe.errors import ConfigError
+from fxpipe.runtime.buckets import last_backwards
+from fxpipe.runtime.plansim import peak_in_flight
+from fxpipe.runtime.reference import ReferenceExecutor
+from fxpipe.runtime.schedule import (Action, Schedule, ScheduleError, make_schedule,
+                                     split_ranks, validate)
+from fxpipe.runtime.simulate import format_grid, simulate
+
+TIGHT = dict(rtol=1e-6, atol=1e-7)
+
+
+def table(sched: Schedule) -> dict[tuple[int, int], str]:
+    return {rank: " ".join(map(str, acts)) for rank, acts in sched.actions.items()}
+
+
+# ----------------------------------------------------------------------------- as data
+
+def test_zb_h1_two_stages_by_hand() -> None:
+    """F = B = W = 1, 1F1B's windows (2, 1): stage 1 runs F B W at once (one minibatch in
+    flight); stage 0 admits two, and its W's fill the slot a B is not there yet."""
+    s = make_schedule("zb-h1", [1, 1], 4, microbatches=4)
+    assert table(s) == {(0, 0): "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3 U0",
+                        (1, 0): "F0 B0 W0 F1 B1 W1 F2 B2 W2 F3 B3 W3 U0"}
+    assert s.windows == (2, 1) and split_ranks(s) == {(0, 0), (1, 0)}
+
+
+def test_zb_h2_two_stages_by_hand() -> None:
+    """Three in flight per stage (2 x 2 - 1): stage 0's third F fills the start-up; stage 1
+    puts its W's off while B's are to be done, and every slot is busy but the first of stage 1
+    and the last of stage 0: makespan 3m + S - 1 = 13."""
+    s = make_schedule("zb-h2", [1, 1], 4, microbatches=4)
+    assert table(s) == {(0, 0): "F0 F1 F2 B0 W0 B1 F3 B2 W1 W2 B3 W3 U0",
+                        (1, 0): "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3 U0"}
+    assert format_grid(s).splitlines() == [
+        "s0r0  |F0 F1 F2 B0 W0 B1 F3 B2 W1 W2 B3 W3  .",
+        "s1r0  | . F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+@pytest.mark.parametrize("per", [1, 2, 4])
+def test_zb_h2_leaves_only_the_last_stages_start_up(stages: int, per: int) -> None:
+    """Balanced stages, F = B = W = 1: each stage does 3m slots of work and the last one
+    cannot start before slot S - 1, so 3m + S - 1 is the least makespan; ZB-H2 reaches it,
+    ZB-H1 and 1F1B do not (1F1B: (m + S - 1)(F + B + W))."""
+    m = per * stages
+    unit = ([1.0] * stages, [2.0] * stages)
+    zb2 = simulate(make_schedule("zb-h2", [1] * stages, m, microbatches=m), *unit).makespan
+    zb1 = simulate(make_schedule("zb-h1", [1] * stages, m, microbatches=m), *unit).makespan
+    fused = simulate(make_schedule("1f1b-flush", [1] * stages, m, microbatches=m), *unit).makespan
+    assert zb2 == 3 * m + stages - 1
+    assert fused == 3 * (m + stages - 1)
+    assert zb2 < zb1 < fused
+
+
+def test_memory_of_each_kind_in_minibatches_in_flight() -> None:
+    for kind, want in (("1f1b-flush", [4, 3, 2, 1]), ("zb-h1", [4, 3, 2, 1]),
+                       ("zb-h2", [7, 7, 7, 7])):
+        s = make_schedule(kind, [1] * 4, 16, microbatches=16)
+        assert [peak_in_flight(s.actions[(k, 0)]) for k in range(4)] == want, kind
+
+
+def test_unbalanced_stages_place_the_ws_by_their_costs() -> None:
+    """A slow middle stage (3x): W's of the others fill their waits for it; the bubble left is
+    the slow stage's start-up and drain only, far below 1F1B's."""
+    costs = [(1.0, 1.0, 1.0), (3.0, 3.0, 3.0), (1.0, 1.0, 1.0)]
+    fwd, bwd = [c[0] for c in costs], [c[1] + c[2] for c in costs]
+    m = 12
+    zb = simulate(make_schedule("zb-h2", [1, 1, 1], m, microbatches=m, costs=costs), fwd, bwd)
+    fl = simulate(make_schedule("1f1b-flush", [1, 1, 1], m, microbatches=m), fwd, bwd)
+    assert zb.makespan < fl.makespan
+    assert zb.makespan <= 9 * m + 2 * 1 + 2 * 1  # the slow stage's work + the others' F, B ahead
+
+
+def test_w_rules_are_validated() -> None:
+    ok = Schedule.from_text([1], {(0, 0): "F0 F1 B0 W0 B1 W1 U0"})
+    validate(ok)
+    for text, match in (("F0 W0 B0 U0", "before the backward's input part"),
+                        ("F0 B0 W0 W0 U0", "weight gradients repeated"),
+                        ("F0 F1 B0 W0 B1 U0", "a rank splits every backward")):
+        with pytest.raises(ScheduleError, match=match):
+            validate(Schedule.from_text([1], {(0, 0): text}))
+    assert Action.parse("W3") == Action("W", 3)
+
+
+def test_buckets_launch_after_the_last_w_of_a_round() -> None:
+    assert last_backwards("FFBWBWUFBWU") == {5: 6, 9: 10}
+    assert last_backwards("FFBBUFBU") == {3: 4, 6: 7}
+
+
+def test_zero_bubble_kinds_reject_a_memory_of_nothing() -> None:
+    from fxpipe.runtime import zerobubble
+    with pytest.raises(ConfigError, match="stuck"):
+        zerobubble.batch_orders([1, 1], range(2), [0, 0])
+
+
+# ----------------------------------------------------------------------------- training
+
+CASES = {
+    "zb-h1-2stage": (tiny_mlp, (2,), (1, 1), "zb-h1", 8, 4, False),
+    "zb-h2-2stage": (tiny_mlp, (2,), (1, 1), "zb-h2", 8, 4, False),
+    "zb-h2-3stage-skip": (SkipMLP, (2, 4), (1, 1, 1), "zb-h2", 8, 4, False),
+    "zb-h1-4stage": (tiny_mlp, (1, 2, 3), (1, 1, 1, 1), "zb-h1", 8, 4, False),
+    "zb-h2-4stage": (tiny_mlp, (1, 2, 3), (1, 1, 1, 1), "zb-h2", 8, 4, False),
+    "zb-h2-2-1": (tiny_mlp, (2,), (2, 1), "zb-h2", 8, 4, False),
+    "zb-h1-tied-2-1": (TiedLM, (1,), (2, 1), "zb-h1", 8, 4, True),
+}
+
+
+def _parts(name: str):
+    make, cuts, reps, kind, n, m, tied = CASES[name]
+    lf, opt = (ce, sgd_m) if tied else (loss_fn, sgd)
+    data = token_batches(n) if tied else batches(n)
+    return make, cuts, list(reps), make_schedule(kind, list(reps), n, microbatches=m), lf, opt, \
+        data, m
+
+
+@pytest.fixture(scope="module")
+def distributed() -> dict[str, object]:
+    jobs = []
+    for name in CASES:
+        make, cuts, reps, sched, lf, opt, data, _ = _parts(name)
+        jobs.append(Job(split(make(), list(cuts)), reps, sched, lf, opt, data))
+    return dict(zip(CASES, run_jobs(jobs)))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_distributed_equals_reference_and_minibatch_sgd(name: str, distributed) -> None:
+    make, cuts, reps, sched, lf, opt, data, m = _parts(name)
+    ref = ReferenceExecutor(split(make(), list(cuts)), reps, sched, lf, opt).run(data)
+    got = distributed[name]
+    torch.testing.assert_close(got.losses, ref.losses, **TIGHT)
+    for rank in ref.replica_params:
+        torch.testing.assert_close(got.replica_params[rank], ref.replica_params[rank], **TIGHT)
+    assert got.peak_bytes == ref.peak_bytes
+    want = plain_sgd_groups(make(), data, m, lf, opt)
+    for params in ref.replica_params.values():
+        for n, p in params.items():
+            torch.testing.assert_close(p, want[n], **TIGHT, msg=f"{name} {n}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_costs_give_a_valid_schedule(data) -> None:
+    """The greedy never gets stuck and always yields a schedule an in-order executor carries
+    out: any replica vector, stage costs (zero ones included) and message times."""
+    reps = data.draw(st.lists(st.integers(1, 2), min_size=2, max_size=4))
+    cost = st.floats(0.0, 3.0, allow_nan=False)
+    costs = [data.draw(st.tuples(cost, cost, cost)) for _ in reps]
+    comm = [data.draw(cost) for _ in reps]
+    kind = data.draw(st.sampled_from(["zb-h1", "zb-h2"]))
+    m = data.draw(st.integers(1, 8))
+    s = make_schedule(kind, reps, 2 * m, microbatches=m, costs=costs, comm=comm)
+    validate(s)
+    assert all(sum(a.kind == "W" for a in acts) == sum(a.kind == "B" for a in acts)
+               for acts in s.actions.values())
