@@ -372,18 +372,20 @@ CHOOSERS = ("planner", "simulation")
 
 def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 stages: int | None = None, straight: bool = False,
-                choose: str = "planner") -> Plan:
+                choose: str = "planner", schedule: str = "pipedream") -> Plan:
     """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds).
     ``simulation``: the planner's candidates, each event-simulated with its schedule, the fastest
     kept (``fxpipe.runtime.plan_choice``; seconds at 16 workers): it sees the 1F1B start-up and
-    replicas waiting for each other, which the analytic bottleneck does not."""
+    replicas waiting for each other, which the analytic bottleneck does not. ``schedule``: the
+    schedule kind the plans are simulated with (the best plan depends on its bubble)."""
     if choose not in CHOOSERS:
         raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
     if choose == "planner":
         return partition(profile, cluster, sync=sync, stages=stages, straight=straight)
     from fxpipe.runtime.plan_choice import choose_by_simulation
 
-    choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages, straight=straight)
+    choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages, straight=straight,
+                                  schedules=(schedule,))
     log.info("%s", choice.summary())
     return choice.plan
 

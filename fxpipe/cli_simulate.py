@@ -83,7 +83,8 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
         from fxpipe.api import choose_plan
 
         plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
-                           straight=args.straight, choose=args.choose)
+                           straight=args.straight, choose=args.choose,
+                           schedule=args.schedule)
     return profile, plan
 
 

@@ -16,13 +16,13 @@
   the first minibatch whose smoothed loss reaches the level, or, if it does not within the pilot,
   the pilot length divided by the fraction of the baseline's loss drop it achieved.
 * **The choice**: the smallest predicted time, except that an asynchronous candidate must beat
-  the best synchronous one (``1f1b-flush``, ``gpipe``) by ``margin`` (default 5%): a short pilot
-  sees the start of training only, and staleness costs more later (measured in BENCHMARKS.md,
+  the best synchronous one (``1f1b-flush``, ``gpipe``, ``zb-h1``, ``zb-h2``) by ``margin``
+  (default 5%): a short pilot sees the start of training only, and staleness costs more later (measured in BENCHMARKS.md,
   section ``statistical-efficiency``), so a near tie goes to the schedule without staleness.
 
 Cost: ``len(candidates)`` x ``pilot`` minibatch steps of the whole model in one process (gpipe
-reuses flush's curve: same arithmetic). Opt out with an explicit schedule, or ``auto_options=
-{"pilot": 0}``, which picks the synchronous baseline without a pilot (as does a run with fewer
+and the zero-bubble kinds reuse flush's curve: the same minibatch-SGD updates). Opt out with an
+explicit schedule, or ``auto_options={"pilot": 0}``, which picks the synchronous baseline without a pilot (as does a run with fewer
 than ``min_pilot`` minibatches). LocalSGD is not a candidate: the distributed executor does not
 run it.
 """
@@ -45,10 +45,11 @@ from .schedule_spec import parse_schedule
 
 log = logging.getLogger(__name__)
 
-SYNCHRONOUS = ("1f1b-flush", "gpipe")
+SYNCHRONOUS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")
+SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # minibatch SGD, flush's arithmetic: its pilot curve
 SAFE = ("the synchronous schedule is never statistically worse, so it is the safe choice "
         "without a measurement")
-DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "2bw", "pipedream", "pipedream+lr_scale",
+DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream", "pipedream+lr_scale",
                       "pipedream+predict", "pipedream+dc", "pipedream+momentum",
                       "pipedream+predict+momentum")
 
@@ -222,8 +223,8 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     try:
         for c in candidates:
             spec = parse_schedule(c)
-            if spec.kind == "gpipe" and "1f1b-flush" in curves:
-                curves[c] = curves["1f1b-flush"]  # the same arithmetic (see the module doc)
+            if spec.kind in SAME_AS_FLUSH and "1f1b-flush" in curves:
+                curves[c] = curves["1f1b-flush"]  # the same updates (see the module doc)
                 continue
             torch.manual_seed(seed)
             copies = copy.deepcopy(list(stages))

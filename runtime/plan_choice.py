@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
@@ -36,11 +37,13 @@ TIE = 1e-9  # relative: simulated times this close are ties, won by fewer stages
 
 @dataclass(frozen=True)
 class Candidate:
-    """One proposed plan: its replicas, the planner's and the simulator's time per minibatch."""
+    """One proposed plan under one schedule: its replicas, the planner's and the simulator's
+    time per minibatch."""
 
     replicas: tuple[int, ...]
     planner_s: float
     simulated_s: float
+    schedule: str = "pipedream"
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class SimulatedChoice:
     plan: Plan
     simulation: PlanSimulation
     candidates: tuple[Candidate, ...]
+    schedule: str = "pipedream"  # the schedule the chosen plan was simulated with
 
     @property
     def planner_plan(self) -> Candidate:
@@ -59,8 +63,9 @@ class SimulatedChoice:
     def summary(self) -> str:
         lines = ["candidates (planner's best plan per stage count, simulated):"]
         for c in self.candidates:
-            mark = " <- chosen" if c.replicas == tuple(self.plan.replicas) else ""
-            lines.append(f"  {'-'.join(map(str, c.replicas)):>24}  planner "
+            mark = (" <- chosen" if c.replicas == tuple(self.plan.replicas)
+                    and c.schedule == self.schedule else "")
+            lines.append(f"  {'-'.join(map(str, c.replicas)):>24}  {c.schedule:<11} planner "
                          f"{c.planner_s * 1e3:9.3f} ms  simulated {c.simulated_s * 1e3:9.3f} ms"
                          f"{mark}")
         return "\n".join(lines)
@@ -69,11 +74,15 @@ class SimulatedChoice:
 def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                          stages: int | None = None, straight: bool = False,
                          optimizer_state_factor: float = 1.0, max_stages: int = 8,
-                         exact_up_to: int = 16, minibatches: int = 200) -> SimulatedChoice:
+                         exact_up_to: int = 16, minibatches: int = 200,
+                         schedules: Sequence[str] = ("pipedream",)) -> SimulatedChoice:
     """The planner's candidates (see the module doc; only the ``stages``-stage optimum when
-    ``stages`` is given), each simulated with the pipedream schedule for at least
-    ``minibatches`` (more for many replicas: ``plansim.minibatches_for``); returns the fastest
-    in steady state."""
+    ``stages`` is given), each simulated with each of ``schedules`` (e.g. the synchronous
+    ``1f1b-flush`` and zero-bubble ``zb-h1``/``zb-h2`` next to ``pipedream``: the best plan
+    depends on the schedule's bubble) for at least ``minibatches`` (more for many replicas:
+    ``plansim.minibatches_for``); returns the fastest (plan, schedule) in steady state."""
+    if not schedules:
+        raise ConfigError("schedules is empty", "give at least one schedule kind to simulate")
     for name, v in (("max_stages", max_stages), ("exact_up_to", exact_up_to),
                     ("minibatches", minibatches)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -91,22 +100,24 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                 except InfeasiblePlanError:  # more stages than cut points, or memory
                     continue
     seen: set[tuple] = set()
-    sims: list[tuple[Plan, PlanSimulation]] = []
+    sims: list[tuple[Plan, str, PlanSimulation]] = []
     for p in plans:
         key = (tuple(_starts(profile, p)), tuple(p.replicas))
         if key not in seen:
             seen.add(key)
             n = minibatches_for(p.replicas, floor=minibatches)
-            sims.append((p, simulate_plan(p, profile, minibatches=n)))
-    cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period)
-                  for p, s in sims)
-    fastest = min(s.steady_state_period for _, s in sims)
-    plan, sim = min((ps for ps in sims if ps[1].steady_state_period <= fastest * (1 + TIE)),
-                    key=lambda ps: (len(ps[0].stages), ps[1].steady_state_period))
-    log.info("chose replicas %s by simulation (%.4g s/minibatch; the planner's optimum %s: %.4g "
-             "s simulated)", plan.replicas, sim.steady_state_period, best.replicas,
-             sims[0][1].steady_state_period)
-    return SimulatedChoice(plan, sim, cands)
+            sims.extend((p, k, simulate_plan(p, profile, schedule=k, minibatches=n))
+                        for k in schedules)
+    cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period, k)
+                  for p, k, s in sims)
+    fastest = min(s.steady_state_period for _, _, s in sims)
+    order = {k: i for i, k in enumerate(schedules)}  # ties: fewer stages, then schedule order
+    plan, kind, sim = min((c for c in sims if c[2].steady_state_period <= fastest * (1 + TIE)),
+                          key=lambda c: (len(c[0].stages), order[c[1]], c[2].steady_state_period))
+    log.info("chose replicas %s with %s by simulation (%.4g s/minibatch; the planner's optimum "
+             "%s: %.4g s simulated)", plan.replicas, kind, sim.steady_state_period,
+             best.replicas, sims[0][2].steady_state_period)
+    return SimulatedChoice(plan, sim, cands, kind)
 
 
 def _starts(profile: Profile, plan: Plan) -> list[int]:

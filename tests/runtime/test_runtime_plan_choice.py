@@ -106,3 +106,26 @@ def test_cli_simulate_choose_simulation(capsys: pytest.CaptureFixture[str]) -> N
                             float(out.rsplit("over BSP ", 1)[1].split("x")[0]))
     assert speedups["planner"][0] == [2, 3, 2, 1] and speedups["simulation"][0] == [7, 1]
     assert speedups["planner"][1] < 1.0 < speedups["simulation"][1]
+
+
+def test_simulation_considers_the_schedules_it_is_given() -> None:
+    """Four 1-1-2 second stages, no network: pipedream's period is a stage's F + B = 3 s; a
+    flushing 1F1B batch of m = 4 takes (m + S - 1)(F + B) = 21 s, 5.25 s per minibatch (by
+    hand); the zero-bubble kinds lie in between. Among schedules, the fastest pair wins."""
+    prof, cluster = chain(4, 1.0, 2.0, 8.0, 8.0), Cluster(workers=4, bandwidth=1e12)
+    kinds = ("1f1b-flush", "zb-h1", "zb-h2", "pipedream")
+    choice = choose_by_simulation(prof, cluster, stages=4, schedules=kinds)
+    got = {c.schedule: c.simulated_s for c in choice.candidates}
+    assert list(got) == list(kinds) and len(choice.candidates) == 4
+    assert got["1f1b-flush"] == pytest.approx(5.25) and got["pipedream"] == pytest.approx(3.0)
+    assert got["pipedream"] < got["zb-h2"] < got["zb-h1"] < got["1f1b-flush"]
+    assert choice.schedule == "pipedream" and "pipedream" in choice.summary()
+    sync = choose_by_simulation(prof, cluster, stages=4, schedules=("1f1b-flush", "zb-h2"))
+    assert sync.schedule == "zb-h2"
+    assert sync.simulation.steady_state_period == pytest.approx(got["zb-h2"])
+    # unconstrained: data parallelism has no bubble, so every schedule ties there at 3 s and
+    # the first one given wins
+    free = choose_by_simulation(prof, cluster, schedules=("zb-h1", "1f1b-flush"))
+    assert free.plan.replicas == [4] and free.schedule == "zb-h1"
+    with pytest.raises(ConfigError, match="schedules is empty"):
+        choose_by_simulation(prof, cluster, schedules=())
