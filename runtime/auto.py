@@ -13,8 +13,9 @@
   executor (the distributed runtime's single-process oracle; CPU, in this process, every rank
   alike). The training losses are smoothed (trailing mean over ``pilot // 8`` minibatches); the
   level is where the synchronous baseline (``1f1b-flush``) ends the pilot; a candidate's count is
-  the first minibatch whose smoothed loss reaches the level, or, if it does not within the pilot,
-  the pilot length divided by the fraction of the baseline's loss drop it achieved.
+  the first minibatch whose smoothed loss reaches the level. One that does not within the pilot
+  is not chosen: extrapolating its progress (an earlier rule) picked stale schedules that were
+  fast early and then stalled short of the target (bench/ablation: 4 of 24 rows, one seed).
 * **The choice**: the smallest predicted time, except that an asynchronous candidate must beat
   the best synchronous one (``1f1b-flush``, ``gpipe``, ``zb-h1``, ``zb-h2``) by ``margin``
   (default 5%): a short pilot sees the start of training only, and staleness costs more later (measured in BENCHMARKS.md,
@@ -142,9 +143,7 @@ def to_level(curve: Sequence[float], level: float, start: float, window: int) ->
     for i in range(window - 1, len(sm)):
         if sm[i] <= level:
             return float(i + 1)
-    drop = start - level
-    done = start - sm[-1]
-    return len(curve) * drop / done if drop > 0 and done > 0 else math.inf
+    return math.inf
 
 
 def decide(curves: Mapping[str, Sequence[float]], periods: Mapping[str, float], *,

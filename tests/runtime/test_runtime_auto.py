@@ -10,7 +10,7 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
-from fxpipe.runtime.auto import AutoOptions, decide, periods, to_level
+from fxpipe.runtime.auto import AutoOptions, decide, periods, smooth, to_level
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.trainer import Trainer
 
@@ -40,13 +40,16 @@ def test_a_near_tie_goes_to_the_synchronous_schedule() -> None:
 
 def test_diverged_and_slow_candidates() -> None:
     flush = line(2.0, 1.0)
-    half = line(2.0, 1.5)  # half of flush's drop: extrapolated to twice the pilot
+    half = line(2.0, 1.5)  # half of flush's drop within the pilot: never reaches the level
     w = max(5, P // 8)
     start = sum(flush[:w]) / w
     level = sum(flush[-w:]) / w
-    done = start - sum(half[-w:]) / w
-    assert to_level(half, level, start, w) == pytest.approx(P * (start - level) / done)
+    assert to_level(half, level, start, w) == math.inf
+    assert to_level(flush, smooth(flush, w)[-1], start, w) == P  # the baseline: at the end
     assert to_level([math.nan] * P, level, start, w) == math.inf
+    # however much faster per minibatch, a candidate that has not reached the level loses
+    d = decide({"1f1b-flush": flush, "pipedream": half}, {"1f1b-flush": 1.0, "pipedream": 0.01})
+    assert d.schedule == "1f1b-flush"
     d = decide({"1f1b-flush": flush, "pipedream": [math.inf] * P},
                {"1f1b-flush": 1.0, "pipedream": 0.1})
     assert d.schedule == "1f1b-flush"
