@@ -58,7 +58,9 @@ from .schedule import Schedule, make_schedule
 from .schedule_spec import AUTO, parse_schedule
 from .staleness import own_delays
 from .stage import LossFn, StageReplica, check_stages, tied_parameters
+from .param_names import wrap_factory
 from .stash import OptimizerFactory
+from .step_options import StepOptions
 from .timeline import TimelineEvent
 from .trainer_backends import DistributedBackend, IdleBackend, ReferenceBackend, surplus_rank
 from .trainer_checkpoint import CheckpointMixin
@@ -118,7 +120,11 @@ class Trainer(CheckpointMixin):
                  timeline: bool = False,
                  fingerprint: str | None = None,
                  state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None,
-                 auto_options: AutoOptions | Mapping[str, Any] | None = None) -> None:
+                 auto_options: AutoOptions | Mapping[str, Any] | None = None,
+                 clip_grad_norm: float | None = None, precision: str = "fp32",
+                 recompute: bool | Sequence[bool] | None = None,
+                 metrics_path: str | None = None, metrics_every: int = 1,
+                 tensorboard_dir: str | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
@@ -139,6 +145,9 @@ class Trainer(CheckpointMixin):
                                      "pass checkpoint_dir='ckpt/'")
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
+        self.options = StepOptions.make(len(self.stages), clip_grad_norm=clip_grad_norm,
+                                        precision=precision, recompute=recompute)
+        optimizer = wrap_factory(optimizer, self.stages, state_keys)  # `names=` (param_names)
         # default segments are whole update groups (m minibatches for the batched kinds, a
         # round of every replica for pipedream), so a boundary never splits a batch
         kinds = ("pipedream", "1f1b-flush") if spec.kind == AUTO else (spec.kind,)
@@ -176,14 +185,16 @@ class Trainer(CheckpointMixin):
         job = surplus_rank() if executor == "distributed" else None
         if executor == "reference":
             self.backend: Any = ReferenceBackend(self.stages, self.replicas, loss_fn, optimizer,
-                                                 empty, stashing=stashing, **mitigated)
+                                                 empty, stashing=stashing, options=self.options,
+                                                 **mitigated)
         elif job is not None and job[0] >= len(empty.ranks):
             self.backend = IdleBackend(job[0], job[1], len(empty.ranks))
         else:
             self.backend = DistributedBackend(self.stages, self.replicas, loss_fn, optimizer,
                                               empty, stashing=stashing, timeout_s=timeout_s,
                                               data_timeout_s=data_timeout_s, timeline=timeline,
-                                              device=device, **mitigated)
+                                              device=device, options=self.options,
+                                              **mitigated)
         self.idle = isinstance(self.backend, IdleBackend)
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
         self.lr_interval = lr_scheduler_interval
@@ -260,7 +271,9 @@ class Trainer(CheckpointMixin):
         parts = take(it, n) if reads else []
         plan, samples = None, 0
         if self.index == 0:
-            plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache)
+            plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache,
+                                   precision=self.options.precision,
+                                   device=self.backend.device.type)
                     if wire and parts and isinstance(self.backend, DistributedBackend) else None)
             samples = sum(batch_size_of(p[0]) for p in parts)
         mine = (len(parts), it.digest(), plan, samples) if reads else None

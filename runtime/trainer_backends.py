@@ -44,7 +44,9 @@ from .mitigation import MitigatedReplica, Mitigation
 from .reference import ReferenceExecutor, planned_reads
 from .schedule import Rank, Schedule
 from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
+from .clipping import GROUP
 from .stash import OptimizerFactory
+from .step_options import DEFAULT, StepOptions
 from .timeline import Recorder, TimelineEvent
 from .wire import WirePlan, crossing_values
 
@@ -90,9 +92,9 @@ class ReferenceBackend:
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
                  optimizer_factory: OptimizerFactory, empty: Schedule, *,
                  stashing: bool = True, mitigation: Mitigation | None = None,
-                 delays: Sequence[int] | None = None) -> None:
+                 delays: Sequence[int] | None = None, options: StepOptions = DEFAULT) -> None:
         self.stages, self.replicas, self.loss_fn = list(stages), list(replicas), loss_fn
-        self.empty = empty
+        self.empty, self.options = empty, options
         self.rebuild(optimizer_factory, stashing=stashing, mitigation=mitigation, delays=delays)
 
     def rebuild(self, optimizer_factory: OptimizerFactory, *, stashing: bool,
@@ -102,7 +104,7 @@ class ReferenceBackend:
         empty = Schedule(kind, self.empty.replicas, 0, self.empty.actions)
         self.ex = ReferenceExecutor(self.stages, self.replicas, empty, self.loss_fn,
                                     optimizer_factory, stashing=stashing, mitigation=mitigation,
-                                    delays=delays)
+                                    delays=delays, options=self.options)
         self.local: dict[Rank, StageReplica] = dict(self.ex.workers)
 
     def run_segment(self, sched: Schedule, parts: list[Part], wire: WirePlan | None
@@ -170,8 +172,9 @@ class DistributedBackend:
                  timeout_s: float = 60.0, data_timeout_s: float = 600.0,
                  device: str | None = None, timeline: bool = False,
                  mitigation: Mitigation | None = None,
-                 delays: Sequence[int] | None = None) -> None:
+                 delays: Sequence[int] | None = None, options: StepOptions = DEFAULT) -> None:
         from .executor import RankExecutor  # torch.distributed users only
+        self.options = options
 
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                    if v not in os.environ]
@@ -212,7 +215,8 @@ class DistributedBackend:
         self.control = dist.new_group(backend="gloo", timeout=self.data_timeout)
         self._agree_on_pipeline()
         ties = list(tie_sets(tied_parameters(self.stages)))  # by identity, before any copy
-        groups = make_groups(list(replicas), self.rank_of, ties, timeout_s)
+        groups = make_groups(list(replicas), self.rank_of, ties, timeout_s,
+                             extra=(GROUP,) if options.clip_grad_norm is not None else ())
         clock = CudaClock(dev) if timeline and dev.type == "cuda" else None
         self.comm = Comm(self.me, self.rank_of, len(crossing_values(self.stages)), timeout_s, dev,
                          groups, recorder=Recorder(enabled=timeline, device_clock=clock))
@@ -230,7 +234,8 @@ class DistributedBackend:
         self.ex = RankExecutor(self.stages, self.empty, self.me, self.loss_fn, optimizer_factory,
                                WirePlan((), (), ()), self.comm, stashing=stashing,
                                device=self.device, mitigation=mitigation,
-                               delay=(delays or [0] * len(self.stages))[self.me[0]])
+                               delay=(delays or [0] * len(self.stages))[self.me[0]],
+                               options=self.options)
         self.local: dict[Rank, StageReplica] = {self.me: self.ex.replica}
 
     def _agree_on_pipeline(self) -> None:
