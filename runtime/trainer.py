@@ -58,6 +58,7 @@ from .schedule import Schedule, make_schedule
 from .schedule_spec import AUTO, parse_schedule
 from .staleness import own_delays
 from .stage import LossFn, StageReplica, check_stages, tied_parameters
+from .metrics import MetricsLog
 from .param_names import wrap_factory
 from .stash import OptimizerFactory
 from .step_options import StepOptions
@@ -210,6 +211,9 @@ class Trainer(CheckpointMixin):
         self.need_inputs = ref or self.index == 0 or any(
             MODEL in self.stages[s].sources for s in mine)
         self.need_targets = ref or last in mine
+        self.metrics = MetricsLog(metrics_path, metrics_every, tensorboard_dir, len(self.stages),
+                                  write=self.index == 0 and not self.idle)
+        self._busy_seen: dict[tuple[int, int], float] = {}
 
     # ------------------------------------------------------------------ helpers
     def _check_tied_cadence(self) -> None:
@@ -343,6 +347,8 @@ class Trainer(CheckpointMixin):
                     dt = time.perf_counter() - t0
                     got = self.backend.all_sum([sum(losses.values()), len(losses)], "loss sum")
                     acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
+                    if self.metrics.enabled:
+                        self._record(epoch, n, got, dt)
                     pos += n
                     bar.update(n, acc[0] / max(acc[1], 1), acc[2] / max(acc[3], 1e-9))
                     if n < want:
@@ -359,11 +365,28 @@ class Trainer(CheckpointMixin):
                      "samples_per_s": acc[2] / acc[3] if acc[3] > 0 else 0.0}
             if eval_loader is not None:
                 entry.update(self.evaluate(eval_loader))
+                self.metrics.evaluation(epoch, {k: v for k, v in entry.items()
+                                                if k.startswith("eval_")})
             self.history.append(entry)
             log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4g}" for k, v in entry.items()))
             if self.checkpoint_dir is not None:
                 self._checkpoint(epoch + 1, 0, [0.0, 0.0, 0.0, 0.0])
         self._write_back()
+
+    def _record(self, epoch: int, n: int, got: list[float], dt: float) -> None:
+        """One segment into the metrics log (:mod:`fxpipe.runtime.metrics`): every rank adds
+        its stages' busy time (one small all-reduce), rank 0 writes."""
+        busy = [0.0] * len(self.stages)
+        for r, w in self.local.items():
+            busy[r[0]] += (w.busy_s - self._busy_seen.get(r, 0.0)) / self.replicas[r[0]]
+            self._busy_seen[r] = w.busy_s
+        busy = self.backend.all_sum(busy, "metrics (busy time)")
+        updates = sum(a.kind == "U" for a in self._schedule(n).actions[(0, 0)])
+        first = self.local.get((0, 0))
+        opt = first.stash.optimizer if first is not None else None
+        lr = float(opt.param_groups[0]["lr"]) if opt is not None else None
+        self.metrics.segment(epoch=epoch, updates=updates, loss_sum=got[0], losses=got[1],
+                             minibatches=n, samples=self._samples, time_s=dt, busy=busy, lr=lr)
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
         """Mean loss (and top-1 accuracy for classification) of the latest weights, computed on
@@ -450,6 +473,7 @@ class Trainer(CheckpointMixin):
 
     def close(self) -> None:
         """Leave the process group (distributed): call once training is over."""
+        self.metrics.close()
         self.backend.close()
 
 
