@@ -125,7 +125,7 @@ class Trainer(CheckpointMixin):
                  clip_grad_norm: float | None = None, precision: str = "fp32",
                  recompute: bool | Sequence[bool] | None = None,
                  metrics_path: str | None = None, metrics_every: int = 1,
-                 tensorboard_dir: str | None = None) -> None:
+                 tensorboard_dir: str | None = None, prefetch: int = 0) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
@@ -214,6 +214,10 @@ class Trainer(CheckpointMixin):
         self.metrics = MetricsLog(metrics_path, metrics_every, tensorboard_dir, len(self.stages),
                                   write=self.index == 0 and not self.idle)
         self._busy_seen: dict[tuple[int, int], float] = {}
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise RuntimeConfigError(f"prefetch={prefetch!r}", "use 0 (no reading ahead) or a "
+                                     "positive number of minibatches")
+        self.prefetch = prefetch  # minibatches read ahead by a thread (runtime/prefetch.py)
 
     # ------------------------------------------------------------------ helpers
     def _check_tied_cadence(self) -> None:
@@ -331,7 +335,9 @@ class Trainer(CheckpointMixin):
             pos = pos0 if epoch == epoch0 else 0
             acc = list(partial) if epoch == epoch0 else [0.0, 0.0, 0.0, 0.0]
             it = PartStream(train_loader, epoch, self.seed, need_inputs=self.need_inputs,
-                            need_targets=self.need_targets, start=pos)
+                            need_targets=self.need_targets, start=pos,
+                            prefetch=self.prefetch if self.need_inputs or self.need_targets
+                            else 0)
             bar = Progress(f"epoch {epoch + 1}/{epochs}", total, pos,
                            enabled=self.progress and self.index == 0)
             try:
@@ -356,6 +362,7 @@ class Trainer(CheckpointMixin):
                     if self.checkpoint_every and pos % self.checkpoint_every == 0:
                         self._checkpoint(epoch, pos, acc)
             finally:
+                it.close()
                 bar.close()
             if self.lr_interval == "epoch":
                 for sch in self.schedulers.values():
