@@ -74,9 +74,8 @@ def eager(epochs: int) -> tuple[list[tuple[int, float]], float]:
         with torch.no_grad():
             losses = []
             for x, y in val:
-                with torch.autocast(**bf16):
-                    out = model(x)
-                losses.append(float(spec.loss_fn(out, y)))
+                with torch.autocast(**bf16):  # forward and loss, as in training
+                    losses.append(float(spec.loss_fn(model(x), y)))
         curve.append((step, sum(losses) / len(losses)))
         log.info("eager epoch %d: val %.4f", epoch + 1, curve[-1][1])
     return curve, time.perf_counter() - t0
@@ -167,7 +166,6 @@ def main() -> None:
         "Commands (`fxpipe train`, as run by the script):", "",
         *[f"- {name}: `{cmd}`" for name, cmd in commands.items()]])
     publish(SECTION, md, args.out)
-    print(md)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from .reference import ReferenceExecutor, planned_reads
 from .schedule import Rank, Schedule
 from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
 from .clipping import GROUP
+from .precision import autocast
 from .stash import OptimizerFactory
 from .step_options import DEFAULT, StepOptions
 from .timeline import Recorder, TimelineEvent
@@ -125,7 +126,8 @@ class ReferenceBackend:
             io = self.stages[-1].io
             assert io is not None
             out = io.build_output({n: env[n] for n in self.stages[-1].outputs})
-            found.append(eval_metrics(self.loss_fn, out, y))
+            with autocast(self.options.precision, "cpu"):  # the loss as in training
+                found.append(eval_metrics(self.loss_fn, out, y))
         return _total(found)
 
     def all_sum(self, values: list[float], what: str) -> list[float]:
@@ -309,8 +311,12 @@ class DistributedBackend:
         io = self.stages[-1].io
         assert io is not None
         found = self.ex.forward_only(
-            parts, lambda outs, y: eval_metrics(self.loss_fn, io.build_output(outs), y))
+            parts, lambda outs, y: self._metric(io.build_output(outs), y))
         return _total(found)
+
+    def _metric(self, out: Any, y: Any) -> torch.Tensor:
+        with autocast(self.options.precision, self.device):  # the loss as in training
+            return eval_metrics(self.loss_fn, out, y)
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():
