@@ -44,8 +44,9 @@ FIGURE = ROOT / "docs" / "figures" / "lm_stdlib_val_loss.png"
 RECIPE = dict(lr=3e-3, weight_decay=0.1, warmup=15, clip=1.0)
 
 
-def eager(epochs: int) -> tuple[list[tuple[int, float]], float]:
-    """The recipe in one process: [(update, validation loss)] after every epoch, seconds."""
+def eager(epochs: int) -> tuple[list[tuple[int, float]], float, dict[str, torch.Tensor]]:
+    """The recipe in one process: [(update, validation loss)] after every epoch, seconds, the
+    trained weights."""
     torch.set_num_threads(1)
     spec = L.model()
     model = spec.model
@@ -78,13 +79,16 @@ def eager(epochs: int) -> tuple[list[tuple[int, float]], float]:
                     losses.append(float(spec.loss_fn(model(x), y)))
         curve.append((step, sum(losses) / len(losses)))
         log.info("eager epoch %d: val %.4f", epoch + 1, curve[-1][1])
-    return curve, time.perf_counter() - t0
+    return curve, time.perf_counter() - t0, model.state_dict()
 
 
-def pipelined(schedule: str, nproc: int, epochs: int, outdir: Path) -> tuple[list, float, str]:
-    """``fxpipe train`` as a user types it; its eval records, seconds, the command."""
+def pipelined(schedule: str, nproc: int, epochs: int, outdir: Path
+              ) -> tuple[list, float, str, dict[str, torch.Tensor]]:
+    """``fxpipe train`` as a user types it; its eval records, seconds, the command (as shown),
+    the trained weights."""
     full = schedule.startswith("pipedream")
-    metrics = outdir / f"{schedule}-{nproc}.jsonl"
+    name = f"{schedule}-{nproc}"
+    metrics, saved = outdir / f"{name}.jsonl", outdir / f"{name}.pt"
     args = [f"{EXAMPLE}:{'model_full' if full else 'model'}",
             "--data", f"{EXAMPLE}:{'loaders_full' if full else 'loaders'}",
             "--nproc", str(nproc), "--stages", str(nproc), "--straight",
@@ -92,8 +96,9 @@ def pipelined(schedule: str, nproc: int, epochs: int, outdir: Path) -> tuple[lis
             "--optimizer", "adamw", "--lr", str(RECIPE["lr"]),
             "--weight-decay", str(RECIPE["weight_decay"]), "--warmup", str(RECIPE["warmup"]),
             "--schedule-lr", "cosine", "--clip", str(RECIPE["clip"]), "--precision", "bf16",
-            "--epochs", str(epochs), "--metrics", str(metrics), "--no-progress"]
-    cmd = [sys.executable, "-m", "fxpipe.cli", "train", *args]
+            "--epochs", str(epochs), "--no-progress"]
+    cmd = [sys.executable, "-m", "fxpipe.cli", "train", *args, "--metrics", str(metrics),
+           "--save", str(saved)]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -102,7 +107,8 @@ def pipelined(schedule: str, nproc: int, epochs: int, outdir: Path) -> tuple[lis
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
     curve = [(r["step"], r["eval_loss"]) for r in recs if r["kind"] == "eval"]
-    return curve, dt, "fxpipe train " + " ".join(args)
+    shown = "fxpipe train " + " ".join(args) + f" --metrics {name}.jsonl"
+    return curve, dt, shown, torch.load(saved, weights_only=True)
 
 
 def plot(curves: dict[str, list[tuple[int, float]]]) -> None:
@@ -133,22 +139,24 @@ def main() -> None:
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     curves: dict[str, list[tuple[int, float]]] = {}
-    times, commands = {}, {}
-    curves["eager"], times["eager"] = eager(args.epochs)
+    times, commands, weights = {}, {}, {}
+    curves["eager"], times["eager"], weights["eager"] = eager(args.epochs)
     with tempfile.TemporaryDirectory(prefix="fxpipe-lm-") as tmp:
         for schedule in ("1f1b-flush", "pipedream"):
             for nproc in (2, 4):
                 name = f"{schedule}, {nproc} ranks"
-                curves[name], times[name], commands[name] = pipelined(
+                curves[name], times[name], commands[name], weights[name] = pipelined(
                     schedule, nproc, args.epochs, Path(tmp))
                 log.info("%s: %s (%.0f s)", name, curves[name][-1], times[name])
     plot(curves)
     ref = dict(curves["eager"])
-    rows = ["| run | final val loss | max abs difference to eager (all evaluations) | wall time |",
-            "|---|---|---|---|"]
+    rows = ["| run | final val loss | max abs val-loss difference to eager (all evaluations) "
+            "| max abs weight difference to eager (end) | wall time |", "|---|---|---|---|---|"]
     for name, curve in curves.items():
-        diff = max(abs(v - ref[s]) for s, v in curve) if name != "eager" else 0.0
-        rows.append(f"| {name} | {curve[-1][1]:.5f} | {diff:.2e} | {times[name]:.0f} s |")
+        diff = max(abs(v - ref[s]) for s, v in curve)
+        wdiff = max(float((weights[name][k] - t).abs().max()) for k, t in weights["eager"].items())
+        rows.append(f"| {name} | {curve[-1][1]:.5f} | {diff:.2e} | {wdiff:.2e} "
+                    f"| {times[name]:.0f} s |")
     md = "\n".join([
         "## End to end: a GPT on the standard library's source (`bench/lm_demo.py`)", "",
         "Command: `.venv/bin/python bench/lm_demo.py` (2 CPU cores, gloo; the 4-rank runs share "

@@ -105,6 +105,16 @@ class Trainer(CheckpointMixin):
     ``(events, background)`` pair per segment in :attr:`timelines`, in seconds since
     :attr:`timeline_origin` (a ``time.perf_counter()`` value; compute spans timed with CUDA
     events on a GPU).
+
+    The training loop practitioners expect (README, "The training loop practitioners expect"):
+    an optimizer factory with a ``names`` parameter gets the model's names of its tensors
+    (:mod:`fxpipe.runtime.param_names`); ``clip_grad_norm`` clips by norm
+    (:mod:`fxpipe.runtime.clipping`: the whole model's norm for 1f1b-flush and gpipe, each
+    stage's own for pipedream and 2bw); ``precision="bf16"`` runs forwards under autocast
+    (:mod:`fxpipe.runtime.precision`); ``recompute`` (True or one bool per stage) recomputes
+    activations in the backward; ``metrics_path``/``metrics_every``/``tensorboard_dir`` write
+    metrics (:mod:`fxpipe.runtime.metrics`); ``prefetch`` reads that many minibatches ahead in a
+    thread (:mod:`fxpipe.runtime.prefetch`).
     """
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
