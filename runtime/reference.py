@@ -167,6 +167,7 @@ class ReferenceExecutor:
             for rank in self.schedule.ranks}
         self.tied = tied_parameters(self.stages)
         self._sync = sync_components(self.tied)
+        self._global_clip = False  # set per run (see _configure_clipping)
         self._runs = 0
         # delayed tied rounds (see tied_delay): (tie set, round) -> rank -> (local segment,
         # that rank's stage count of the round)
