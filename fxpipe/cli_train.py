@@ -11,8 +11,23 @@ model and compiles it with the same plan: ``--plan`` if given, else one estimate
 (a measured profile would differ from rank to rank). Across machines run
 ``torchrun ... -m fxpipe.cli_train MODEL ...`` on each machine yourself.
 
-DATASET: ``synthetic`` (the zoo's seeded batch maker) or ``digits`` (scikit-learn's 8x8 digits,
-for models taking 64 features; needs scikit-learn installed).
+DATASET: ``synthetic`` (the zoo's seeded batch maker), ``digits`` (scikit-learn's 8x8 digits,
+for models taking 64 features; needs scikit-learn installed), or ``file.py:factory`` where
+``factory()`` returns ``(train_loader, val_loader)`` (val may be None): any iterables of
+``(inputs, target)`` pairs or dicts of keyword inputs, the same on every rank (no
+DistributedSampler: fxpipe pairs minibatches across stages itself).
+
+A user's own job, e.g. a language model (the model file returns an fxpipe.models.ModelSpec with
+its loss)::
+
+    fxpipe train lm.py:model --data lm.py:loaders --nproc 2 --schedule 1f1b-flush \
+        --optimizer adamw --lr 1e-3 --weight-decay 0.1 --warmup 20 --schedule-lr cosine \
+        --clip 1.0 --precision bf16 --metrics out.jsonl
+
+``--optimizer adamw`` makes two parameter groups by name (weight decay only on tensors of 2+
+dimensions); ``--warmup``/``--schedule-lr`` step after every optimizer update (the cosine ends
+at ``--total-steps``, by default the updates of stage 0 over all epochs: minibatches / microbatches
+for the flushing kinds, minibatches for pipedream).
 """
 from __future__ import annotations
 
@@ -33,7 +48,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="zoo model name (fxpipe.models.names()), hf:Class[:key=value,...] "
                    "(a Hugging Face architecture from its config; synthetic token batches with "
                    "labels) or file.py:factory returning an fxpipe.models.ModelSpec")
-    p.add_argument("--data", required=True, help="synthetic | digits")
+    p.add_argument("--data", required=True, help="synthetic | digits | file.py:factory "
+                   "(returns (train_loader, val_loader))")
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="plan.json (fxpipe plan --save-plan)")
     p.add_argument("--epochs", type=int, default=1)
@@ -62,6 +78,22 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
     p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--weight-decay", type=float, default=0.0,
+                   help="on tensors of 2+ dimensions only (named groups)")
+    p.add_argument("--warmup", type=int, default=0, help="updates of linear LR warm-up")
+    p.add_argument("--schedule-lr", default="constant", choices=["constant", "cosine"])
+    p.add_argument("--total-steps", type=int, default=None, help="updates the cosine spans")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor / lr")
+    p.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--recompute", action="store_true", help="recompute activations (all stages)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="minibatches per update (flushing schedules)")
+    p.add_argument("--segment", type=int, default=None, help="minibatches per segment")
+    p.add_argument("--prefetch", type=int, default=0, help="minibatches read ahead by a thread")
+    p.add_argument("--metrics", default=None, metavar="FILE.jsonl", help="JSON-lines metrics log")
+    p.add_argument("--metrics-every", type=int, default=1, help="updates between records")
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -74,9 +106,21 @@ def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _is_file_spec(name: str) -> bool:
+    path, sep, _ = name.rpartition(":")
+    return bool(sep) and path.endswith(".py")
+
+
 def _check_data(name: str) -> None:
+    if _is_file_spec(name):
+        path = name.rpartition(":")[0]
+        if not os.path.isfile(path):
+            raise ConfigError(f"data file {path!r} does not exist",
+                              "--data file.py:factory, factory() returning (train, val) loaders")
+        return
     if name not in ("synthetic", "digits"):
-        raise ConfigError(f"unknown dataset {name!r}", "use --data synthetic or --data digits")
+        raise ConfigError(f"unknown dataset {name!r}", "use --data synthetic, digits or "
+                          "file.py:factory")
     if name == "digits":
         try:
             import sklearn  # noqa: F401
@@ -173,6 +217,8 @@ def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
     from fxpipe.runtime.data import ShardedDataset, synthetic_loader
 
     bs = spec.batch_size
+    if _is_file_spec(args.data):
+        return _user_loaders(args.data)
     if args.data == "synthetic":
         if spec.make_batch is None:
             raise ConfigError(f"{args.model} comes with no batch maker for --data synthetic",
@@ -185,6 +231,52 @@ def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
     split = len(x) * 4 // 5
     return (ShardedDataset((x[:split],), y[:split], batch_size=bs, seed=args.seed, drop_last=True),
             ShardedDataset((x[split:],), y[split:], batch_size=bs, shuffle=False, drop_last=True))
+
+
+def _user_loaders(text: str) -> tuple[Any, Any]:
+    """``file.py:factory`` -> factory()'s (train, val) loaders (val may be None)."""
+    import importlib.util
+    from pathlib import Path
+
+    path, _, name = text.rpartition(":")
+    mod_spec = importlib.util.spec_from_file_location(Path(path).stem + "_data", path)
+    assert mod_spec is not None and mod_spec.loader is not None
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"{path!r} has no callable {name!r}",
+                          "--data file.py:factory, factory() returning (train, val) loaders")
+    made = factory()
+    if isinstance(made, tuple) and len(made) == 2:
+        return made[0], made[1]
+    raise ConfigError(f"{text} returned {type(made).__name__}",
+                      "return (train_loader, val_loader); val_loader may be None")
+
+
+def _recipe(args: argparse.Namespace, compiled: Any, train: Any) -> dict[str, Any]:
+    """Optimizer (named groups) and per-update LR schedule from the flags."""
+    import math
+
+    from fxpipe.runtime.recipes import OptimizerRecipe, SchedulerRecipe, WarmupCosine
+    from fxpipe.runtime.schedule_spec import parse_schedule
+
+    opt = OptimizerRecipe(args.optimizer, args.lr, weight_decay=args.weight_decay,
+                          momentum=args.momentum)
+    out: dict[str, Any] = {"optimizer": opt}
+    if args.warmup or args.schedule_lr != "constant":
+        total = args.total_steps
+        if total is None:
+            if not hasattr(train, "__len__"):
+                raise ConfigError("--schedule-lr cosine over a loader without a length",
+                                  "give --total-steps")
+            kind = parse_schedule(args.schedule).kind
+            group = 1 if kind == "pipedream" else (args.microbatches
+                                                   or sum(compiled.plan.replicas))
+            total = args.epochs * math.ceil(len(train) / group)
+        out["lr_scheduler"] = SchedulerRecipe(WarmupCosine(
+            args.warmup, total, args.min_lr_ratio, cosine=args.schedule_lr == "cosine"))
+    return out
 
 
 def digits_for(shape: tuple[int, ...], model: str) -> tuple[Any, Any]:
@@ -225,15 +317,18 @@ def run_worker(args: argparse.Namespace) -> int:
                           stages=args.stages, straight=args.straight, tracer=args.tracer)
     if rank == 0:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
-    lr, mom = args.lr, args.momentum
-    trainer = make_trainer(compiled,
-                           optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mom),
+    train, evaluate = _loaders(args, spec)
+    trainer = make_trainer(compiled, **_recipe(args, compiled, train),
                            schedule=args.schedule, vertical_sync=args.vertical_sync,
                            auto_options={} if args.pilot is None else {"pilot": args.pilot},
                            checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
-                           seed=args.seed, progress=not args.no_progress)
-    train, evaluate = _loaders(args, spec)
+                           seed=args.seed, progress=not args.no_progress,
+                           clip_grad_norm=args.clip, precision=args.precision,
+                           recompute=True if args.recompute else None,
+                           microbatches=args.microbatches, segment=args.segment,
+                           prefetch=args.prefetch, metrics_path=args.metrics,
+                           metrics_every=args.metrics_every)
     t0 = time.perf_counter()
     history = trainer.fit(train, epochs=args.epochs, eval_loader=evaluate, resume=args.resume)
     state = trainer.state_dict() if args.save else None  # collective: rank 0 gets every stage

@@ -20,6 +20,8 @@ _EXPORTS = {
     "Trainer": "trainer", "make_trainer": "trainer", "ShardedDataset": "data",
     "simulate_plan": "plansim", "PlanSimulation": "plansim",
     "choose_by_simulation": "plan_choice", "SimulatedChoice": "plan_choice",
+    "weight_decay_groups": "param_names", "StepOptions": "step_options",
+    "OptimizerRecipe": "recipes", "WarmupCosine": "recipes", "SchedulerRecipe": "recipes",
 }
 __all__ = sorted(_EXPORTS)
 

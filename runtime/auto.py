@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TYPE_CHECKING
 
 import torch
 
@@ -43,6 +43,9 @@ from fxpipe.errors import FxpipeError
 from .errors import RuntimeConfigError
 from .schedule import make_schedule
 from .schedule_spec import parse_schedule
+
+if TYPE_CHECKING:
+    from .step_options import StepOptions
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +212,14 @@ def periods(candidates: Sequence[str], replicas: Sequence[int], *, plan: Any = N
 
 def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
           optimizer: Callable[..., Any], batches: Sequence[Any], candidates: Sequence[str], *,
-          microbatches: int | None = None, seed: int = 0
+          microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None
           ) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Training-loss curves of each candidate on ``batches`` (copies of ``stages`` on the CPU,
-    reference executor, same dropout seed for all); a candidate that cannot run this model
-    (e.g. momentum correction with an unsupported optimizer) is left out with a note."""
+    reference executor, same dropout seed for all, the trainer's clipping/precision/
+    recomputation ``step_options``); a candidate that cannot run this model (e.g. momentum
+    correction with an unsupported optimizer) is left out with a note."""
     from .reference import ReferenceExecutor
+    from .step_options import DEFAULT
 
     curves: dict[str, list[float]] = {}
     notes: dict[str, str] = {}
@@ -234,7 +239,8 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
                                       microbatches=None if spec.kind == "pipedream"
                                       else microbatches)
                 ex = ReferenceExecutor(copies, replicas, sched, loss_fn, optimizer,
-                                       mitigation=spec.mitigation)
+                                       mitigation=spec.mitigation,
+                                       options=step_options or DEFAULT)
                 curves[c] = ex.run(list(batches)).losses
             except FxpipeError as err:
                 notes[c] = f"not run: {err.message}"
@@ -245,7 +251,7 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
 
 def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
            optimizer: Callable[..., Any], batches: Sequence[Any], options: AutoOptions, *,
-           microbatches: int | None = None, seed: int = 0) -> Decision:
+           microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None) -> Decision:
     """The whole of auto for one pipeline and the first minibatches of its data."""
     if options.pilot <= 0 or len(batches) < options.min_pilot:
         why = ("the pilot is disabled" if options.pilot <= 0 else
@@ -253,7 +259,8 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
         return Decision("1f1b-flush", f"{why}: {SAFE}")
     t0 = time.perf_counter()
     curves, notes = pilot(stages, replicas, loss_fn, optimizer, batches[:options.pilot],
-                          options.candidates, microbatches=microbatches, seed=seed)
+                          options.candidates, microbatches=microbatches, seed=seed,
+                          step_options=step_options)
     per, source = periods(list(curves), replicas, plan=options.plan, profile=options.profile,
                           microbatches=microbatches)
     d = decide(curves, per, margin=options.margin, notes=notes)
@@ -304,7 +311,8 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
                 break
         decision = choose(trainer.stages, trainer.replicas, trainer.loss_fn, trainer.optimizer,
                           batches, replace(opts, pilot=min(opts.pilot, max(want, 1))),
-                          microbatches=trainer.microbatches, seed=trainer.seed)
+                          microbatches=trainer.microbatches, seed=trainer.seed,
+                          step_options=trainer.options)
         decision = trainer.backend.broadcast(decision, "auto: decision")  # rank 0's
     trainer.adopt(decision.schedule)
     trainer.auto_decision = decision

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 FORWARD, BACKWARD = 0, 1
 _MAX_TAG = 2**31 - 1
-GroupKey = int | tuple[int, ...]
+GroupKey = int | tuple[int, ...] | str  # a stage, a tied set, or a named world group
 """A stage (its replicas' group) or a sorted tuple of stages (all ranks sharing tied weights)."""
 
 
@@ -165,6 +165,8 @@ class Comm:
 
     # ------------------------------------------------------------------ collectives
     def _among(self, stage: GroupKey, peers: Sequence[Rank]) -> str:
+        if isinstance(stage, str):
+            return f"all {len(peers)} ranks ({stage})"
         return (f"{len(peers)} replicas of stage {stage}" if isinstance(stage, int)
                 else f"{len(peers)} ranks of stages {list(stage)} (tied parameters)")
 
@@ -253,8 +255,8 @@ class Comm:
 
 
 def make_groups(replicas: Sequence[int], rank_of: Mapping[Rank, int],
-                tie_stage_sets: Sequence[tuple[int, ...]], timeout_s: float
-                ) -> dict[GroupKey, Any]:
+                tie_stage_sets: Sequence[tuple[int, ...]], timeout_s: float,
+                extra: Sequence[str] = ()) -> dict[GroupKey, Any]:
     """Create the process groups of a run: one per replicated stage (its replicas) and one per
     set of stages sharing tied parameters (every replica of those stages: exactly the ranks that
     hold a copy). Every rank must call this with the same arguments, since ``new_group`` is
@@ -268,6 +270,8 @@ def make_groups(replicas: Sequence[int], rank_of: Mapping[Rank, int],
         members = sorted(rank_of[(s, j)] for s in stages for j in range(replicas[s]))
         groups[tuple(stages)] = dist.new_group(members, timeout=timeout)
         log.debug("tied-parameter group of stages %s: ranks %s", list(stages), members)
+    for name in extra:  # every rank of the pipeline (e.g. the gradient norm's all-reduce)
+        groups[name] = dist.new_group(sorted(rank_of.values()), timeout=timeout)
     return groups
 
 

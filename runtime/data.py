@@ -86,7 +86,7 @@ class PartStream:
     is by construction: one seeded order for all ranks)."""
 
     def __init__(self, loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: bool,
-                 need_targets: bool, start: int = 0) -> None:
+                 need_targets: bool, start: int = 0, prefetch: int = 0) -> None:
         check_loader(loader)
         torch.manual_seed(derive_seed(seed, epoch, -1))
         _set_epoch(loader, epoch)
@@ -94,35 +94,46 @@ class PartStream:
         self.checked = not callable(parts)
         self._hash = hashlib.blake2b(digest_size=16) if self.checked else None
         self._count = 0
-        self._it: Iterator[Part] = (
-            iter(parts(epoch, need_inputs, need_targets, start)) if callable(parts)
+        self._it: Iterator[tuple[Part, Any]] = (
+            ((p, None) for p in parts(epoch, need_inputs, need_targets, start)) if callable(parts)
             else self._plain(loader, need_inputs, need_targets, start))
+        self._prefetcher: Any = None
+        if prefetch:  # a thread reads ahead (fxpipe.runtime.prefetch); hashing stays here
+            from .prefetch import Prefetcher
+
+            self._it = self._prefetcher = Prefetcher(self._it, prefetch)
 
     def _plain(self, loader: Iterable[Any], need_inputs: bool, need_targets: bool,
-               start: int) -> Iterator[Part]:
+               start: int) -> Iterator[tuple[Part, Any]]:
+        """(this rank's part, what to fingerprint: hashed when CONSUMED, in :meth:`__next__`,
+        so that reading ahead does not change a segment's digest)."""
         for k, item in enumerate(loader):
             if k < start:
                 continue
-            assert self._hash is not None
             if isinstance(item, Mapping):  # keyword inputs, labels among them (a HF batch)
-                _feed(self._hash, dict(item))
-                yield (item if need_inputs or need_targets else None, None)
+                yield (item if need_inputs or need_targets else None, None), dict(item)
                 continue
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise RuntimeConfigError(f"the loader yielded {type(item).__name__} at "
                                          f"minibatch {k}",
                                          "a training loader yields (inputs, target) pairs or "
                                          "dicts of keyword inputs")
-            _feed(self._hash, item)
-            yield (item[0] if need_inputs else None, item[1] if need_targets else None)
+            yield (item[0] if need_inputs else None, item[1] if need_targets else None), item
 
     def __iter__(self) -> PartStream:
         return self
 
     def __next__(self) -> Part:
-        part = next(self._it)
+        part, raw = next(self._it)
+        if self._hash is not None:
+            _feed(self._hash, raw)
         self._count += 1
         return part
+
+    def close(self) -> None:
+        """Stop reading ahead (the epoch ends or is left early)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
 
     def digest(self) -> str | None:
         """Fingerprint of the minibatches read since the previous call (None: not checked)."""

@@ -47,7 +47,9 @@ from .mitigation import Mitigation, make_replica
 from .reference import Batch, planned_reads, tied_delay
 from .schedule import Action, Rank, Schedule, split_ranks
 from .stage import LossFn, model_env, sync_components, tie_sets, tied_parameters
+from .clipping import GROUP, coefficient, counted, grad_dtype, scaled, squared_norm, stage_clipper
 from .stash import OptimizerFactory
+from .step_options import DEFAULT, StepOptions
 from .timeline import Recorder, TimelineEvent
 from .wire import WirePlan
 
@@ -79,8 +81,9 @@ class RankExecutor:
                  fault: tuple[str, int] | None = None, recorder: Recorder | None = None,
                  overlap_allreduce: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, mitigation: Mitigation | None = None,
-                 delay: int = 0) -> None:
+                 delay: int = 0, options: StepOptions = DEFAULT) -> None:
         self.stages = list(stages)
+        self.options = options
         self.links = links_of(self.stages)
         self.overlap_allreduce = overlap_allreduce
         self.bucket_bytes = bucket_bytes
@@ -112,7 +115,32 @@ class RankExecutor:
                                     loss_fn=loss_fn if me[0] == last else None,
                                     stashing=stashing, planned_reads=planned_reads(schedule, me),
                                     model_input_grads=False,  # sent nowhere: not computed
-                                    device=self.device)
+                                    device=self.device, **options.replica_kwargs(me[0]))
+
+    def _configure(self, kind: str) -> None:
+        """Updates that happen together and the replica's clipping, for schedule ``kind``
+        (see :mod:`fxpipe.runtime.clipping`): the global norm is one all-reduce of this rank's
+        squared norm over every rank (group ``clip``) inside each update."""
+        self._sync = self.options.sync(kind, len(self.stages), sync_components(self._tied_all))
+        w, scope = self.replica, self.options.scope(kind)
+        max_norm = self.options.clip_grad_norm
+        w.clip, w.clip_local = None, True
+        if scope == "stage":
+            w.clip = stage_clipper(max_norm, w.stash.trainable,  # type: ignore[arg-type]
+                                   [t.names[self.me[0]] for t in self._tied_all
+                                    if self.me[0] in t.names])
+        elif scope == "global":
+            names = counted(self.me, w.stash.trainable, self._tied_all)
+            peers = list(self.comm.rank_of)
+
+            def clip(grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+                sq = squared_norm(grads, names).reshape(1)
+                if len(peers) > 1:
+                    self.comm.all_reduce(sq, GROUP, peers, f"gradient norm U{w.stash.version}")
+                coef = coefficient(sq[0], max_norm, grad_dtype(grads))  # type: ignore[arg-type]
+                return scaled(grads, list(grads), coef)
+
+            w.clip, w.clip_local = clip, False
 
     # ------------------------------------------------------------------ messages
     def _grad_ok(self, name: str, k: int) -> bool:
@@ -301,6 +329,7 @@ class RankExecutor:
         sched = self.schedule
         actions = sched.actions[self.me]
         self._delay = tied_delay(sched, self._tied_all)
+        self._configure(sched.kind)
         plan = self.plan(sched)
         self._final_b = last_backwards([b.kind for b in actions])
         self._inbox.clear()

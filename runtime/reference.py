@@ -27,7 +27,9 @@ from .schedule import (SCHEDULE_KINDS, Rank, Schedule, execution_order, split_ra
 from .staleness import own_delays
 from .stage import (LossFn, StageReplica, TiedParameter, check_stages, model_env, sync_components,
                     tie_sets, tied_parameters)
+from .clipping import coefficient, counted, grad_dtype, scaled, squared_norm, stage_clipper
 from .stash import OptimizerFactory
+from .step_options import DEFAULT, StepOptions
 from .timeline import Recorder, TimelineEvent
 
 log = logging.getLogger(__name__)
@@ -142,8 +144,10 @@ class ReferenceExecutor:
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, *,
                  stashing: bool = True, vertical_sync: bool = False,
                  mitigation: Mitigation | str | None = None,
-                 delays: Sequence[int] | None = None) -> None:
+                 delays: Sequence[int] | None = None,
+                 options: StepOptions = DEFAULT) -> None:
         self.stages = list(stages)
+        self.options = options
         self.replicas = list(replicas)
         self.schedule = schedule.with_vertical_sync() if vertical_sync else schedule
         check_schedule(self.stages, self.replicas, self.schedule)
@@ -159,10 +163,12 @@ class ReferenceExecutor:
             rank: make_replica(self.stages[rank[0]], optimizer_factory,
                                delay=self.delays[rank[0]], mitigation=self.mitigation,
                                loss_fn=loss_fn if rank[0] == last else None, stashing=stashing,
-                               planned_reads=planned_reads(self.schedule, rank))
+                               planned_reads=planned_reads(self.schedule, rank),
+                               **options.replica_kwargs(rank[0]))
             for rank in self.schedule.ranks}
         self.tied = tied_parameters(self.stages)
         self._sync = sync_components(self.tied)
+        self._global_clip = False  # set per run (see _configure_clipping)
         self._runs = 0
         # delayed tied rounds (see tied_delay): (tie set, round) -> rank -> (local segment,
         # that rank's stage count of the round)
@@ -182,6 +188,7 @@ class ReferenceExecutor:
                 w.stash.rebase()
                 w.stash.set_planned_reads(planned_reads(sched, rank))
         self._runs += 1
+        self._configure_clipping(sched.kind)
         for rank, w in self.workers.items():
             if isinstance(w, MitigatedReplica):
                 w.prepare(sched, rank)
@@ -242,6 +249,20 @@ class ReferenceExecutor:
                                                 ).tolist()] if losses else []
         return self.result(values, timeline)
 
+    def _configure_clipping(self, kind: str) -> None:
+        """Gradient clipping for ``kind`` (see :mod:`fxpipe.runtime.clipping`): the global
+        norm puts every stage's updates together (``self._sync``) and is applied in
+        :meth:`_update`; the stage scope lives in each replica."""
+        base = sync_components(self.tied)
+        self._sync = self.options.sync(kind, len(self.stages), base)
+        self._global_clip = self.options.global_clip(kind)
+        for r, w in self.workers.items():
+            w.clip, w.clip_local = None, True
+            if self.options.scope(kind) == "stage":
+                w.clip = stage_clipper(self.options.clip_grad_norm,  # type: ignore[arg-type]
+                                       w.stash.trainable,
+                                       [t.names[r[0]] for t in self.tied if r[0] in t.names])
+
     def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder], i: int) -> None:
         """Update ``i`` of every rank in ``ranks`` (all replicas of a set of stages updating
         together): replicas sum their gradients, tied parameters sum across stages (now, or
@@ -252,6 +273,20 @@ class ReferenceExecutor:
                   for r in ranks}  # type: ignore[union-attr]
         if self._delay == 0:
             tied_update(totals, locals_, self.workers, self.tied)
+        if self._global_clip:  # every rank of the pipeline is in ``ranks`` (see _sync)
+            grads = {r: self.workers[r].update_grads(totals[r]) for r in sorted(ranks)}
+            total_sq = _sum([squared_norm(grads[r], counted(r, self.workers[r].stash.trainable,
+                                                            self.tied))
+                             for r in sorted(ranks) if r[1] == 0])
+            max_norm = self.options.clip_grad_norm
+            assert total_sq is not None and max_norm is not None
+            for r in sorted(ranks):
+                g = grads[r]
+                coef = coefficient(total_sq, max_norm, grad_dtype(g))
+                self.workers[r].step(scaled(g, list(g), coef))
+                recs[r].add("optimizer", f"U{i}", t0[r], recs[r].now(), stage=r[0],
+                            replica=r[1], update=i)
+            return
         for r in sorted(ranks):
             late = self._delayed_round(r, i, locals_[r], float(totals[r][-1]))
             self.workers[r].apply_update(totals[r], late)

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import operator
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
@@ -37,6 +38,7 @@ from fxpipe.codegen.split import MODEL, StageSpec
 from .device import move_constants
 from .errors import RuntimeConfigError, StashError
 from .splitgrad import WeightTask, input_gradients
+from .precision import autocast
 from .stash import OptimizerFactory, WeightStash, swapped_call, tensor_slots
 
 log = logging.getLogger(__name__)
@@ -140,6 +142,7 @@ class _InFlight:
     outputs: tuple[Any, ...] | None  # None when the forward ran without a graph (no stashing)
     loss: torch.Tensor | None
     target: Any = None  # kept to recompute the loss when not stashing
+    rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # recompute: the forward's RNG
 
 
 class StageReplica:
@@ -148,11 +151,25 @@ class StageReplica:
     def __init__(self, spec: StageSpec, optimizer_factory: OptimizerFactory, *,
                  loss_fn: LossFn | None = None, stashing: bool = True,
                  planned_reads: Mapping[int, int] | None = None,
-                 model_input_grads: bool = True, device: torch.device | None = None) -> None:
+                 model_input_grads: bool = True, device: torch.device | None = None,
+                 precision: str = "fp32", recompute: bool = False) -> None:
         """``device``: where this replica's weights, buffers and gradients live. The stage's
         GraphModule is NOT moved: its own tensors are never used for compute (every call swaps
-        the replica's in), so a device holds the weights once (the stash), not twice."""
+        the replica's in), so a device holds the weights once (the stash), not twice.
+        ``precision``: ``"bf16"`` runs forwards under autocast (:mod:`fxpipe.runtime.precision`).
+        ``recompute``: activation recomputation: forwards keep only the stage's inputs (and the
+        RNG state), the backward re-runs the forward with the same stashed weights, RNG and
+        precision, so gradients are those of the stored-activation run (bitwise on the CPU)."""
         self.spec = spec
+        self.precision, self.recompute = precision, recompute
+        self.device = device if device is not None else torch.device("cpu")
+        self.clip: Callable[[dict[str, torch.Tensor | None]],
+                            dict[str, torch.Tensor | None]] | None = None
+        """Gradient clipping of an update's mean gradients (set by the executor, see
+        :mod:`fxpipe.runtime.clipping`); ``clip_local``: it needs no communication (the stage
+        scope), so it also applies to the tied-only steps."""
+        self.clip_local = True
+        self.busy_s = 0.0  # seconds spent in forward, backward and update (metrics)
         self.on_update: Callable[[], None] | None = None
         """Called after every optimizer step of an update ``U`` (an LR scheduler's ``step``),
         not after the tied-only steps that complete delayed tied rounds."""
@@ -206,16 +223,20 @@ class StageReplica:
         ins = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor)
                and is_differentiable(t) and i not in self._no_grad_in else t
                for i, t in enumerate(inputs)]
+        t0 = time.perf_counter()
         weights = self.stash.acquire(minibatch, version)
-        if self.stash.stashing:
-            outs = self._call(weights, _writable(ins, self._clone_in))
-            loss = self._loss(outs, target) if self.is_last else None
-            self._flight[minibatch] = _InFlight(ins, outs, loss)
-        else:
-            with torch.no_grad():
+        if self.stash.stashing and not self.recompute:
+            with autocast(self.precision, self.device):
                 outs = self._call(weights, _writable(ins, self._clone_in))
                 loss = self._loss(outs, target) if self.is_last else None
-            self._flight[minibatch] = _InFlight(ins, None, None, target)
+            self._flight[minibatch] = _InFlight(ins, outs, loss)
+        else:
+            rng = _rng_state(self.device) if self.recompute else None
+            with torch.no_grad(), autocast(self.precision, self.device):
+                outs = self._call(weights, _writable(ins, self._clone_in))
+                loss = self._loss(outs, target) if self.is_last else None
+            self._flight[minibatch] = _InFlight(ins, None, None, target, rng)
+        self.busy_s += time.perf_counter() - t0
         sent = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
         return sent, (loss.detach() if loss is not None else None)
 
@@ -239,11 +260,11 @@ class StageReplica:
         if minibatch not in self._flight:
             raise StashError(f"backward of minibatch {minibatch} on stage {self.spec.index} "
                              "without its forward", "run F<k> before B<k>")
+        t0 = time.perf_counter()
         fl = self._flight.pop(minibatch)
         _, weights = self.stash.for_backward(minibatch)
-        if fl.outputs is None:  # no stashing: recompute with the latest weights
-            outs = self._call(weights, _writable(fl.inputs, self._clone_in))
-            fl = _InFlight(fl.inputs, outs, self._loss(outs, fl.target) if self.is_last else None)
+        if fl.outputs is None:  # recompute (or no stashing: with the latest weights)
+            fl = self._recompute(fl, weights)
         if self.is_last:
             roots, seeds = [fl.loss], [None]
         else:
@@ -257,6 +278,7 @@ class StageReplica:
             got, task = input_gradients(roots, seeds, [fl.inputs[i] for i in diff_in],
                                         [weights[n] for n in names])
             self._weight_tasks[minibatch] = task
+            self.busy_s += time.perf_counter() - t0
             return self._input_grads(fl.inputs, diff_in, got)
         wrt = [fl.inputs[i] for i in diff_in] + [weights[n] for n in names]
         grads: Sequence[torch.Tensor | None] = [None] * len(wrt)
@@ -271,6 +293,7 @@ class StageReplica:
             for h in hooks:  # the weights are shared with other minibatches' graphs
                 h.remove()
         self._weights_done(minibatch, names, grads[len(diff_in):], summed)
+        self.busy_s += time.perf_counter() - t0
         return self._input_grads(fl.inputs, diff_in, grads[:len(diff_in)])
 
     def backward_weight(self, minibatch: int, *,
@@ -283,6 +306,7 @@ class StageReplica:
             raise StashError(f"weight gradients of minibatch {minibatch} on stage "
                              f"{self.spec.index} without its split backward",
                              "run B<k> (split) before W<k>")
+        t0 = time.perf_counter()
         names = self.stash.trainable
         summed: dict[str, torch.Tensor] = {}
         hook = None
@@ -291,6 +315,7 @@ class StageReplica:
                 if hooked is None or names[i] in hooked:
                     self._hook(names[i], summed, on_grad, g)
         self._weights_done(minibatch, names, task.run(hook), summed)
+        self.busy_s += time.perf_counter() - t0
 
     def _weights_done(self, minibatch: int, names: Sequence[str],
                       grads: Sequence[torch.Tensor | None], summed: Mapping[str, torch.Tensor]
@@ -310,6 +335,30 @@ class StageReplica:
         for i, g in zip(diff_in, grads):
             out[i] = torch.zeros_like(inputs[i]) if g is None else g
         return out
+
+    def _recompute(self, fl: _InFlight, weights: Mapping[str, torch.Tensor]) -> _InFlight:
+        """The forward again, with a graph: same weights, precision and (recompute) RNG state;
+        buffers written by the forward (BatchNorm's running statistics) are updated once, by
+        the first forward, so the recomputation writes into copies."""
+        if fl.rng is None:  # the no-stashing ablation: as it always did
+            with autocast(self.precision, self.device):
+                outs = self._call(weights, _writable(fl.inputs, self._clone_in))
+                loss = self._loss(outs, fl.target) if self.is_last else None
+            return _InFlight(fl.inputs, outs, loss)
+        devices = [self.device] if self.device.type == "cuda" else []
+        saved = self.buffers
+        self.buffers = {n: b.clone() for n, b in saved.items()}
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(fl.rng[0])
+                if fl.rng[1] is not None:
+                    torch.cuda.set_rng_state(fl.rng[1], self.device)
+                with autocast(self.precision, self.device):
+                    outs = self._call(weights, _writable(fl.inputs, self._clone_in))
+                    loss = self._loss(outs, fl.target) if self.is_last else None
+        finally:
+            self.buffers = saved
+        return _InFlight(fl.inputs, outs, loss)
 
     def _hook(self, name: str, summed: dict[str, torch.Tensor],
               on_grad: Callable[[str, torch.Tensor], None], g: torch.Tensor) -> None:
@@ -392,6 +441,13 @@ class StageReplica:
         consumed: its parts are divided in place and handed to the optimizer as views.
         ``tied``: gradients (already means) used instead of ``total``'s for those names, None
         for "no step for this parameter now" (delayed tied rounds, see reference.tied_delay)."""
+        return self.finish_update(self.update_grads(total, tied))
+
+    def update_grads(self, total: torch.Tensor,
+                     tied: Mapping[str, torch.Tensor | None] | None = None
+                     ) -> dict[str, torch.Tensor | None]:
+        """The mean gradients :meth:`apply_update` steps with (before clipping); resets the
+        round's sums. The reference executor clips them over all stages in between."""
         count = float(total[-1])
         grads: dict[str, torch.Tensor | None] = {}
         offset = 0
@@ -401,7 +457,7 @@ class StageReplica:
             offset += p.numel()
         fixed = dict(tied or {})
         grads.update(fixed)
-        return self.apply_grads(grads, count, writable=grads, fixed=fixed)
+        return self.mean_grads(grads, count, writable=grads, fixed=fixed)
 
     def apply_local_update(self) -> int:
         """The update of a replica that sums with nobody (one replica, no tied parameters):
@@ -419,16 +475,35 @@ class StageReplica:
         no minibatch, the sums are used as they are; 1: nothing to divide, ``x / 1 == x``).
         Names in ``writable`` are divided in place, the others into a new tensor; names in
         ``fixed`` are used as given (None: that parameter takes no step). Resets the round's
-        sums and count, calls :attr:`on_update`; returns the new weight version."""
+        sums and count, clips (:attr:`clip`), calls :attr:`on_update`; returns the new weight
+        version."""
+        return self.finish_update(self.mean_grads(grads, count, writable=writable, fixed=fixed))
+
+    def mean_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,
+                   writable: Collection[str], fixed: Collection[str] = ()
+                   ) -> dict[str, torch.Tensor | None]:
+        """``grads / count`` (see :meth:`apply_grads`); resets the round's sums and count."""
         if count > 0 and count != 1:
             grads = {n: g if n in fixed or g is None else g.div_(count) if n in writable
                      else g / count for n, g in grads.items()}
         self._grad_sum.clear()
         self._owned.clear()
         self._count = 0
+        return dict(grads)
+
+    def finish_update(self, grads: dict[str, torch.Tensor | None]) -> int:
+        """Clip (:attr:`clip`) and step with the mean gradients ``grads``."""
+        if self.clip is not None:
+            grads = self.clip(grads)
+        return self.step(grads)
+
+    def step(self, grads: Mapping[str, torch.Tensor | None]) -> int:
+        """One optimizer step with final gradients; calls :attr:`on_update`."""
+        t0 = time.perf_counter()
         version = self.stash.update(grads)
         if self.on_update is not None:
             self.on_update()
+        self.busy_s += time.perf_counter() - t0
         return version
 
     def apply_tied_only(self, tied: Mapping[str, torch.Tensor]) -> int:
@@ -437,12 +512,15 @@ class StageReplica:
         Does not call :attr:`on_update` (it finishes earlier updates, it is not a new one)."""
         grads: dict[str, torch.Tensor | None] = {n: None for n in self.stash.trainable}
         grads.update(tied)
+        if self.clip is not None and self.clip_local:
+            grads = self.clip(grads)
         return self.stash.update(grads)
 
     def evaluate(self, inputs: Sequence[Any]) -> tuple:
         """Evaluation forward with the latest weights: no graph, the stage in eval mode (then
         every module back in the mode it had)."""
-        with modes(self.spec.gm, training=False), torch.no_grad():
+        with modes(self.spec.gm, training=False), torch.no_grad(), \
+                autocast(self.precision, self.device):
             return self._call(self.stash.latest, inputs)
 
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -461,6 +539,13 @@ def modes(module: torch.nn.Module, training: bool) -> Iterator[None]:
     finally:
         for m, was in saved:
             m.training = was
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The CPU generator's state (and the device's, on CUDA): what a recomputed forward needs
+    to draw the same dropout masks."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
 
 
 def _writable(ins: Sequence[Any], which: Collection[int]) -> list[Any]:

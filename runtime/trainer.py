@@ -58,7 +58,10 @@ from .schedule import Schedule, make_schedule
 from .schedule_spec import AUTO, parse_schedule
 from .staleness import own_delays
 from .stage import LossFn, StageReplica, check_stages, tied_parameters
+from .metrics import MetricsLog
+from .param_names import wrap_factory
 from .stash import OptimizerFactory
+from .step_options import StepOptions
 from .timeline import TimelineEvent
 from .trainer_backends import DistributedBackend, IdleBackend, ReferenceBackend, surplus_rank
 from .trainer_checkpoint import CheckpointMixin
@@ -102,6 +105,16 @@ class Trainer(CheckpointMixin):
     ``(events, background)`` pair per segment in :attr:`timelines`, in seconds since
     :attr:`timeline_origin` (a ``time.perf_counter()`` value; compute spans timed with CUDA
     events on a GPU).
+
+    The training loop practitioners expect (README, "The training loop practitioners expect"):
+    an optimizer factory with a ``names`` parameter gets the model's names of its tensors
+    (:mod:`fxpipe.runtime.param_names`); ``clip_grad_norm`` clips by norm
+    (:mod:`fxpipe.runtime.clipping`: the whole model's norm for 1f1b-flush and gpipe, each
+    stage's own for pipedream and 2bw); ``precision="bf16"`` runs forwards under autocast
+    (:mod:`fxpipe.runtime.precision`); ``recompute`` (True or one bool per stage) recomputes
+    activations in the backward; ``metrics_path``/``metrics_every``/``tensorboard_dir`` write
+    metrics (:mod:`fxpipe.runtime.metrics`); ``prefetch`` reads that many minibatches ahead in a
+    thread (:mod:`fxpipe.runtime.prefetch`).
     """
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
@@ -118,7 +131,11 @@ class Trainer(CheckpointMixin):
                  timeline: bool = False,
                  fingerprint: str | None = None,
                  state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None,
-                 auto_options: AutoOptions | Mapping[str, Any] | None = None) -> None:
+                 auto_options: AutoOptions | Mapping[str, Any] | None = None,
+                 clip_grad_norm: float | None = None, precision: str = "fp32",
+                 recompute: bool | Sequence[bool] | None = None,
+                 metrics_path: str | None = None, metrics_every: int = 1,
+                 tensorboard_dir: str | None = None, prefetch: int = 0) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
@@ -140,6 +157,9 @@ class Trainer(CheckpointMixin):
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
         self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
+        self.options = StepOptions.make(len(self.stages), clip_grad_norm=clip_grad_norm,
+                                        precision=precision, recompute=recompute)
+        optimizer = wrap_factory(optimizer, self.stages, state_keys)  # `names=` (param_names)
         self._set_segments(spec.kind)
         self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync
         self.schedule_name, self.mitigation = spec.name, spec.mitigation
@@ -165,14 +185,16 @@ class Trainer(CheckpointMixin):
         job = surplus_rank() if executor == "distributed" else None
         if executor == "reference":
             self.backend: Any = ReferenceBackend(self.stages, self.replicas, loss_fn, optimizer,
-                                                 empty, stashing=stashing, **mitigated)
+                                                 empty, stashing=stashing, options=self.options,
+                                                 **mitigated)
         elif job is not None and job[0] >= len(empty.ranks):
             self.backend = IdleBackend(job[0], job[1], len(empty.ranks))
         else:
             self.backend = DistributedBackend(self.stages, self.replicas, loss_fn, optimizer,
                                               empty, stashing=stashing, timeout_s=timeout_s,
                                               data_timeout_s=data_timeout_s, timeline=timeline,
-                                              device=device, **mitigated)
+                                              device=device, options=self.options,
+                                              **mitigated)
         self.idle = isinstance(self.backend, IdleBackend)
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
         self.lr_interval = lr_scheduler_interval
@@ -188,6 +210,13 @@ class Trainer(CheckpointMixin):
         self.need_inputs = ref or self.index == 0 or any(
             MODEL in self.stages[s].sources for s in mine)
         self.need_targets = ref or last in mine
+        self.metrics = MetricsLog(metrics_path, metrics_every, tensorboard_dir, len(self.stages),
+                                  write=self.index == 0 and not self.idle)
+        self._busy_seen: dict[tuple[int, int], float] = {}
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise RuntimeConfigError(f"prefetch={prefetch!r}", "use 0 (no reading ahead) or a "
+                                     "positive number of minibatches")
+        self.prefetch = prefetch  # minibatches read ahead by a thread (runtime/prefetch.py)
 
     # ------------------------------------------------------------------ helpers
     def _check_tied_cadence(self) -> None:
@@ -266,7 +295,9 @@ class Trainer(CheckpointMixin):
         parts = take(it, n) if reads else []
         plan, samples = None, 0
         if self.index == 0:
-            plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache)
+            plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache,
+                                   precision=self.options.precision,
+                                   device=self.backend.device.type)
                     if wire and parts and isinstance(self.backend, DistributedBackend) else None)
             samples = sum(batch_size_of(p[0]) for p in parts)
         mine = (len(parts), it.digest(), plan, samples) if reads else None
@@ -320,7 +351,9 @@ class Trainer(CheckpointMixin):
             pos = pos0 if epoch == epoch0 else 0
             acc = list(partial) if epoch == epoch0 else [0.0, 0.0, 0.0, 0.0]
             it = PartStream(train_loader, epoch, self.seed, need_inputs=self.need_inputs,
-                            need_targets=self.need_targets, start=pos)
+                            need_targets=self.need_targets, start=pos,
+                            prefetch=self.prefetch if self.need_inputs or self.need_targets
+                            else 0)
             bar = Progress(f"epoch {epoch + 1}/{epochs}", total, pos,
                            enabled=self.progress and self.index == 0)
             try:
@@ -336,6 +369,8 @@ class Trainer(CheckpointMixin):
                     dt = time.perf_counter() - t0
                     got = self.backend.all_sum([sum(losses.values()), len(losses)], "loss sum")
                     acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
+                    if self.metrics.enabled:
+                        self._record(epoch, n, got, dt)
                     pos += n
                     bar.update(n, acc[0] / max(acc[1], 1), acc[2] / max(acc[3], 1e-9))
                     if n < want:
@@ -343,6 +378,7 @@ class Trainer(CheckpointMixin):
                     if self.checkpoint_every and pos % self.checkpoint_every == 0:
                         self._checkpoint(epoch, pos, acc)
             finally:
+                it.close()
                 bar.close()
             if self.lr_interval == "epoch":
                 for sch in self.schedulers.values():
@@ -352,11 +388,28 @@ class Trainer(CheckpointMixin):
                      "samples_per_s": acc[2] / acc[3] if acc[3] > 0 else 0.0}
             if eval_loader is not None:
                 entry.update(self.evaluate(eval_loader))
+                self.metrics.evaluation(epoch, {k: v for k, v in entry.items()
+                                                if k.startswith("eval_")})
             self.history.append(entry)
             log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4g}" for k, v in entry.items()))
             if self.checkpoint_dir is not None:
                 self._checkpoint(epoch + 1, 0, [0.0, 0.0, 0.0, 0.0])
         self._write_back()
+
+    def _record(self, epoch: int, n: int, got: list[float], dt: float) -> None:
+        """One segment into the metrics log (:mod:`fxpipe.runtime.metrics`): every rank adds
+        its stages' busy time (one small all-reduce), rank 0 writes."""
+        busy = [0.0] * len(self.stages)
+        for r, w in self.local.items():
+            busy[r[0]] += (w.busy_s - self._busy_seen.get(r, 0.0)) / self.replicas[r[0]]
+            self._busy_seen[r] = w.busy_s
+        busy = self.backend.all_sum(busy, "metrics (busy time)")
+        updates = sum(a.kind == "U" for a in self._schedule(n).actions[(0, 0)])
+        first = self.local.get((0, 0))
+        opt = first.stash.optimizer if first is not None else None
+        lr = float(opt.param_groups[0]["lr"]) if opt is not None else None
+        self.metrics.segment(epoch=epoch, updates=updates, loss_sum=got[0], losses=got[1],
+                             minibatches=n, samples=self._samples, time_s=dt, busy=busy, lr=lr)
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
         """Mean loss (and top-1 accuracy for classification) of the latest weights, computed on
@@ -443,6 +496,7 @@ class Trainer(CheckpointMixin):
 
     def close(self) -> None:
         """Leave the process group (distributed): call once training is over."""
+        self.metrics.close()
         self.backend.close()
 
 

@@ -44,7 +44,10 @@ from .mitigation import MitigatedReplica, Mitigation
 from .reference import ReferenceExecutor, planned_reads
 from .schedule import Rank, Schedule
 from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
+from .clipping import GROUP
+from .precision import autocast
 from .stash import OptimizerFactory
+from .step_options import DEFAULT, StepOptions
 from .timeline import Recorder, TimelineEvent
 from .wire import WirePlan, crossing_values
 
@@ -90,9 +93,9 @@ class ReferenceBackend:
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
                  optimizer_factory: OptimizerFactory, empty: Schedule, *,
                  stashing: bool = True, mitigation: Mitigation | None = None,
-                 delays: Sequence[int] | None = None) -> None:
+                 delays: Sequence[int] | None = None, options: StepOptions = DEFAULT) -> None:
         self.stages, self.replicas, self.loss_fn = list(stages), list(replicas), loss_fn
-        self.empty = empty
+        self.empty, self.options = empty, options
         self.rebuild(optimizer_factory, stashing=stashing, mitigation=mitigation, delays=delays)
 
     def rebuild(self, optimizer_factory: OptimizerFactory, *, stashing: bool,
@@ -102,7 +105,7 @@ class ReferenceBackend:
         empty = Schedule(kind, self.empty.replicas, 0, self.empty.actions)
         self.ex = ReferenceExecutor(self.stages, self.replicas, empty, self.loss_fn,
                                     optimizer_factory, stashing=stashing, mitigation=mitigation,
-                                    delays=delays)
+                                    delays=delays, options=self.options)
         self.local: dict[Rank, StageReplica] = dict(self.ex.workers)
 
     def run_segment(self, sched: Schedule, parts: list[Part], wire: WirePlan | None
@@ -123,7 +126,8 @@ class ReferenceBackend:
             io = self.stages[-1].io
             assert io is not None
             out = io.build_output({n: env[n] for n in self.stages[-1].outputs})
-            found.append(eval_metrics(self.loss_fn, out, y))
+            with autocast(self.options.precision, "cpu"):  # the loss as in training
+                found.append(eval_metrics(self.loss_fn, out, y))
         return _total(found)
 
     def all_sum(self, values: list[float], what: str) -> list[float]:
@@ -170,8 +174,9 @@ class DistributedBackend:
                  timeout_s: float = 60.0, data_timeout_s: float = 600.0,
                  device: str | None = None, timeline: bool = False,
                  mitigation: Mitigation | None = None,
-                 delays: Sequence[int] | None = None) -> None:
+                 delays: Sequence[int] | None = None, options: StepOptions = DEFAULT) -> None:
         from .executor import RankExecutor  # torch.distributed users only
+        self.options = options
 
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                    if v not in os.environ]
@@ -212,7 +217,8 @@ class DistributedBackend:
         self.control = dist.new_group(backend="gloo", timeout=self.data_timeout)
         self._agree_on_pipeline()
         ties = list(tie_sets(tied_parameters(self.stages)))  # by identity, before any copy
-        groups = make_groups(list(replicas), self.rank_of, ties, timeout_s)
+        groups = make_groups(list(replicas), self.rank_of, ties, timeout_s,
+                             extra=(GROUP,) if options.clip_grad_norm is not None else ())
         clock = CudaClock(dev) if timeline and dev.type == "cuda" else None
         self.comm = Comm(self.me, self.rank_of, len(crossing_values(self.stages)), timeout_s, dev,
                          groups, recorder=Recorder(enabled=timeline, device_clock=clock))
@@ -230,7 +236,8 @@ class DistributedBackend:
         self.ex = RankExecutor(self.stages, self.empty, self.me, self.loss_fn, optimizer_factory,
                                WirePlan((), (), ()), self.comm, stashing=stashing,
                                device=self.device, mitigation=mitigation,
-                               delay=(delays or [0] * len(self.stages))[self.me[0]])
+                               delay=(delays or [0] * len(self.stages))[self.me[0]],
+                               options=self.options)
         self.local: dict[Rank, StageReplica] = {self.me: self.ex.replica}
 
     def _agree_on_pipeline(self) -> None:
@@ -304,8 +311,12 @@ class DistributedBackend:
         io = self.stages[-1].io
         assert io is not None
         found = self.ex.forward_only(
-            parts, lambda outs, y: eval_metrics(self.loss_fn, io.build_output(outs), y))
+            parts, lambda outs, y: self._metric(io.build_output(outs), y))
         return _total(found)
+
+    def _metric(self, out: Any, y: Any) -> torch.Tensor:
+        with autocast(self.options.precision, self.device):  # the loss as in training
+            return eval_metrics(self.loss_fn, out, y)
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():

@@ -22,6 +22,7 @@ import torch
 from fxpipe.codegen.split import MODEL, StageSpec
 
 from .comm import TensorSpec
+from .precision import autocast
 from .stage import model_env
 
 log = logging.getLogger(__name__)
@@ -89,16 +90,18 @@ def _specs(env: Mapping[str, Any], values: Sequence[str]) -> dict[str, TensorSpe
 
 
 def _fake_run(stages: Sequence[StageSpec], env: dict[str, Any],
-              values: Sequence[str]) -> dict[str, TensorSpec]:
-    """Shapes by fake-tensor propagation: every weight and input becomes a fake CPU tensor."""
+              values: Sequence[str], precision: str = "fp32",
+              device: str = "cpu") -> dict[str, TensorSpec]:
+    """Shapes by fake-tensor propagation: every weight and input becomes a fake tensor on
+    ``device`` (the CPU, unless autocast must follow another device's rules)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.func import functional_call
 
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         def fake(t: Any) -> Any:
-            return mode.from_tensor(t.detach()).to("cpu") if isinstance(t, torch.Tensor) else t
+            return mode.from_tensor(t.detach()).to(device) if isinstance(t, torch.Tensor) else t
         fenv = {n: fake(v) for n, v in env.items()}
-        with torch.no_grad():
+        with torch.no_grad(), autocast(precision, device):
             for st in stages:
                 state = {n: fake(t) for n, t in [*st.gm.named_parameters(),
                                                   *st.gm.named_buffers()]}
@@ -108,9 +111,10 @@ def _fake_run(stages: Sequence[StageSpec], env: dict[str, Any],
 
 
 def _dry_run(stages: Sequence[StageSpec], env: dict[str, Any],
-             values: Sequence[str]) -> dict[str, TensorSpec]:
+             values: Sequence[str], precision: str = "fp32",
+             device: str = "cpu") -> dict[str, TensorSpec]:
     try:
-        return _fake_run(stages, env, values)
+        return _fake_run(stages, env, values, precision, device)
     except Exception as err:  # noqa: BLE001 - any op without a fake implementation
         log.debug("fake-tensor dry run failed (%s); running the stages on the host", err)
     from .stage import modes
@@ -120,7 +124,7 @@ def _dry_run(stages: Sequence[StageSpec], env: dict[str, Any],
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for st in stages:
             dev = next((t.device for t in st.gm.parameters()), torch.device("cpu"))
-            with modes(st.gm, training=False):
+            with modes(st.gm, training=False), autocast(precision, dev):
                 outs = st.gm(*(v.to(dev) if isinstance(v, torch.Tensor) else v
                                for v in (env[n] for n in st.inputs)))
             env.update(zip(st.outputs, outs))
@@ -130,8 +134,12 @@ def _dry_run(stages: Sequence[StageSpec], env: dict[str, Any],
 
 
 def make_wire_plan(stages: Sequence[StageSpec], inputs: Sequence[Any], *,
-                   cache: dict[Signature, dict[str, TensorSpec]] | None = None) -> WirePlan:
-    """The plan for minibatches with model inputs ``inputs[k]`` (see the module doc)."""
+                   cache: dict[Signature, dict[str, TensorSpec]] | None = None,
+                   precision: str = "fp32", device: str = "cpu") -> WirePlan:
+    """The plan for minibatches with model inputs ``inputs[k]`` (see the module doc).
+    ``precision``: the stages' forwards run under that autocast (``"bf16"``), on ``device``'s
+    type (its rules differ between the CPU and CUDA): the tracer's float32 metadata then does
+    not apply, the dry run runs under the same autocast."""
     values = crossing_values(stages)
     sigs: dict[Signature, int] = {}
     specs: list[dict[str, TensorSpec]] = []
@@ -143,10 +151,10 @@ def make_wire_plan(stages: Sequence[StageSpec], inputs: Sequence[Any], *,
         if sig not in sigs:
             found = cache.get(sig)
             how = "the cache"
-            if found is None:
+            if found is None and precision == "fp32":
                 found, how = _from_meta(stages, env, values), "metadata"
             if found is None:
-                found, how = _dry_run(stages, dict(env), values), "a dry run"
+                found, how = _dry_run(stages, dict(env), values, precision, device), "a dry run"
             log.debug("wire plan for inputs %s from %s", sig, how)
             cache[sig] = found
             sigs[sig] = len(specs)

@@ -30,7 +30,9 @@ from .executor import RankExecutor, RankResult
 from .reference import Batch
 from .schedule import Action, Rank, Schedule
 from .stage import LossFn, tie_sets, tied_parameters
+from .clipping import GROUP
 from .stash import OptimizerFactory
+from .step_options import DEFAULT, StepOptions
 from .timeline import Recorder
 from .wire import WirePlan
 
@@ -62,6 +64,7 @@ class WorkerConfig:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     record_comm: bool = False  # keep every host call of the Comm (for the NCCL checker)
     windows: tuple[int, ...] = ()  # the schedule's in-flight windows (tied delay needs them)
+    options: StepOptions = DEFAULT  # clipping, precision, recomputation
 
     def schedule(self) -> Schedule:
         return Schedule(self.schedule_kind, self.replicas, self.num_minibatches, self.actions,
@@ -109,7 +112,8 @@ def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:
     sched = cfg.schedule()
     rank_of = {r: i for i, r in enumerate(sched.ranks)}
     ties = list(tie_sets(tied_parameters(cfg.stages)))
-    groups = make_groups(sched.replicas, rank_of, ties, cfg.timeout_s)
+    groups = make_groups(sched.replicas, rank_of, ties, cfg.timeout_s,
+                         extra=(GROUP,) if cfg.options.clip_grad_norm is not None else ())
     if index >= len(sched.ranks):
         dist.barrier(async_op=True).wait(timeout=timedelta(seconds=cfg.timeout_s))
         return None
@@ -121,7 +125,7 @@ def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:
     ex = RankExecutor(cfg.stages, sched, me, cfg.loss_fn, cfg.optimizer_factory, cfg.wire,
                       comm, stashing=cfg.stashing, device=device, fault=cfg.faults.get(index),
                       recorder=rec, overlap_allreduce=cfg.overlap_allreduce,
-                      bucket_bytes=cfg.bucket_bytes)
+                      bucket_bytes=cfg.bucket_bytes, options=cfg.options)
     return ex.run(cfg.batches)
 
 

@@ -26,6 +26,7 @@ from fxpipe.runtime.executor import WorkerConfig, fail, init_rank, run_rank
 from fxpipe.runtime.launch import free_port
 from fxpipe.runtime.reference import RunResult, check_schedule
 from fxpipe.runtime.schedule import Schedule
+from fxpipe.runtime.step_options import DEFAULT, StepOptions
 from fxpipe.runtime.wire import make_wire_plan
 
 
@@ -37,6 +38,7 @@ class Job:
     loss_fn: Any
     optimizer_factory: Any
     batches: list[tuple[Any, Any]]
+    options: StepOptions = DEFAULT  # clipping, precision, recomputation
 
 
 def _worker(index: int, cfgs: list[WorkerConfig], outdir: str) -> None:
@@ -72,8 +74,10 @@ def run_jobs(jobs: Sequence[Job], timeout_s: float = 30.0,
                 stages=list(j.stages), schedule_kind=s.kind, replicas=tuple(s.replicas),
                 num_minibatches=s.num_minibatches, actions=dict(s.actions), loss_fn=j.loss_fn,
                 optimizer_factory=j.optimizer_factory, batches=list(j.batches),
-                wire=make_wire_plan(j.stages, [b[0] for b in j.batches]), outdir=outdir,
-                port=port, timeout_s=timeout_s, record_comm=True, windows=tuple(s.windows)))
+                wire=make_wire_plan(j.stages, [b[0] for b in j.batches],
+                                    precision=j.options.precision), outdir=outdir,
+                port=port, timeout_s=timeout_s, record_comm=True, windows=tuple(s.windows),
+                options=j.options))
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_worker, args=(i, cfgs, outdir), daemon=True)
                  for i in range(world)]
