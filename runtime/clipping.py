@@ -8,9 +8,9 @@ What torch does on one process (and what this module reproduces over a pipeline)
 
 **Scope by schedule kind** (:func:`clip_scope`):
 
-* ``"global"`` for the flushing kinds ``1f1b-flush`` and ``gpipe``: every stage applies the
-  gradient of the SAME batch at its update ``U<i>``, so the norm is the whole model's, exactly as
-  ``clip_grad_norm_`` on the unsplit model: every parameter counted once (a tied parameter on the
+* ``"global"`` for the flushing kinds (``1f1b-flush``, ``gpipe``, ``zb-h1``, ``zb-h2``): every
+  stage applies the gradient of the SAME batch at its update ``U<i>``, so the norm is the whole
+  model's, exactly as ``clip_grad_norm_`` on the unsplit model: every parameter counted once (a tied parameter on the
   lowest stage holding it, a replicated stage by its replica 0, after the replicas' sum), the
   squared per-tensor norms summed over the stages (in float64: one all-reduce of one number per
   update in the distributed executor, :data:`GROUP`), and every stage scaled by the same ``coef``.
@@ -31,8 +31,9 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from .errors import RuntimeConfigError
+from .schedule import SYNCHRONOUS_KINDS
 
-GLOBAL_KINDS = ("1f1b-flush", "gpipe")
+GLOBAL_KINDS = SYNCHRONOUS_KINDS  # every kind that flushes: one batch per update everywhere
 GROUP = "clip"
 """Name of the process-group key of the global-norm all-reduce (every rank of the pipeline)."""
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s

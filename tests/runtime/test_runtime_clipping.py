@@ -39,7 +39,7 @@ def eager(model: nn.Module, data: list, m: int, max_norm: float, epochs: int = 1
 
 @pytest.mark.parametrize("schedule,cuts,replicas", [
     ("1f1b-flush", [2], [1, 1]), ("1f1b-flush", [1, 3], [1, 2, 1]), ("gpipe", [2], [2, 1]),
-    ("1f1b-flush", [], [1])])
+    ("1f1b-flush", [], [1]), ("zb-h1", [1, 3], [1, 2, 1]), ("zb-h2", [2], [1, 1])])
 def test_global_norm_equals_clip_grad_norm_on_the_whole_model(schedule: str, cuts: list[int],
                                                                replicas: list[int]) -> None:
     data, m = big_batches(12), 4
