@@ -8,6 +8,7 @@ import pytest
 import torch
 from rt_helpers import split
 from rt_tied import TiedLM, ce, plain_sgd_groups, sgd_m, token_batches
+from stale_oracles import tied_lm_pipedream_sgd
 
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.reference import ReferenceExecutor
@@ -35,11 +36,22 @@ def test_noam_one_tied_equals_plain_sgd() -> None:
 
 
 def test_pipelined_tied_copies_stay_identical_and_differ_from_untied() -> None:
+    """3-stage pipedream, float64, against TiedLM's stale momentum SGD written out
+    (stale_oracles.tied_lm_pipedream_sgd): both copies step with the sum of both uses'
+    gradients, each taken at its own stage's version. Two separate parameters (the untied
+    counterfactual) would end measurably elsewhere."""
     data = token_batches(8)
     sched = make_schedule("pipedream", [1, 1, 1], 8)
-    res = ReferenceExecutor(split(TiedLM(), [1, 3]), [1, 1, 1], sched, ce, sgd_m).run(data)
+    model = TiedLM().double()
+    w0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res = ReferenceExecutor(split(model, [1, 3]), [1, 1, 1], sched, ce, sgd_m).run(data)
     assert torch.equal(res.params[0]["wte.weight"], res.params[2]["lm_head.weight"])
-    assert all(torch.isfinite(torch.tensor(res.losses)))
+    losses, want = tied_lm_pipedream_sgd(w0, data, lr=0.1, momentum=0.9)
+    torch.testing.assert_close(res.losses, losses, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(res.merged_params(), want, rtol=1e-10, atol=1e-12)
+    _, untied = tied_lm_pipedream_sgd(w0, data, lr=0.1, momentum=0.9, tied=False)
+    for name in ("wte.weight", "lm_head.weight"):
+        assert float((untied[name] - want[name]).abs().max()) > 1e-3, name
 
 
 @pytest.mark.parametrize("kind", ["1f1b-flush", "gpipe"])
