@@ -10,7 +10,7 @@ from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import ConfigError, InfeasiblePlanError
 from fxpipe.passes import Plan, partition, plan_for
 
-PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pipedream-profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
 
 
 def chain(specs: list[tuple[float, float, float]], *, shared: dict[int, tuple[str, ...]] | None = None,
@@ -27,10 +27,7 @@ def chain(specs: list[tuple[float, float, float]], *, shared: dict[int, tuple[st
 
 
 def test_vgg16_pipedream_7_1() -> None:
-    path = PROFILES / "vgg16" / "graph.txt"
-    if not path.exists():
-        pytest.skip(f"PipeDream profiles not found at {PROFILES} (shared data absent)")
-    prof = Profile.from_pipedream(path)
+    prof = Profile.from_pipedream(PROFILES / "vgg16" / "graph.txt")
     plan = partition(prof, Cluster(workers=8, bandwidth=1.25e9), sync="parameter-server")
     assert plan.replicas == [7, 1]
     assert plan.speedup_over_data_parallel > 1.0
