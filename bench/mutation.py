@@ -45,18 +45,27 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "out" / "mutation"
 PHASES = ("tracing", "costmodel", "passes", "codegen", "runtime")
 
-_PASSES = ["tests/passes/test_cost_model_literal.py", "tests/passes/test_cuts.py",
-           "tests/passes/test_partition.py", "tests/passes/test_partition_update.py",
-           "tests/passes/test_plan.py", "tests/passes/test_solver_vs_pipedream_dp.py",
-           "tests/passes/test_solver_bruteforce.py", "tests/passes/test_feasibility.py"]
-_STASH = ["tests/runtime/test_runtime_stash.py", "tests/runtime/test_runtime_stale_oracles.py",
-          "tests/runtime/test_runtime_reference.py", "tests/runtime/test_runtime_tied.py",
-          "tests/runtime/test_runtime_staleness.py"]
+_T = "tests/passes/"
+_LITERAL, _BRUTE = _T + "test_cost_model_literal.py", _T + "test_solver_bruteforce.py"
+_RUNTIME = ["tests/runtime/test_runtime_stale_oracles.py", "tests/runtime/test_runtime_reference.py",
+            "tests/runtime/test_runtime_tied.py", "tests/runtime/test_runtime_staleness.py"]
+# module -> the tests that exercise it, cheapest and most specific first (-x: order is speed)
 SUITES: dict[str, list[str]] = {
-    **{f"passes/{m}.py": _PASSES for m in ("cuts", "exact_stages", "feasibility", "partition",
-                                           "plan", "reference_dp", "solver")},
-    "runtime/schedule.py": ["tests/runtime/test_schedule.py", *_STASH],
-    "runtime/stash.py": _STASH,
+    "passes/cuts.py": [_T + "test_cuts.py", _LITERAL,
+                       _BRUTE + "::test_partition_matches_brute_force"],
+    "passes/exact_stages.py": [_LITERAL, _T + "test_feasibility.py", _BRUTE],
+    "passes/feasibility.py": [_LITERAL, _BRUTE, _T + "test_feasibility.py"],
+    "passes/solver.py": [_LITERAL, _T + "test_solver.py", _BRUTE, _T + "test_feasibility.py"],
+    "passes/partition.py": [_LITERAL, _T + "test_partition.py", _T + "test_partition_update.py",
+                            _T + "test_plan.py", _T + "test_cuts.py",
+                            _T + "test_solver_vs_pipedream_dp.py",
+                            _BRUTE + "::test_partition_matches_brute_force"],
+    "passes/plan.py": [_T + "test_plan.py", _T + "test_partition.py",
+                       _T + "test_partition_update.py"],
+    "passes/reference_dp.py": [_T + "test_solver_vs_pipedream_dp.py", _LITERAL,
+                               _T + "test_partition_update.py"],
+    "runtime/schedule.py": ["tests/runtime/test_schedule.py", *_RUNTIME],
+    "runtime/stash.py": ["tests/runtime/test_runtime_stash.py", *_RUNTIME],
     "runtime/buckets.py": ["tests/runtime/test_runtime_overlap.py"],
 }
 

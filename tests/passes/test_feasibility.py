@@ -54,7 +54,7 @@ secs = st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5, 3.0, 0.1, 0.3])
 
 
 @st.composite
-def insts(draw, max_n: int = 6, max_m: int = 4):
+def insts(draw, max_n: int = 5, max_m: int = 3):
     n = draw(st.integers(1, max_n))
     m = draw(st.integers(1, max_m))
     net = Net(m, draw(st.sampled_from([10.0, 100.0])), draw(st.sampled_from([10.0, 100.0, 1e3])),
@@ -165,7 +165,7 @@ def check_plan(inst: _Inst, stages, tau: float):
     return sol
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(insts(), st.data())
 def test_check_budget_is_exact_and_its_skip_is_safe(inst: _Inst, data) -> None:
     """A plan within tau exists iff check_budget finds one; when it finds none, no plan is
@@ -179,7 +179,7 @@ def test_check_budget_is_exact_and_its_skip_is_safe(inst: _Inst, data) -> None:
         assert (best > tau or best == INF) and best >= nxt and (nxt > tau or nxt == INF)
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(insts(), st.data())
 def test_fewest_stages_within_a_budget(inst: _Inst, data) -> None:
     tau = taus(inst, data.draw)
@@ -192,7 +192,7 @@ def test_fewest_stages_within_a_budget(inst: _Inst, data) -> None:
         check_plan(inst, got, tau)
 
 
-@settings(max_examples=250, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(insts(), st.data())
 def test_check_exact_stage_count(inst: _Inst, data) -> None:
     S = data.draw(st.integers(1, min(inst.n, inst.m)))
