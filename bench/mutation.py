@@ -217,7 +217,44 @@ def test_module(module: str, repo: Path, site: Path) -> dict:
 # --------------------------------------------------------------------------- reporting
 # (module, stripped original line, mutated line) -> why the mutant is equivalent: it changes no
 # result any caller can observe. Filled in from the survivors of a run, each argued in one line.
-EQUIVALENT: dict[tuple[str, str, str], str] = {}
+_UNREAD = "the extra element is never read"
+_ANNOTATION = "an annotation: a string under `from __future__ import annotations`, never evaluated"
+EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("passes/cuts.py", "if j > last[i]:", "if j >= last[i]:"):
+        "when j == last[i] it stores the same j again",
+    ("passes/cuts.py", "if n <= 1:", "if n < 1:"):
+        "for n = 1 the general path also returns an empty float array",
+    ("passes/cuts.py", "diff = np.zeros(n + 1)", "diff = np.zeros(n + 2)"):
+        _UNREAD + " (the prefix sum is sliced [1:n])",
+    ("passes/cuts.py", "bad = np.zeros(n + 1, dtype=np.int64)",
+     "bad = np.zeros(n + 2, dtype=np.int64)"): _UNREAD + " (the prefix sum is sliced [1:n])",
+    ("passes/reference_dp.py", "best = [[math.inf] * (workers + 1) for _ in range(n + 1)]",
+     "best = [[math.inf] * (workers + 2) for _ in range(n + 1)]"): _UNREAD,
+    ("passes/reference_dp.py", "best = [[math.inf] * (workers + 1) for _ in range(n + 1)]",
+     "best = [[math.inf] * (workers + 1) for _ in range(n + 2)]"): _UNREAD,
+    ("passes/reference_dp.py", "best[0] = [0.0] * (workers + 1)",
+     "best[0] = [0.0] * (workers + 2)"): _UNREAD,
+    ("passes/reference_dp.py", "comp, par = [0.0] * j, [0.0] * j",
+     "comp, par = [1.0] * j, [0.0] * j"): "every entry is overwritten by the loop below before "
+                                           "it is read",
+    ("passes/reference_dp.py", "comp, par = [0.0] * j, [0.0] * j",
+     "comp, par = [0.0] * j, [1.0] * j"): "every entry is overwritten by the loop below before "
+                                           "it is read",
+    ("passes/reference_dp.py", "if i > 0 and m - r < 1:", "if i > 1 and m - r < 1:"):
+        "the break only skips candidates built on best[i][0] = inf (i > 0), which never win",
+    ("passes/reference_dp.py", "if i > 0 and m - r < 1:", "if i > 0 and m + r < 1:"):
+        "the break only skips candidates built on best[i][0] = inf (i > 0), which never win",
+    ("passes/reference_dp.py", "break  # the stages before i need at least one worker",
+     "continue  # the stages before i need at least one worker"):
+        "the loop goes on through candidates built on best[i][0] = inf, which never win",
+    ("passes/partition.py", "crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])",
+     "crossing = all_crossing_values(profile, [a for a in sol.starts if a >= 0])"):
+        "`crossing` only feeds a debug log line",
+    ("passes/partition.py", "if a > 0:", "if a > 1:"): "only decides whether a debug line is logged",
+    ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
+    ("passes/plan.py", "model_fingerprint: str | None = None",
+     "model_fingerprint: str & None = None"): _ANNOTATION,
+}
 
 
 def report() -> str:

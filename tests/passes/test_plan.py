@@ -11,7 +11,7 @@ import pytest
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import PlanFormatError
-from fxpipe.passes import PLAN_FORMAT, Plan, partition, plan_for
+from fxpipe.passes import PLAN_FORMAT, Plan, StagePlan, partition, plan_for
 
 
 def make_plan() -> Plan:
@@ -199,3 +199,48 @@ def test_load_names_the_file_and_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(PlanFormatError) as ei:
         Plan.load(f)
     assert ei.value.message == f"{str(f)!r}: stages[0]: field 'replicas' must be int, got '4'"
+
+
+def test_defaults_and_immutability() -> None:
+    """A plan is a frozen value; the fields added over time default to what older plans meant."""
+    sp = StagePlan(index=0, nodes=("a",), replicas=1, compute_s=1.0, sync_s=0.0,
+                   stage_time_s=1.0, input_bytes=0.0, comm_s=0.0, parameter_bytes=0.0,
+                   activation_bytes=0.0, memory_bytes=0.0, in_flight=1)
+    assert sp.update_s == 0.0
+    plan = Plan(stages=(sp,), cluster={}, sync="allreduce", time_per_minibatch=1.0, noam=1,
+                data_parallel_time=1.0)
+    assert (plan.batch_size, plan.shared_parameters, plan.model_fingerprint,
+            plan.profile_source, plan.workers_used) == (None, {}, None, "fxpipe", 0)
+    other = Plan(stages=(sp,), cluster={}, sync="allreduce", time_per_minibatch=1.0, noam=1,
+                 data_parallel_time=1.0)
+    assert plan.shared_parameters is not other.shared_parameters  # not one shared default
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sp.replicas = 2  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.noam = 2  # type: ignore[misc]
+
+
+def test_span_column_and_shared_list_edges() -> None:
+    """A stage's span is first..last node (three nodes here), cut to 40 columns only when
+    longer; several shared parameters are listed comma-separated, sorted."""
+    plan = two_level_plan()
+    three = dataclasses.replace(plan.stages[0], nodes=("n0", "mid", "n1"))
+    exact = dataclasses.replace(plan.stages[1], nodes=("a" * 17, "b" * 17))  # 17+2+17+4 = 40
+    over = dataclasses.replace(plan.stages[1], index=2, nodes=("a" * 18, "b" * 17))  # 41
+    shown = dataclasses.replace(plan, stages=(three, exact, over),
+                                shared_parameters={"w2": (1, 2), "emb.weight": (0, 1)})
+    lines = shown.summary().splitlines()
+    assert lines[2][7:47] == "n0..n1 (3)".ljust(40)
+    assert lines[3][7:47] == "a" * 17 + ".." + "b" * 17 + " (2)"
+    assert lines[4][7:47] == ("a" * 18 + ".." + "b" * 17)[:37] + "..."
+    assert lines[-1] == "parameters shared across stages: emb.weight [0, 1], w2 [1, 2]"
+
+
+def test_to_dict_is_plain_json() -> None:
+    d = two_level_plan().to_dict()
+    assert set(d) == {"format", *(f.name for f in dataclasses.fields(Plan))}
+    assert d["shared_parameters"] == {"emb.weight": [0, 1]}
+    assert d["stages"][0]["nodes"] == ["n0", "n1"]
+    assert json.loads(json.dumps(d)) == d  # lists, not tuples: JSON gives back the same
+    d["format"] = "other/9"
+    assert _bad(d) == "'p.json': field 'format' is 'other/9', expected 'fxpipe.plan/1'"

@@ -19,17 +19,22 @@ from fxpipe.passes.solver import evaluate, minimum_memory, solve
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def counting(mp: pytest.MonkeyPatch) -> list[str]:
-    """Record every feasibility check solve() makes."""
+def counting(mp: pytest.MonkeyPatch) -> tuple[list[str], list]:
+    """Record every feasibility check solve() makes, and the plans the checks returned."""
     calls: list[str] = []
+    found: list = []
     for name in ("check_budget", "check_exact", "fewest_stages"):
         real = getattr(solver, name)
 
         def wrapped(*args, _real=real, _name=name, **kw):
             calls.append(_name)
-            return _real(*args, **kw)
+            out = _real(*args, **kw)
+            plan = out if _name == "fewest_stages" else out[0]
+            if plan is not None and _name != "fewest_stages":
+                found.append(args[0].evaluate([a for a, _ in plan], [r for _, r in plan]))
+            return out
         mp.setattr(solver, name, wrapped)
-    return calls
+    return calls, found
 
 
 @settings(max_examples=150, **SETTINGS)
@@ -37,7 +42,7 @@ def counting(mp: pytest.MonkeyPatch) -> list[str]:
 def test_checks_reported_are_the_checks_made_and_few(inst) -> None:
     C, P, A, cb, net, cap, opt, stages, straight = inst
     with pytest.MonkeyPatch.context() as mp:
-        calls = counting(mp)
+        calls, found = counting(mp)
         try:
             sol = solve(C, P, A, cb, net.workers, *coeffs(net), memory_cap=cap,
                         optimizer_state_factor=opt, stages=stages, straight=straight)
@@ -49,6 +54,8 @@ def test_checks_reported_are_the_checks_made_and_few(inst) -> None:
     assert ("check_exact" in calls) == (stages is not None)
     assert ("check_budget" in calls) == (stages is None)
     assert "fewest_stages" not in calls[:-1]  # only once, at the end, when no count is forced
+    best = min(found, key=lambda f: f.bottleneck)  # the search's best (the first of equals)
+    assert ("fewest_stages" in calls) == (stages is None and len(best.starts) > 1)
     # each infeasible check jumps its lower bound to a value where the answer can change, so
     # the search ends after a handful of checks (bisection alone takes dozens on these)
     assert sol.checks <= 12
@@ -122,3 +129,12 @@ def test_minimum_memory_without_any_plan_is_infinite() -> None:
     # a cap of 3e30: one node of 1e30 parameter bytes needs 3 P (weights, gradient, state)
     assert minimum_memory([1.0], [1e30], [0.0], [], 1, a, b, g) == math.inf
     assert minimum_memory([1.0], [1e29], [0.0], [], 1, a, b, g) == (2.0 + 1.0) * 1e29
+
+
+def test_default_optimizer_state_is_one_copy_of_the_weights() -> None:
+    """Without optimizer_state_factor a replica holds weights, gradients and one state tensor
+    per parameter (SGD with momentum): 3 P, plus the activations."""
+    a, b, g = coeffs(Net(1, 1.0, 1.0))
+    assert solve([1.0], [10.0], [5.0], [], 1, a, b, g).memory == (35.0,)
+    assert evaluate([1.0], [10.0], [5.0], [], 1, a, b, g, [0], [1]).memory == (35.0,)
+    assert minimum_memory([1.0], [10.0], [5.0], [], 1, a, b, g) == 35.0

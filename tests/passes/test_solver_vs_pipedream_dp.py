@@ -57,3 +57,8 @@ def test_the_dp_on_a_hand_priced_profile() -> None:
     assert pipedream_dp(prof, Cluster(workers=2, bandwidth=1000.0)) == 4.0
     # one worker: everything on it, 8 s
     assert pipedream_dp(prof, Cluster(workers=1, bandwidth=1000.0), "parameter-server") == 8.0
+    # a cut right after the first node can be the bottleneck: u (1 s, 1000 bytes out) | w (1 s,
+    # 10^4 parameter bytes) on 2 workers at 1000 B/s: max(1, 1, 2 * 1000 / 1000) = 2 s, against
+    # data parallelism (2 + 2 (1/2) 10^4 / 1000) / 2 = 6 s
+    two = Profile(nodes=(node("u", 1.0, 0.0, 1000.0, ()), node("w", 1.0, 1e4, 1.0, ("u",))))
+    assert pipedream_dp(two, Cluster(workers=2, bandwidth=1000.0)) == 2.0
