@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from fxpipe.errors import ConfigError, PlanFormatError
 
-from .modelio import ModelIO
+from fxpipe.tracing.modelio import ModelIO
 from .sourcegen import module_source, tensor_inventory
 from .split import StageSpec, model_io
 

@@ -16,6 +16,7 @@ from torch.fx.graph_module import _format_import_block
 from torch.package import sys_importer
 
 from fxpipe.errors import ConfigError
+from fxpipe.tracing.leaves import constructor_expr
 
 from .split import MODEL, StageSpec
 
@@ -59,26 +60,17 @@ def _owner_expr(path: str) -> str:
 
 
 def _ctor(module: torch.nn.Module, target: str) -> str:
-    """``torch.nn.X(...)`` rebuilding ``module`` (its repr), verified by evaluating it."""
-    why = ""
-    expr = f"torch.nn.{module!r}"
-    if list(module.children()) or not type(module).__module__.startswith("torch.nn.modules"):
-        why = "it is not a childless torch.nn module"
-    elif "\n" in expr:
-        why = "its repr spans several lines"
-    else:
-        try:
-            rebuilt = eval(expr, {"torch": torch})  # noqa: S307 - our own repr of a torch.nn module
-            same = (type(rebuilt) is type(module) and rebuilt.extra_repr() == module.extra_repr()
-                    and {k: v.shape for k, v in rebuilt.state_dict().items()}
-                    == {k: v.shape for k, v in module.state_dict().items()})
-            why = "" if same else "its repr does not rebuild it"
-        except Exception as exc:  # noqa: BLE001
-            why = f"its repr does not evaluate ({exc})"
-    if why:
+    """``torch.nn.X(...)`` rebuilding ``module`` (its repr), verified by evaluating it; a module
+    of fxpipe's own (tracing.modes) says how to build itself (``fxpipe_source()``)."""
+    own = getattr(module, "fxpipe_source", None)
+    if callable(own) and type(module).__module__.startswith("fxpipe."):
+        return str(own())
+    expr, why = constructor_expr(module)
+    if expr is None:
         raise ConfigError(f"cannot export submodule {target!r} ({type(module).__qualname__}) as "
                           f"code: {why}",
-                          hint="trace without leaf_modules so its operations are inlined")
+                          hint="it was kept as one node because leaf_modules names it: drop it "
+                               "from leaf_modules so its operations are traced into the graph")
     return expr
 
 

@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from fxpipe.errors import ConfigError
 
-from .modelio import ModelIO
+from fxpipe.tracing.modelio import ModelIO
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,8 @@ def split_graph(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> list[StageSp
                 else:
                     stage_inputs[c][n] = src
                     stage_outputs[src].setdefault(n, set()).add(c)
-        if not is_input and n.name in model_out:
-            stage_outputs[src].setdefault(n, set()).add(MODEL)
+        if n.name in model_out:
+            _route_model_output(n, src, num_stages - 1, stage_inputs, stage_outputs, baked)
 
     specs: list[StageSpec] = []
     for k in range(num_stages):
@@ -179,6 +179,37 @@ def split_graph(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> list[StageSp
         log.debug("stage %d: %d nodes, inputs %s, outputs %s", k, len(body),
                   specs[-1].inputs, specs[-1].outputs)
     return specs
+
+
+def _route_model_output(n: fx.Node, src: int, last: int, stage_inputs: list[dict[fx.Node, int]],
+                        stage_outputs: list[dict[fx.Node, set[int]]],
+                        baked: list[dict[fx.Node, Any]]) -> None:
+    """Every model output leaves the pipeline from the last stage, where the loss runs.
+
+    Why: an encoder-decoder returns ``encoder_last_hidden_state`` (made on an early stage) beside
+    the logits; the trainer computes ``loss_fn(output, target)`` on the last stage from the whole
+    output. So a value made earlier is sent straight to the last stage (like any other crossing
+    value: its gradient, zero unless the loss uses it, flows back) and passed through; a model
+    input returned as output is read there; a small constant is baked into it.
+    """
+    if src == last and n.op != "placeholder":
+        stage_outputs[last].setdefault(n, set()).add(MODEL)
+        return
+    if n.op == "placeholder":
+        stage_inputs[last][n] = MODEL
+    else:
+        kind, value = value_kind(n)
+        if kind == "static":
+            baked[last][n] = value  # the last stage returns the constant itself
+        elif kind == "unsendable":
+            raise ConfigError(
+                f"model output {n.name!r} is made on stage {src} and is not sendable (a tuple of "
+                "tensors or an opaque object), so it cannot reach the last stage",
+                hint="move the cut so that it falls after this output is made")
+        else:
+            stage_inputs[last][n] = src
+            stage_outputs[src].setdefault(n, set()).add(last)
+    stage_outputs[last].setdefault(n, set()).add(MODEL)
 
 
 def _build_stage_gm(gm: fx.GraphModule, k: int, ins: list[fx.Node], body: list[fx.Node],
@@ -205,6 +236,6 @@ def _build_stage_gm(gm: fx.GraphModule, k: int, ins: list[fx.Node], body: list[f
 
     for n in body:
         env[n] = graph.node_copy(n, lookup)
-    graph.output(tuple(env[n] for n in outs))
+    graph.output(tuple(lookup(n) for n in outs))
     graph.lint()
     return fx.GraphModule(gm, graph, class_name=f"Stage{k}")

@@ -3,7 +3,10 @@
 The picture answers the questions a user has about a plan: what runs where, how many replicas
 each stage has and how long it takes, and which activations cross the network (the red, bold cut
 edges, labelled with their size). ``get_attr`` nodes are folded into their consumers so that big
-models stay legible.
+models stay legible. A graph of more than :data:`MAX_DETAIL` operations (a Hugging Face model's
+aten graph: 2,000 nodes for Llama-7B, which graphviz needs many minutes to lay out) is drawn one
+box per module instead (``model.layers.3``, 68 ops), at the deepest module level that keeps the
+picture under :data:`MAX_BOXES` boxes.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from .split import MODEL, StageSpec
 log = logging.getLogger(__name__)
 
 CUT_COLOR = "red"
+MAX_DETAIL = 250  # operations drawn one by one; more are grouped by module ...
+MAX_BOXES = 64  # ... into at most this many boxes (graphviz lays out clusters slowly)
 _FORMATS = {".svg": "svg", ".png": "png", ".dot": "dot", ".gv": "dot"}
 
 
@@ -68,11 +73,69 @@ def _stage_label(k: int, info: Mapping[str, Any] | None) -> str:
     return " | ".join(parts)
 
 
+def module_path(node: fx.Node) -> str:
+    """The module a node belongs to: a ``call_module``'s target, else the innermost entry of
+    the ``nn_module_stack`` the tracer recorded ("" at the top level)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return str(list(stack.values())[-1][0])
+    return ""
+
+
+def module_span(gm: fx.GraphModule, depth: int = 3) -> str:
+    """``"model.layers.3..model.layers.7"``: the first and last module (cut at ``depth``) a
+    stage's operations belong to; "" when the tracer recorded none."""
+    paths = [_truncate(module_path(n), depth) for n in gm.graph.nodes
+             if n.op in ("call_function", "call_method", "call_module")]
+    paths = [p for p in paths if p]
+    if not paths:
+        return ""
+    return paths[0] if paths[0] == paths[-1] else f"{paths[0]}..{paths[-1]}"
+
+
+def _truncate(path: str, depth: int) -> str:
+    return ".".join(path.split(".")[:depth]) if path else ""
+
+
+def _ops(st: StageSpec) -> list[fx.Node]:
+    return [n for n in st.gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+def group_ops(stages: Sequence[StageSpec], max_detail: int = MAX_DETAIL,
+              max_boxes: int = MAX_BOXES) -> dict[str, str]:
+    """Operation name -> box name: itself when the graph has at most ``max_detail`` operations,
+    else ``s<k>__<module path>#<i>`` for runs of consecutive operations of one stage in one
+    module, the path cut at the deepest level that still gives at most ``max_boxes`` boxes."""
+    ops = [(st.index, n) for st in stages for n in _ops(st)]
+    if len(ops) <= max_detail:
+        return {n.name: n.name for _, n in ops}
+    paths = [(k, n, module_path(n)) for k, n in ops]
+    deepest = max((p.count(".") + 1 for _, _, p in paths if p), default=1)
+    best: dict[str, str] = {}
+    for depth in range(1, deepest + 1):
+        groups: dict[str, str] = {}
+        boxes, last = 0, None
+        for k, n, p in paths:
+            key = (k, _truncate(p, depth))
+            if key != last:
+                boxes, last = boxes + 1, key
+            groups[n.name] = f"s{k}__{key[1] or '(top)'}#{boxes}"
+        if boxes > max_boxes and best:
+            break
+        best = groups
+    return best
+
+
 def plan_graph(stages: Sequence[StageSpec],
                stage_info: Sequence[Mapping[str, Any]] | None = None) -> graphviz.Digraph:
     """Build the graphviz Digraph of ``stages`` (no rendering; needs no ``dot`` binary)."""
     if stage_info is not None and len(stage_info) != len(stages):
         raise ConfigError(f"stage_info has {len(stage_info)} entries for {len(stages)} stages")
+    box = group_ops(stages)
+    if any(box[n] != n for n in box):
+        return _grouped_graph(stages, stage_info, box)
     total = sum(len(st.gm.graph.nodes) for st in stages)
     dot = graphviz.Digraph("fxpipe_plan")
     dot.attr(rankdir="LR" if total > 60 else "TB", newrank="true", compound="true",
@@ -118,6 +181,49 @@ def plan_graph(stages: Sequence[StageSpec],
     for name in model_out:
         if name in producer:
             dot.edge(producer[name], "output", style="dashed")
+    return dot
+
+
+def _grouped_graph(stages: Sequence[StageSpec], stage_info: Sequence[Mapping[str, Any]] | None,
+                   box: Mapping[str, str]) -> graphviz.Digraph:
+    """One box per module run (see :func:`group_ops`); an edge per pair of boxes, labelled with
+    the bytes of the values it carries, red where they cross a stage boundary."""
+    dot = graphviz.Digraph("fxpipe_plan")
+    dot.attr(rankdir="TB", newrank="true", fontname="Helvetica", nodesep="0.2", ranksep="0.25")
+    dot.attr("node", shape="box", style="rounded,filled", fillcolor="white", fontname="Helvetica",
+             fontsize="10")
+    dot.attr("edge", fontname="Helvetica", fontsize="9")
+    counts: dict[str, int] = {}
+    for st in stages:
+        for n in _ops(st):
+            counts[box[n.name]] = counts.get(box[n.name], 0) + 1
+    producer: dict[str, tuple[int, str]] = {}  # value name -> (stage, box)
+    for st in stages:
+        with dot.subgraph(name=f"cluster_{st.index}") as sub:
+            info = stage_info[st.index] if stage_info is not None else None
+            sub.attr(label=_stage_label(st.index, info), style="rounded,filled",
+                     fillcolor="#eef3fb" if st.index % 2 == 0 else "#f6f1e7", fontsize="12")
+            for n in _ops(st):
+                b = box[n.name]
+                if b not in producer.values() and all(v[1] != b for v in producer.values()):
+                    path = b.split("__", 1)[1].rsplit("#", 1)[0]
+                    sub.node(b, f"{path}\n{counts[b]} ops")
+                producer[n.name] = (st.index, b)
+    edges: dict[tuple[str, str], tuple[float, bool]] = {}
+    for st in stages:
+        for n in _ops(st):
+            for inp in n.all_input_nodes:
+                src = producer.get(inp.name)
+                if src is None or src[1] == box[n.name]:
+                    continue
+                size = float((inp.meta.get("fxpipe") or {}).get("bytes") or 0)
+                key = (src[1], box[n.name])
+                old = edges.get(key, (0.0, False))
+                edges[key] = (old[0] + size, old[1] or src[0] != st.index)
+    for (a, b), (size, cut) in edges.items():
+        attrs = {"color": CUT_COLOR, "penwidth": "2.5", "fontcolor": CUT_COLOR,
+                 "style": "bold"} if cut else {}
+        dot.edge(a, b, label=format_bytes(size) if size > 0 else "", **attrs)
     return dot
 
 

@@ -8,6 +8,12 @@ issues, not a 2x rule of thumb). Time is then
 
     max(flops / (peak * efficiency), bytes_moved / mem_bandwidth) + launch_overhead
 
+Every node runs on fake tensors (``FakeTensorMode``): shapes, dtypes and devices without values
+or memory. So estimating never allocates the model's activations, works for a model instantiated
+on the meta device (a 7B-parameter Llama plans on a laptop), and keeps the devices torch.export
+baked into the graph (``arange(..., device=cpu)``) consistent with the weights, which a plain
+copy of the weights to the meta device does not.
+
 with bytes_moved = input tensor bytes + output bytes + the module's parameter and buffer bytes,
 and about twice that for the backward. Pure views (reshape, getitem, size) move nothing and
 cost nothing. The weight update (``update_s``) of the parameters a node owns is memory-bound:
@@ -16,18 +22,21 @@ cost nothing. The weight update (``update_s``) of the parameters a node owns is 
 """
 from __future__ import annotations
 
+import copy
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from fxpipe.errors import ConfigError
 
-from .extract import annotate_parameters
+from .extract import annotate_parameters, fetch_attr
 from .hardware import DeviceSpec, get_device
 from .profiler import NodeCall, is_inplace_error, isolated, iter_node_calls
 from .update import SGD_BYTES_FACTOR, estimate_update_s, owned_trainable
@@ -85,6 +94,46 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
         raise ConfigError(f"optimizer_bytes_factor must be >= 0, got {optimizer_bytes_factor!r}",
                           "about 5 for SGD with momentum, 7 for Adam, 3 for plain SGD")
     annotate_parameters(gm)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # tensor constants in node args
+    fake_gm, fake_inputs = _fake_copy(gm, example_inputs, mode)
+    with mode:
+        _estimate_nodes(fake_gm, fake_inputs, spec, optimizer_bytes_factor)
+    for node, fake in zip(gm.graph.nodes, fake_gm.graph.nodes):
+        if "fxpipe" in fake.meta:
+            meta = node.meta.setdefault("fxpipe", {})
+            for stale in ("forward_iqr_s", "backward_iqr_s"):  # an earlier measurement's
+                meta.pop(stale, None)
+            meta.update(fake.meta["fxpipe"])
+    log.info("estimated %d nodes for %s", len(gm.graph.nodes), spec.name)
+    return gm
+
+
+def _fake_copy(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
+               mode: FakeTensorMode) -> tuple[fx.GraphModule, tuple[Any, ...]]:
+    """A copy of ``gm`` whose parameters and buffers are fake tensors of the same shapes,
+    dtypes and devices (tied ones stay tied, Parameters stay Parameters), and fake inputs."""
+    memo: dict[int, Any] = {}
+    for t in (*gm.parameters(), *gm.buffers()):
+        if id(t) not in memo:
+            fake = mode.from_tensor(t.detach(), static_shapes=True)
+            memo[id(t)] = (torch.nn.Parameter(fake, t.requires_grad)
+                           if isinstance(t, torch.nn.Parameter) else fake)
+    for node in gm.graph.nodes:  # tensor constants read by get_attr (export's lifted tensors)
+        if node.op == "get_attr":
+            t = fetch_attr(gm, str(node.target))
+            if isinstance(t, torch.Tensor) and id(t) not in memo:
+                memo[id(t)] = mode.from_tensor(t, static_shapes=True)
+    with warnings.catch_warnings():  # pytree's LeafSpec deprecation, raised by its own copy
+        warnings.simplefilter("ignore", FutureWarning)
+        fake_gm = copy.deepcopy(gm, memo)
+    inputs = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    fake_inputs = tuple(mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor)
+                        else x for x in inputs)
+    return fake_gm, fake_inputs
+
+
+def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: DeviceSpec,
+                    optimizer_bytes_factor: float) -> None:
     counter = FlopCounterMode(display=False)
     with isolated(gm):
         for call in iter_node_calls(gm, example_inputs):
@@ -111,7 +160,9 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
             targets = leaves + call.params
             bflops = 0
             has_backward = bool(outs and targets)
-            if has_backward:
+            # a pure view's backward is a view of the gradient: no FLOPs, no bytes (below), so
+            # it costs 0 without asking autograd (a third of an aten graph's nodes are views)
+            if has_backward and not (is_view and flops == 0):
                 grads = [torch.ones_like(t) for t in outs]  # values do not change FLOPs
                 try:
                     with counter:
@@ -130,5 +181,3 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
                 update_s=estimate_update_s(owned_trainable(gm, call.node), spec,
                                            optimizer_bytes_factor))
             del out, outs
-    log.info("estimated %d nodes for %s", len(gm.graph.nodes), spec.name)
-    return gm

@@ -123,6 +123,7 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
     node in program order (``get_attr`` nodes are folded into their consumers, the ``output``
     node is dropped). Times come from :func:`profile_graph` or :func:`estimate_graph`."""
     nodes: list[ProfileNode] = []
+    outputs = {a.name for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", *_COMPUTE_OPS):
             continue
@@ -150,6 +151,13 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
             shared_params=tuple(meta.get("shared_params", ())),
             sendable=bool(meta.get("sendable", meta.get("is_tensor", True))),
             # graphs costed before the update was modelled have none: 0, as in old profiles
-            update_s=float(meta.get("update_s", 0.0))))
+            update_s=float(meta.get("update_s", 0.0)),
+            is_output=node.name in outputs))
+    meta: dict[str, Any] = {"graph_nodes": len(gm.graph.nodes)}
+    metas = [n.meta.get("fxpipe", {}) for n in gm.graph.nodes]
+    if any("forward_iqr_s" in m for m in metas):  # measured: how stable the medians are
+        iqr = sum(m.get("forward_iqr_s", 0.0) + m.get("backward_iqr_s", 0.0) for m in metas)
+        total = sum(n.forward_s + n.backward_s for n in nodes)
+        meta["spread"] = iqr / total if total > 0 else 0.0
     return Profile(nodes=tuple(nodes), batch_size=batch_size, device=device, source=source,
-                   meta={"graph_nodes": len(gm.graph.nodes)})
+                   meta=meta)

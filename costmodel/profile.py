@@ -49,6 +49,10 @@ class ProfileNode:
     # field, so positional construction keeps working; default 0.0, so older JSON files and
     # PipeDream imports (which measured no update) still load.
     update_s: float = 0.0
+    # True when the value is (part of) the model's output: it travels to the last stage, where
+    # the loss runs, so it is live across every cut after its producer (last field, default
+    # False: older JSON files and PipeDream imports still load).
+    is_output: bool = False
 
     @property
     def compute_s(self) -> float:

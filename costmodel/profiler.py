@@ -36,15 +36,34 @@ log = logging.getLogger(__name__)
 # Python overhead do not dominate the sample.
 _MIN_SAMPLE_S = 20e-6
 _MAX_INNER = 64
+STABLE_SPREAD = 0.1  # IQR / median above which the profiler keeps sampling
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift,
                       operator.imatmul, operator.setitem}
 
 
+def schema_mutates(target: Any) -> bool:
+    """Does an aten operator write into one of its arguments, by its schema (``Tensor(a!)``)?
+
+    Why the schema and not the name: an overload such as ``aten.add_.Tensor`` is an
+    ``OpOverload`` whose ``__name__`` is ``add_.Tensor``, and ``aten.index_put_`` or ops with an
+    ``out=`` argument mutate without a name ending in ``_`` at all."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(schema_mutates(getattr(target, o)) for o in target.overloads())
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
-    """Heuristic: does this node mutate one of its inputs? Such nodes get private input copies."""
-    if node.kwargs.get("inplace") is True:
+    """Does this node mutate one of its inputs? Such nodes get private input copies, so timing
+    them repeatedly never changes the values later nodes compute. Static: the op's schema, an
+    ``out=`` or ``inplace=True`` argument, a module's ``inplace`` flag, a trailing-underscore
+    method or function name; :func:`iter_node_calls` also catches any other write at run time
+    (an input's version counter moved)."""
+    if node.kwargs.get("inplace") is True or "out" in node.kwargs:
         return True
     if node.op == "call_module":
         return getattr(gm.get_submodule(str(node.target)), "inplace", False) is True
@@ -52,11 +71,17 @@ def _is_inplace(node: fx.Node, gm: fx.GraphModule) -> bool:
         name = str(node.target)
         return name.endswith("_") and not name.startswith("__")
     if node.op == "call_function":
-        if node.target in _INPLACE_OPERATORS:
+        if node.target in _INPLACE_OPERATORS or schema_mutates(node.target):
             return True
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.startswith("__")
     return False
+
+
+def _versions(values: Any) -> list[tuple[torch.Tensor, int]]:
+    """(tensor, version counter) of every tensor in ``values``: an in-place write bumps it."""
+    return [(t, t._version) for t in pytree.tree_leaves(values)
+            if isinstance(t, torch.Tensor) and not t.is_inference()]
 
 
 def is_inplace_error(e: BaseException) -> bool:
@@ -201,7 +226,10 @@ def _bind_inputs(gm: fx.GraphModule, example_inputs: Any) -> dict[fx.Node, Any]:
             raise InputMismatchError(
                 f"missing example input for {p.target!r}: {len(inputs)} given, "
                 f"{len(placeholders)} expected", "pass one example value per forward() argument")
-    return bound
+    # the walk runs the model for real: an in-place op on an input must not write into the
+    # caller's example tensors (later phases, and the user, still read them)
+    return {p: pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor)
+                               else t, v) for p, v in bound.items()}
 
 
 def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCall]:
@@ -239,6 +267,7 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
             needs_grad[node] = bool(params) or any(grad_in.values())
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            before = _versions((args, kwargs))
             try:
                 with torch.no_grad():
                     value = fn(*args, **kwargs)
@@ -248,9 +277,12 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
                     f"{type(e).__name__}: {e}",
                     "check that example_inputs match what the model's forward() expects") from e
             env[node] = value
+            wrote = any(t._version != v for t, v in before)
+            if wrote and not _is_inplace(node, gm):
+                log.debug("node %r wrote into an input; profiled on private copies", node.name)
             call = NodeCall(node, fn, tuple(args), dict(kwargs), grad_in, params,
-                            _is_inplace(node, gm), {a: env[a] for a in node.all_input_nodes},
-                            value=value)
+                            wrote or _is_inplace(node, gm),
+                            {a: env[a] for a in node.all_input_nodes}, value=value)
             yield call
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a.op != "get_attr":
@@ -267,10 +299,22 @@ def _sync_fn(gm: fx.GraphModule, example_inputs: Any) -> Callable[[], None]:
     return lambda: None
 
 
-def _median_time(make: Callable[[], Callable[[], Any]], warmup: int, repeats: int,
-                 sync: Callable[[], None], reuse: bool) -> float:
-    """Median seconds of one call of the thunks ``make()`` returns. With ``reuse`` one thunk may
-    run many times (an inner loop for sub-20µs calls); otherwise every call gets a fresh one."""
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds of one call and the interquartile range of the samples behind it."""
+
+    median_s: float
+    iqr_s: float
+    samples: int
+
+
+def _timing(make: Callable[[], Callable[[], Any]], warmup: int, repeats: int,
+            sync: Callable[[], None], reuse: bool, max_repeats: int) -> Timing:
+    """Time the thunks ``make()`` returns: ``repeats`` samples after ``warmup``, then more (up
+    to ``max_repeats``) while the spread (IQR / median) exceeds :data:`STABLE_SPREAD`, so a
+    sample taken while another process held the core does not decide the median. With ``reuse``
+    one thunk may run many times (an inner loop for sub-20µs calls); otherwise every call gets a
+    fresh one."""
     thunk = make()
     inner = 1
     for w in range(max(warmup, 1)):
@@ -283,8 +327,9 @@ def _median_time(make: Callable[[], Callable[[], Any]], warmup: int, repeats: in
         dt = time.perf_counter() - t0
         if reuse and dt < _MIN_SAMPLE_S:
             inner = min(_MAX_INNER, max(inner, math.ceil(_MIN_SAMPLE_S / max(dt, 1e-7))))
-    samples = []
-    for _ in range(repeats):
+    samples: list[float] = []
+    while len(samples) < max(repeats, 1) or (
+            len(samples) < max_repeats and _iqr(samples) > STABLE_SPREAD * statistics.median(samples)):
         if not reuse:
             thunk = make()
         sync()
@@ -293,15 +338,46 @@ def _median_time(make: Callable[[], Callable[[], Any]], warmup: int, repeats: in
             thunk()
         sync()
         samples.append((time.perf_counter() - t0) / inner)
-    return statistics.median(samples)
+    return Timing(statistics.median(samples), _iqr(samples), len(samples))
+
+
+def _iqr(samples: list[float]) -> float:
+    if len(samples) < 2:
+        return 0.0
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    return q[2] - q[0]
+
+
+@contextlib.contextmanager
+def pinned_threads(threads: int | None) -> Iterator[None]:
+    """Run with ``threads`` intra-op threads (None: as is), restoring the count afterwards.
+
+    Why: with torch's default (one thread per core) a node's time depends on what else the
+    machine runs; the same tiny Llama measured 620-710 ms per stage on a loaded 2-core machine
+    and 3.6 ms with one thread. One thread is also what each rank of a CPU pipeline gets under
+    torchrun (OMP_NUM_THREADS=1)."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, warmup: int = 2,
-                  repeats: int = 5,
+                  repeats: int = 5, max_repeats: int | None = None, threads: int | None = 1,
                   optimizer_factory: OptimizerFactory | None = None) -> fx.GraphModule:
     """Measure ``forward_s``, ``backward_s`` and ``update_s`` of every placeholder and compute
-    node of ``gm`` on this machine (median over ``repeats`` after ``warmup`` runs) and annotate
-    parameters.
+    node of ``gm`` on this machine and annotate parameters.
+
+    Each time is a median: ``repeats`` samples after ``warmup`` runs, extended up to
+    ``max_repeats`` (default ``4 * repeats``) while the samples spread by more than 10% (IQR /
+    median); the IQRs are recorded too (``forward_iqr_s``, ``backward_iqr_s``), and the profile
+    reports their total as its spread. ``threads``: intra-op threads while measuring (default 1,
+    as each torchrun rank on a CPU; None keeps torch's setting).
 
     Forward is timed with grad enabled, as in training (autograd bookkeeping included). Backward
     is ``autograd.grad`` of the node's outputs w.r.t. its gradient-needing inputs and trainable
@@ -314,14 +390,22 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
     """
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"threads={threads!r}", "use a positive number of threads, or None")
+    top = max(repeats, max_repeats if max_repeats is not None else 4 * repeats)
     sync = _sync_fn(gm, example_inputs)
     t_start = time.perf_counter()
     annotate_parameters(gm)
-    with isolated(gm):
+
+    def timing(make: Callable[[], Callable[[], Any]], reuse: bool) -> Timing:
+        return _timing(make, warmup, repeats, sync, reuse, top)
+
+    with pinned_threads(threads), isolated(gm):
         for call in iter_node_calls(gm, example_inputs):
             meta = call.meta()
+            meta["forward_s"] = meta["backward_s"] = 0.0
+            meta["forward_iqr_s"] = meta["backward_iqr_s"] = 0.0
             if call.node.op == "placeholder":
-                meta["forward_s"], meta["backward_s"] = 0.0, 0.0
                 continue
 
             def make_forward(call: NodeCall = call) -> Callable[[], Any]:
@@ -330,31 +414,29 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
 
             try:
                 with torch.enable_grad():
-                    meta["forward_s"] = _median_time(make_forward, warmup, repeats, sync,
-                                                     reuse=not call.inplace)
+                    fwd = timing(make_forward, reuse=not call.inplace)
             except RuntimeError as e:
                 if call.inplace or not is_inplace_error(e):
                     raise
                 log.debug("node %r writes in place; retrying on private copies", call.node.name)
                 call.inplace = True
                 with torch.enable_grad():
-                    meta["forward_s"] = _median_time(make_forward, warmup, repeats, sync,
-                                                     reuse=False)
-            meta["backward_s"] = 0.0
+                    fwd = timing(make_forward, reuse=False)
+            meta["forward_s"], meta["forward_iqr_s"] = fwd.median_s, fwd.iqr_s
             try:
                 backward = call.backward_fn()
                 if backward is not None:
-                    meta["backward_s"] = _median_time(lambda b=backward: b, warmup, repeats,
-                                                      sync, reuse=True)
+                    bwd = timing(lambda b=backward: b, reuse=True)
+                    meta["backward_s"], meta["backward_iqr_s"] = bwd.median_s, bwd.iqr_s
             except RuntimeError as e:  # e.g. an op without a derivative: training would fail too
                 log.warning("cannot time the backward of node %r (%s); recording 0",
                             call.node.name, e)
             backward = None
-        updates = measure_updates(
-            gm, optimizer_factory or default_optimizer,
-            lambda step: _median_time(lambda: step, warmup, repeats, sync, reuse=True))
+        updates = measure_updates(gm, optimizer_factory or default_optimizer,
+                                  lambda step: timing(lambda: step, reuse=True).median_s)
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "call_module", "call_function", "call_method"):
                 node.meta["fxpipe"]["update_s"] = updates.get(node.name, 0.0)
-    log.info("profiled %d nodes in %.2f s", len(gm.graph.nodes), time.perf_counter() - t_start)
+    log.info("profiled %d nodes in %.2f s (%s thread(s))", len(gm.graph.nodes),
+             time.perf_counter() - t_start, threads or torch.get_num_threads())
     return gm

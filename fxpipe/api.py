@@ -14,16 +14,18 @@ import hashlib
 import logging
 import os
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from fxpipe.codegen import StageSpec, draw_plan, export_stages, load_exported, run_stages, split_graph
+from fxpipe.codegen.visualize import module_span
 from fxpipe.costmodel import Cluster, Profile, estimate_graph, get_device, profile_graph, to_profile
 from fxpipe.errors import ConfigError, PlanFormatError
 from fxpipe.passes import Plan, partition
 from fxpipe.tracing import TracedGraph, trace
+from fxpipe.tracing.trace import on_meta
 
 log = logging.getLogger("fxpipe")
 
@@ -86,15 +88,30 @@ class CompiledModel:
     def stages(self) -> list[torch.fx.GraphModule]:
         return [s.gm for s in self.stage_specs]
 
-    def __call__(self, *args: Any) -> Any:
-        return run_stages(self.stage_specs, args)
+    @property
+    def tracer(self) -> str:
+        """Which tracer captured the model: "symbolic_trace" or "export"."""
+        return self.traced.method
 
-    def loss(self, *args: Any, target: Any) -> torch.Tensor:
+    def _needs_values(self, what: str) -> None:
+        if on_meta(self.model):
+            raise ConfigError(
+                f"cannot {what}: the model is on the meta device (shapes, no values), so it can "
+                "be planned and drawn but not run, exported or trained",
+                "build it with real weights (or model.to_empty(device='cpu') and load a "
+                "checkpoint), then compile it again, e.g. with plan=compiled.plan")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the stages in order on the model's own arguments (positional and keyword)."""
+        self._needs_values("run the stages")
+        return run_stages(self.stage_specs, args, kwargs)
+
+    def loss(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """The training loss, computed in the last stage as the runtime does."""
         if self.loss_fn is None:
             raise ConfigError("this model was compiled without loss_fn",
                               "pass loss_fn=... to fxpipe.compile (e.g. F.cross_entropy)")
-        return self.loss_fn(self(*args), target)
+        return self.loss_fn(self(*args, **kwargs), target)
 
     def train(self, mode: bool = True) -> CompiledModel:
         for s in self.stages:
@@ -106,18 +123,20 @@ class CompiledModel:
         return self.train(False)
 
     # --- parameters: the model's own names -----------------------------------------------------
-    def _aliases(self) -> dict[str, str]:
-        """Original-model name -> the name the stages know the same tensor by (export may keep
-        only one name of a tied pair)."""
-        by_id: dict[int, str] = {}
-        for s in self.stages:
-            for n, t in s.state_dict(keep_vars=True).items():
-                by_id.setdefault(id(t), n)
-        out = {}
-        for n, t in self.model.state_dict(keep_vars=True).items():
-            if id(t) in by_id:
-                out[n] = by_id[id(t)]
-        return out
+    def state_locations(self) -> dict[str, tuple[int, str] | None]:
+        """``model.state_dict()`` key -> (stage, name in that stage's GraphModule) of the stage
+        holding that very tensor (the first, for a tensor several stages share), or None for a
+        tensor no stage uses (an unused parameter keeps the model's own value).
+
+        Why by identity: the stages hold the model's own tensors, but not always under the same
+        name (one name of a tied pair survives export), and they also hold tensors that are not
+        the model's state: non-persistent buffers (rotary ``inv_freq``, BERT's ``position_ids``)
+        and constants torch.export lifted (``lifted_tensor_0``)."""
+        where: dict[int, tuple[int, str]] = {}
+        for st in self.stage_specs:
+            for n, t in st.gm.state_dict(keep_vars=True).items():
+                where.setdefault(id(t), (st.index, n))
+        return {k: where.get(id(t)) for k, t in self.model.state_dict(keep_vars=True).items()}
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Each parameter once, under the model's own name, in stage order."""
@@ -132,45 +151,65 @@ class CompiledModel:
         return (p for _, p in self.named_parameters())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights and buffers from the stages under the model's own names (tied names included),
-        loadable with ``model.load_state_dict``."""
-        tensors: dict[str, torch.Tensor] = {}
-        for s in self.stages:
-            tensors.update({n: t.detach() for n, t in s.state_dict(keep_vars=True).items()})
-        for orig, known in self._aliases().items():
-            tensors.setdefault(orig, tensors[known])
-        return tensors
+        """Exactly ``model.state_dict()``'s keys (tied aliases included, non-persistent buffers
+        and lifted constants not), with the stages' values: ``model.load_state_dict`` takes it
+        strictly, and so does ``save_pretrained`` through the user's model."""
+        own = self.model.state_dict(keep_vars=True)
+        stage_states = [st.gm.state_dict(keep_vars=True) for st in self.stage_specs]
+        return {key: (own[key] if loc is None else stage_states[loc[0]][loc[1]]).detach()
+                for key, loc in self.state_locations().items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` (e.g. ``model.state_dict()``) into the stages, in place."""
-        targets: dict[str, torch.Tensor] = {}
-        for s in self.stages:
-            targets.update(s.state_dict(keep_vars=True))
-        aliases = self._aliases()
-        missing = [n for n in targets if n not in state and n not in aliases.values()]
-        if missing:
-            raise PlanFormatError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}",
-                                  "pass a state dict of the model this was compiled from")
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> Any:
+        """Copy ``state`` (e.g. ``model.state_dict()``, or a trainer's) into the stages and the
+        model, in place. ``strict``: the keys must be exactly ``model.state_dict()``'s, else
+        :class:`PlanFormatError` naming the missing and unexpected ones; not strict: returns
+        ``(missing_keys, unexpected_keys)`` as torch does."""
+        locations = self.state_locations()
+        missing = [k for k in locations if k not in state]
+        unexpected = [k for k in state if k not in locations]
+        if strict and (missing or unexpected):
+            raise PlanFormatError(
+                f"state dict does not match the model: missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''} ({len(missing)}), unexpected "
+                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} ({len(unexpected)})",
+                "pass model.state_dict() of the model this was compiled from (or a trainer's "
+                "state_dict()), or strict=False to load the matching keys")
+        own = self.model.state_dict(keep_vars=True)
+        stage_states = [st.gm.state_dict(keep_vars=True) for st in self.stage_specs]
         with torch.no_grad():
-            for name, value in state.items():
-                dst = targets.get(name) if name in targets else targets.get(aliases.get(name, ""))
-                if dst is None:
-                    raise PlanFormatError(f"unexpected key {name!r} in state dict",
-                                          "pass a state dict of the model this was compiled from")
-                dst.copy_(value)
+            for key, loc in locations.items():
+                if key not in state:
+                    continue
+                targets = {id(own[key]): own[key]}
+                if loc is not None:
+                    t = stage_states[loc[0]][loc[1]]
+                    targets.setdefault(id(t), t)
+                for t in targets.values():
+                    if tuple(t.shape) != tuple(state[key].shape):
+                        raise PlanFormatError(f"{key!r} has shape {tuple(state[key].shape)}, the "
+                                              f"model's is {tuple(t.shape)}",
+                                              "pass a state dict of the model this was compiled "
+                                              "from")
+                    t.copy_(state[key])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # --- training ------------------------------------------------------------------------------
     def trainer(self, **kwargs: Any) -> Any:
         """A pipeline trainer for this plan: ``trainer(optimizer=lambda ps: SGD(ps, lr=0.05),
-        schedule="pipedream", checkpoint_dir="ckpt/").fit(loader, epochs=3)``; see
-        :class:`fxpipe.runtime.trainer.Trainer` for every option."""
+        checkpoint_dir="ckpt/").fit(loader, epochs=3)``; see
+        :class:`fxpipe.runtime.trainer.Trainer` for every option. The schedule defaults to
+        ``"auto"`` (a pilot on the first minibatches and this plan's simulated throughput pick
+        it, see :mod:`fxpipe.runtime.auto`; :meth:`summary` then says what and why); pass
+        ``schedule="pipedream"`` (or another) to skip the pilot."""
         from fxpipe.runtime.trainer import make_trainer
 
+        self._needs_values("train")
         return make_trainer(self, **kwargs)
 
     # --- artefacts -----------------------------------------------------------------------------
     def export(self, directory: str | os.PathLike[str]) -> None:
         """Readable ``stage_k.py`` + weights per stage, plus ``plan.json``."""
+        self._needs_values("export the stages")
         export_stages(self.stage_specs, directory, plan_json=self.plan.to_dict())
 
     def visualize(self, path: str | os.PathLike[str]) -> None:
@@ -180,80 +219,137 @@ class CompiledModel:
                 for st in self.plan.stages]
         draw_plan(self.stage_specs, path, stage_info=info)
 
+    def summary(self) -> str:
+        """The plan's table (:meth:`Plan.summary`), each stage described by the modules it
+        covers (``model.layers.3..model.layers.7``) where the tracer recorded them; after a
+        trainer with ``schedule="auto"`` chose, also what it chose and why."""
+        spans = [module_span(st.gm) for st in self.stage_specs]
+        text = self.plan.summary(spans if all(spans) else None)
+        decision = getattr(self, "auto_decision", None)  # set by a trainer's schedule="auto"
+        return text if decision is None else f"{text}\n\n{decision.summary()}"
+
     def __repr__(self) -> str:
         return (f"CompiledModel({type(self.model).__name__}, stages={len(self.stage_specs)}, "
                 f"replicas={self.plan.replicas}, traced_with={self.traced.method})")
 
 
-def _meta_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` on the meta device, without copying the real weights (tied ones stay
-    tied): the estimator needs shapes and FLOPs, not values, and a paper-size model then costs
-    milliseconds instead of a real forward and backward on this CPU."""
-    memo: dict[int, Any] = {}
-    for t in (*gm.parameters(), *gm.buffers()):
-        if id(t) not in memo:
-            empty = torch.empty_like(t, device="meta")
-            memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-    return copy.deepcopy(gm, memo)
-
-
-def cost_graph(traced: TracedGraph, example_inputs: tuple[Any, ...], cluster: Cluster,
-               *, repeats: int = 5, optimizer: Callable[..., Any] | None = None) -> Profile:
+def cost_graph(traced: TracedGraph, cluster: Cluster, *, repeats: int = 5,
+               optimizer: Callable[..., Any] | None = None) -> Profile:
     """Annotate node costs (measured here, or estimated for ``cluster.device``) and extract them."""
-    gm = traced.gm
+    gm, inputs = traced.gm, traced.flat_inputs
     if cluster.device is None:
-        profile_graph(gm, example_inputs, repeats=repeats, optimizer_factory=optimizer)
+        if on_meta(traced.gm):
+            raise ConfigError("the model is on the meta device: it has no values to run, so its "
+                              "costs cannot be measured",
+                              "estimate them for a device: fxpipe.Cluster(..., device='A100')")
+        profile_graph(gm, inputs, repeats=repeats, optimizer_factory=optimizer)
         device = "this machine (measured)"
     else:
-        meta_gm = _meta_copy(gm)
-        meta_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
-        estimate_graph(meta_gm, meta_inputs, get_device(cluster.device))
-        costs = {n.name: n.meta.get("fxpipe", {}) for n in meta_gm.graph.nodes}
-        for node in gm.graph.nodes:
-            node.meta.setdefault("fxpipe", {}).update(costs.get(node.name, {}))
+        estimate_graph(gm, inputs, get_device(cluster.device))
         device = f"{cluster.device} (estimated)"
-    return to_profile(gm, batch_size=_batch_size(example_inputs), device=device,
-                      source=f"fxpipe:{traced.method}")
+    profile = to_profile(gm, batch_size=_batch_size(inputs), device=device,
+                         source=f"fxpipe:{traced.method}")
+    if cluster.device is None:
+        profile.meta["threads"] = 1  # profile_graph's default: one thread, as each CPU rank
+    return profile
+
+
+TRACERS = ("auto", "symbolic_trace", "export")
+
+
+def model_loss(output: Any, target: Any = None) -> torch.Tensor:
+    """The loss a model computed itself (a Hugging Face model given ``labels=``): the default
+    ``loss_fn`` when the model's output has a ``loss`` entry. ``target`` is unused: the labels
+    are one of the model's inputs."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise ConfigError("the model output has no 'loss' (did the batch include labels?)",
+                          "pass labels among the model inputs, or pass loss_fn=...")
+    return loss
+
+
+def _computes_own_loss(traced: TracedGraph) -> bool:
+    """Does the model's output structure have a ``loss`` entry (HF models given labels)?"""
+    io = traced.io
+    if io is None:
+        return False
+    try:
+        out = io.build_output({n: n for n in io.output_names()})
+    except Exception:  # noqa: BLE001 - an exotic output structure: no own loss
+        return False
+    return isinstance(out, Mapping) and "loss" in out
 
 
 def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
-            example_inputs: Any, loss_fn: LossFn | None = None, stages: int | None = None,
+            example_inputs: Any = (), example_kwargs: Mapping[str, Any] | None = None,
+            loss_fn: LossFn | None = None, stages: int | None = None,
             straight: bool = False, sync: str = "allreduce", plan: Plan | None = None,
             leaf_modules: Sequence[Any] = (), repeats: int = 5,
-            optimizer: Callable[..., Any] | None = None, choose: str = "planner") -> CompiledModel:
+            optimizer: Callable[..., Any] | None = None, choose: str = "planner",
+            tracer: str = "auto", plan_timeout_s: float = 600.0) -> CompiledModel:
     """Compile ``model`` for ``cluster``: trace, cost, partition, split.
 
+    ``example_inputs``: a tuple of positional inputs, a dict of keyword inputs (a Hugging Face
+    batch: ``{"input_ids": ids, "labels": ids}``) or one tensor; ``example_kwargs``: more
+    keyword inputs. ``loss_fn(output, target)`` runs on the last stage; without one, a model
+    whose output has a ``loss`` (given ``labels``) trains on that loss.
     ``stages`` forces the number of stages, ``straight`` one worker per stage, ``plan`` reuses a
     saved plan (it must have been made for this model). Costs are measured on this machine
-    unless ``cluster.device`` names a device from the table, in which case they are estimated.
+    unless ``cluster.device`` names a device from the table, in which case they are estimated
+    (the only way for a model instantiated on the meta device).
     ``optimizer`` (``lambda params: torch.optim.Adam(params)``) is the optimizer whose step is
     timed per stage (default: SGD with momentum), since every replica steps after each backward.
     ``choose="simulation"`` picks among the planner's candidates by simulating each one
     (:func:`choose_plan`); the default takes the planner's optimum.
+    ``tracer``: "auto" (torch.fx.symbolic_trace, else torch.export: the first that gives a graph
+    that runs, trains and exports), "symbolic_trace" or "export"; ``compiled.tracer`` says which
+    one ran.
+
+    In a distributed job (torchrun: ``WORLD_SIZE > 1``) only rank 0 measures costs and plans;
+    the other ranks receive its profile and plan (waiting at most ``plan_timeout_s``), so every
+    rank runs the same pipeline however differently their cores are loaded.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if tracer not in TRACERS:
+        raise ConfigError(f"unknown tracer={tracer!r}", f"use one of {', '.join(TRACERS)}")
     cluster = _as_cluster(cluster)
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    traced = trace(model, example_inputs, leaf_modules=leaf_modules)
+    traced = trace(model, example_inputs, example_kwargs=example_kwargs,
+                   leaf_modules=leaf_modules, method=tracer)
+    if loss_fn is None and _computes_own_loss(traced):
+        loss_fn = model_loss
     fingerprint = model_fingerprint(traced.gm)
-    profile = cost_graph(traced, example_inputs, cluster, repeats=repeats, optimizer=optimizer)
-    if plan is None:
-        plan = choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,
-                           choose=choose)
-        plan = replace(plan, model_fingerprint=fingerprint)
-    elif plan.model_fingerprint not in (None, fingerprint):
+    if plan is not None and plan.model_fingerprint not in (None, fingerprint):
         raise PlanFormatError(
             f"the plan was made for a different model (fingerprint {plan.model_fingerprint}, "
             f"this model is {fingerprint})", "re-plan with fxpipe.compile(model, cluster, ...)")
+
+    def make() -> dict[str, Any]:
+        profile = cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer)
+        chosen = plan if plan is not None else replace(
+            choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,
+                        choose=choose), model_fingerprint=fingerprint)
+        return {"profile": profile.to_dict(), "plan": chosen.to_dict()}
+
+    from fxpipe.runtime.agree import shared  # a torchrun job: rank 0 plans for every rank
+
+    made = shared(make, "plan", plan_timeout_s)
+    profile, plan = Profile.from_dict(made["profile"]), Plan.from_dict(made["plan"])
+    if plan.model_fingerprint not in (None, fingerprint):
+        raise PlanFormatError(f"rank 0 planned a different model (fingerprint "
+                              f"{plan.model_fingerprint}, this rank's is {fingerprint})",
+                              "every rank must build the same model with the same example inputs")
+    if not plan.staleness:  # every rank derives the same table from the agreed replicas
+        from fxpipe.runtime.staleness import plan_staleness
+
+        plan = replace(plan, staleness=plan_staleness(plan.replicas))
     assignment = stage_assignment(plan)
     for node in traced.gm.graph.nodes:
         if node.name in assignment:
             node.meta.setdefault("fxpipe", {})["stage"] = assignment[node.name]
     specs = split_graph(traced.gm, assignment)
-    log.info("compiled %s into %d stage(s), replicas %s", type(model).__name__, len(specs),
-             plan.replicas)
+    log.info("compiled %s into %d stage(s), replicas %s (traced with %s)", type(model).__name__,
+             len(specs), plan.replicas, traced.method)
     return CompiledModel(model, traced, profile, plan, specs, loss_fn, cluster)
 
 

@@ -24,45 +24,15 @@ from fxpipe.errors import ConfigError, FxpipeError
 log = logging.getLogger("fxpipe")
 
 
-def _load_factory(spec: str) -> Any:
-    path, _, name = spec.rpartition(":")
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"model file {path!r} does not exist", "MODEL is a zoo name or file.py:factory")
-    mod_spec = importlib.util.spec_from_file_location(file.stem, file)
-    assert mod_spec is not None and mod_spec.loader is not None
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ConfigError(f"{path!r} has no callable {name!r}",
-                          "MODEL is file.py:factory where factory() returns a model")
-    return factory()
-
-
-def _resolve_model(args: argparse.Namespace) -> tuple[Any, tuple[Any, ...]]:
-    """Return (model, example_inputs) for a zoo name or a file.py:factory."""
-    import torch
-
+def _resolve_model(args: argparse.Namespace) -> Any:
+    """The ModelSpec for MODEL (a zoo name, hf:Class[:k=v,...] or file.py:factory)."""
     from fxpipe import models
 
-    if ":" in args.model and args.model.split(":", 1)[0].endswith(".py"):
-        made = _load_factory(args.model)
-    else:
-        made = models.get(args.model, size=args.size, batch_size=args.batch_size)
-    if isinstance(made, models.ModelSpec):
-        return made.model, made.example_inputs
-    if isinstance(made, tuple) and len(made) == 2:
-        model, inputs = made
-        return model, inputs if isinstance(inputs, tuple) else (inputs,)
-    if isinstance(made, torch.nn.Module):
-        if not args.input_shape:
-            raise ConfigError("the factory returned a bare module, so fxpipe needs --input-shape",
-                              "e.g. --input-shape 32,3,224,224, or return (model, example_inputs)")
-        shape = tuple(int(s) for s in args.input_shape.split(","))
-        return made, (torch.randn(*shape),)
-    raise ConfigError(f"the factory returned {type(made).__name__}",
-                      "return an fxpipe.models.ModelSpec, (model, example_inputs) or an nn.Module")
+    shape = (tuple(int(s) for s in args.input_shape.split(","))
+             if getattr(args, "input_shape", None) else None)
+    return models.resolve(args.model, size=args.size, batch_size=args.batch_size,
+                          seq_len=getattr(args, "seq_len", 128), meta=getattr(args, "meta", False),
+                          input_shape=shape)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -74,6 +44,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       memory=args.memory, workers_per_machine=args.workers_per_machine,
                       intra_bandwidth=args.intra_bandwidth)
     suffix = Path(args.model).suffix
+    compiled = None
     if suffix in (".txt", ".json"):
         if args.export or args.svg:
             raise ConfigError("--export and --svg need a model, not a profile",
@@ -84,9 +55,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         from fxpipe.api import compile as fx_compile
 
-        model, inputs = _resolve_model(args)
-        compiled = fx_compile(model, cluster, example_inputs=inputs, stages=args.stages,
-                              straight=args.straight, sync=args.sync, choose=args.choose)
+        spec = _resolve_model(args)
+        compiled = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
+                              loss_fn=spec.loss_fn, stages=args.stages, straight=args.straight,
+                              sync=args.sync, choose=args.choose, tracer=args.tracer)
+        print(f"traced {spec.name} with {compiled.tracer} ({len(compiled.traced.gm.graph.nodes)} "
+              "graph nodes)")
         plan, profile = compiled.plan, compiled.profile
         if args.export:
             compiled.export(args.export)
@@ -96,7 +70,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"drew the partitioned graph to {args.svg}")
     if args.save_plan:
         plan.save(args.save_plan)
-    print(plan.summary())
+    print(plan.summary() if compiled is None else compiled.summary())
+    if "spread" in profile.meta:
+        print(f"costs measured on this machine ({profile.meta.get('threads', 1)} thread); spread "
+              f"of the measurements (IQR / median): {100 * profile.meta['spread']:.1f}%")
     if args.choose == "simulation":
         from fxpipe.runtime.plansim import simulate_plan
 
@@ -110,12 +87,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of hf: models and of the tracer, shared by plan, simulate and train."""
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
+    p.add_argument("--meta", action="store_true", help="build the hf: model on the meta device "
+                   "(shapes only: plans a model larger than memory; needs --device)")
+    p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxpipe", description="Automatic pipeline-parallel training.")
     p.add_argument("-v", "--verbose", action="store_true", help="log what each phase does")
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="plan a model (or a profile) for a cluster and print the plan")
-    pl.add_argument("model", help="zoo name, file.py:factory, PipeDream graph.txt or profile.json")
+    pl.add_argument("model", help="zoo name, hf:Class[:key=value,...] (a Hugging Face "
+                    "architecture from its config), file.py:factory, PipeDream graph.txt or "
+                    "profile.json")
     pl.add_argument("--workers", type=int, required=True)
     pl.add_argument("--bandwidth", default="10Gbps", help="e.g. 10Gbps, 25Gbit/s, 1.25GB/s")
     pl.add_argument("--device", default=None, help="plan for this device (V100, A100, H100, ...) "
@@ -133,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--size", default="mini", help="zoo model size: mini or full")
     pl.add_argument("--batch-size", type=int, default=None)
     pl.add_argument("--input-shape", default=None, help="for factories that return a bare module")
+    add_model_arguments(pl)
     pl.add_argument("--export", default=None, metavar="DIR", help="write stage_k.py + plan.json")
     pl.add_argument("--svg", default=None, metavar="FILE", help="draw the partitioned graph")
     pl.add_argument("--save-plan", default=None, metavar="FILE", help="write plan.json")

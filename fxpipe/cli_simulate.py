@@ -49,6 +49,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--size", default="mini", help="zoo model size: mini or full")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--input-shape", default=None, help="for factories that return a bare module")
+    from fxpipe.cli import add_model_arguments
+
+    add_model_arguments(p)
     p.set_defaults(func=cmd_simulate)
     return p
 
@@ -64,9 +67,10 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
         from fxpipe.api import compile as fx_compile
         from fxpipe.cli import _resolve_model
 
-        model, inputs = _resolve_model(args)
-        profile = fx_compile(model, cluster, example_inputs=inputs, stages=args.stages,
-                             straight=args.straight, sync=args.sync).profile
+        spec = _resolve_model(args)
+        profile = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
+                             stages=args.stages, straight=args.straight, sync=args.sync,
+                             tracer=args.tracer).profile
     if args.plan:
         plan = Plan.load(args.plan)
         missing = set(plan.stage_of()) - set(profile.names)
@@ -90,6 +94,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       memory=args.memory, workers_per_machine=args.workers_per_machine,
                       intra_bandwidth=args.intra_bandwidth, latency=args.latency)
     profile, plan = _profile_and_plan(args, cluster)
+    if not plan.staleness:
+        from dataclasses import replace
+
+        from fxpipe.runtime.staleness import plan_staleness
+
+        plan = replace(plan, staleness=plan_staleness(plan.replicas))
     duplex = not args.half_duplex
     sim = simulate_plan(plan, profile, schedule=args.schedule, minibatches=args.minibatches,
                         latency_s=args.latency, duplex=duplex)
@@ -101,6 +111,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(plan.summary())
     print()
     print(sim.summary())
+    stale = plan.staleness.get(args.schedule)
+    if stale:
+        print(f"weight staleness of {args.schedule}: worst stage {max(o for o, _ in stale)} own "
+              f"updates, {max(g for _, g in stale)} global block updates (table above)")
     print(f"BSP data parallelism on {cluster.workers} workers: "
           f"{format_seconds(bsp.steady_state_period)} per minibatch, "
           f"{format_bytes(bsp.bytes_per_minibatch)} on the wire per minibatch; simulated speedup "

@@ -2,6 +2,7 @@
 
     fxpipe train alexnet --data synthetic --nproc 4 --epochs 2 --checkpoint-dir ckpt/
     fxpipe train vgg16 --data synthetic --nproc 2 --plan plan.json --schedule 1f1b-flush
+    fxpipe train mlp --data digits --nproc 4 --schedule pipedream+predict   # or auto (default)
 
 On one machine the command launches torchrun itself (``python -m torch.distributed.run
 --nproc-per-node N ... -m fxpipe.cli_train WORKER-ARGS``); every rank then builds the same zoo
@@ -26,11 +27,12 @@ from typing import Any, Sequence
 from fxpipe.errors import ConfigError, FxpipeError
 
 log = logging.getLogger("fxpipe")
-SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="zoo model name (fxpipe.models.names())")
+    p.add_argument("model", help="zoo model name (fxpipe.models.names()), hf:Class[:key=value,...] "
+                   "(a Hugging Face architecture from its config; synthetic token batches with "
+                   "labels) or file.py:factory returning an fxpipe.models.ModelSpec")
     p.add_argument("--data", required=True, help="synthetic | digits")
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="plan.json (fxpipe plan --save-plan)")
@@ -40,7 +42,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=2, help="synthetic evaluation minibatches")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
+    p.add_argument("--schedule", default="auto",
+                   help="auto (default: chosen by a pilot and the simulated throughput), "
+                   "pipedream, 1f1b-flush, gpipe, 2bw, or pipedream+MITIGATIONS (lr_scale, "
+                   "predict, dc, momentum, joined with +)")
+    p.add_argument("--pilot", type=int, default=None,
+                   help="auto: minibatches per candidate in the pilot (0: none, pick 1f1b-flush)")
     p.add_argument("--vertical-sync", action="store_true")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="minibatches")
@@ -53,6 +60,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", default=None, metavar="FILE", help="rank 0 saves the trained weights")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
+    p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -88,11 +97,12 @@ def _free_port() -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     """The launcher: validate what can be validated here, then run torchrun with N workers."""
     _check_data(args.data)
-    if args.data == "digits":  # fail here, before torchrun starts N processes to say the same
-        from fxpipe import models
+    from fxpipe.runtime.schedule_spec import parse_schedule
 
-        spec = models.get(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed)
-        digits_for(tuple(spec.example_inputs[0].shape), args.model)
+    parse_schedule(args.schedule)  # a misspelt schedule fails here, not in N workers
+    if args.data == "digits":  # fail here, before torchrun starts N processes to say the same
+        spec = _spec(args)
+        digits_for(_input_shape(spec), args.model)
     nproc = args.nproc
     if args.plan:
         from fxpipe.passes import Plan
@@ -141,15 +151,37 @@ def _worker_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _spec(args: argparse.Namespace) -> Any:
+    """The ModelSpec MODEL names (zoo, hf:Class or file.py:factory)."""
+    from fxpipe import models
+
+    return models.resolve(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed,
+                          seq_len=args.seq_len)
+
+
+def _input_shape(spec: Any) -> tuple[int, ...]:
+    """Shape of the one positional input --data digits feeds."""
+    inputs = spec.example_inputs
+    if not isinstance(inputs, tuple) or len(inputs) != 1:
+        raise ConfigError(f"--data digits feeds one image or vector input; {spec.name} takes "
+                          f"{list(inputs) if isinstance(inputs, dict) else len(inputs)} inputs",
+                          "use --data synthetic for this model")
+    return tuple(inputs[0].shape)
+
+
 def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
     from fxpipe.runtime.data import ShardedDataset, synthetic_loader
 
     bs = spec.batch_size
     if args.data == "synthetic":
+        if spec.make_batch is None:
+            raise ConfigError(f"{args.model} comes with no batch maker for --data synthetic",
+                              "return an fxpipe.models.ModelSpec (with make_batch) from the "
+                              "factory")
         return (synthetic_loader(spec.make_batch, bs, args.num_batches, args.seed),
                 synthetic_loader(spec.make_batch, bs, args.eval_batches, args.seed + 1)
                 if args.eval_batches > 0 else None)
-    x, y = digits_for(tuple(spec.example_inputs[0].shape), args.model)
+    x, y = digits_for(_input_shape(spec), args.model)
     split = len(x) * 4 // 5
     return (ShardedDataset((x[:split],), y[:split], batch_size=bs, seed=args.seed, drop_last=True),
             ShardedDataset((x[split:],), y[split:], batch_size=bs, shuffle=False, drop_last=True))
@@ -179,7 +211,6 @@ def run_worker(args: argparse.Namespace) -> int:
     """One torchrun rank: build, compile, train; rank 0 prints the history."""
     import torch
 
-    from fxpipe import models
     from fxpipe.api import compile as fx_compile
     from fxpipe.costmodel import Cluster
     from fxpipe.passes import Plan
@@ -187,31 +218,35 @@ def run_worker(args: argparse.Namespace) -> int:
 
     _check_data(args.data)
     rank = int(os.environ.get("RANK", "0"))
-    spec = models.get(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed)
+    spec = _spec(args)
     plan = Plan.load(args.plan) if args.plan else None
     compiled = fx_compile(spec.model, Cluster.from_env(device=args.device),
                           example_inputs=spec.example_inputs, loss_fn=spec.loss_fn, plan=plan,
-                          stages=args.stages, straight=args.straight)
+                          stages=args.stages, straight=args.straight, tracer=args.tracer)
     if rank == 0:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
     lr, mom = args.lr, args.momentum
     trainer = make_trainer(compiled,
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mom),
                            schedule=args.schedule, vertical_sync=args.vertical_sync,
+                           auto_options={} if args.pilot is None else {"pilot": args.pilot},
                            checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
                            seed=args.seed, progress=not args.no_progress)
     train, evaluate = _loaders(args, spec)
     t0 = time.perf_counter()
     history = trainer.fit(train, epochs=args.epochs, eval_loader=evaluate, resume=args.resume)
-    if rank == 0:
+    state = trainer.state_dict() if args.save else None  # collective: rank 0 gets every stage
+    if rank == 0 and trainer.auto_decision is not None:
+        print(trainer.auto_decision.summary(), flush=True)
+    if rank == 0 and not trainer.idle:
         for h in history:
             extra = "".join(f", {k} {h[k]:.4f}" for k in ("eval_loss", "eval_accuracy") if k in h)
             print(f"epoch {int(h['epoch'])}: loss {h['loss']:.4f}, "
                   f"{h['samples_per_s']:.1f} samples/s{extra}", flush=True)
         print(f"trained in {time.perf_counter() - t0:.1f} s", flush=True)
-        if args.save:
-            torch.save(trainer.state_dict(), args.save)
+        if state is not None:
+            torch.save(state, args.save)
     trainer.close()
     return 0
 

@@ -12,11 +12,21 @@ from fxpipe.errors import ConfigError
 _NUM = r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 
 # bandwidth suffixes -> bytes per second. Lower-case 'b' means bits, upper-case 'B' bytes.
+# ``tc``'s own spellings parse too (``50Mbit``, ``1gbit``, ``100kbit``, ``10mibit``, ``1GBps``),
+# case-insensitively for the bit units. One deliberate difference from tc: ``bps``/``mbps``/
+# ``gbps`` in lower case are BITS per second here (the network convention, and what
+# bench.cluster hands tc as ``<n>bit``), where tc would read them as bytes; capital-B
+# ``KBps``/``MBps``/``GBps`` are bytes per second, as in tc.
+_BITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+         "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
 _BANDWIDTH = {
-    "bps": 1 / 8, "kbps": 1e3 / 8, "mbps": 1e6 / 8, "gbps": 1e9 / 8, "tbps": 1e12 / 8,
-    "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8,
+    **{f"{p}bps": v / 8 for p, v in _BITS.items() if "i" not in p},
+    **{f"{p}bit": v / 8 for p, v in _BITS.items()},
+    **{f"{p}bit/s": v / 8 for p, v in _BITS.items()},
     "B/s": 1.0, "KB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9, "TB/s": 1e12,
     "KiB/s": 2**10, "MiB/s": 2**20, "GiB/s": 2**30,
+    "Bps": 1.0, "KBps": 1e3, "MBps": 1e6, "GBps": 1e9, "TBps": 1e12,
+    "KiBps": 2**10, "MiBps": 2**20, "GiBps": 2**30,
 }
 _MEMORY = {
     "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
@@ -49,14 +59,15 @@ def _parse_quantity(value: str | float | int, what: str, units: dict[str, float]
 
 def _bandwidth_unit(unit: str) -> float | None:
     scale = _BANDWIDTH.get(unit)
-    if scale is None and unit.lower().endswith(("bps", "bit/s")):  # bits: case does not matter
+    if scale is None and unit.lower().endswith(("bps", "bit", "bit/s")):  # bits: any case
         scale = _BANDWIDTH.get(unit.lower())
     return scale
 
 
 def parse_bandwidth(value: str | float | int, what: str = "bandwidth") -> float:
     """Return bytes/second. Numbers are taken as bytes/second; strings like '10Gbps', '25 Gbit/s',
-    '1.5GB/s', '40Mbps'. Zero, negative and unparsable values raise ConfigError."""
+    '1.5GB/s', '40Mbps', or tc's '50Mbit', '1gbit', '100kbit' (see ``_BANDWIDTH`` for the bits
+    and bytes conventions). Zero, negative and unparsable values raise ConfigError."""
     return _parse_quantity(value, what, _BANDWIDTH, "10Gbps", _bandwidth_unit)
 
 

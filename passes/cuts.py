@@ -3,8 +3,9 @@
 Cut position ``p`` (``1 <= p <= N-1``) separates nodes ``[0, p)`` from ``[p, N)``. A value crosses
 it when it is produced before the cut and consumed after it; it is counted once however many later
 nodes use it, because codegen sends it once to each consuming stage (so a skip connection costs
-exactly its tensor's bytes at every cut it spans). Values no later node consumes (model outputs)
-cross nothing: they leave the pipeline from their producer. A cut where a non-``sendable`` value is
+exactly its tensor's bytes at every cut it spans). A model output (``is_output``) is sent to
+the last stage, where the loss runs, so it is live up to the last node; other values no later
+node consumes cross nothing. A cut where a non-``sendable`` value is
 live costs ``inf``: the partitioner must never place a stage boundary there.
 """
 from __future__ import annotations
@@ -15,9 +16,11 @@ from fxpipe.costmodel.profile import Profile
 
 
 def _last_use(profile: Profile) -> list[int]:
-    """Index of the last consumer of each node (its own index when nothing consumes it)."""
+    """Index of the last consumer of each node (its own index when nothing consumes it; the last
+    node's for a model output, which the last stage returns)."""
     index = {n.name: i for i, n in enumerate(profile.nodes)}
-    last = list(range(len(profile.nodes)))
+    end = len(profile.nodes) - 1
+    last = [end if n.is_output else i for i, n in enumerate(profile.nodes)]
     for j, n in enumerate(profile.nodes):
         for name in n.inputs:
             i = index[name]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from fxpipe.errors import PlanFormatError
 from fxpipe.jsonio import read_json, write_json_atomic
@@ -58,6 +58,10 @@ class Plan:
     model_fingerprint: str | None = None
     profile_source: str = "fxpipe"
     workers_used: int = 0
+    # Weight staleness per schedule (filled by fxpipe.compile from fxpipe.runtime.staleness;
+    # passes cannot compute it): schedule -> per stage (own-update delay, global block-update
+    # delay, Randomized PipeDream's convention). Empty: not computed (older plan files).
+    staleness: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     # --- views -------------------------------------------------------------------------
     @property
@@ -86,14 +90,18 @@ class Plan:
         """Node name -> stage index (what codegen's split_graph takes)."""
         return {n: s.index for s in self.stages for n in s.nodes}
 
-    def summary(self) -> str:
-        """A human-readable table plus the headline numbers."""
+    def summary(self, spans: list[str] | None = None) -> str:
+        """A human-readable table plus the headline numbers. ``spans``: what each stage holds,
+        in words (default: its first and last node), e.g. the modules a compiled model's stages
+        cover, which read better than an aten graph's node names."""
         head = (f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10} {'update':>10} "
                 f"{'comm':>10} {'memory':>10}")
         lines = [head, "-" * len(head)]
         for s in self.stages:
             span = (f"{s.nodes[0]}..{s.nodes[-1]} ({len(s.nodes)})" if len(s.nodes) > 1
                     else f"{s.nodes[0]} (1)") if s.nodes else "(empty)"
+            if spans is not None:
+                span = f"{spans[s.index]} ({len(s.nodes)})"
             if len(span) > 40:
                 span = span[:37] + "..."
             lines.append(f"{s.index:>5}  {span:<40} {s.replicas:>8} "
@@ -116,6 +124,9 @@ class Plan:
         if self.shared_parameters:
             lines.append("parameters shared across stages: " + ", ".join(
                 f"{k} {list(v)}" for k, v in sorted(self.shared_parameters.items())))
+        if self.staleness:
+            lines += ["", "weight staleness (steady state, per stage: own updates / global block "
+                      "updates as in Randomized PipeDream):", format_staleness(self.staleness)]
         return "\n".join(lines)
 
     # --- serialisation -----------------------------------------------------------------
@@ -123,6 +134,7 @@ class Plan:
         d = asdict(self)
         d["stages"] = [{**asdict(s), "nodes": list(s.nodes)} for s in self.stages]
         d["shared_parameters"] = {k: list(v) for k, v in self.shared_parameters.items()}
+        d["staleness"] = {k: [list(p) for p in v] for k, v in self.staleness.items()}
         return {"format": PLAN_FORMAT, **d}
 
     @classmethod
@@ -171,7 +183,8 @@ class Plan:
                    data_parallel_time=_num(d, "data_parallel_time", origin), batch_size=bs,
                    shared_parameters=shared_t, model_fingerprint=fp,
                    profile_source=_get(d, "profile_source", str, origin),
-                   workers_used=_get(d, "workers_used", int, origin))
+                   workers_used=_get(d, "workers_used", int, origin),
+                   staleness=_staleness(d.get("staleness", {}), len(stages), origin))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (temporary file, then rename), so readers never see half a plan."""
@@ -181,6 +194,41 @@ class Plan:
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         d = read_json(path, PlanFormatError, "plan", "pass a file written by Plan.save()")
         return cls.from_dict(d, origin=repr(str(path)))
+
+
+def _staleness(raw: Any, num_stages: int, where: str) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The optional ``staleness`` field: schedule -> one [own, global] pair of non-negative
+    integers per stage (absent in plans written before it existed)."""
+    bad = PlanFormatError(f"{where}: field 'staleness' must map schedule names to one [own, "
+                          f"global] pair of non-negative integers per stage ({num_stages})",
+                          "re-plan, or delete the field: it is recomputed by fxpipe.compile")
+    if not isinstance(raw, dict):
+        raise bad
+    out: dict[str, tuple[tuple[int, int], ...]] = {}
+    for name, pairs in raw.items():
+        if not isinstance(pairs, list) or len(pairs) != num_stages:
+            raise bad
+        for p in pairs:
+            if (not isinstance(p, list) or len(p) != 2
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in p)):
+                raise bad
+        out[str(name)] = tuple((p[0], p[1]) for p in pairs)
+    return out
+
+
+def format_staleness(table: Mapping[str, Sequence[Sequence[int]]], max_stages: int = 8) -> str:
+    """Rows of ``own/global`` per stage, one per schedule (the worst stage only for pipelines
+    deeper than ``max_stages``)."""
+    S = max(len(v) for v in table.values())
+    wide = S <= max_stages
+    cols = [f"stage {s}" for s in range(S)] if wide else ["worst stage"]
+    w = max(len(k) for k in table) + 2
+    lines = [f"{'schedule':<{w}}" + "".join(f"{c:>10}" for c in cols)]
+    for name, pairs in table.items():
+        cells = ([f"{o}/{g}" for o, g in pairs] if wide else
+                 [f"{max(o for o, _ in pairs)}/{max(g for _, g in pairs)}"])
+        lines.append(f"{name:<{w}}" + "".join(f"{c:>10}" for c in cells))
+    return "\n".join(lines)
 
 
 def _get(d: dict[str, Any], key: str, typ: type, where: str) -> Any:

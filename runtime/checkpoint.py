@@ -207,3 +207,35 @@ def prune(directory: str | os.PathLike[str], keep: int, num_stages: int) -> None
         if pos < newest and p not in keep_set:
             shutil.rmtree(p, ignore_errors=True)
             log.info("deleted old checkpoint %s", p.name)
+
+
+def load_model_state(directory: str | os.PathLike[str], num_stages: int | None = None, *,
+                     verify: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model's weights and buffers (the stage GraphModules' names) re-assembled from
+    the newest complete checkpoint's per-stage files: what ``model.load_state_dict`` takes after
+    a pipelined run, without any process of the run holding the whole model. ``num_stages``:
+    checked against the manifest when given."""
+    root = Path(directory)
+    if num_stages is None:
+        found = _newest_manifest(root)
+        num_stages = int(found.get("num_stages", 0)) if found else 0
+    latest = find_latest(root, num_stages, verify=verify)
+    out: dict[str, torch.Tensor] = {}
+    for s in range(num_stages):
+        state = load_stage(latest, s)
+        for key in ("weights", "buffers"):
+            for name, t in (state.get(key) or {}).items():
+                out.setdefault(name, t)  # a tied weight: the lowest stage's copy (identical)
+    return out
+
+
+def _newest_manifest(root: Path) -> dict[str, Any] | None:
+    """The newest readable manifest in ``root`` (to learn the number of stages)."""
+    names = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()),
+                   reverse=True) if root.is_dir() else []
+    for p in names:
+        try:
+            return json.loads((p / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return None

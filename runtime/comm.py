@@ -7,7 +7,10 @@ to check when nothing else calls ``torch.distributed``'s p2p functions.
 
 Tags: ``((minibatch * num_values + value) * 2 + direction)`` with direction 0 for activations and 1
 for gradients, so a message can never be taken for another even when several are in flight
-between the same two ranks.
+between the same two ranks. Tags are what gloo matches by; NCCL ignores them and matches by
+order, so WHEN each message is posted is decided by :mod:`fxpipe.runtime.commplan` (one global
+order all ranks follow), and ``Comm(record=True)`` keeps a log of every host call (posts, waits,
+collectives) that :func:`~fxpipe.runtime.commplan.check_logs` replays under NCCL's rules.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ class _Pending:
     name: str = ""  # short label for the timeline ("act h F3")
     launched: float = 0.0  # asynchronous all-reduces: posting time on the rank's clock
     completed: float | None = None  # ... and completion, stamped by the work's future
+    ref: Any = None  # what the recorded log calls it (p2p op number, or (group, seq))
 
 
 class Comm:
@@ -61,7 +65,7 @@ class Comm:
     def __init__(self, me: Rank, rank_of: Mapping[Rank, int], num_values: int,
                  timeout_s: float, device: torch.device,
                  groups: Mapping[GroupKey, Any] | None = None, *,
-                 recorder: Recorder | None = None) -> None:
+                 recorder: Recorder | None = None, record: bool = False) -> None:
         self.me = me
         self.rank_of = dict(rank_of)
         self.num_values = max(num_values, 1)
@@ -70,6 +74,9 @@ class Comm:
         self.groups = dict(groups or {})
         self.recorder = recorder or Recorder(enabled=False)
         self._sends: list[_Pending] = []
+        self.log: list[tuple] | None = [] if record else None
+        """Every host call when recording (see commplan's log format), for the NCCL checker."""
+        self._seq: dict[str, int] = {}
         self.background: list[TimelineEvent] = []
         """Asynchronous all-reduces, launch -> completion per bucket. Kept apart from the
         recorder's events because they overlap the backward, and a rank's timeline events never
@@ -93,11 +100,22 @@ class Comm:
                          f"look at the log of {peer}: it crashed, hung or fell behind; raise "
                          "timeout_s if it is merely slow")
 
+    def _record(self, *event: Any) -> int:
+        if self.log is None:
+            return -1
+        self.log.append(event)
+        return len(self.log) - 1
+
     # ------------------------------------------------------------------ point to point
+    # One operation per call, never batched: an NCCL group completes as a whole, so batching a
+    # send with receives would tie the send to data the peer may post much later. The ORDER of
+    # the calls is what makes them safe (see fxpipe.runtime.commplan).
     def post_recv(self, spec: TensorSpec, src: Rank, tag: int, what: str) -> _Pending:
         """Post a receive into a fresh buffer of ``spec``; :meth:`wait` returns the tensor."""
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         pend = _Pending(None, buf, src, f"receiving {what}", what)
+        pend.ref = self._record("p2p", len(self.log or ()), ((False, self.rank_of[src], tag,
+                                                               spec.shape, str(spec.dtype)),))
         try:
             pend.work = dist.irecv(buf, src=self.rank_of[src], tag=tag)
         except RuntimeError as err:
@@ -106,6 +124,7 @@ class Comm:
 
     def wait(self, pend: _Pending) -> torch.Tensor:
         """Wait (at most the timeout) for a posted receive; the wait is a ``recv`` event."""
+        self._record("wait", pend.ref)
         with self.recorder.span("recv", f"recv {pend.name}", peer=str(pend.peer)):
             try:
                 pend.work.wait(timeout=self.timeout)
@@ -115,7 +134,8 @@ class Comm:
 
     def send(self, tensor: torch.Tensor, dst: Rank, tag: int, what: str,
              spec: TensorSpec | None = None) -> None:
-        """Post a send; it completes when the peer receives it (see :meth:`flush`)."""
+        """Post a send; it completes when the peer receives it (see :meth:`flush`). Not a
+        timeline event of its own: the caller records the posting of an action's messages."""
         t = tensor.detach().contiguous()
         if spec is not None and (tuple(t.shape) != spec.shape or t.dtype != spec.dtype):
             raise RuntimeConfigError(f"{self.who}: {what} is {tuple(t.shape)} {t.dtype}, the "
@@ -123,17 +143,19 @@ class Comm:
                                      "the stage output shape depends on more than the input "
                                      "shapes; such models cannot be pipelined as is")
         pend = _Pending(None, t, dst, f"sending {what}", what)
-        with self.recorder.span("send", f"send {what}", peer=str(dst)):
-            try:
-                pend.work = dist.isend(t, dst=self.rank_of[dst], tag=tag)
-            except RuntimeError as err:
-                raise self._fail(pend, err) from err
+        pend.ref = self._record("p2p", len(self.log or ()), ((True, self.rank_of[dst], tag,
+                                                               tuple(t.shape), str(t.dtype)),))
+        try:
+            pend.work = dist.isend(t, dst=self.rank_of[dst], tag=tag)
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
         self._sends.append(pend)
         if len(self._sends) > 64:
             self._sends = [p for p in self._sends if not p.work.is_completed()]
 
     def flush(self) -> None:
         """Wait until every posted send was received (each wait bounded by the timeout)."""
+        self._record("flush")
         for pend in self._sends:
             try:
                 pend.work.wait(timeout=self.timeout)
@@ -149,8 +171,15 @@ class Comm:
     def _collective(self, buf: torch.Tensor, stage: GroupKey, peers: Sequence[Rank],
                     what: str) -> _Pending:
         """A pending collective naming its group (and a peer of it) for failure messages."""
-        return _Pending(None, buf, peers[0] if peers[0] != self.me else peers[-1],
+        pend = _Pending(None, buf, peers[0] if peers[0] != self.me else peers[-1],
                         f"all-reduce of {what} among {self._among(stage, peers)}", what)
+        if self.log is not None:
+            key = str(stage)
+            seq = self._seq[key] = self._seq.get(key, -1) + 1
+            pend.ref = (key, seq)
+            self._record("coll", key, seq, tuple(sorted(self.rank_of[p] for p in peers)),
+                         buf.numel())
+        return pend
 
     def all_reduce(self, buf: torch.Tensor, stage: GroupKey, peers: Sequence[Rank],
                    what: str) -> None:
@@ -160,6 +189,8 @@ class Comm:
         with self.recorder.span("allreduce", f"allreduce {what}", group=str(stage)):
             try:
                 pend.work = dist.all_reduce(buf, group=self.groups[stage], async_op=True)
+                if pend.ref is not None:
+                    self._record("cwait", *pend.ref)
                 pend.work.wait(timeout=self.timeout)
             except RuntimeError as err:
                 raise self._fail(pend, err) from err
@@ -189,6 +220,8 @@ class Comm:
         goes to :attr:`background`."""
         start = self.recorder.now()
         for pend in pends:
+            if pend.ref is not None:
+                self._record("cwait", *pend.ref)
             try:
                 pend.work.wait(timeout=self.timeout)
             except RuntimeError as err:
@@ -209,6 +242,10 @@ class Comm:
     def barrier(self) -> None:
         """All ranks: the end of a run (no rank leaves while a peer may still talk to it)."""
         pend = _Pending(None, torch.empty(0), self.me, "final barrier")
+        if self.log is not None:
+            seq = self._seq["world"] = self._seq.get("world", -1) + 1
+            self._record("coll", "world", seq, tuple(sorted(self.rank_of.values())), 0)
+            self._record("cwait", "world", seq)
         try:
             dist.barrier(async_op=True).wait(timeout=self.timeout)
         except RuntimeError as err:

@@ -13,12 +13,21 @@ every rank that needs data iterates the SAME deterministic loader and keeps its 
   :class:`ShardedDataset`) yields only what a rank asked for, and can skip to a position without
   materialising the skipped minibatches: the output stage then never loads images, the input
   stage never loads labels, and ranks of middle stages read nothing at all.
+
+Pairing: minibatch k's inputs (read by an input-stage rank) and its targets (read by an
+output-stage rank) meet only if both ranks read the SAME minibatch k, which is why the pipeline,
+not the loader, decides who trains on what (minibatch k goes to replica k % r of every stage).
+A loader that shards by rank itself (``DistributedSampler``, as for data parallelism) would pair
+one shard's inputs with another shard's labels and train on garbage without any error, so
+:func:`check_loader` refuses it. As a cheap guard against any other rank-dependent loader, a
+plain loader's minibatches are fingerprinted (:class:`PartStream`) on every rank that reads
+them and the trainer compares the fingerprints of each segment before training on it.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -47,6 +56,113 @@ def _set_epoch(loader: Any, epoch: int) -> None:
             return
 
 
+_SHARDING_HINT = ("fxpipe pairs minibatch k's inputs and targets across stages itself (it goes to "
+                  "replica k % r of each stage): give every rank the SAME loader over the whole "
+                  "dataset, e.g. DataLoader(dataset, batch_size=..., shuffle=True) (fxpipe seeds "
+                  "the shuffle identically on every rank), or fxpipe.runtime.ShardedDataset")
+
+
+def check_loader(loader: Any) -> None:
+    """Refuse a loader that gives each rank a different share of the data (see the module doc):
+    a ``DistributedSampler``, or any sampler with ``num_replicas > 1``, on the loader or its
+    batch sampler (one replica is a plain sampler: allowed)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (getattr(loader, "sampler", None), batch_sampler,
+                getattr(batch_sampler, "sampler", None)):
+        replicas = getattr(obj, "num_replicas", None)
+        if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas > 1:
+            raise RuntimeConfigError(
+                f"the loader's {type(obj).__name__} shards the data by rank (num_replicas="
+                f"{replicas}, rank={getattr(obj, 'rank', '?')}): the input stage would train "
+                "on one shard's inputs with another shard's targets", _SHARDING_HINT)
+
+
+class PartStream:
+    """This rank's parts of an epoch's minibatches (an iterator), plus, for a plain loader, a
+    fingerprint of every minibatch it read (inputs AND targets, before keeping its part):
+    :meth:`digest` returns the fingerprint of the minibatches read since the last call, which
+    every rank reading the loader computes alike if, and only if, they read the same data.
+    None for a loader with ``iter_parts`` (it serves parts, not whole minibatches; its pairing
+    is by construction: one seeded order for all ranks)."""
+
+    def __init__(self, loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: bool,
+                 need_targets: bool, start: int = 0) -> None:
+        check_loader(loader)
+        torch.manual_seed(derive_seed(seed, epoch, -1))
+        _set_epoch(loader, epoch)
+        parts = getattr(loader, "iter_parts", None)
+        self.checked = not callable(parts)
+        self._hash = hashlib.blake2b(digest_size=16) if self.checked else None
+        self._count = 0
+        self._it: Iterator[Part] = (
+            iter(parts(epoch, need_inputs, need_targets, start)) if callable(parts)
+            else self._plain(loader, need_inputs, need_targets, start))
+
+    def _plain(self, loader: Iterable[Any], need_inputs: bool, need_targets: bool,
+               start: int) -> Iterator[Part]:
+        for k, item in enumerate(loader):
+            if k < start:
+                continue
+            assert self._hash is not None
+            if isinstance(item, Mapping):  # keyword inputs, labels among them (a HF batch)
+                _feed(self._hash, dict(item))
+                yield (item if need_inputs or need_targets else None, None)
+                continue
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise RuntimeConfigError(f"the loader yielded {type(item).__name__} at "
+                                         f"minibatch {k}",
+                                         "a training loader yields (inputs, target) pairs or "
+                                         "dicts of keyword inputs")
+            _feed(self._hash, item)
+            yield (item[0] if need_inputs else None, item[1] if need_targets else None)
+
+    def __iter__(self) -> PartStream:
+        return self
+
+    def __next__(self) -> Part:
+        part = next(self._it)
+        self._count += 1
+        return part
+
+    def digest(self) -> str | None:
+        """Fingerprint of the minibatches read since the previous call (None: not checked)."""
+        if self._hash is None:
+            return None
+        out = f"{self._count}:{self._hash.hexdigest()}"
+        self._hash, self._count = hashlib.blake2b(digest_size=16), 0
+        return out
+
+
+_SAMPLE = 4096  # elements of a tensor that go into its fingerprint (evenly strided)
+
+
+def _feed(h: Any, value: Any) -> None:
+    """Add ``value`` (tensors, nested tuples/lists/dicts, scalars) to the hash ``h``: type,
+    shape, dtype and up to _SAMPLE evenly spaced elements of each host tensor (so the cost does
+    not grow with the batch; device tensors add shape and dtype only, reading them would
+    synchronise the device)."""
+    if isinstance(value, torch.Tensor):
+        h.update(repr((tuple(value.shape), str(value.dtype))).encode())
+        if value.device.type == "cpu" and value.numel() > 0:
+            flat = value.detach().reshape(-1)
+            step = max(1, flat.numel() // _SAMPLE)
+            sample = flat[::step][:_SAMPLE].contiguous()
+            if sample.dtype == torch.bfloat16:
+                sample = sample.view(torch.int16)
+            h.update(sample.numpy().tobytes())
+    elif isinstance(value, (tuple, list)):
+        h.update(f"{type(value).__name__}{len(value)}".encode())
+        for v in value:
+            _feed(h, v)
+    elif isinstance(value, dict):
+        h.update(f"dict{len(value)}".encode())
+        for k in sorted(value, key=repr):
+            h.update(repr(k).encode())
+            _feed(h, value[k])
+    else:
+        h.update(repr(value).encode())
+
+
 def iter_parts(loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: bool,
                need_targets: bool, start: int = 0) -> Iterator[Part]:
     """Yield this rank's part of every minibatch of ``epoch`` from minibatch ``start`` on.
@@ -54,24 +170,15 @@ def iter_parts(loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: boo
     The global RNG is seeded from ``(seed, epoch)`` before the loader is iterated, so a shuffling
     ``DataLoader`` orders the epoch the same way on every rank and after a restart.
     """
-    torch.manual_seed(derive_seed(seed, epoch, -1))
-    _set_epoch(loader, epoch)
-    parts = getattr(loader, "iter_parts", None)
-    if callable(parts):
-        yield from parts(epoch, need_inputs, need_targets, start)
-        return
-    for k, item in enumerate(loader):
-        if k < start:
-            continue
-        if not (isinstance(item, (tuple, list)) and len(item) == 2):
-            raise RuntimeConfigError(f"the loader yielded {type(item).__name__} at minibatch {k}",
-                                     "a training loader yields (inputs, target) pairs")
-        yield (item[0] if need_inputs else None, item[1] if need_targets else None)
+    return PartStream(loader, epoch, seed, need_inputs=need_inputs, need_targets=need_targets,
+                      start=start)
 
 
 def batch_size_of(inputs: Any) -> int:
     """Samples in a minibatch: dim 0 of its first tensor input (0 if there is none)."""
-    for x in inputs if isinstance(inputs, (tuple, list)) else (inputs,):
+    values = (inputs.values() if isinstance(inputs, Mapping)
+              else inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+    for x in values:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     return 0

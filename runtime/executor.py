@@ -2,45 +2,51 @@
 
 A rank knows everything ahead: its actions (the schedule), who owns each minibatch on every stage
 (round robin), the shape of every message (the wire plan). So it only walks its list: ``F k``
-receives the stage's inputs (model inputs are read locally: every rank has the batches), runs the
-forward and sends each output straight to every consuming stage's owner of k; ``B k`` receives the
-gradients of its outputs, runs the backward and sends its inputs' gradients to their producers;
-``U i`` all-reduces the stage's gradient sums among its replicas (their own process group) and
-steps the optimizer; tied parameters also sum their gradients over every rank holding them. With
+waits for the stage's inputs (model inputs are read locally: every rank has the batches), runs
+the forward and sends each output straight to every consuming stage's owner of k; ``B k`` waits
+for the gradients of its outputs, runs the backward and sends its inputs' gradients to their
+producers; ``U i`` all-reduces the stage's gradient sums among its replicas (their own process
+group) and steps the optimizer; tied parameters also sum their gradients over every rank holding
+them (under pipedream ``d`` rounds later, see :func:`fxpipe.runtime.reference.tied_delay`). With
 ``overlap_allreduce`` (default) the replicas' sum is bucketed and launched from hooks during the
 last backward before the update, as DDP does (:mod:`fxpipe.runtime.buckets`); ``U`` then only
-waits for it. The
-receives of the next actions are posted ahead (``prepost``), so messages arrive during compute.
-All transport goes through :class:`~fxpipe.runtime.comm.Comm`; all compute through the same
-:class:`StageReplica` the reference executor uses; every part is stamped on the rank's timeline.
+waits for it.
 
-:func:`run_distributed` (in :mod:`fxpipe.runtime.launch`) spawns the ranks; :func:`worker_main` is
-what each of them runs.
+WHEN each message is posted follows :mod:`fxpipe.runtime.commplan`: one global order that every
+rank follows, receives posted as early as that order allows (so data arrives while the rank
+computes), which is what makes the same code safe on NCCL (order-matched, one stream) and gloo
+(tag-matched). All transport goes through :class:`~fxpipe.runtime.comm.Comm`; all compute through
+the same :class:`StageReplica` the reference executor uses; every part is stamped on the rank's
+timeline.
+
+Device: the rank's weights, buffers and gradients live on its device (once: the stage's
+GraphModule stays where it is, see :class:`StageReplica`); model inputs and targets are copied
+there without blocking the host (:func:`fxpipe.runtime.device.to_device`); losses stay on the
+device and are read once per run.
+
+:func:`run_distributed` (in :mod:`fxpipe.runtime.launch`) spawns the ranks;
+:func:`fxpipe.runtime.worker.worker_main` is what each of them runs.
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import time
-import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from fxpipe.codegen.split import MODEL, StageSpec
-from fxpipe.errors import FxpipeError
 
-from .allocator import keep_freed_memory
 from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout, GradBuckets, last_backwards
-from .comm import BACKWARD, FORWARD, Comm, make_groups, rank_name, synchronized_start
-from .reference import Batch, planned_reads
+from .comm import Comm, _Pending
+from .commplan import Issuer, Msg, RankPlan, comm_plans, links_of
+from .device import to_device
+from .mitigation import Mitigation, make_replica
+from .reference import Batch, planned_reads, tied_delay
 from .schedule import Action, Rank, Schedule
-from .stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
+from .stage import LossFn, model_env, sync_components, tie_sets, tied_parameters
 from .stash import OptimizerFactory
 from .timeline import Recorder, TimelineEvent
 from .wire import WirePlan
@@ -51,15 +57,17 @@ log = logging.getLogger(__name__)
 @dataclass
 class RankResult:
     """What one rank reports back: losses of the minibatches it finished (last stage only), its
-    latest weights, the peak bytes of weights its stash held and its timeline. ``background``:
-    the asynchronous bucket all-reduces (launch -> completion), which overlap the timeline's
-    events and so are kept apart (``sorted(timeline + background)`` for a trace showing them)."""
+    latest weights (when asked for), the peak bytes of weights its stash held and its timeline.
+    ``background``: the asynchronous bucket all-reduces (launch -> completion), which overlap
+    the timeline's events and so are kept apart (``sorted(timeline + background)`` for a trace
+    showing them). ``comm_log``: every host call of the run when the Comm records (tests)."""
 
     losses: dict[int, float]
     params: dict[str, torch.Tensor]
     peak_bytes: int
     timeline: list[TimelineEvent] = field(default_factory=list)
     background: list[TimelineEvent] = field(default_factory=list)
+    comm_log: list[tuple] | None = None
 
 
 class RankExecutor:
@@ -69,20 +77,24 @@ class RankExecutor:
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  comm: Comm, *, stashing: bool = True, device: torch.device | None = None,
                  fault: tuple[str, int] | None = None, recorder: Recorder | None = None,
-                 prepost: int = 2, overlap_allreduce: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 overlap_allreduce: bool = True,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, mitigation: Mitigation | None = None,
+                 delay: int = 0) -> None:
         self.stages = list(stages)
-        self.prepost = prepost
+        self.links = links_of(self.stages)
         self.overlap_allreduce = overlap_allreduce
         self.bucket_bytes = bucket_bytes
         self._buckets: GradBuckets | None = None  # built on first use (replicated stages only)
         self._final_b: dict[int, int] = {}  # action index of a round's last B -> its U's index
         self._round = ""  # the U whose buckets are in flight (for messages)
-        self._posted: dict[tuple[str, int], list[Any]] = {}
-        self._fb: tuple[Sequence[Action], list[int]] | None = None  # see prepost_ahead
-        # tied parameters are found by identity: do it before .to(device) and anything else
+        # tied parameters are found by identity: do it before anything copies them
+        all_tied = tied_parameters(self.stages)
+        self._tied_all = all_tied
+        self._sync = sync_components(all_tied)
         self.tied = [(stages_, [t.names[me[0]] for t in ts]) for stages_, ts
-                     in tie_sets(tied_parameters(self.stages)).items() if me[0] in stages_]
+                     in tie_sets(all_tied).items() if me[0] in stages_]
+        self._rounds: dict[tuple[tuple[int, ...], int], tuple[_Pending, float]] = {}
+        self._delay = 0
         self.rec = recorder or comm.recorder
         self.schedule = schedule
         self.me = me
@@ -91,78 +103,57 @@ class RankExecutor:
         self.comm = comm
         self.device = device or torch.device("cpu")
         self.fault = fault
-        self.spec.gm.to(self.device)
-        # whether any F or B of this rank receives a message (a lone stage receives nothing)
-        self._receives_any = (any(src != MODEL for src in self.spec.sources)
-                              or any(c != MODEL for cons in self.spec.consumers for c in cons))
+        self._inbox: dict[Msg, _Pending] = {}
+        self._out: dict[str, torch.Tensor] = {}
         last = len(self.stages) - 1
-        self.replica = StageReplica(self.spec, optimizer_factory,
+        self.replica = make_replica(self.spec, optimizer_factory, delay=delay,  # mitigation.py
+                                    mitigation=mitigation,
                                     loss_fn=loss_fn if me[0] == last else None,
                                     stashing=stashing, planned_reads=planned_reads(schedule, me),
-                                    model_input_grads=False)  # sent nowhere: not computed
+                                    model_input_grads=False,  # sent nowhere: not computed
+                                    device=self.device)
 
-    def _what(self, kind: str, name: str, k: int) -> str:
-        return f"{kind} {name!r} of minibatch {k}"
+    # ------------------------------------------------------------------ messages
+    def _grad_ok(self, name: str, k: int) -> bool:
+        dt = self.wire.spec(name, k).dtype
+        return dt.is_floating_point or dt.is_complex
 
-    def _post(self, a: Action) -> list[Any]:
-        """Post the receives ``a`` needs: for F one per input (None for a model input), for B
-        one list per output (a gradient from each consuming stage's owner; empty when none)."""
+    def plan(self, sched: Schedule) -> RankPlan:
+        """This rank's messages for ``sched`` in the global order (see commplan)."""
+        index = {n: i for i, n in enumerate(self.wire.values)}
+        return comm_plans(self.links, sched, index, self._grad_ok, self._sync, self._delay,
+                          ranks=[self.me])[self.me]
+
+    def _post_recv(self, m: Msg) -> None:
+        spec = self.wire.spec(m.name, m.minibatch)
+        self._inbox[m] = self.comm.post_recv(
+            spec, m.peer, self.comm.tag(m.minibatch, m.value, m.direction), m.describe())
+
+    def _post_send(self, m: Msg) -> None:
+        t = self._out.get(m.name)
+        if t is None:
+            raise RuntimeError(f"{self.comm.who}: no {m.describe()} to send (a bug)")
+        self.comm.send(t, m.peer, self.comm.tag(m.minibatch, m.value, m.direction),
+                       m.describe(), self.wire.spec(m.name, m.minibatch))
+
+    def _received(self, msgs: Sequence[Msg]) -> dict[Msg, torch.Tensor]:
+        self._issuer.require(msgs, self._inbox)
+        return {m: self.comm.wait(self._inbox.pop(m)) for m in msgs}
+
+    # ------------------------------------------------------------------ actions
+    def forward(self, a: Action, batch: Batch, recvs: Sequence[Msg] = ()
+                ) -> torch.Tensor | None:
+        """Wait for ``a``'s inputs, run it; its outputs wait in ``_out`` to be sent."""
         k, st = a.minibatch, self.spec
-        if a.kind == "F":
-            return [None if src == MODEL else
-                    self.comm.post_recv(self.wire.spec(n, k), self.schedule.owner(src, k),
-                                        self.comm.tag(k, self.wire.index(n), FORWARD),
-                                        self._what("activation", n, k))
-                    for n, src in zip(st.inputs, st.sources)]
-        posted: list[Any] = []
-        for n, cons in zip(st.outputs, st.consumers):
-            spec = self.wire.spec(n, k) if any(c != MODEL for c in cons) else None
-            posted.append([self.comm.post_recv(spec, self.schedule.owner(c, k),
-                                               self.comm.tag(k, self.wire.index(n), BACKWARD),
-                                               self._what("gradient", n, k))
-                           for c in cons if c != MODEL and spec is not None
-                           and (spec.dtype.is_floating_point or spec.dtype.is_complex)])
-        return posted
-
-    def _receives(self, a: Action) -> list[Any]:
-        """The receives of ``a``: pre-posted ones if :meth:`prepost_ahead` posted them."""
-        got = self._posted.pop((a.kind, a.minibatch), None)
-        return self._post(a) if got is None else got
-
-    def prepost_ahead(self, actions: Sequence[Action], i: int) -> None:
-        """Post now the receives of action ``i`` and of the next ``prepost`` F/B actions, in list
-        order, so their data arrives while this rank computes (communication overlapped with
-        compute). Buffers come from the wire plan: posting early costs only their memory."""
-        if self._fb is None or self._fb[0] is not actions:  # (list, its F/B action positions)
-            self._fb = (actions, [j for j, b in enumerate(actions) if b.kind != "U"])
-        fb = self._fb[1]
-        lo = bisect.bisect_left(fb, i)
-        ahead = [actions[j] for j in fb[lo:lo + self.prepost + 1]]
-        new = [b for b in ahead if (b.kind, b.minibatch) not in self._posted]
-        if new and not self._receives_any:  # nothing ever arrives: no posting, no event
-            for b in new:
-                self._posted[(b.kind, b.minibatch)] = self._post(b)
-        elif new:
-            with self.rec.span("recv", "post " + " ".join(map(str, new))):
-                for b in new:
-                    self._posted[(b.kind, b.minibatch)] = self._post(b)
-
-    def forward(self, a: Action, batch: Batch) -> float | None:
-        s, k, st = self.me[0], a.minibatch, self.spec
         env = model_env(self.stages, batch[0]) if MODEL in st.sources else {}
-        posted = self._receives(a)
-        ins = [env[n].to(self.device) if p is None else self.comm.wait(p)
-               for n, p in zip(st.inputs, posted)]
-        target = batch[1].to(self.device) if isinstance(batch[1], torch.Tensor) else batch[1]
+        got = {m.name: t for m, t in self._received(recvs).items()}
+        ins = [to_device(env[n], self.device) if src == MODEL else got[n]
+               for n, src in zip(st.inputs, st.sources)]
+        target = to_device(batch[1], self.device)
         with self.rec.span("forward", str(a), minibatch=k, version=a.version):
             outs, loss = self.replica.forward(k, a.version, ins, target)
-        for n, o, cons in zip(st.outputs, outs, st.consumers):
-            for c in cons:
-                if c != MODEL:
-                    self.comm.send(o, self.schedule.owner(c, k),
-                                   self.comm.tag(k, self.wire.index(n), FORWARD),
-                                   self._what("activation", n, k), self.wire.spec(n, k))
-        log.debug("%s: F%d done (stage %d)", self.comm.who, k, s)
+        self._out = dict(zip(st.outputs, outs))
+        log.debug("%s: F%d done (stage %d)", self.comm.who, k, self.me[0])
         return loss
 
     def buckets(self) -> GradBuckets | None:
@@ -185,38 +176,34 @@ class RankExecutor:
                       layout.sizes)
         return self._buckets
 
-    def backward(self, a: Action, *, update: Action | None = None) -> None:
+    def backward(self, a: Action, recvs: Sequence[Msg] = (), *,
+                 update: Action | None = None) -> None:
         """``update``: the U this backward is the last one before; its hooks then launch the
-        stage's gradient buckets (when they are overlapped, see :meth:`buckets`)."""
+        stage's gradient buckets (when they are overlapped, see :meth:`buckets`). The inputs'
+        gradients wait in ``_out`` to be sent."""
         k, st = a.minibatch, self.spec
         bk = self.buckets() if update is not None else None
         if bk is not None:
             self._round = str(update)
             bk.start()
-        posted: list[list[Any]] = self._receives(a)
-        out_grads: list[torch.Tensor | None] = []
-        for group in posted:
-            total: torch.Tensor | None = None
-            for p in group:  # ascending consumer order, as the reference sums
-                g = self.comm.wait(p)
-                total = g if total is None else total + g
-            out_grads.append(total)
+        sums: dict[str, torch.Tensor] = {}
+        for m, g in self._received(recvs).items():  # sorted: ascending consumer per value,
+            sums[m.name] = g if m.name not in sums else sums[m.name] + g  # as the reference
+        out_grads: list[torch.Tensor | None] = [sums.get(n) for n in st.outputs]
         with self.rec.span("backward", str(a), minibatch=k, version=a.version):
             in_grads = self.replica.backward(
                 k, out_grads, on_grad=None if bk is None or not bk.early else bk.ready,
                 hooked=None if bk is None else bk.early)
-        for n, src, g in zip(st.inputs, st.sources, in_grads):
-            if src != MODEL and g is not None:
-                self.comm.send(g, self.schedule.owner(src, k),
-                               self.comm.tag(k, self.wire.index(n), BACKWARD),
-                               self._what("gradient", n, k), self.wire.spec(n, k))
+        self._out = {n: g for n, src, g in zip(st.inputs, st.sources, in_grads)
+                     if src != MODEL and g is not None}
         if bk is not None:  # parameters without a gradient this time, the count: last buckets
             with self.rec.span("allreduce", f"post buckets {update}", group=str(self.me[0])):
                 bk.finish(self.replica.grad_sums, self.replica.count)
 
     def update(self, a: Action) -> None:
         """Replicas sum their gradients (the stage's group); tied parameters sum their LOCAL
-        gradients over every rank holding them (their own group), as the reference does."""
+        gradients over every rank holding them (their own group), as the reference does: at
+        this update, or (delay d > 0) asynchronously, applying round ``i - d`` now."""
         s = self.me[0]
         reps = self.schedule.replicas
         bk = self.buckets()
@@ -242,39 +229,135 @@ class RankExecutor:
         elif reps[s] > 1:
             self.comm.all_reduce(buf, s, [(s, j) for j in range(reps[s])], f"U{a.minibatch}")
         assert buf is not None
-        for key, names, seg in segs:
-            peers = [(t, j) for t in key for j in range(reps[t])]
-            self.comm.all_reduce(seg, key, peers, f"tied {names} U{a.minibatch}")
-            self.replica.put_segment(buf, names, seg)
+        late: dict[str, torch.Tensor | None] | None = None
+        if self._delay == 0:
+            for key, names, seg in segs:
+                self.comm.all_reduce(seg, key, self._holders(key), f"tied {names} U{a.minibatch}")
+                self.replica.put_segment(buf, names, seg)
+        else:
+            late = self._tied_round(a.minibatch, segs, float(buf[-1]))
         with self.rec.span("optimizer", str(a), update=a.minibatch):
-            self.replica.apply_update(buf)
+            self.replica.apply_update(buf, late)
 
-    def run(self, batches: Sequence[Batch]) -> RankResult:
-        """Walk the action list; then wait for every send and for all ranks to finish."""
-        losses: dict[int, float] = {}
-        actions = self.schedule.actions[self.me]
+    def _holders(self, key: tuple[int, ...]) -> list[Rank]:
+        return [(t, j) for t in key for j in range(self.schedule.replicas[t])]
+
+    def _tied_round(self, i: int, segs: list[tuple[tuple[int, ...], list[str], torch.Tensor]],
+                    count: float) -> dict[str, torch.Tensor | None]:
+        """Delayed tied rounds: post round i's sums (asynchronous), return round i-d's means."""
+        out: dict[str, torch.Tensor | None] = {}
+        for key, names, seg in segs:
+            pend = self.comm.all_reduce_async(seg, key, self._holders(key),
+                                              f"tied {names} round {i}")
+            self._rounds[(key, i)] = (pend, count)
+            out.update(self._round_means(key, names, i - self._delay))
+        return out
+
+    def _round_means(self, key: tuple[int, ...], names: list[str], j: int
+                     ) -> dict[str, torch.Tensor | None]:
+        if j < 0:
+            return {n: None for n in names}
+        pend, count = self._rounds.pop((key, j))
+        self.comm.wait_all_reduces([pend], f"tied round {j}", group=str(key))
+        total = pend.tensor
+        mean = total / count if count > 0 and count != 1 else total
+        return self.replica.split_segment(mean, names)
+
+    def _finish_tied_rounds(self) -> None:
+        """Run end: apply the last ``d`` tied rounds (tied-only steps, as the reference)."""
+        if self._delay == 0 or not self.tied:
+            return
+        done = self.replica.stash.version
+        for j in range(max(0, done - self._delay), done):
+            grads: dict[str, torch.Tensor | None] = {}
+            for key, names in self.tied:
+                grads.update(self._round_means(key, names, j))
+            with self.rec.span("optimizer", f"tied round {j}", update=j):
+                self.replica.apply_tied_only({n: g for n, g in grads.items() if g is not None})
+        assert not self._rounds, self._rounds
+
+    # ------------------------------------------------------------------ runs
+    def run(self, batches: Sequence[Batch], *, collect_params: bool = True) -> RankResult:
+        """Walk the action list; then wait for every send and for all ranks to finish.
+        ``collect_params``: copy the latest weights to the host into the result (the trainer
+        does not: its weights stay on the device between segments)."""
+        sched = self.schedule
+        actions = sched.actions[self.me]
+        self._delay = tied_delay(sched, self._tied_all)
+        plan = self.plan(sched)
         self._final_b = last_backwards([b.kind for b in actions])
+        self._inbox.clear()
+        losses: dict[int, torch.Tensor] = {}
+        issuer = self._issuer = Issuer(plan, self._post_recv, self._post_send)
+        if plan.ops:
+            with self.rec.span("recv", "post receives"):
+                issuer.start()
         for i, a in enumerate(actions):
             if self.fault is not None and i == self.fault[1]:
                 _inject(self.fault[0], self.comm.who, a)
-            if self.prepost > 0:
-                self.prepost_ahead(actions, i)
             if a.kind == "F":
-                loss = self.forward(a, batches[a.minibatch])
+                loss = self.forward(a, batches[a.minibatch], plan.recvs[i])
                 if loss is not None:
                     losses[a.minibatch] = loss
             elif a.kind == "B":
                 u = self._final_b.get(i)
-                self.backward(a, update=None if u is None else actions[u])
+                self.backward(a, plan.recvs[i], update=None if u is None else actions[u])
             else:
                 self.update(a)
+            if plan.sends[i]:
+                with self.rec.span("send", f"post {a}", minibatch=a.minibatch):
+                    for m in plan.sends[i]:
+                        issuer.send(m)
+        assert issuer.done and not self._inbox, "every planned message was posted and used"
+        self._finish_tied_rounds()
         self.comm.flush()
         self.comm.barrier()
         background = sorted(self.comm.background, key=lambda e: e.start)
         self.comm.background.clear()
-        return RankResult(losses, {n: t.detach().cpu() for n, t in
-                                   self.replica.parameters().items()},
-                          self.replica.stash.peak_bytes, self._take_timeline(), background)
+        keys = sorted(losses)  # one device-to-host read for the whole run
+        values = torch.stack([losses[k] for k in keys]).tolist() if keys else []
+        params = ({n: t.detach().cpu() for n, t in self.replica.parameters().items()}
+                  if collect_params else {})
+        log_ = None if self.comm.log is None else list(self.comm.log)
+        if self.comm.log is not None:
+            self.comm.log.clear()
+        return RankResult(dict(zip(keys, map(float, values))), params,
+                          self.replica.stash.peak_bytes, self._take_timeline(), background, log_)
+
+    def forward_only(self, parts: Sequence[Batch], metric: Any) -> list[Any]:
+        """Evaluation: every owned minibatch's forward in increasing order with the latest
+        weights, messages in the same global order as training (F-only schedule); on the last
+        stage ``metric(outputs_env, target)`` per minibatch, returned in order."""
+        reps = self.schedule.replicas
+        n = len(parts)
+        ranks = [(s, j) for s, r in enumerate(reps) for j in range(r)]
+        sched = Schedule("eval", reps, n, {
+            (s, j): tuple(Action("F", k) for k in range(j, n, reps[s])) for s, j in ranks})
+        delay, self._delay = self._delay, 0
+        try:
+            plan = self.plan(sched)
+        finally:
+            self._delay = delay
+        st, out = self.spec, []
+        self._inbox.clear()
+        issuer = self._issuer = Issuer(plan, self._post_recv, self._post_send)
+        issuer.start()
+        for i, a in enumerate(sched.actions[self.me]):
+            x, y = parts[a.minibatch]
+            env = model_env(self.stages, x) if MODEL in st.sources else {}
+            got = {m.name: t for m, t in self._received(plan.recvs[i]).items()}
+            ins = [to_device(env[n], self.device) if src == MODEL else got[n]
+                   for n, src in zip(st.inputs, st.sources)]
+            outs = self.replica.evaluate(ins)
+            self._out = dict(zip(st.outputs, outs))
+            for m in plan.sends[i]:
+                issuer.send(m)
+            if self.me[0] == len(self.stages) - 1:
+                out.append(metric(self._out, to_device(y, self.device)))
+        assert issuer.done and not self._inbox
+        self.comm.flush()
+        self.comm.barrier()
+        return out
 
     def _take_timeline(self) -> list[TimelineEvent]:
         """This run's events (with idle gaps); the recorder starts empty for the next run."""
@@ -291,108 +374,11 @@ def _inject(kind: str, who: str, a: Action) -> None:
     time.sleep(3600)
 
 
-@dataclass
-class WorkerConfig:
-    """Everything a rank needs, pickled once to each spawned process."""
-
-    stages: list[StageSpec]
-    schedule_kind: str
-    replicas: tuple[int, ...]
-    num_minibatches: int
-    actions: dict[Rank, tuple[Action, ...]]
-    loss_fn: LossFn
-    optimizer_factory: OptimizerFactory
-    batches: list[Batch]
-    wire: WirePlan
-    outdir: str
-    port: int
-    master_addr: str = "127.0.0.1"
-    timeout_s: float = 60.0
-    stashing: bool = True
-    device: str = "cpu"
-    faults: dict[int, tuple[str, int]] = field(default_factory=dict)
-    log_level: int = logging.WARNING
-    overlap_allreduce: bool = True
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
-    def schedule(self) -> Schedule:
-        return Schedule(self.schedule_kind, self.replicas, self.num_minibatches, self.actions)
-
-
-def init_rank(index: int, cfg: WorkerConfig, world_size: int | None = None) -> float:
-    """Join the world's process group (of ``world_size`` ranks, default: the schedule's);
-    returns the timeline's common start (taken after a barrier)."""
-    keep_freed_memory()
-    device = torch.device(cfg.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=max(cfg.timeout_s, 60.0))  # rendezvous waits for slow spawns
-    dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.port}",
-                            rank=index, world_size=world_size or len(cfg.schedule().ranks),
-                            timeout=timeout)
-    warm_imports()
-    return synchronized_start(max(cfg.timeout_s, 60.0))
-
-
-def warm_imports() -> None:
-    """Pay the lazy imports of the first optimizer before the timeline's common start.
-
-    Why: ``torch.optim.Optimizer`` imports ``torch._dynamo`` on first use (about 1.3 s on CPU),
-    which otherwise lands between the timeline's zero and the first forward of every rank (the
-    executor builds its optimizer after the start) and reads as start-up idle time."""
-    import torch._dynamo  # noqa: F401
-
-
-def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:
-    """Carry out one run as rank ``index`` of an initialised world (several runs may follow one
-    another in the same world: each creates its groups and ends with a barrier). A world larger
-    than the pipeline is allowed: a spare rank (``index`` past the schedule's ranks) only joins
-    the collective calls (group creation, final barrier) and returns None."""
-    sched = cfg.schedule()
-    rank_of = {r: i for i, r in enumerate(sched.ranks)}
-    device = torch.device(cfg.device)
-    ties = list(tie_sets(tied_parameters(cfg.stages)))
-    groups = make_groups(sched.replicas, rank_of, ties, cfg.timeout_s)
-    if index >= len(sched.ranks):
-        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=cfg.timeout_s))
-        return None
-    me = sched.ranks[index]
-    rec = Recorder(t0, args={"stage": me[0], "replica": me[1], "rank": index})
-    comm = Comm(me, rank_of, len(cfg.wire.values), cfg.timeout_s, device, groups, recorder=rec)
-    ex = RankExecutor(cfg.stages, sched, me, cfg.loss_fn, cfg.optimizer_factory, cfg.wire,
-                      comm, stashing=cfg.stashing, device=device, fault=cfg.faults.get(index),
-                      recorder=rec, overlap_allreduce=cfg.overlap_allreduce,
-                      bucket_bytes=cfg.bucket_bytes)
-    return ex.run(cfg.batches)
-
-
-def worker_main(index: int, cfg: WorkerConfig) -> None:
-    """Entry point of rank ``index``: run, save the result, or log the error and exit non-zero.
-
-    Exits with ``os._exit`` on failure so that a broken process group cannot hang the exit.
-    """
-    torch.set_num_threads(1)
-    logging.basicConfig(level=cfg.log_level,
-                        format=f"%(asctime)s [rank {index}] %(name)s %(levelname)s: %(message)s")
-    me = cfg.schedule().ranks[index]
-    out = Path(cfg.outdir)
-    try:
-        t0 = init_rank(index, cfg)
-        result = run_rank(index, cfg, t0)
-        assert result is not None  # the world is exactly the schedule's ranks
-        torch.save(result.__dict__, out / f"rank{index}.pt")
-        dist.destroy_process_group()
-    except BaseException as err:  # noqa: BLE001 - every failure must end the process non-zero
-        fail(out, index, me, err)
-
-
-def fail(out: Path, index: int, me: Rank, err: BaseException) -> None:
-    """Log ``err``, write it to ``rank<i>.err`` for the launcher, and exit non-zero at once."""
-    name = rank_name(me, index)
-    text = (f"{name}: {err}" if isinstance(err, FxpipeError)
-            else f"{name}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
-    log.error("%s", text)
-    (out / f"rank{index}.err").write_text(text)
-    logging.shutdown()
-    os._exit(1)
+def __getattr__(name: str) -> object:
+    """The spawned ranks' entry points moved to :mod:`fxpipe.runtime.worker`; kept importable
+    from here for existing callers (a module attribute hook, so there is no import cycle)."""
+    if name in ("WorkerConfig", "init_rank", "run_rank", "worker_main", "fail", "worker_device",
+                "warm_imports"):
+        from . import worker
+        return getattr(worker, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from fxpipe.codegen.split import StageSpec
 
 from .errors import WorkerFailedError
-from .executor import WorkerConfig, worker_main
+from .worker import WorkerConfig, worker_main
 from .reference import Batch, RunResult, check_schedule
 from .schedule import Schedule
 from .stage import LossFn
@@ -44,7 +44,7 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int], schedu
                     master_addr: str = "127.0.0.1", port: int | None = None,
                     join_timeout_s: float | None = None,
                     faults: dict[int, tuple[str, int]] | None = None,
-                    log_level: int = logging.WARNING) -> RunResult:
+                    log_level: int = logging.WARNING, record_comm: bool = False) -> RunResult:
     """Train ``stages`` on ``batches`` with one process per rank; same result type (and, to
     rounding, same numbers) as :class:`ReferenceExecutor`.
 
@@ -53,6 +53,9 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int], schedu
     bounds the whole run (None: no bound, except that once a rank failed the others get
     ``timeout_s`` + 2 s to notice before they are terminated). ``faults`` (tests): rank index ->
     ("die" | "hang", action index). Raises :class:`WorkerFailedError` if any rank failed.
+    ``device``: "cpu" (gloo), or "cuda" (NCCL; rank i on GPU i, see fxpipe.runtime.device).
+    ``record_comm``: return every rank's communication log in ``RunResult.comm_logs`` (for
+    :func:`fxpipe.runtime.commplan.check_logs`).
     """
     sched = schedule.with_vertical_sync() if vertical_sync else schedule
     check_schedule(stages, replicas, sched, len(batches))
@@ -62,7 +65,8 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int], schedu
         cfg = WorkerConfig(list(stages), sched.kind, tuple(sched.replicas), sched.num_minibatches,
                            dict(sched.actions), loss_fn, optimizer_factory, list(batches), wire,
                            outdir, port or free_port(master_addr), master_addr, timeout_s,
-                           stashing, device, dict(faults or {}), log_level)
+                           stashing, device, dict(faults or {}), log_level,
+                           record_comm=record_comm, windows=tuple(sched.windows))
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=worker_main, args=(i, cfg), name=f"fxpipe-rank{i}",
                              daemon=True) for i in range(world)]
@@ -99,7 +103,9 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int], schedu
                      [rp[(s, 0)] for s in range(len(stages))], rp,
                      {rank: results[i]["peak_bytes"] for i, rank in enumerate(sched.ranks)},
                      {i: r.get("timeline", []) for i, r in enumerate(results)},
-                     {i: r.get("background", []) for i, r in enumerate(results)})
+                     {i: r.get("background", []) for i, r in enumerate(results)},
+                     {i: r["comm_log"] for i, r in enumerate(results)
+                      if r.get("comm_log") is not None})
 
 
 def _join(procs: list[Any], timeout_s: float, join_timeout_s: float | None) -> None:

@@ -18,6 +18,15 @@ other, and an all-reduce holds every replica of a stage. So this is a discrete-e
   ``2 X / B`` cut time assumes);
 * sync: an update ``U`` holds every replica of the stage for ``r * beta_r * P`` seconds, so its
   cost amortised over the ``r`` minibatches of a pipedream round is the plan's ``sync_s``;
+* tied weights (a parameter shared by several stages, e.g. GPT's embedding and output layer):
+  every holder sums its gradients with the others' at each update. When the runtime does so
+  synchronously (the flushing kinds, NOAM = 1) the stages' updates form ONE barrier of all
+  their replicas, held for the tied all-reduce (ring: ``2 (n - 1) / n`` of the bytes per
+  rank); under pipedream the runtime delays the tied sum by ``d`` rounds
+  (``schedule.tie_delay``), so update i of a stage waits only for update ``i - d`` of the
+  others and the all-reduce runs in the background (its bytes are counted). Pass ``tied`` or a
+  profile listing shared parameters to price it; ``tied_delay=0`` prices the lockstep a
+  synchronous tied all-reduce would cost;
 * sends are asynchronous (the runtime posts them in the background): communication overlaps
   compute unless a rank has to wait for its data, which is exactly what the planner's
   ``max(stage times, cut times)`` cannot see (1F1B start-up, a window too small to hide a
@@ -34,7 +43,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
@@ -43,12 +52,44 @@ from fxpipe.passes.partition import coefficients
 from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.units import format_bytes, format_seconds
 
-from .schedule import Action, Rank, make_schedule
+from .schedule import Action, Rank, make_schedule, tie_delay
 from .timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FORWARD_FRACTION = 1.0 / 3.0  # backward ~ 2x forward when no profile says otherwise
+
+
+@dataclass(frozen=True)
+class TiedSync:
+    """Parameters shared by ``stages`` (``nbytes`` of them), summed at every update."""
+
+    stages: tuple[int, ...]
+    nbytes: float
+
+
+def tied_from_profile(plan: Plan, profile: Profile) -> list[TiedSync]:
+    """The plan's tied parameters: a parameter a node of one stage owns and a node of another
+    stage lists in ``shared_params``. Its bytes are the owner node's ``parameter_bytes`` split
+    evenly among the parameters that node owns (exact for an embedding owning one weight)."""
+    stage_of = {n: sp.index for sp in plan.stages for n in sp.nodes}
+    owner: dict[str, tuple[int, float]] = {}
+    users: dict[str, set[int]] = {}
+    for node in profile.nodes:
+        s = stage_of.get(node.name)
+        if s is None:
+            continue
+        for p in node.params:
+            owner[p] = (s, node.parameter_bytes / max(len(node.params), 1))
+            users.setdefault(p, set()).add(s)
+        for p in node.shared_params:
+            users.setdefault(p, set()).add(s)
+    by_set: dict[tuple[int, ...], float] = {}
+    for p, stages in users.items():
+        if len(stages) > 1 and p in owner:
+            key = tuple(sorted(stages))
+            by_set[key] = by_set.get(key, 0.0) + owner[p][1]
+    return [TiedSync(k, v) for k, v in sorted(by_set.items())]
 
 
 @dataclass(frozen=True)
@@ -172,11 +213,17 @@ def cut_bandwidth(cluster: Cluster) -> float:
 
 def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str = "pipedream",
                   minibatches: int = 200, latency_s: float | None = None,
-                  duplex: bool = True, noam: int | None = None) -> PlanSimulation:
+                  duplex: bool = True, noam: int | None = None,
+                  tied: Sequence[TiedSync] | None = None,
+                  tied_delay: int | None = None,
+                  microbatches: int | None = None) -> PlanSimulation:
     """Event-simulate ``plan``'s schedule under the cost model (see the module doc).
 
     ``latency_s`` overrides the cluster's per-message latency; ``noam`` the input stage's
-    admission window (more minibatches in flight hide longer communication round trips)."""
+    admission window (more minibatches in flight hide longer communication round trips);
+    ``microbatches`` the batched kinds' minibatches per update (default: the workers).
+    ``tied``: shared parameters (default: found in ``profile``); ``tied_delay``: rounds by which
+    their sum lags (default: the runtime's, ``schedule.tie_delay``)."""
     if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
         raise ConfigError(f"minibatches must be a positive integer, got {minibatches!r}")
     cluster = Cluster.from_dict(dict(plan.cluster))
@@ -184,8 +231,12 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     if not (latency >= 0 and math.isfinite(latency)):
         raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
     costs = stage_costs(plan, profile)
-    sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam)
-    sim = _Sim(sched, costs, cut_bandwidth(cluster), latency, duplex)
+    sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam,
+                          microbatches=microbatches if schedule != "pipedream" else None)
+    if tied is None:
+        tied = tied_from_profile(plan, profile) if profile is not None else []
+    delay = tie_delay(sched, [t.stages for t in tied]) if tied_delay is None else tied_delay
+    sim = _Sim(sched, costs, cut_bandwidth(cluster), latency, duplex, tied, delay)
     sim.run()
     period, lo, hi = steady_state(sched, sim.done, sim.makespan)
     util = []
@@ -209,14 +260,29 @@ class _Sim:
     time order, so reserving at request time is FIFO)."""
 
     def __init__(self, sched: Any, costs: list[StageCosts], bandwidth: float, latency: float,
-                 duplex: bool) -> None:
+                 duplex: bool, tied: Sequence[TiedSync] = (), delay: int = 0) -> None:
         self.sched, self.costs, self.bw, self.lat, self.duplex = sched, costs, bandwidth, latency, duplex
+        # tied weights: stage -> its component (stages updating together or with a lag), the
+        # bytes it all-reduces per update, and the lag in rounds
+        comps: list[set[int]] = []
+        for t in tied:
+            merged = set(t.stages)
+            for c in [c for c in comps if c & merged]:
+                merged |= c
+                comps.remove(c)
+            comps.append(merged)
+        self.comp = {s: tuple(sorted(c)) for c in comps for s in c}
+        self.tied_bytes = {s: sum(t.nbytes for t in tied if s in t.stages)
+                           for s in range(sched.num_stages)}
+        self.delay = delay
+        self.u_left: dict[tuple[int, int], int] = {}  # (stage, update) -> replicas not done
+        self.u_done: set[tuple[int, int]] = set()
         self.S = sched.num_stages
         self.gid: dict[Rank, int] = {rank: i for i, rank in enumerate(sched.ranks)}
         self.ptr = {rank: 0 for rank in sched.ranks}
         self.events: dict[int, list[TimelineEvent]] = {g: [] for g in self.gid.values()}
         self.arrived: set[tuple[str, int, int]] = set()
-        self.waiting: dict[tuple[str, int, int], Rank] = {}
+        self.waiting: dict[tuple[str, int, int], list[Rank]] = {}
         self.barrier: dict[tuple[int, int], int] = {}
         self.port_free: dict[tuple[str, int], float] = {}
         self.done = [0.0] * sched.num_minibatches
@@ -242,8 +308,7 @@ class _Sim:
                 self.advance(rank, t)
             else:  # "arrive"
                 self.arrived.add(data)
-                rank = self.waiting.pop(data, None)
-                if rank is not None:
+                for rank in self.waiting.pop(data, []):
                     self.advance(rank, t)
         stuck = {r: p for r, p in self.ptr.items() if p < len(self.sched.actions[r])}
         if stuck:  # make_schedule validated the schedule, so this is a simulator bug
@@ -261,24 +326,38 @@ class _Sim:
         a: Action = acts[self.ptr[rank]]
         s, c = rank[0], self.costs[rank[0]]
         if a.kind == "U":
-            key = (s, a.minibatch)
+            i, comp = a.minibatch, self.comp.get(s, (s,))
+            if self.delay > 0 and i >= self.delay:  # lagged tied sum: wait for round i - d
+                for t in comp:
+                    need = ("U", t, i - self.delay)
+                    if t != s and (t, i - self.delay) not in self.u_done:
+                        if rank not in self.waiting.get(need, []):
+                            self.waiting.setdefault(need, []).append(rank)
+                        return
+            group = comp if self.delay == 0 else (s,)
+            key = (group[0], i)
             self.barrier[key] = self.barrier.get(key, 0) + 1
-            r = self.sched.replicas[s]
-            if self.barrier[key] < r:
-                return  # the last replica to arrive starts the all-reduce for everyone
-            self.sync_bytes += c.sync_bytes
-            for j in range(r):
-                peer = (s, j)
-                self.ptr[peer] += 1
-                if c.update_s > 0:
-                    self.record(peer, "allreduce", str(a), now, now + c.update_s, update=a.minibatch)
-                self.push(now + c.update_s, "end", (peer, a))
+            if self.barrier[key] < sum(self.sched.replicas[t] for t in group):
+                return  # the last rank to arrive starts the all-reduce for everyone
+            holders = sum(self.sched.replicas[t] for t in comp)
+            for t in group:
+                ct = self.costs[t]
+                self.sync_bytes += ct.sync_bytes
+                ring = 2.0 * (holders - 1) / holders * self.tied_bytes[t] if holders > 1 else 0.0
+                self.sync_bytes += ring * self.sched.replicas[t]
+                dur = ct.update_s + (ring / self.bw if self.delay == 0 else 0.0)
+                for j in range(self.sched.replicas[t]):
+                    peer = (t, j)
+                    self.ptr[peer] += 1
+                    if dur > 0:
+                        self.record(peer, "allreduce", str(a), now, now + dur, update=i)
+                    self.push(now + dur, "end", (peer, a))
             return
         k = a.minibatch
         need = (("A", s, k) if a.kind == "F" and s > 0 else
                 ("G", s, k) if a.kind == "B" and s < self.S - 1 else None)
         if need is not None and need not in self.arrived:
-            self.waiting[need] = rank
+            self.waiting.setdefault(need, []).append(rank)
             return
         dur = c.forward_s if a.kind == "F" else c.backward_s
         self.ptr[rank] += 1
@@ -288,6 +367,14 @@ class _Sim:
 
     def finished(self, rank: Rank, a: Action, t: float) -> None:
         s, k = rank[0], a.minibatch
+        if a.kind == "U":  # the stage's update k is done once every replica's is
+            left = self.u_left.get((s, k), self.sched.replicas[s]) - 1
+            self.u_left[(s, k)] = left
+            if left == 0:
+                self.u_done.add((s, k))
+                for waiter in self.waiting.pop(("U", s, k), []):
+                    self.advance(waiter, t)
+            return
         if a.kind == "F" and s < self.S - 1:
             self.send(rank, self.sched.owner(s + 1, k), self.costs[s + 1].input_bytes,
                       ("A", s + 1, k), f"act F{k}", t)

@@ -21,7 +21,9 @@ import torch
 from fxpipe.codegen.split import MODEL, StageSpec
 
 from .errors import RuntimeConfigError
-from .schedule import Rank, Schedule, execution_order, validate
+from .mitigation import Mitigation, MitigatedReplica, check_mitigation, make_replica
+from .schedule import SCHEDULE_KINDS, Rank, Schedule, execution_order, tie_delay, validate
+from .staleness import own_delays
 from .stage import (LossFn, StageReplica, TiedParameter, check_stages, model_env, sync_components,
                     tie_sets, tied_parameters)
 from .stash import OptimizerFactory
@@ -51,6 +53,8 @@ class RunResult:
     peak_bytes: dict[Rank, int] = field(default_factory=dict)
     timeline: dict[int, list[TimelineEvent]] = field(default_factory=dict)
     background: dict[int, list[TimelineEvent]] = field(default_factory=dict)
+    comm_logs: dict[int, list[tuple]] = field(default_factory=dict)
+    """Distributed runs with ``record_comm``: every rank's log (see commplan.check_logs)."""
 
     def merged_params(self) -> dict[str, torch.Tensor]:
         """Every stage's weights in one dict (the model's state after training)."""
@@ -64,6 +68,24 @@ def planned_reads(sched: Schedule, rank: Rank) -> dict[int, int]:
     """version -> number of forwards of ``rank`` reading it (what its stash must keep)."""
     return dict(Counter(a.version for a in sched.actions[rank]
                         if a.kind == "F" and a.version is not None))
+
+
+def tied_delay(sched: Schedule, tied: Sequence[TiedParameter]) -> int:
+    """Rounds by which a tied parameter's update lags its gradient (0: synchronous).
+
+    Why: stages sharing a weight (GPT's ``wte``/``lm_head`` on stage 0 and the last stage) must
+    apply the same gradient sum at every update, and under ``pipedream`` the last stage reaches
+    update i long before stage 0 does (stage 0 still has that minibatch's backward ahead). A
+    synchronous tied all-reduce at every update puts the two in lockstep: the pipeline then runs
+    at the pace of a full round trip (2.5x the untied time per minibatch on 4 unit-time stages,
+    see ``simulate(sync=..., delay=...)``). So under pipedream each holder posts round i's sum
+    asynchronously at its update i and applies round ``i - d``'s at that update: the copies still
+    receive the same sequence of summed gradients (they stay identical after equally many
+    updates), only later; the last ``d`` rounds are applied at the segment end (tied-only steps).
+    ``d`` = the difference of the in-flight windows of the lowest and highest stage sharing a
+    weight (0 with NOAM = 1, where the pipeline has nothing in flight, so plain SGD is kept).
+    Flushing schedules update every stage at the batch end anyway: synchronous (d = 0)."""
+    return tie_delay(sched, [t.stages for t in tied])
 
 
 def check_schedule(stages: Sequence[StageSpec], replicas: Sequence[int], sched: Schedule,
@@ -88,7 +110,8 @@ def check_schedule(stages: Sequence[StageSpec], replicas: Sequence[int], sched: 
                 f"parameter {t.key!r} is shared by stages {list(t.stages)}, whose ranks make "
                 f"different numbers of updates {counts}", "tied parameters need the same update "
                 "cadence on every stage holding them: equal replica counts, or a flush schedule")
-    execution_order(sched, sync_components(tied))  # raises DeadlockError if ties deadlock
+    # raises DeadlockError if ties deadlock
+    execution_order(sched, sync_components(tied), tied_delay(sched, tied))
 
 
 def tied_update(totals: dict[Rank, torch.Tensor], locals_: dict[Rank, torch.Tensor],
@@ -108,25 +131,41 @@ class ReferenceExecutor:
 
     ``vertical_sync``: every stage uses, for minibatch k, the weight version the input stage used
     (PipeDream's vertical sync; needs equal replica counts). ``stashing=False`` is the ablation in
-    which backwards use the latest weights.
+    which backwards use the latest weights. ``mitigation`` (pipedream only): see
+    :mod:`fxpipe.runtime.mitigation`; ``delays``: each stage's own-update delay, which the
+    optimizer factory and the mitigations receive (default: the schedule's steady state, see
+    :func:`fxpipe.runtime.staleness.own_delays`; give it when ``schedule`` is a placeholder).
     """
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], schedule: Schedule,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, *,
-                 stashing: bool = True, vertical_sync: bool = False) -> None:
+                 stashing: bool = True, vertical_sync: bool = False,
+                 mitigation: Mitigation | str | None = None,
+                 delays: Sequence[int] | None = None) -> None:
         self.stages = list(stages)
         self.replicas = list(replicas)
         self.schedule = schedule.with_vertical_sync() if vertical_sync else schedule
         check_schedule(self.stages, self.replicas, self.schedule)
+        self.mitigation = Mitigation.parse(mitigation)
+        self.delays = list(delays) if delays is not None else (
+            own_delays(schedule.kind, self.replicas, vertical_sync=vertical_sync,
+                       microbatches=schedule.group if schedule.kind != "pipedream" else None)
+            if schedule.kind in SCHEDULE_KINDS else [0] * len(self.stages))
+        check_mitigation(self.mitigation, kind=schedule.kind, stashing=stashing,
+                         vertical_sync=vertical_sync, stages=self.stages, delays=self.delays)
         last = len(self.stages) - 1
         self.workers: dict[Rank, StageReplica] = {
-            rank: StageReplica(self.stages[rank[0]], optimizer_factory,
+            rank: make_replica(self.stages[rank[0]], optimizer_factory,
+                               delay=self.delays[rank[0]], mitigation=self.mitigation,
                                loss_fn=loss_fn if rank[0] == last else None, stashing=stashing,
                                planned_reads=planned_reads(self.schedule, rank))
             for rank in self.schedule.ranks}
         self.tied = tied_parameters(self.stages)
         self._sync = sync_components(self.tied)
         self._runs = 0
+        # delayed tied rounds (see tied_delay): (tie set, round) -> rank -> (local segment,
+        # that rank's stage count of the round)
+        self._rounds: dict[tuple[tuple[int, ...], int], dict[Rank, tuple[torch.Tensor, float]]] = {}
 
     def step(self, inputs: Sequence[Any], targets: Sequence[Any]) -> RunResult:
         """Train on one sequence of minibatches (``inputs[k]``, ``targets[k]``)."""
@@ -142,14 +181,19 @@ class ReferenceExecutor:
                 w.stash.rebase()
                 w.stash.set_planned_reads(planned_reads(sched, rank))
         self._runs += 1
+        for rank, w in self.workers.items():
+            if isinstance(w, MitigatedReplica):
+                w.prepare(sched, rank)
         envs: dict[int, dict[str, Any]] = {}
         acts: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, minibatch, consumer stage)
         grads: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, minibatch, consumer stage)
-        losses: dict[int, float] = {}
+        losses: dict[int, torch.Tensor] = {}
         pending: dict[tuple[int, int], list[Rank]] = {}
         index = {rank: i for i, rank in enumerate(sched.ranks)}
         recs = {rank: Recorder(args={"stage": rank[0], "replica": rank[1]}) for rank in index}
-        for rank, i in execution_order(sched, self._sync):
+        self._delay = tied_delay(sched, self.tied)
+        self._rounds.clear()
+        for rank, i in execution_order(sched, self._sync, self._delay):
             a = sched.actions[rank][i]
             s, st, w = rank[0], self.stages[rank[0]], self.workers[rank]
             k = a.minibatch
@@ -178,29 +222,79 @@ class ReferenceExecutor:
                     if src != MODEL and g is not None:
                         grads[(n, k, s)] = g
             else:
-                comp = next((c for c in self._sync if s in c), (s,))
+                comp = next((c for c in self._sync if s in c), (s,)) if self._delay == 0 else (s,)
                 group = pending.setdefault((comp[0], k), [])
                 group.append(rank)
                 if len(group) == sum(self.replicas[t] for t in comp):
-                    self._update(group, recs)
+                    self._update(group, recs, k)
                     del pending[(comp[0], k)]
         if acts or grads:
             log.warning("undelivered tensors at the end: %s", sorted(acts) + sorted(grads))
+        self._finish_tied_rounds()
         timeline = {index[r]: rec.finish() for r, rec in recs.items()}
-        return self.result([losses[k] for k in range(sched.num_minibatches)], timeline)
+        values = [float(v) for v in torch.stack([losses[k] for k in range(sched.num_minibatches)]
+                                                ).tolist()] if losses else []
+        return self.result(values, timeline)
 
-    def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder]) -> None:
-        """One update of every rank in ``ranks`` (all replicas of a set of stages updating
-        together): replicas sum their gradients, tied parameters sum across stages."""
+    def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder], i: int) -> None:
+        """Update ``i`` of every rank in ``ranks`` (all replicas of a set of stages updating
+        together): replicas sum their gradients, tied parameters sum across stages (now, or
+        ``self._delay`` rounds later: see :func:`tied_delay`)."""
         t0 = {r: recs[r].now() for r in ranks}
         locals_ = {r: self.workers[r].local_gradient() for r in sorted(ranks)}
         totals = {r: _sum([locals_[q] for q in sorted(ranks) if q[0] == r[0]]).clone()
                   for r in ranks}  # type: ignore[union-attr]
-        tied_update(totals, locals_, self.workers, self.tied)
+        if self._delay == 0:
+            tied_update(totals, locals_, self.workers, self.tied)
         for r in sorted(ranks):
-            self.workers[r].apply_update(totals[r])
-            recs[r].add("optimizer", f"U{self.workers[r].stash.version - 1}", t0[r],
-                        recs[r].now(), stage=r[0], replica=r[1])
+            late = self._delayed_round(r, i, locals_[r], float(totals[r][-1]))
+            self.workers[r].apply_update(totals[r], late)
+            recs[r].add("optimizer", f"U{i}", t0[r], recs[r].now(), stage=r[0], replica=r[1],
+                        update=i)
+
+    def _delayed_round(self, r: Rank, i: int, local: torch.Tensor, count: float
+                       ) -> dict[str, torch.Tensor | None] | None:
+        """Delayed tied rounds: remember rank r's local tied sums of round i; return the mean
+        tied gradients of round ``i - delay`` (None values before the first one)."""
+        if self._delay == 0:
+            return None
+        w = self.workers[r]
+        out: dict[str, torch.Tensor | None] = {}
+        for key, ts in tie_sets(self.tied).items():
+            if r[0] not in key:
+                continue
+            names = [t.names[r[0]] for t in ts]
+            self._rounds.setdefault((key, i), {})[r] = (w.segment(local, names), count)
+            out.update(self._round_grads(r, key, names, i - self._delay))
+        return out
+
+    def _round_grads(self, r: Rank, key: tuple[int, ...], names: list[str], j: int
+                     ) -> dict[str, torch.Tensor | None]:
+        """Rank r's mean gradients of tied round j: the sum over every holder (rank order) of
+        their local sums, divided by r's own count of that round."""
+        if j < 0:
+            return {n: None for n in names}
+        got = self._rounds[(key, j)]
+        total = _sum([got[q][0] for q in sorted(got)])
+        assert total is not None
+        count = got[r][1]
+        mean = total / count if count > 0 and count != 1 else total
+        return self.workers[r].split_segment(mean, names)
+
+    def _finish_tied_rounds(self) -> None:
+        """Segment end: apply the last ``delay`` tied rounds (tied-only steps, in order)."""
+        if self._delay == 0:
+            return
+        for r, w in sorted(self.workers.items()):
+            done = w.stash.version  # updates made this run (versions restart at 0 each run)
+            sets = [(key, [t.names[r[0]] for t in ts]) for key, ts in tie_sets(self.tied).items()
+                    if r[0] in key]
+            for j in range(max(0, done - self._delay), done) if sets else ():
+                grads: dict[str, torch.Tensor | None] = {}
+                for key, names in sets:
+                    grads.update(self._round_grads(r, key, names, j))
+                w.apply_tied_only({n: g for n, g in grads.items() if g is not None})
+        self._rounds.clear()
 
     def result(self, losses: list[float],
                timeline: dict[int, list[TimelineEvent]] | None = None) -> RunResult:

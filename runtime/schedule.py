@@ -187,8 +187,10 @@ def _insert_updates(acts: list[Action], group_of: dict[int, int], groups: int) -
     b_pos = [i for i, a in enumerate(acts) if a.kind == "B"]
     b_grp = [group_of[acts[i].minibatch] for i in b_pos]
     after: dict[int, list[int]] = {}
+    n_le = 0  # B's come in increasing minibatch order, so b_grp is sorted: one sweep (linear)
     for g in range(groups):
-        n_le = sum(1 for x in b_grp if x <= g)  # B's come in increasing minibatch order
+        while n_le < len(b_grp) and b_grp[n_le] <= g:
+            n_le += 1
         pos = b_pos[n_le - 1] + 1 if n_le else (b_pos[0] if b_pos else len(acts))
         after.setdefault(pos, []).append(g)
     out: list[Action] = []
@@ -256,8 +258,11 @@ def make_schedule(kind: str, replicas: list[int], num_minibatches: int, *,
                     acts[(s, j)] = _with_versions(body, lambda k, u: max(0, k // m - 1))
             else:
                 body = []
+                by_batch: dict[int, list[int]] = {}  # one pass over mine (not one per batch)
+                for k in mine:
+                    by_batch.setdefault(k // m, []).append(k)
                 for b in range(math.ceil(n / m)):
-                    batch = [k for k in mine if b * m <= k < (b + 1) * m]
+                    batch = by_batch.get(b, [])
                     if kind == "gpipe":
                         body += [Action("F", k) for k in batch] + [Action("B", k) for k in batch]
                     else:
@@ -335,14 +340,20 @@ def _static_checks(sched: Schedule) -> None:
                                 f"{sorted(counts)}", "replicas all-reduce every update together")
 
 
-def execution_order(sched: Schedule,
-                    sync: Sequence[Sequence[int]] = ()) -> list[tuple[Rank, int]]:
+def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = (),
+                    delay: int = 0) -> list[tuple[Rank, int]]:
     """Run every rank's list in order against the data dependencies; return (rank, index) in a
     valid execution order (a topological order, which ``simulate`` times), or raise
     :class:`DeadlockError` naming each stuck rank and what it waits for. F(k) on stage s needs
     F(k) on stage s-1; B(k) needs B(k) on stage s+1 (on the last stage its own F(k)); U<i> needs
-    every replica of its stage, and of the stages in its ``sync`` set (tied weights), at U<i>."""
-    S, together = sched.num_stages, {s: tuple(c) for c in sync for s in c}
+    every replica of its stage at U<i>. Stages in one ``sync`` set share tied weights: with
+    ``delay`` 0 their U<i> happen together (one all-reduce); with ``delay`` d > 0, U<i> of one
+    of them needs U<i-d> done on every rank of the others (it applies round i-d's sum, see
+    :func:`fxpipe.runtime.reference.tied_delay`)."""
+    S = sched.num_stages
+    together = {s: tuple(c) for c in sync for s in c} if delay == 0 else {}
+    lagged = {s: tuple(t for t in c if t != s) for c in sync for s in c} if delay > 0 else {}
+    updates = {rank: 0 for rank in sched.ranks}  # U's done (delay > 0)
     ptr = {rank: 0 for rank in sched.ranks}
     done: set[tuple[str, int, int]] = set()
     order: list[tuple[Rank, int]] = []
@@ -366,9 +377,13 @@ def execution_order(sched: Schedule,
                     if not all(ptr[p] < len(sched.actions[p]) and sched.actions[p][ptr[p]] == a
                                for p in peers):
                         break
+                    if any(updates[(t, j)] <= a.minibatch - delay for t in lagged.get(rank[0], ())
+                           for j in range(sched.replicas[t])):
+                        break
                     for p in peers:
                         order.append((p, ptr[p]))
                         ptr[p] += 1
+                        updates[p] += 1
                 else:
                     dep = need(rank, a)
                     if dep is not None and dep not in done:
@@ -383,13 +398,23 @@ def execution_order(sched: Schedule,
         parts = []
         for rank, a in sorted(stuck.items()):
             dep = need(rank, a)
-            what = (f"all replicas of stage {rank[0]} at {a}" if a.kind == "U"
+            what = (f"all replicas of stage {rank[0]} (and tied stages) at {a}" if a.kind == "U"
                     else f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "nothing")
             parts.append(f"stage {rank[0]} replica {rank[1]} stuck at {a} waiting for {what}")
         raise DeadlockError("deadlock: " + "; ".join(parts),
                             "reorder the lists so each rank's next action can become ready",
                             stuck)
     return order
+
+
+def tie_delay(sched: Schedule, tie_stage_sets: Sequence[Sequence[int]]) -> int:
+    """Rounds by which tied weights' updates lag their gradients under ``sched`` (0 for the
+    flushing kinds and when nothing is tied): the largest difference of in-flight windows
+    between the lowest and highest stage of a set. See ``fxpipe.runtime.reference.tied_delay``
+    for why; pure, so the plan simulator prices the same delay the runtime uses."""
+    if not tie_stage_sets or not sched.kind.startswith("pipedream") or not sched.windows:
+        return 0
+    return max(max(0, sched.windows[min(c)] - sched.windows[max(c)]) for c in tie_stage_sets)
 
 
 def validate(sched: Schedule) -> None:

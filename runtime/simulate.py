@@ -55,10 +55,14 @@ def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]
 
 def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[float],
              comm_time: float | Sequence[float] = 0.0,
-             update_time: float | Sequence[float] = 0.0) -> Timeline:
+             update_time: float | Sequence[float] = 0.0, *,
+             sync: Sequence[Sequence[int]] = (), delay: int = 0) -> Timeline:
     """Time ``sched``: per-stage forward/backward seconds per minibatch (a replica handles whole
     minibatches, so these are per replica), ``comm_time`` per cut (s-1 -> s, paid by activations
-    and by gradients alike) and ``update_time`` per stage (an update of all replicas together)."""
+    and by gradients alike) and ``update_time`` per stage (an update of all replicas together).
+    ``sync``/``delay``: stage sets sharing tied weights, as in ``execution_order``: with delay 0
+    their updates start together (the tied all-reduce is a barrier), with delay d an update i
+    waits for update i-d of the other stages of its set."""
     S = sched.num_stages
     fwd = _per_stage(fwd_time, S, "fwd_time")
     bwd = _per_stage(bwd_time, S, "bwd_time")
@@ -68,14 +72,22 @@ def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[floa
     end_of: dict[tuple[str, int, int], float] = {}
     collective: dict[tuple[int, int], float] = {}
     events: dict[Rank, list[Event]] = {rank: [] for rank in sched.ranks}
-    for rank, i in execution_order(sched):
+    comp = {s: tuple(c) for c in sync for s in c}
+    u_end: dict[tuple[int, int], float] = {}  # (stage, update) -> its end (all replicas)
+    for rank, i in execution_order(sched, sync, delay):
         s = rank[0]
         a = sched.actions[rank][i]
         if a.kind == "U":
-            key = (s, a.minibatch)
-            if key not in collective:  # every replica's earlier actions are already timed
-                collective[key] = max(free[(s, j)] for j in range(sched.replicas[s]))
+            group = comp.get(s, (s,)) if delay == 0 else (s,)
+            key = (group[0], a.minibatch)
+            if key not in collective:  # every peer's earlier actions are already timed
+                collective[key] = max(free[(t, j)] for t in group
+                                      for j in range(sched.replicas[t]))
+                if delay > 0 and a.minibatch >= delay:
+                    collective[key] = max([collective[key]] + [
+                        u_end[(t, a.minibatch - delay)] for t in comp.get(s, ()) if t != s])
             start, dur = collective[key], upd[s]
+            u_end[(s, a.minibatch)] = max(u_end.get((s, a.minibatch), 0.0), start + dur)
         elif a.kind == "F":
             ready = 0.0 if s == 0 else end_of[("F", s - 1, a.minibatch)] + comm[s - 1]
             start, dur = max(free[rank], ready), fwd[s]

@@ -22,17 +22,19 @@ version, so results are bit-identical.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import torch
 from torch.func import functional_call
 
 from fxpipe.codegen.split import MODEL, StageSpec
 
+from .device import move_constants
 from .errors import RuntimeConfigError, StashError
 from .stash import OptimizerFactory, WeightStash, swapped_call, tensor_slots
 
@@ -122,8 +124,11 @@ def sync_components(tied: Sequence[TiedParameter]) -> list[tuple[int, ...]]:
 
 
 def model_env(stages: Sequence[StageSpec], inputs: Any) -> dict[str, Any]:
-    """Model inputs by placeholder name (a tensor, or a tuple of positional inputs)."""
+    """Model inputs by placeholder name, from a tensor, a tuple of positional inputs or a dict
+    of keyword inputs (a Hugging Face batch)."""
     io = stages[-1].io
+    if isinstance(inputs, Mapping):
+        return io.bind_inputs((), inputs)  # type: ignore[union-attr]
     args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     return io.bind_inputs(args, None)  # type: ignore[union-attr]
 
@@ -142,8 +147,14 @@ class StageReplica:
     def __init__(self, spec: StageSpec, optimizer_factory: OptimizerFactory, *,
                  loss_fn: LossFn | None = None, stashing: bool = True,
                  planned_reads: Mapping[int, int] | None = None,
-                 model_input_grads: bool = True) -> None:
+                 model_input_grads: bool = True, device: torch.device | None = None) -> None:
+        """``device``: where this replica's weights, buffers and gradients live. The stage's
+        GraphModule is NOT moved: its own tensors are never used for compute (every call swaps
+        the replica's in), so a device holds the weights once (the stash), not twice."""
         self.spec = spec
+        self.on_update: Callable[[], None] | None = None
+        """Called after every optimizer step of an update ``U`` (an LR scheduler's ``step``),
+        not after the tied-only steps that complete delayed tied rounds."""
         # False: model inputs get no gradient (backward returns None for them). Why: nobody
         # consumes it in the distributed executor, and for the input stage it is a whole extra
         # product with the first layer's weights per backward; parameter gradients do not
@@ -154,8 +165,11 @@ class StageReplica:
         self.loss_fn = loss_fn
         params = dict(spec.gm.named_parameters())
         self.stash = WeightStash(params, optimizer_factory, stashing=stashing,
-                                 planned_reads=planned_reads)
-        self.buffers = {n: b.detach().clone() for n, b in spec.gm.named_buffers()}
+                                 planned_reads=planned_reads, device=device)
+        self.buffers = {n: b.detach().to(device, copy=True) if device is not None
+                        else b.detach().clone() for n, b in spec.gm.named_buffers()}
+        if device is not None:
+            move_constants(spec.gm, device)
         self._flight: dict[int, _InFlight] = {}
         self._grad_sum: dict[str, torch.Tensor] = {}
         # names whose sum is a tensor this replica allocated (safe to add to / divide in place);
@@ -182,9 +196,11 @@ class StageReplica:
         return self.loss_fn(self.spec.io.build_output(env), target)  # type: ignore[misc,union-attr]
 
     def forward(self, minibatch: int, version: int | None, inputs: Sequence[Any],
-                target: Any = None) -> tuple[list[torch.Tensor], float | None]:
+                target: Any = None) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Run the forward of ``minibatch`` on weight ``version``; return the detached outputs
-        (to send on) and, on the last stage, the loss value."""
+        (to send on) and, on the last stage, the detached loss (a tensor on the stage's device:
+        reading it as a number would make a GPU wait for the forward, so callers collect losses
+        and read them once per segment)."""
         ins = [t.detach().requires_grad_(True) if isinstance(t, torch.Tensor)
                and is_differentiable(t) and i not in self._no_grad_in else t
                for i, t in enumerate(inputs)]
@@ -199,7 +215,7 @@ class StageReplica:
                 loss = self._loss(outs, target) if self.is_last else None
             self._flight[minibatch] = _InFlight(ins, None, None, target)
         sent = [o.detach() if isinstance(o, torch.Tensor) else o for o in outs]
-        return sent, (float(loss.detach()) if loss is not None else None)
+        return sent, (loss.detach() if loss is not None else None)
 
     def backward(self, minibatch: int, output_grads: Sequence[torch.Tensor | None], *,
                  on_grad: Callable[[str, torch.Tensor], None] | None = None,
@@ -309,6 +325,15 @@ class StageReplica:
         offs = self._offsets()
         return torch.cat([flat[offs[n][0]:offs[n][0] + offs[n][1]] for n in names])
 
+    def split_segment(self, seg: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The parts of ``seg`` (a :meth:`segment` layout) by name, shaped like the weights."""
+        out, pos = {}, 0
+        for n in names:
+            p = self.stash.latest[n]
+            out[n] = seg[pos:pos + p.numel()].view(p.shape)
+            pos += p.numel()
+        return out
+
     def put_segment(self, flat: torch.Tensor, names: Sequence[str], seg: torch.Tensor) -> None:
         """Write ``seg`` (the layout of :meth:`segment`) back into ``flat`` in place."""
         offs, pos = self._offsets(), 0
@@ -317,18 +342,23 @@ class StageReplica:
             flat[off:off + numel] = seg[pos:pos + numel]
             pos += numel
 
-    def apply_update(self, total: torch.Tensor) -> int:
+    def apply_update(self, total: torch.Tensor,
+                     tied: Mapping[str, torch.Tensor | None] | None = None) -> int:
         """Step the optimizer with the mean gradient in ``total`` (the sum over the stage's
         replicas of :meth:`local_gradient`); returns the new weight version. ``total`` is
-        consumed: its parts are divided in place and handed to the optimizer as views."""
+        consumed: its parts are divided in place and handed to the optimizer as views.
+        ``tied``: gradients (already means) used instead of ``total``'s for those names, None
+        for "no step for this parameter now" (delayed tied rounds, see reference.tied_delay)."""
         count = float(total[-1])
-        grads: dict[str, torch.Tensor] = {}
+        grads: dict[str, torch.Tensor | None] = {}
         offset = 0
         for n in self.stash.trainable:
             p = self.stash.latest[n]
             grads[n] = total[offset:offset + p.numel()].reshape(p.shape)
             offset += p.numel()
-        return self.apply_grads(grads, count, writable=grads)
+        fixed = dict(tied or {})
+        grads.update(fixed)
+        return self.apply_grads(grads, count, writable=grads, fixed=fixed)
 
     def apply_local_update(self) -> int:
         """The update of a replica that sums with nobody (one replica, no tied parameters):
@@ -340,22 +370,54 @@ class StageReplica:
         writable = {n for n in grads if n in self._owned or n not in self._grad_sum}
         return self.apply_grads(grads, float(self._count), writable=writable)
 
-    def apply_grads(self, grads: Mapping[str, torch.Tensor], count: float, *,
-                    writable: Collection[str]) -> int:
+    def apply_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,
+                    writable: Collection[str], fixed: Collection[str] = ()) -> int:
         """Step the optimizer with ``grads[n] / count`` (every trainable name; ``count`` 0:
         no minibatch, the sums are used as they are; 1: nothing to divide, ``x / 1 == x``).
-        Names in ``writable`` are divided in place, the others into a new tensor. Resets the
-        round's sums and count; returns the new weight version."""
+        Names in ``writable`` are divided in place, the others into a new tensor; names in
+        ``fixed`` are used as given (None: that parameter takes no step). Resets the round's
+        sums and count, calls :attr:`on_update`; returns the new weight version."""
         if count > 0 and count != 1:
-            grads = {n: g.div_(count) if n in writable else g / count for n, g in grads.items()}
+            grads = {n: g if n in fixed or g is None else g.div_(count) if n in writable
+                     else g / count for n, g in grads.items()}
         self._grad_sum.clear()
         self._owned.clear()
         self._count = 0
+        version = self.stash.update(grads)
+        if self.on_update is not None:
+            self.on_update()
+        return version
+
+    def apply_tied_only(self, tied: Mapping[str, torch.Tensor]) -> int:
+        """One optimizer step of the tied parameters alone (every other parameter's gradient
+        None, so it does not move): what completes the delayed tied rounds at a segment end.
+        Does not call :attr:`on_update` (it finishes earlier updates, it is not a new one)."""
+        grads: dict[str, torch.Tensor | None] = {n: None for n in self.stash.trainable}
+        grads.update(tied)
         return self.stash.update(grads)
+
+    def evaluate(self, inputs: Sequence[Any]) -> tuple:
+        """Evaluation forward with the latest weights: no graph, the stage in eval mode (then
+        every module back in the mode it had)."""
+        with modes(self.spec.gm, training=False), torch.no_grad():
+            return self._call(self.stash.latest, inputs)
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The latest weights by the model's own names (detached copies)."""
         return {n: t.detach().clone() for n, t in self.stash.latest.items()}
+
+
+@contextlib.contextmanager
+def modes(module: torch.nn.Module, training: bool) -> Iterator[None]:
+    """Put ``module`` and all its submodules in train (or eval) mode for a block, then give
+    every one back the mode it had (``module.train(old)`` would flatten a mix of modes)."""
+    saved = [(m, m.training) for m in module.modules()]
+    module.train(training)
+    try:
+        yield
+    finally:
+        for m, was in saved:
+            m.training = was
 
 
 def _writable(ins: Sequence[Any], which: Collection[int]) -> list[Any]:

@@ -50,10 +50,12 @@ class WeightStash:
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], optimizer_factory: OptimizerFactory,
-                 *, stashing: bool = True, planned_reads: Mapping[int, int] | None = None) -> None:
+                 *, stashing: bool = True, planned_reads: Mapping[int, int] | None = None,
+                 device: torch.device | None = None) -> None:
         self.stashing = stashing
         self._latest: dict[str, torch.Tensor] = {
-            n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in params.items()}
+            n: (p.detach().to(device, copy=True) if device is not None else p.detach().clone()
+                ).requires_grad_(p.requires_grad) for n, p in params.items()}
         self.trainable: tuple[str, ...] = tuple(n for n, p in self._latest.items()
                                                 if p.requires_grad)
         # a stage without trainable parameters (an activation alone) has no optimizer
@@ -120,7 +122,7 @@ class WeightStash:
         self._collect()
 
     # ------------------------------------------------------------------ updating
-    def update(self, grads: Mapping[str, torch.Tensor]) -> int:
+    def update(self, grads: Mapping[str, torch.Tensor | None]) -> int:
         """Apply one optimizer step with ``grads`` (by name, trainable params only) to the latest
         weights; returns the new version number."""
         copied = False
@@ -133,7 +135,7 @@ class WeightStash:
                 copied = True
             else:  # in place: nobody reads the current version; spares would only sit idle
                 self._spare.clear()
-            for n in self.trainable:
+            for n in self.trainable:  # None: this parameter takes no step now
                 self._latest[n].grad = grads[n]
             self.optimizer.step()
             for n in self.trainable:

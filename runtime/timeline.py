@@ -6,7 +6,13 @@ all-reduces, optimizer steps, and the gaps in between) tells whether the pipelin
 where the time goes. Every rank stamps events with ``time.perf_counter()`` relative to a start
 that all ranks take right after a common barrier, so the ranks' rows line up in one trace.
 
-Events of one rank never overlap: an action is recorded as its parts in the order they run
+On a GPU the host only enqueues kernels, so a host clock around a forward measures its launch,
+not its run: a recorder given a ``device_clock`` (:class:`fxpipe.runtime.device.CudaClock`) times
+the compute spans (forward, backward, optimizer) with CUDA events on the compute stream instead,
+read once when the timeline is finished; waits and posts stay on the host clock, so on a GPU a
+compute span may overlap the host's later waits (the device ran behind the host).
+
+On the CPU, events of one rank never overlap: an action is recorded as its parts in the order they run
 (receive waits, then compute, then posting sends; all-reduce, then optimizer step), and a send is
 only its posting (the transfer itself runs in the background). ``idle`` events fill the gaps
 between a rank's recorded events.
@@ -28,7 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from fxpipe.errors import ConfigError
 
@@ -57,16 +63,27 @@ class TimelineEvent:
         return self.end - self.start
 
 
+class DeviceClock(Protocol):
+    """Marks on a device's stream, read back as host seconds (see the module doc)."""
+
+    def mark(self) -> Any: ...
+
+    def seconds(self, mark: Any) -> float: ...
+
+
 class Recorder:
     """Collects one rank's events. ``enabled=False`` makes :meth:`span` a no-op (no overhead
-    beyond a clock read per call)."""
+    beyond a clock read per call). ``device_clock``: time compute spans on the device."""
 
     def __init__(self, t0: float | None = None, *, enabled: bool = True,
-                 args: Mapping[str, Any] | None = None) -> None:
+                 args: Mapping[str, Any] | None = None,
+                 device_clock: DeviceClock | None = None) -> None:
         self.t0 = time.perf_counter() if t0 is None else t0
         self.enabled = enabled
         self.base_args = dict(args or {})
         self.events: list[TimelineEvent] = []
+        self.device_clock = device_clock
+        self._marked: list[tuple[str, str, Any, Any, dict[str, Any]]] = []
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -79,10 +96,22 @@ class Recorder:
 
     def span(self, category: str, name: str, **args: Any) -> _Span:
         """``with rec.span("forward", "F3", minibatch=3): ...`` records the block."""
+        if self.device_clock is not None and self.enabled and category in COMPUTE:
+            return _DeviceSpan(self, category, name, args)
         return _Span(self, category, name, args)
+
+    def _resolve(self) -> None:
+        """Turn the device marks into events (reading them waits for the device once)."""
+        clock = self.device_clock
+        for category, name, m0, m1, args in self._marked:
+            assert clock is not None
+            self.add(category, name, clock.seconds(m0) - self.t0, clock.seconds(m1) - self.t0,
+                     **args)
+        self._marked.clear()
 
     def finish(self, min_gap_s: float = 1e-5) -> list[TimelineEvent]:
         """The events sorted by start, with ``idle`` events for gaps longer than ``min_gap_s``."""
+        self._resolve()
         evs = sorted(self.events, key=lambda e: e.start)
         out: list[TimelineEvent] = []
         for prev, nxt in zip(evs, evs[1:]):
@@ -104,6 +133,20 @@ class _Span:
 
     def __exit__(self, *exc: object) -> None:
         self.rec.add(self.category, self.name, self.start, self.rec.now(), **self.args)
+
+
+class _DeviceSpan(_Span):
+    """A compute span timed by device marks (resolved in :meth:`Recorder.finish`)."""
+
+    def __enter__(self) -> _DeviceSpan:
+        assert self.rec.device_clock is not None
+        self.mark = self.rec.device_clock.mark()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.rec.device_clock is not None
+        self.rec._marked.append((self.category, self.name, self.mark,
+                                 self.rec.device_clock.mark(), dict(self.args)))
 
 
 Timeline = Mapping[int, Sequence[TimelineEvent]]

@@ -5,123 +5,193 @@
     trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
                                checkpoint_dir="ckpt/", checkpoint_every=100)
     history = trainer.fit(loader, epochs=3, eval_loader=val_loader, resume=True)
+    state = trainer.state_dict()        # every rank calls it; rank 0 gets the whole model
 
 Every rank runs the same script; rank i is the i-th (stage, replica) in stage-major,
-replica-minor order. Only ranks of stages that read model inputs keep inputs, only the output
-stage keeps targets (see :mod:`fxpipe.runtime.data` for the loader contract).
+replica-minor order (ranks past the plan's size are idle and return at once). Only ranks of
+stages that read model inputs keep inputs, only the output stage keeps targets (see
+:mod:`fxpipe.runtime.data` for the loader contract: every rank iterates the SAME loader;
+sharding samplers are refused, and plain loaders are checked by fingerprint every segment).
 
 **Segments and checkpoints.** Training proceeds in *segments* of ``segment`` minibatches (default:
-``checkpoint_every``, else the whole epoch); each segment is one complete schedule, so the
-pipeline drains at its end (for pipedream that costs a fill and drain per segment). A checkpoint
-is taken only at a segment end, so it is a consistent cut: no minibatch is half-trained and no
-stashed weight version is needed afterwards. Resuming from a checkpoint at position k replays
-exactly the segments an uninterrupted run with the same settings performs after k, so it reaches
+``checkpoint_every``, else :data:`DEFAULT_SEGMENT`); each segment is one complete schedule, so the
+pipeline drains at its end (for pipedream that costs a fill and drain per segment), and only one
+segment's minibatches are in memory at a time, however long the epoch. A checkpoint is taken
+only at a segment end, so it is a consistent cut: no minibatch is half-trained and no stashed
+weight version is needed afterwards. Resuming from a checkpoint at position k replays exactly the
+segments an uninterrupted run with the same settings performs after k, so it reaches
 bit-identical parameters. Dropout is reproducible too: the global RNG of each rank is reseeded at
 every segment start from ``(seed, epoch, position, rank)``, so no RNG state needs saving.
 
-The LR scheduler (``lr_scheduler=lambda opt: ...``) is stepped once per epoch, on each stage's
-own optimizer.
+**LR schedulers** (``lr_scheduler=lambda opt: ...``) get each stage replica's own optimizer and by
+default step right after every optimizer step of that stage (``lr_scheduler_interval="step"``,
+as torch and Hugging Face users expect of a warm-up); ``"epoch"`` steps them once per epoch.
+Under pipedream a stage with r replicas updates once per r minibatches, so a schedule counted in
+updates advances r times slower on it; the flushing kinds update every stage once per batch.
+
+**Modes.** ``fit`` trains in train mode and gives every module of the stages back the mode it had
+(a model compiled in eval mode is in eval mode after ``fit``); evaluation runs in eval mode.
+
+**State.** Trained weights stay where they were trained: at the end of ``fit`` each rank writes
+its own stage's weights into its stage's modules (the user's Parameters when compiled in the
+same process) and nothing is gathered. :meth:`Trainer.state_dict` gathers on request;
+checkpoints are written per stage (:func:`fxpipe.runtime.checkpoint.load_model_state`
+re-assembles one).
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from fxpipe.codegen.split import MODEL, StageSpec
 
-from . import checkpoint as ckpt
-from .data import Part, batch_size_of, derive_seed, iter_parts, take
+from .data import Part, PartStream, batch_size_of, derive_seed, take
 from .errors import RuntimeConfigError
-from .schedule import SCHEDULE_KINDS, Schedule, make_schedule
-from .stage import LossFn, StageReplica, check_stages
+from .auto import AutoOptions, Decision
+from .auto import resolve as resolve_auto
+from .reference import check_schedule
+from .schedule import Schedule, make_schedule
+from .schedule_spec import AUTO, parse_schedule
+from .staleness import own_delays
+from .stage import LossFn, StageReplica, check_stages, tied_parameters
 from .stash import OptimizerFactory
 from .timeline import TimelineEvent
-from .trainer_backends import DistributedBackend, ReferenceBackend
+from .trainer_backends import DistributedBackend, IdleBackend, ReferenceBackend, surplus_rank
+from .trainer_checkpoint import CheckpointMixin
 from .trainer_progress import Progress
 from .wire import make_wire_plan
 
 log = logging.getLogger(__name__)
 
 History = list[dict[str, float]]
-_EVAL_CHUNK = 64  # eval minibatches per broadcast from rank 0
+_EVAL_CHUNK = 64  # eval minibatches per exchange
+DEFAULT_SEGMENT = 256
+"""Minibatches per segment when neither ``segment`` nor ``checkpoint_every`` is given: bounds the
+memory of an epoch of any length, for a drain of (stages - 1) slots per 256 minibatches (about
+1% on 4 stages). The first segments of an epoch ramp up (8, 16, 32, ... 256 minibatches: a
+segment as long as everything before it plus 8), so training starts once 8 minibatches are read
+even from a slow loader; boundaries depend only on the position, so a resume replays them. All
+are rounded up to whole update groups (m minibatches for the batched kinds, lcm(replicas) for
+pipedream), so a boundary never cuts a batch in two."""
+FIRST_SEGMENT = 8
+LR_INTERVALS = ("step", "epoch")
 
 
-class Trainer:
+class Trainer(CheckpointMixin):
     """Trains the stages of a plan with a PipeDream schedule (see the module doc).
 
     ``stages``/``replicas``: the CompiledModel's ``stage_specs`` and ``plan.replicas``.
-    ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica).
+    ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica; a factory that
+    also takes ``stage`` and ``delay`` keywords receives the stage index and its weight delay).
+    ``schedule``: a kind (``pipedream``, ``1f1b-flush``, ``gpipe``, ``2bw``), ``pipedream`` with
+    staleness mitigations (``"pipedream+predict"``, :mod:`fxpipe.runtime.mitigation`), or
+    ``"auto"``: chosen at the start of :meth:`fit` by a pilot (:mod:`fxpipe.runtime.auto`,
+    ``auto_options``), recorded in :attr:`auto_decision` (the default of
+    ``CompiledModel.trainer``; this class defaults to ``pipedream``).
     ``executor``: "distributed" (this process is one torchrun rank) or "reference" (every rank
-    in this process, deterministic: the oracle). ``on_checkpoint(epoch, minibatch)`` is called
+    in this process, deterministic: the oracle). ``device``: None (``cuda:LOCAL_RANK`` when
+    CUDA is available, else the CPU), "cpu", "cuda" or "cuda:N". ``timeout_s`` bounds every
+    pipeline message and collective; ``data_timeout_s`` the control messages a rank may wait
+    on while another reads its loader. ``on_checkpoint(epoch, minibatch)`` is called
     on every rank after a checkpoint is complete. ``timeline=True`` (distributed executor)
     records this rank's forwards, backwards, updates, sends, receives and all-reduces: one
     ``(events, background)`` pair per segment in :attr:`timelines`, in seconds since
-    :attr:`timeline_origin` (a ``time.perf_counter()`` value).
+    :attr:`timeline_origin` (a ``time.perf_counter()`` value; compute spans timed with CUDA
+    events on a GPU).
     """
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
                  optimizer: OptimizerFactory, *,
                  lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 lr_scheduler_interval: str = "step",
                  schedule: str = "pipedream", vertical_sync: bool = False,
                  microbatches: int | None = None, checkpoint_dir: str | None = None,
                  checkpoint_every: int | None = None, keep_checkpoints: int | None = None,
                  segment: int | None = None, executor: str = "distributed",
-                 timeout_s: float = 60.0, seed: int = 0, device: str | None = None,
-                 progress: bool = True, stashing: bool = True,
+                 timeout_s: float = 60.0, data_timeout_s: float = 600.0, seed: int = 0,
+                 device: str | None = None, progress: bool = True, stashing: bool = True,
                  on_checkpoint: Callable[[int, int], None] | None = None,
                  timeline: bool = False,
-                 fingerprint: str | None = None) -> None:
+                 fingerprint: str | None = None,
+                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None,
+                 auto_options: AutoOptions | Mapping[str, Any] | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
-        if schedule not in SCHEDULE_KINDS:
-            raise RuntimeConfigError(f"unknown schedule {schedule!r}",
-                                     f"use one of {SCHEDULE_KINDS}")
+        spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
+        if spec.kind == AUTO and vertical_sync:
+            raise RuntimeConfigError("vertical_sync=True with schedule='auto'",
+                                     "name the schedule: schedule='pipedream', vertical_sync=True")
         if executor not in ("distributed", "reference"):
             raise RuntimeConfigError(f"unknown executor {executor!r}",
                                      "use 'distributed' (torchrun) or 'reference' (one process)")
+        if lr_scheduler_interval not in LR_INTERVALS:
+            raise RuntimeConfigError(f"lr_scheduler_interval={lr_scheduler_interval!r}",
+                                     f"use one of {LR_INTERVALS}")
         for name, v in (("checkpoint_every", checkpoint_every), ("segment", segment)):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise RuntimeConfigError(f"{name}={v!r}", "use a positive number of minibatches")
         if checkpoint_every is not None and checkpoint_dir is None:
             raise RuntimeConfigError("checkpoint_every without checkpoint_dir",
                                      "pass checkpoint_dir='ckpt/'")
-        self.segment = segment or checkpoint_every
-        if checkpoint_every and self.segment and checkpoint_every % self.segment:
+        self.stages, self.replicas = list(stages), list(replicas)
+        check_stages(self.stages, self.replicas)
+        # default segments are whole update groups (m minibatches for the batched kinds, a
+        # round of every replica for pipedream), so a boundary never splits a batch
+        kinds = ("pipedream", "1f1b-flush") if spec.kind == AUTO else (spec.kind,)
+        group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
+                           else microbatches or sum(self.replicas) for k in kinds))
+        self._ramp = segment is None and checkpoint_every is None
+        self._first = group * math.ceil(FIRST_SEGMENT / group)
+        self.segment = segment or checkpoint_every or group * math.ceil(DEFAULT_SEGMENT / group)
+        if checkpoint_every and checkpoint_every % self.segment:
             raise RuntimeConfigError(f"checkpoint_every={checkpoint_every} is not a multiple of "
                                      f"segment={self.segment}", "checkpoints happen only at "
                                      "segment ends (where the pipeline is drained)")
-        self.stages, self.replicas = list(stages), list(replicas)
-        check_stages(self.stages, self.replicas)
-        self.loss_fn, self.kind, self.vertical_sync = loss_fn, schedule, vertical_sync
+        self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync
+        self.schedule_name, self.mitigation = spec.name, spec.mitigation
+        self.optimizer, self.stashing, self._lr_scheduler = optimizer, stashing, lr_scheduler
+        self.auto_options = AutoOptions.make(auto_options)
+        self.auto_decision: Decision | None = None  # what schedule="auto" chose, and why
         self.microbatches = microbatches
         self._schedules: dict[int, Schedule] = {}
+        self._check_tied_cadence()  # before any process group: a clear error, not a hang
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.keep_checkpoints, self.seed, self.progress = keep_checkpoints, seed, progress
         self.on_checkpoint, self.fingerprint = on_checkpoint, fingerprint
+        self.state_keys = dict(state_keys) if state_keys is not None else None
         self.history: History = []
-        for st in self.stages:
-            st.gm.train()
-        empty = Schedule(schedule, tuple(self.replicas), 0, {r: () for r in
+        self._wire_cache: dict[Any, Any] = {}
+        kind = "1f1b-flush" if spec.kind == AUTO else spec.kind  # auto: until fit() chooses
+        empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in
                          ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
+        mitigated = dict(mitigation=spec.mitigation, delays=own_delays(
+            kind, self.replicas, vertical_sync=vertical_sync, microbatches=microbatches))
+        if executor == "reference" and timeline:
+            raise RuntimeConfigError("timeline=True needs executor='distributed'",
+                                     "the reference executor is the oracle, not a timing")
+        job = surplus_rank() if executor == "distributed" else None
         if executor == "reference":
-            if timeline:
-                raise RuntimeConfigError("timeline=True needs executor='distributed'",
-                                         "the reference executor is the oracle, not a timing")
             self.backend: Any = ReferenceBackend(self.stages, self.replicas, loss_fn, optimizer,
-                                                 empty, stashing=stashing)
+                                                 empty, stashing=stashing, **mitigated)
+        elif job is not None and job[0] >= len(empty.ranks):
+            self.backend = IdleBackend(job[0], job[1], len(empty.ranks))
         else:
             self.backend = DistributedBackend(self.stages, self.replicas, loss_fn, optimizer,
                                               empty, stashing=stashing, timeout_s=timeout_s,
-                                              timeline=timeline,
-                                              device=device)
+                                              data_timeout_s=data_timeout_s, timeline=timeline,
+                                              device=device, **mitigated)
+        self.idle = isinstance(self.backend, IdleBackend)
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
+        self.lr_interval = lr_scheduler_interval
         self.schedulers = {r: lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
                            if lr_scheduler is not None and w.stash.optimizer is not None}
+        if lr_scheduler_interval == "step":
+            for r, sch in self.schedulers.items():
+                self.local[r].on_update = sch.step
         last = len(self.stages) - 1
         ref = executor == "reference"
         mine = {s for s, _ in self.local}
@@ -131,33 +201,87 @@ class Trainer:
         self.need_targets = ref or last in mine
 
     # ------------------------------------------------------------------ helpers
+    def _check_tied_cadence(self) -> None:
+        """Stages sharing a tied weight must update equally often, or their tied all-reduces
+        never pair up (a hang until the timeout): check on a short schedule of the same kind."""
+        if not tied_parameters(self.stages) or self.kind == AUTO:  # auto: checked in adopt()
+            return
+        m = self.microbatches or sum(self.replicas)
+        n = 2 * math.lcm(*self.replicas) * (1 if self.kind == "pipedream" else m)
+        try:
+            probe = self._schedule(n)
+        except RuntimeConfigError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a kind that cannot run this shape says why
+            raise RuntimeConfigError(f"schedule {self.kind!r} with replicas {self.replicas}: "
+                                     f"{err}", None) from err
+        del self._schedules[probe.num_minibatches]
+
+    def adopt(self, schedule: str) -> None:
+        """Switch to ``schedule`` before training (what ``schedule="auto"`` chose): new stage
+        replicas with the same initial weights, optimizers made for the new schedule's delays."""
+        spec = parse_schedule(schedule)
+        self.kind, self.schedule_name, self.mitigation = spec.kind, spec.name, spec.mitigation
+        self._schedules.clear()
+        self._check_tied_cadence()
+        self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
+                             delays=own_delays(spec.kind, self.replicas,
+                                               vertical_sync=self.vertical_sync,
+                                               microbatches=self.microbatches))
+        self.local = self.backend.local
+        self.schedulers = {r: self._lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
+                           if self._lr_scheduler is not None and w.stash.optimizer is not None}
+        if self.lr_interval == "step":
+            for r, sch in self.schedulers.items():
+                self.local[r].on_update = sch.step
+
     def _schedule(self, n: int) -> Schedule:
         """The (validated) schedule of a segment of ``n`` minibatches, made once per length:
-        every full segment of every epoch has the same one, and making it costs milliseconds,
-        which on a small model is a visible share of an epoch."""
+        every full segment of every epoch has the same one. Checked against the stages too
+        (tied weights need one update cadence on every stage holding them)."""
         sched = self._schedules.get(n)
         if sched is None:
             sched = make_schedule(self.kind, self.replicas, n, microbatches=self.microbatches)
-            sched = self._schedules[n] = sched.with_vertical_sync() if self.vertical_sync else sched
+            sched = sched.with_vertical_sync() if self.vertical_sync else sched
+            check_schedule(self.stages, self.replicas, sched)
+            self._schedules[n] = sched
         return sched
 
-    def _lead(self, it: Any, n: int | None, what: str, wire: bool = True) -> tuple[list[Part], int]:
-        """Rank 0 reads up to ``n`` minibatches and tells every rank how many (and their wire
-        shapes); the others read the same number of their parts."""
-        info = None
+    def _segment_at(self, pos: int) -> int:
+        """Minibatches in the segment starting at epoch position ``pos`` (see DEFAULT_SEGMENT)."""
+        return min(self.segment, pos + self._first) if self._ramp else self.segment
+
+    def _lead(self, it: PartStream, n: int, what: str, wire: bool = True
+              ) -> tuple[list[Part], int]:
+        """Every rank that reads data takes up to ``n`` minibatches itself (all at the same
+        time); then the ranks exchange how many they read and their fingerprints (one message
+        each), rank 0 adding the wire shapes. Ranks that read different data stop here."""
+        reads = self.need_inputs or self.need_targets
+        parts = take(it, n) if reads else []
+        plan, samples = None, 0
         if self.index == 0:
-            parts = take(it, n if n is not None else math.inf)  # type: ignore[arg-type]
-            plan = (make_wire_plan(self.stages, [p[0] for p in parts])
+            plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache)
                     if wire and parts and isinstance(self.backend, DistributedBackend) else None)
-            info = (len(parts), plan, sum(batch_size_of(p[0]) for p in parts))
-        count, plan, samples = self.backend.broadcast(info, f"{what} size")
-        if self.index != 0:
-            parts = (take(it, count) if self.need_inputs or self.need_targets
-                     else [(None, None)] * count)
-            if len(parts) != count:
-                raise RuntimeConfigError(f"rank {self.index} read {len(parts)} minibatches of "
-                                         f"{what}, rank 0 read {count}", "the loader must yield "
-                                         "the same minibatches on every rank (deterministic)")
+            samples = sum(batch_size_of(p[0]) for p in parts)
+        mine = (len(parts), it.digest(), plan, samples) if reads else None
+        infos = self.backend.exchange(mine, f"{what} size")
+        count, digest0, plan, samples = infos[0]
+        for i, info in enumerate(infos):
+            if info is None:
+                continue
+            if info[0] != count:
+                raise RuntimeConfigError(f"rank {i} read {info[0]} minibatches of {what}, rank 0 "
+                                         f"read {count}", "the loader must yield the same "
+                                         "minibatches on every rank (deterministic)")
+            if info[1] != digest0:
+                raise RuntimeConfigError(
+                    f"rank {i} read different minibatches of {what} than rank 0 (fingerprint "
+                    f"{info[1]} vs {digest0}): its inputs or targets would be paired with "
+                    "another minibatch's", "give every rank the same deterministic loader over "
+                    "the whole dataset (no DistributedSampler, no per-rank seed or shard): "
+                    "fxpipe decides which replica trains on which minibatch")
+        if not reads:
+            parts = [(None, None)] * count
         self._wire, self._samples = plan, samples
         return parts, count
 
@@ -166,38 +290,57 @@ class Trainer:
             eval_loader: Iterable[Any] | None = None, resume: bool = False) -> History:
         """Train for ``epochs`` (counting from 0, so resuming a 3-epoch run with epochs=3 only
         finishes it); returns the per-epoch history, also in ``self.history``."""
+        if self.idle:
+            return self.history
+        saved = [(m, m.training) for st in self.stages for m in st.gm.modules()]
+        for st in self.stages:
+            st.gm.train()
+        try:
+            self._fit(train_loader, epochs, eval_loader, resume)
+        finally:
+            for m, was in saved:
+                m.training = was
+        return self.history
+
+    def _fit(self, train_loader: Iterable[Any], epochs: int, eval_loader: Iterable[Any] | None,
+             resume: bool) -> None:
         epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
+        if self.kind == AUTO:
+            resolve_auto(self, train_loader, resume, epochs)
         if resume:
             epoch0, pos0, partial = self._resume()
         total = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore
         for epoch in range(epoch0, epochs):
             pos = pos0 if epoch == epoch0 else 0
             acc = list(partial) if epoch == epoch0 else [0.0, 0.0, 0.0, 0.0]
-            it = iter_parts(train_loader, epoch, self.seed, need_inputs=self.need_inputs,
+            it = PartStream(train_loader, epoch, self.seed, need_inputs=self.need_inputs,
                             need_targets=self.need_targets, start=pos)
             bar = Progress(f"epoch {epoch + 1}/{epochs}", total, pos,
                            enabled=self.progress and self.index == 0)
             try:
                 while True:
-                    parts, n = self._lead(it, self.segment, f"epoch {epoch} segment at {pos}")
+                    want = self._segment_at(pos)
+                    parts, n = self._lead(it, want, f"epoch {epoch} segment at {pos}")
                     if n == 0:
                         break
                     torch.manual_seed(derive_seed(self.seed, epoch, pos, self.index))
                     t0 = time.perf_counter()
                     losses = self.backend.run_segment(self._schedule(n), parts, self._wire)
+                    del parts  # one segment's minibatches in memory at a time
                     dt = time.perf_counter() - t0
                     got = self.backend.all_sum([sum(losses.values()), len(losses)], "loss sum")
                     acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
                     pos += n
                     bar.update(n, acc[0] / max(acc[1], 1), acc[2] / max(acc[3], 1e-9))
-                    if self.segment is None or n < self.segment:
+                    if n < want:
                         break
                     if self.checkpoint_every and pos % self.checkpoint_every == 0:
                         self._checkpoint(epoch, pos, acc)
             finally:
                 bar.close()
-            for sch in self.schedulers.values():
-                sch.step()
+            if self.lr_interval == "epoch":
+                for sch in self.schedulers.values():
+                    sch.step()
             entry = {"epoch": float(epoch + 1), "loss": acc[0] / max(acc[1], 1),
                      "samples": acc[2], "time_s": acc[3],
                      "samples_per_s": acc[2] / acc[3] if acc[3] > 0 else 0.0}
@@ -208,12 +351,13 @@ class Trainer:
             if self.checkpoint_dir is not None:
                 self._checkpoint(epoch + 1, 0, [0.0, 0.0, 0.0, 0.0])
         self._write_back()
-        return self.history
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
         """Mean loss (and top-1 accuracy for classification) of the latest weights, computed on
         the output stage and shared with every rank."""
-        it = iter_parts(loader, 0, self.seed, need_inputs=self.need_inputs,
+        if self.idle:
+            return {}
+        it = PartStream(loader, 0, self.seed, need_inputs=self.need_inputs,
                         need_targets=self.need_targets)
         total = [0.0] * 4
         while True:
@@ -229,101 +373,18 @@ class Trainer:
             out["eval_accuracy"] = total[2] / total[3]
         return out
 
-    # ------------------------------------------------------------------ checkpoints
-    def _stage_state(self, rank: tuple[int, int], epoch: int, pos: int) -> dict[str, Any]:
-        w = self.local[rank]
-        opt, sch = w.stash.optimizer, self.schedulers.get(rank)
-        return {"weights": {n: t.detach().cpu() for n, t in w.stash.latest.items()},
-                "buffers": {n: t.detach().cpu() for n, t in w.buffers.items()},
-                "optimizer": opt.state_dict() if opt is not None else None,
-                "lr_scheduler": sch.state_dict() if sch is not None else None,
-                "position": [epoch, pos]}
-
-    def _checkpoint(self, epoch: int, pos: int, acc: list[float]) -> None:
-        assert self.checkpoint_dir is not None
-        for rank in self.local:
-            if rank[1] == 0:
-                ckpt.save_stage(self.checkpoint_dir, epoch, pos, rank[0],
-                                self._stage_state(rank, epoch, pos))
-        self.backend.all_sum([0.0], "checkpoint barrier")  # every stage file exists now
-        if self.index == 0:
-            info = {"history": self.history, "partial": acc, "replicas": self.replicas,
-                    "schedule": self.kind, "segment": self.segment, "seed": self.seed,
-                    "fingerprint": self.fingerprint}
-            ckpt.write_manifest(self.checkpoint_dir, epoch, pos, len(self.stages), info)
-            if self.keep_checkpoints:
-                ckpt.prune(self.checkpoint_dir, self.keep_checkpoints, len(self.stages))
-        self.backend.all_sum([0.0], "checkpoint manifest")
-        if self.on_checkpoint is not None:
-            self.on_checkpoint(epoch, pos)
-
-    def _resume(self) -> tuple[int, int, list[float]]:
-        """Load the newest checkpoint every stage finished (chosen by rank 0, for all)."""
-        if self.checkpoint_dir is None:
-            raise RuntimeConfigError("resume=True without checkpoint_dir",
-                                     "pass the checkpoint_dir the run was saving to")
-        choice: Any = None
-        if self.index == 0:
-            try:
-                choice = str(ckpt.find_latest(self.checkpoint_dir, len(self.stages)).folder)
-            except ckpt.CheckpointError as err:
-                choice = err
-        choice = self.backend.broadcast(choice, "checkpoint choice")
-        if isinstance(choice, ckpt.CheckpointError):
-            raise choice
-        found = ckpt.check_folder(Path(choice), len(self.stages), verify=False)
-        m = found.manifest
-        if m.get("replicas") != self.replicas or (self.fingerprint and m.get("fingerprint")
-                                                  not in (None, self.fingerprint)):
-            raise ckpt.CheckpointError(f"{found.folder} was made for replicas {m.get('replicas')} "
-                                       f"(model {m.get('fingerprint')}), this pipeline has "
-                                       f"{self.replicas} (model {self.fingerprint})",
-                                       "resume with the plan the checkpoint was trained with")
-        if (m.get("segment"), m.get("schedule")) != (self.segment, self.kind):
-            log.warning("checkpoint was made with schedule %s and segment %s; resuming with %s "
-                        "and %s will not reproduce the uninterrupted run exactly",
-                        m.get("schedule"), m.get("segment"), self.kind, self.segment)
-        for rank, w in self.local.items():
-            self._load_stage(rank, w, ckpt.load_stage(found, rank[0]))
-        self.history = [dict(h) for h in m.get("history", [])]
-        log.info("resumed from %s (epoch %d, minibatch %d)", found.folder, found.epoch,
-                 found.minibatch)
-        return found.epoch, found.minibatch, list(m.get("partial", [0.0] * 4))
-
-    def _load_stage(self, rank: tuple[int, int], w: StageReplica, state: dict[str, Any]) -> None:
-        for key, dst in (("weights", w.stash.latest), ("buffers", w.buffers)):
-            src = state.get(key) or {}
-            if set(src) != set(dst):
-                raise ckpt.CheckpointError(f"stage {rank[0]}'s checkpoint has {key} "
-                                           f"{sorted(src)[:4]}..., the stage has {sorted(dst)[:4]}",
-                                           "the checkpoint was made for a different model")
-            with torch.no_grad():
-                for n, t in dst.items():
-                    t.copy_(src[n])
-        if w.stash.optimizer is not None and state.get("optimizer") is not None:
-            w.stash.optimizer.load_state_dict(state["optimizer"])
-        if rank in self.schedulers and state.get("lr_scheduler") is not None:
-            self.schedulers[rank].load_state_dict(state["lr_scheduler"])
-
     # ------------------------------------------------------------------ results
     def _write_back(self) -> None:
-        """Copy the trained weights into the stage GraphModules (the user's own Parameters when
-        compiled in this process): all stages on rank 0, the own stage elsewhere."""
-        mine = {r[0]: {"weights": {n: t.detach().cpu() for n, t in w.stash.latest.items()},
-                       "buffers": {n: t.detach().cpu() for n, t in w.buffers.items()}}
-                for r, w in self.local.items() if r[1] == 0}
-        gathered = self.backend.gather(mine, "gathering trained weights")
-        merged: dict[int, dict[str, Any]] = dict(mine)
-        for part in gathered or []:
-            merged.update(part)
+        """Copy the trained weights into this process's stage GraphModules (the user's own
+        Parameters when compiled in this process): every stage this rank trained, nothing
+        more, and no communication (the whole model is gathered only when asked for)."""
         with torch.no_grad():
-            for s, state in merged.items():
-                gm = self.stages[s].gm
+            for (s, _), w in sorted(self.local.items(), key=lambda kv: kv[0][1], reverse=True):
+                gm = self.stages[s].gm  # replica 0 last: the one every checkpoint keeps
                 for n, t in [*gm.named_parameters(), *gm.named_buffers()]:
-                    src = state["weights"].get(n, state["buffers"].get(n))
+                    src = w.stash.latest.get(n, w.buffers.get(n))
                     if src is not None:
                         t.copy_(src)
-        self._have = sorted(merged)
 
     @property
     def timelines(self) -> list[tuple[list[TimelineEvent], list[TimelineEvent]]]:
@@ -336,12 +397,42 @@ class Trainer:
         one machine, so ranks on one machine line up)."""
         return self.backend.comm.recorder.t0
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Trained weights and buffers by the model's own names: every stage's on rank 0 (and in
-        the reference executor), only this rank's stage on other ranks."""
+    def state_dict(self, *, gather: bool = True) -> dict[str, torch.Tensor]:
+        """Weights and buffers by the model's own names: with ``state_keys`` (a compiled model's
+        trainer: the model's ``state_dict`` keys -> (stage, name there), or the tensor itself
+        for state no stage holds) exactly the model's keys, tied aliases included, so that
+        ``model.load_state_dict(trainer.state_dict())`` takes it strictly; else the stage
+        GraphModules' names.
+
+        With the distributed executor and ``gather=True`` (default) this is a COLLECTIVE: call
+        it on every rank (a rank calling it alone waits ``data_timeout_s`` and fails naming a
+        peer). Rank 0 then receives every stage's weights from replica 0 of that stage and
+        returns the whole model; every other rank returns its own stage's entries. With
+        ``gather=False`` each rank returns its own stage's entries without any communication
+        (what a rank can save on its own). The reference executor and idle ranks never
+        communicate: the former returns every stage, the latter nothing."""
+        if self.idle:
+            return {}
+        mine = {s: {n: t.detach() for n, t in self.stages[s].gm.state_dict().items()}
+                for s in sorted({s for s, _ in self.local})}
+        if gather and isinstance(self.backend, DistributedBackend):
+            shares = {s: {n: t.cpu() for n, t in sd.items()} for s, sd in mine.items()
+                      if (s, 0) in self.local}
+            got = self.backend.gather(shares, "state_dict() gathering every stage (call it on "
+                                      "every rank)")
+            for share in got or []:
+                for s, sd in share.items():
+                    mine.setdefault(s, sd)
         out: dict[str, torch.Tensor] = {}
-        for s in getattr(self, "_have", range(len(self.stages))):
-            out.update({n: t.detach() for n, t in self.stages[s].gm.state_dict().items()})
+        if self.state_keys is None:
+            for s in sorted(mine):
+                out.update(mine[s])
+            return out
+        for key, where in self.state_keys.items():
+            if isinstance(where, torch.Tensor):
+                out[key] = where.detach()
+            elif where[0] in mine:
+                out[key] = mine[where[0]][where[1]]
         return out
 
     def close(self) -> None:
@@ -355,5 +446,13 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     if loss_fn is None:
         raise RuntimeConfigError("this model was compiled without loss_fn",
                                  "pass loss_fn=... to fxpipe.compile or to trainer()")
+    own = compiled.model.state_dict()
+    keys = {k: own[k] if where is None else where
+            for k, where in compiled.state_locations().items()}
+    kwargs.setdefault("schedule", "auto")  # the default for a compiled model: see runtime/auto.py
+    report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
+    auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
+            **dict(kwargs.pop("auto_options", None) or {})}
     return Trainer(compiled.stage_specs, compiled.plan.replicas, loss_fn,
-                   fingerprint=compiled.plan.model_fingerprint, **kwargs)
+                   fingerprint=compiled.plan.model_fingerprint, state_keys=keys,
+                   auto_options=auto, **kwargs)

@@ -4,8 +4,12 @@ Why ahead of time: a receiver must post ``irecv`` into a buffer of the right siz
 arrives, and sending shapes (or pickled tensors) on the wire would add a round trip and a
 serialisation per message. The plan is computed once, in the launching process, and shipped to
 every rank: from the tracer's ``node.meta["fxpipe"]`` when it describes exactly these inputs, else
-from one local dry run (no_grad) per distinct model-input signature (usually one or two: the full
-minibatch and a last partial one).
+from one dry run per distinct model-input signature (usually one or two: the full minibatch and
+a last partial one). The dry run propagates fake tensors (``FakeTensorMode``: shapes and dtypes,
+no compute, no memory, whatever device the stages' weights are on, no running statistics or RNG
+touched); a graph with an operation fake tensors cannot run falls back to a real no-grad run on
+the host in eval mode. ``cache`` (signature -> specs) lets a trainer pay it once per signature
+for a whole run rather than once per segment.
 """
 from __future__ import annotations
 
@@ -80,34 +84,71 @@ def _from_meta(stages: Sequence[StageSpec], env: Mapping[str, Any],
     return out
 
 
+def _specs(env: Mapping[str, Any], values: Sequence[str]) -> dict[str, TensorSpec]:
+    return {name: TensorSpec(tuple(env[name].shape), env[name].dtype) for name in values}
+
+
+def _fake_run(stages: Sequence[StageSpec], env: dict[str, Any],
+              values: Sequence[str]) -> dict[str, TensorSpec]:
+    """Shapes by fake-tensor propagation: every weight and input becomes a fake CPU tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        def fake(t: Any) -> Any:
+            return mode.from_tensor(t.detach()).to("cpu") if isinstance(t, torch.Tensor) else t
+        fenv = {n: fake(v) for n, v in env.items()}
+        with torch.no_grad():
+            for st in stages:
+                state = {n: fake(t) for n, t in [*st.gm.named_parameters(),
+                                                  *st.gm.named_buffers()]}
+                outs = functional_call(st.gm, state, tuple(fenv[n] for n in st.inputs))
+                fenv.update(zip(st.outputs, outs))
+        return _specs(fenv, values)
+
+
 def _dry_run(stages: Sequence[StageSpec], env: dict[str, Any],
              values: Sequence[str]) -> dict[str, TensorSpec]:
-    with torch.no_grad():
+    try:
+        return _fake_run(stages, env, values)
+    except Exception as err:  # noqa: BLE001 - any op without a fake implementation
+        log.debug("fake-tensor dry run failed (%s); running the stages on the host", err)
+    from .stage import modes
+
+    state = [t for st in stages for t in st.gm.buffers()]
+    saved = [t.detach().clone() for t in state]
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for st in stages:
-            outs = st.gm(*(env[n] for n in st.inputs))
+            dev = next((t.device for t in st.gm.parameters()), torch.device("cpu"))
+            with modes(st.gm, training=False):
+                outs = st.gm(*(v.to(dev) if isinstance(v, torch.Tensor) else v
+                               for v in (env[n] for n in st.inputs)))
             env.update(zip(st.outputs, outs))
-    out: dict[str, TensorSpec] = {}
-    for name in values:
-        v = env[name]
-        out[name] = TensorSpec(tuple(v.shape), v.dtype)
-    return out
+        for t, old in zip(state, saved):
+            t.copy_(old)
+    return _specs(env, values)
 
 
-def make_wire_plan(stages: Sequence[StageSpec], inputs: Sequence[Any]) -> WirePlan:
+def make_wire_plan(stages: Sequence[StageSpec], inputs: Sequence[Any], *,
+                   cache: dict[Signature, dict[str, TensorSpec]] | None = None) -> WirePlan:
     """The plan for minibatches with model inputs ``inputs[k]`` (see the module doc)."""
     values = crossing_values(stages)
     sigs: dict[Signature, int] = {}
     specs: list[dict[str, TensorSpec]] = []
     signature_of: list[int] = []
+    cache = {} if cache is None else cache
     for x in inputs:
         env = model_env(stages, x)
         sig = _signature(env)
         if sig not in sigs:
-            found = _from_meta(stages, env, values)
-            how = "metadata"
+            found = cache.get(sig)
+            how = "the cache"
+            if found is None:
+                found, how = _from_meta(stages, env, values), "metadata"
             if found is None:
                 found, how = _dry_run(stages, dict(env), values), "a dry run"
             log.debug("wire plan for inputs %s from %s", sig, how)
+            cache[sig] = found
             sigs[sig] = len(specs)
             specs.append(found)
         signature_of.append(sigs[sig])

@@ -98,10 +98,12 @@ class _ShapeRecorder(torch.fx.Interpreter):
 def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any] | Any) -> Any:
     """Run ``gm`` on ``example_inputs`` and record shape/dtype/bytes/... on every non-output node.
 
+    ``example_inputs`` are the placeholders' values in order (``TracedGraph.flat_inputs``; a
+    shorter tuple leaves the rest to their defaults), not the model's pytree of arguments.
     Runs under ``torch.no_grad`` and restores buffers and RNG afterwards, so the module is left
-    untouched. Returns the graph's (flat) output, mostly for tests.
+    untouched. Returns the graph's flat output, mostly for tests.
     """
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     with preserved_state(gm), torch.no_grad():
-        return _ShapeRecorder(gm).run(*example_inputs)
+        return _ShapeRecorder(gm).run(*example_inputs, enable_io_processing=False)

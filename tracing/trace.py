@@ -22,7 +22,7 @@ import traceback
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Literal, Sequence
+from typing import Any, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -30,7 +30,12 @@ from torch import nn
 
 from fxpipe.errors import ConfigError, InputMismatchError, TracingError
 
+from .leaves import rebuildable
+from .modelio import ModelIO
+from .modes import exported_in_train_mode, follow_modes
 from .shapes import preserved_state, propagate_shapes
+
+log = logging.getLogger(__name__)
 
 Method = Literal["symbolic_trace", "export"]
 
@@ -47,36 +52,49 @@ _CHECK_TARGETS = tuple(
 
 @dataclass
 class TracedGraph:
-    """A traced model: the GraphModule, which tracer produced it, and its placeholder names."""
+    """A traced model: the GraphModule, which tracer produced it, its placeholder names, the
+    model's calling convention (``io``) and the example inputs bound to the placeholders, in
+    order (``flat_inputs``: what every later phase runs the graph on)."""
 
     gm: torch.fx.GraphModule
     method: Method
     input_names: tuple[str, ...]
+    io: ModelIO | None = None
+    flat_inputs: tuple[Any, ...] = ()
 
 
 class _LeafTracer(torch.fx.Tracer):
-    """A Tracer that also keeps user-chosen submodules (by class or qualified name) as leaves."""
+    """A Tracer that keeps user-chosen submodules (by class or qualified name) as leaves, and
+    torch.nn modules only where stage code can rebuild them (see :mod:`.leaves`): it traces
+    through ``MultiheadAttention`` and ``TransformerEncoderLayer`` rather than keeping them."""
 
     def __init__(self, leaf_classes: tuple[type, ...], leaf_names: frozenset[str]) -> None:
         super().__init__()
         self._leaf_classes = leaf_classes
         self._leaf_names = leaf_names
+        self._rebuildable: dict[int, bool] = {}
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self._leaf_names:
             return True
         if self._leaf_classes and isinstance(m, self._leaf_classes):
             return True
-        return super().is_leaf_module(m, module_qualified_name)
+        if not super().is_leaf_module(m, module_qualified_name):
+            return False
+        if id(m) not in self._rebuildable:
+            self._rebuildable[id(m)] = rebuildable(m)
+        return self._rebuildable[id(m)]
 
 
-def _describe_inputs(inputs: Sequence[Any]) -> str:
-    parts = []
-    for v in inputs:
-        if isinstance(v, torch.Tensor):
-            parts.append(f"Tensor(shape={tuple(v.shape)}, dtype={v.dtype})")
-        else:
-            parts.append(type(v).__name__)
+def _describe(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"Tensor(shape={tuple(v.shape)}, dtype={v.dtype})"
+    return type(v).__name__
+
+
+def _describe_inputs(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> str:
+    parts = [_describe(v) for v in inputs]
+    parts += [f"{k}={_describe(v)}" for k, v in (kwargs or {}).items()]
     return "(" + ", ".join(parts) + ")"
 
 
@@ -87,20 +105,31 @@ def _signature(model: nn.Module) -> str:
         return f"{type(model).__name__}.forward(...)"
 
 
-def _check_eager(model: nn.Module, inputs: tuple[Any, ...]) -> None:
+def _check_eager(model: nn.Module, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
     """Run the model once; a failure here is the user's inputs, not our tracers."""
     try:
         with preserved_state(model), torch.no_grad():
-            model(*inputs)
+            model(*inputs, **kwargs)
     except Exception as exc:  # noqa: BLE001 - any failure means the inputs do not fit
         first = str(exc).strip().splitlines()
         msg = first[0] if first else type(exc).__name__
         raise InputMismatchError(
-            f"the model does not run on the example inputs {_describe_inputs(inputs)}: "
+            f"the model does not run on the example inputs {_describe_inputs(inputs, kwargs)}: "
             f"{type(exc).__name__}: {msg}; the model's signature is {_signature(model)}",
-            hint="pass example_inputs as a tuple matching forward()'s positional arguments, "
-                 "with the shapes and dtypes the model expects",
+            hint="pass example_inputs as a tuple of forward()'s positional arguments and/or a "
+                 "dict of its keyword arguments (example_inputs={'input_ids': ids, ...}), with "
+                 "the shapes and dtypes the model expects",
         ) from None
+
+
+def on_meta(model: nn.Module) -> bool:
+    """True for a model instantiated on the meta device (``with torch.device('meta'):``): it
+    has shapes but no values, enough to trace and estimate costs, not to run or measure."""
+    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+
+
+def _to_meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
 
 
 def _user_files(model: nn.Module) -> set[str]:
@@ -184,17 +213,20 @@ def _match_module_order(gm: nn.Module, model: nn.Module) -> None:
 def _hf_training_config(model: nn.Module) -> Iterator[None]:
     """Turn off Hugging Face's KV cache while exporting.
 
-    Why: with ``use_cache=True`` the output holds a ``DynamicCache`` object that torch.export
-    cannot flatten (no pytree registration), and a KV cache is useless for training anyway.
+    Why: with ``use_cache=True`` the output holds a ``DynamicCache`` / ``EncoderDecoderCache``
+    object that torch.export cannot flatten (no pytree registration), and a KV cache is useless
+    for training anyway. Every submodule's config is switched (T5's decoder stack holds its own
+    copy of the config), and restored afterwards.
     """
-    cfg = getattr(model, "config", None)
-    had = cfg is not None and getattr(cfg, "use_cache", False) is True
-    if had:
+    configs = {id(c): c for m in model.modules()
+               if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", False) is True}
+    for cfg in configs.values():
         cfg.use_cache = False
     try:
         yield
     finally:
-        if had:
+        for cfg in configs.values():
             cfg.use_cache = True
 
 
@@ -217,14 +249,16 @@ def _quiet_export() -> Iterator[None]:
             lg.setLevel(lv)
 
 
-def _export(model: nn.Module, inputs: tuple[Any, ...]) -> torch.fx.GraphModule:
-    with _quiet_export():
-        ep = torch.export.export(model, inputs, strict=False)
+def _export(model: nn.Module, inputs: tuple[Any, ...],
+            kwargs: Mapping[str, Any]) -> torch.fx.GraphModule:
+    with _quiet_export(), exported_in_train_mode(model):  # every dropout and its p in the graph
+        ep = torch.export.export(model, inputs, dict(kwargs) or None, strict=False)
         gm = ep.module()
     _strip_checks(gm)
     _rebind_to_originals(gm, model)
     _match_module_order(gm, model)
     _canonical_get_attrs(gm)
+    follow_modes(gm, model)  # dropout, attention dropout, BatchNorm follow train()/eval()
     return gm
 
 
@@ -320,14 +354,36 @@ def _assert_same_parameters(gm: torch.fx.GraphModule, model: nn.Module, method: 
             )
 
 
-def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: Sequence[Any] = (),
-          method: str = "auto") -> TracedGraph:
-    """Trace ``model`` on ``example_inputs`` into a trainable GraphModule with shape metadata.
+def split_inputs(example_inputs: Any,
+                 example_kwargs: Mapping[str, Any] | None = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` from what a user passes: a tuple/list of positional inputs, a dict of
+    keyword inputs (what a Hugging Face collator yields), or one value; plus ``example_kwargs``."""
+    kwargs = dict(example_kwargs or {})
+    if isinstance(example_inputs, Mapping):
+        overlap = sorted(set(example_inputs) & set(kwargs))
+        if overlap:
+            raise ConfigError(f"keyword inputs {overlap} given twice",
+                              hint="pass each input once, in example_inputs or example_kwargs")
+        return (), {**dict(example_inputs), **kwargs}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), kwargs
+    if example_inputs is None:
+        return (), kwargs
+    return (example_inputs,), kwargs
 
-    ``example_inputs``: a tuple of positional arguments, or a single tensor.
+
+def trace(model: nn.Module, example_inputs: Any = (), *, example_kwargs: Mapping[str, Any] | None = None,
+          leaf_modules: Sequence[Any] = (), method: str = "auto") -> TracedGraph:
+    """Trace ``model`` on example inputs into a trainable GraphModule with shape metadata.
+
+    ``example_inputs``: a tuple of positional arguments, a dict of keyword arguments, or a single
+    tensor; ``example_kwargs``: more keyword arguments (``labels=...``).
     ``leaf_modules``: module classes or qualified submodule names kept as single call_module
     nodes (symbolic_trace only; export always inlines).
     ``method``: "auto" (symbolic_trace, then export), "symbolic_trace" or "export".
+
+    A model on the meta device is traced with torch.export on meta inputs (its example inputs
+    are moved there): enough to estimate costs and plan a model that does not fit in memory.
     """
     if method not in ("auto", "symbolic_trace", "export"):
         raise ConfigError(f"unknown tracing method {method!r}",
@@ -335,21 +391,32 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: Sequence[Any] 
     if not isinstance(model, nn.Module):
         raise ConfigError(f"trace() needs an nn.Module, got {type(model).__name__}",
                           hint="pass the model object itself")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
-        else (example_inputs,)
+    inputs, kwargs = split_inputs(example_inputs, example_kwargs)
     for x in leaf_modules:
         if not isinstance(x, (str, type)):
             raise ConfigError(f"leaf_modules entry {x!r} is neither a class nor a name",
                               hint="pass module classes (nn.LSTM) or qualified names ('enc.rnn')")
-    _check_eager(model, inputs)
+    meta = on_meta(model)
+    if meta:
+        # no values: data-dependent Python (HF mask checks) cannot run eagerly, and symbolic
+        # tracing would need a run for shapes; export on meta inputs needs neither
+        inputs = tuple(_to_meta(x) for x in inputs)
+        kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+        if method == "symbolic_trace":
+            raise ConfigError("a model on the meta device can only be traced with torch.export",
+                              hint="use tracer='export' (or 'auto')")
+    else:
+        _check_eager(model, inputs, kwargs)
 
     errors: list[tuple[str, BaseException]] = []
     gm: torch.fx.GraphModule | None = None
     used: Method = "symbolic_trace"
-    if method in ("auto", "symbolic_trace"):
+    flat: tuple[Any, ...] = ()
+    if method in ("auto", "symbolic_trace") and not meta:
         try:
             gm = _symbolic_trace(model, leaf_modules)
-            propagate_shapes(gm, inputs)  # a trace can "succeed" yet not run (e.g. len(proxy))
+            flat = _flat_inputs(gm, inputs, kwargs)
+            propagate_shapes(gm, flat)  # a trace can "succeed" yet not run (e.g. len(proxy))
         except Exception as exc:  # noqa: BLE001
             gm = None
             errors.append(("symbolic_trace", exc))
@@ -357,8 +424,9 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: Sequence[Any] 
         used = "export"
         try:
             with _hf_training_config(model):
-                gm = _export(model, inputs)
-            propagate_shapes(gm, inputs)
+                gm = _export(model, inputs, kwargs)
+            flat = _flat_inputs(gm, inputs, kwargs)
+            propagate_shapes(gm, flat)
         except Exception as exc:  # noqa: BLE001
             gm = None
             errors.append(("export", exc))
@@ -366,4 +434,13 @@ def trace(model: nn.Module, example_inputs: Any, *, leaf_modules: Sequence[Any] 
         raise _trace_failure(model, errors) from None
     _assert_same_parameters(gm, model, used)
     names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
-    return TracedGraph(gm=gm, method=used, input_names=names)
+    log.info("traced %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
+    return TracedGraph(gm=gm, method=used, input_names=names,
+                       io=ModelIO.from_graph_module(gm), flat_inputs=flat)
+
+
+def _flat_inputs(gm: torch.fx.GraphModule, inputs: tuple[Any, ...],
+                 kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The example inputs bound to ``gm``'s placeholders, in order (defaults filled in)."""
+    bound = ModelIO.from_graph_module(gm).bind_inputs(inputs, kwargs)
+    return tuple(bound.values())

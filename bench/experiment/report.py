@@ -21,8 +21,9 @@ def _prediction(res: dict, plans: dict, key: str, batch: int,
     if mode == "ddp":  # ddp: minibatches split over the hosts; dp: whole ones (round robin)
         p = plans["plans"].get(f"{ddp}@{key}", {})
         return p.get("planner_s_per_minibatch"), p.get("sim_s_per_minibatch_epoch")
-    p = plans["plans"][f"{'fxpipe' if mode == 'fxpipe' else 'straight'}@{key}"]
-    if mode == "flush":  # the planner and the simulator time pipedream's schedule only
+    p = plans["plans"][f"{'fxpipe' if mode in ('fxpipe', 'auto') else 'straight'}@{key}"]
+    if mode == "flush" or (mode == "auto" and res.get("schedule") != "pipedream"):
+        return None, None  # the planner and the simulator time pipedream's schedule only
         return None, None
     if mode == "mp":
         return p["mp_planner_s_per_minibatch"], p["mp_sim_s_per_minibatch_epoch"]
@@ -39,7 +40,7 @@ def _compute(res: dict, plans: dict, key: str, batch: int) -> str:
     busy = res.get("busy_s_per_sample") or []
     if res["mode"] == "ddp" or not busy or not all(busy):
         return "-"
-    mode = "fxpipe" if res["mode"] == "fxpipe" else "straight"
+    mode = "fxpipe" if res["mode"] in ("fxpipe", "auto") else "straight"
     entry = plans["plans"].get(f"{mode}@{key}", {})
     plan = Plan.load(entry["path"]) if entry.get("path") else None
     stage_of = [s for s, r in enumerate(res["replicas"]) for _ in range(r)]  # rank order
@@ -81,6 +82,38 @@ def table(results: list[dict], plans: dict, key: str, targets: list[float], batc
     return "\n".join(lines)
 
 
+def seeds_table(results: list[dict], target: float) -> tuple[str, dict]:
+    """Per mode over seeds: time to ``target`` (each seed, mean ± sd), final accuracy, samples/s;
+    and whether auto is within the seed spread of the better of pipedream (fxpipe) and flush."""
+    modes: dict[str, list[dict]] = {}
+    for r in results:
+        modes.setdefault(r["mode"], []).append(r)
+
+    def ms(xs: list[float]) -> tuple[float, float]:
+        return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+    stats: dict[str, tuple[float, float] | None] = {}
+    lines = [f"| mode | schedule (per seed) | time to {target:.0%} per seed (s) | mean ± sd (s) | "
+             "final acc mean ± sd | samples/s mean ± sd |", "|---|---|---|---|---|---|"]
+    for mode, rs in modes.items():
+        tt = [time_to(r, target) for r in rs]
+        got = [t for t in tt if t is not None]
+        stats[mode] = ms(got) if len(got) == len(tt) else None
+        acc = ms([r["final_accuracy"] for r in rs])
+        sps = ms([r["samples_per_s"] for r in rs])
+        scheds = ", ".join(str(r.get("schedule", "-")) for r in rs)
+        lines.append(f"| {mode} | {scheds} | {', '.join(_f(t) for t in tt)} | "
+                     f"{'-' if stats[mode] is None else f'{stats[mode][0]:.2f} ± {stats[mode][1]:.2f}'}"
+                     f" | {acc[0]:.3f} ± {acc[1]:.3f} | {sps[0]:.0f} ± {sps[1]:.0f} |")
+    verdict = {}
+    two = [stats.get(m) for m in ("fxpipe", "flush") if stats.get(m) is not None]
+    if "auto" in stats and two:
+        best = min(two)
+        verdict = {"auto": stats["auto"], "best": best,
+                   "within": stats["auto"] is not None and stats["auto"][0] <= best[0] + best[1]}
+    return "\n".join(lines), verdict
+
+
 def report(summary: dict) -> str:
     a = summary["args"]
     targets = sorted({0.90, a["target"]})
@@ -107,10 +140,20 @@ def report(summary: dict) -> str:
             f"; the planner's analytic optimum is {opt['replicas']} at "
             f"{opt['planner_s_per_minibatch'] * 1e3:.1f} ms/minibatch, simulated "
             f"{opt['sim_steady_s_per_minibatch'] * 1e3:.1f} ms")
+        first = [r for r in results if r.get("seed", 0) == 0]
+        seeds = sorted({r.get("seed", 0) for r in results})
+        text, verdict = seeds_table(results, a["target"])
         out += [f"**{key} Mbit/s** (fxpipe plan {pl[f'fxpipe@{key}']['replicas']}, chosen by "
                 f"simulation, {pl[f'fxpipe@{key}']['sim_steady_s_per_minibatch'] * 1e3:.1f} "
-                f"ms/minibatch simulated{why})",
-                "", table(results, summary["plans"], key, targets, a["batch"]), ""]
+                f"ms/minibatch simulated{why}); over seeds {seeds}:",
+                "", text, ""]
+        if verdict:
+            out += [f"auto: {verdict['auto'][0]:.2f} ± {verdict['auto'][1]:.2f} s to "
+                    f"{a['target']:.0%} against {verdict['best'][0]:.2f} ± {verdict['best'][1]:.2f}"
+                    f" s for the better of fxpipe (pipedream) and flush: "
+                    f"{'within' if verdict['within'] else 'NOT within'} the seed spread.", ""]
+        out += ["Seed 0 in detail:", "", table(first, summary["plans"], key, targets, a["batch"]),
+                ""]
     if summary.get("harm"):
         hkey = f"{a['harm_mbit']:g}"
         hp = summary["harm_plans"]

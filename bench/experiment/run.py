@@ -1,11 +1,13 @@
 """The emulated-cluster experiment, end to end (issue 4, sections 1-3).
 
-    .venv/bin/python -m bench.experiment.run            # 50 + 200 Mbit/s + do-no-harm, ~3-4 min
+    .venv/bin/python -m bench.experiment.run            # 20, 50, 200 Mbit/s x 6 modes x 3 seeds
+                                                        # + do-no-harm
     .venv/bin/python -m bench.experiment.run --smoke    # 1 epoch, one bandwidth: plumbing check
 
 Needs root (network namespaces). For each bandwidth it brings up a 2-host EmulatedCluster (one
 core per host, HTB-shaped links), launches bench/experiment/worker.py with torchrun multi-node
-rendezvous on both hosts for each mode (fxpipe, straight, mp, ddp), collects the per-rank JSON
+rendezvous on both hosts for each mode (fxpipe, straight, mp, flush, ddp, auto) and seed,
+collects the per-rank JSON
 logs and the hosts' interface counters, and tears the cluster down. Then the do-no-harm case
 (a small model at 1 Gbit/s where the planner picks data parallelism): fxpipe vs ddp. Plans are
 made first, on ONE core (bench/experiment/plan.py), and loaded by every rank.
@@ -34,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIGURES = ROOT / "docs" / "figures"
 PY = sys.executable
 log = logging.getLogger("bench.experiment")
-MAIN_MODES = ("fxpipe", "straight", "mp", "flush", "ddp")
+MAIN_MODES = ("fxpipe", "straight", "mp", "flush", "ddp", "auto")
 
 
 def make_plans(out: Path, model: str, batch: int, mbits: list[float]) -> dict:
@@ -97,7 +99,8 @@ def merge(ranks: list[dict]) -> dict:
                        "train_bytes_cum": train_bytes})
     samples = sum(e["samples"] for e in epochs)
     seg = sum(e["segment_time_s"] for e in epochs)
-    return {"replicas": r0.get("replicas"), "epochs": epochs,
+    return {"replicas": r0.get("replicas"), "epochs": epochs, "schedule": r0.get("schedule"),
+            "auto": r0.get("auto"),
             "busy_s_per_sample": [r.get("busy_s_per_sample") for r in ranks],
             "final_accuracy": epochs[-1]["test_accuracy"] if epochs else None,
             "samples": samples, "samples_per_s": samples / seg if seg else None,
@@ -192,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-report", action="store_true",
                    help="don't write BENCHMARKS.md or docs/figures")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--seeds", type=int, default=3,
+                   help="seeds per mode (model init and minibatch order 0..N-1)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.smoke:
@@ -210,20 +215,24 @@ def main(argv: list[str] | None = None) -> int:
             harm_case(args, out, summary)
         key = f"{mbit:g}"
         results = []
-        for mode in args.modes:
-            plan_mode = "fxpipe" if mode == "fxpipe" else "straight"
-            entry = plans["plans"][f"{plan_mode}@{key}"]
-            wa = [*common, "--plan", entry["path"]]
-            if mode == "ddp":
-                wa += ["--stop-at", str(args.target)]
-            hosts = sum(entry["replicas"]) if mode != "ddp" else 2
-            res = run_mode(mode, mbit, out / f"{key}mbit" / mode, wa, args.timeout, hosts)
-            results.append(res)
-        summary["main"][key] = results
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        for seed in range(args.seeds):  # all modes per seed: drifting load hits them alike
+            for mode in args.modes:
+                plan_mode = "fxpipe" if mode in ("fxpipe", "auto") else "straight"
+                entry = plans["plans"][f"{plan_mode}@{key}"]
+                wa = [*common, "--plan", entry["path"], "--seed", str(seed)]
+                if mode == "ddp":
+                    wa += ["--stop-at", str(args.target)]
+                hosts = sum(entry["replicas"]) if mode != "ddp" else 2
+                res = run_mode(mode, mbit, out / f"{key}mbit" / f"{mode}-s{seed}", wa,
+                               args.timeout, hosts)
+                res["seed"] = seed
+                results.append(res)
+            summary["main"][key] = results
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
         if not args.no_report:
-            plot(results, mbit, args.target, FIGURES / f"cluster-acc-vs-time-{key}mbit.png",
-                 f"digits, VGG-style big-tail CNN, 2 hosts x 1 core, {key} Mbit/s")
+            plot([r for r in results if r["seed"] == 0], mbit, args.target,
+                 FIGURES / f"cluster-acc-vs-time-{key}mbit.png",
+                 f"digits, VGG-style big-tail CNN, 2 hosts x 1 core, {key} Mbit/s (seed 0)")
     if not args.no_harm_case and (len(args.mbit) == 1 or summary["harm"] is None):
         harm_case(args, out, summary)
     summary["driver_s"] = time.perf_counter() - started

@@ -15,7 +15,11 @@ together every round; ddp splits ``--global-batch`` over the ranks):
 * mp: the same 2-stage plan with one minibatch in flight (gpipe, 1 microbatch per batch);
 * flush: the same 2-stage plan, PipeDream-Flush (1f1b-flush, 2 microbatches of --batch/2 per
   update): pipelined, but no weight staleness;
-* ddp: torch DistributedDataParallel over gloo (BSP).
+* ddp: torch DistributedDataParallel over gloo (BSP);
+* auto: the fxpipe plan with ``schedule="auto"`` (what a user gets by default: a pilot when the run
+  is long enough, else 1f1b-flush; its flush updates once per 2 minibatches of --batch).
+
+``--seed`` sets the model's initialisation and the minibatch order (the published run: 0, 1, 2).
 
 Each rank writes OUT/rank<R>.json: per epoch the cumulative training time (evaluation excluded),
 wall time since the start, train loss, test accuracy (top-1 over the whole test split with the
@@ -56,19 +60,19 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
     plan = Plan.load(args.plan)
     # flush: PipeDream-Flush (1F1B, no staleness), each --batch minibatch as 2 microbatches of
     # half the size, one update per minibatch: the same samples per update as the others
-    schedule, micro = {"mp": ("gpipe", 1), "flush": ("1f1b-flush", 2)}.get(args.mode,
-                                                                          ("pipedream", None))
+    schedule, micro = {"mp": ("gpipe", 1), "flush": ("1f1b-flush", 2),
+                       "auto": ("auto", None)}.get(args.mode, ("pipedream", None))
     batch = args.batch // (micro or 1)
     # device="CPU": the plan is given, so skip measuring costs again on every rank
-    compiled = fx_compile(build_model(args.model), Cluster(workers=2, device="CPU"),
+    compiled = fx_compile(build_model(args.model, args.seed), Cluster(workers=2, device="CPU"),
                           example_inputs=(xtr[:batch],), loss_fn=F.cross_entropy, plan=plan)
     lr, mom = args.lr, args.momentum
     # timeline=True: how long this rank's forwards, backwards and updates really took, to
     # compare with the profile the plan was made from
     trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=mom),
                                schedule=schedule, microbatches=micro, timeout_s=300,
-                               seed=TRAIN_SEED, progress=False, timeline=True)
-    train = ShardedDataset((xtr,), ytr, batch_size=batch, seed=TRAIN_SEED, drop_last=True)
+                               seed=args.seed, progress=False, timeline=True)
+    train = ShardedDataset((xtr,), ytr, batch_size=batch, seed=args.seed, drop_last=True)
     test = ShardedDataset((xte,), yte, batch_size=args.eval_batch, shuffle=False, drop_last=True)
     marks: list[dict] = []
     orig = trainer.evaluate
@@ -87,6 +91,9 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
     t0 = log["t0"] = time.perf_counter()
     history = trainer.fit(train, epochs=args.epochs, eval_loader=test)
     log["t_end"] = time.perf_counter()
+    log["schedule"] = trainer.schedule_name
+    if trainer.auto_decision is not None:
+        log["auto"] = trainer.auto_decision.summary()
     prev = t0
     train_time = 0.0
     for h, m in zip(history, marks):
@@ -122,9 +129,9 @@ def run_ddp(args: argparse.Namespace, rank: int, log: dict) -> None:
     G = args.global_batch
     assert G % world == 0
     local = G // world
-    model = DDP(build_model(args.model))
+    model = DDP(build_model(args.model, args.seed))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    order_src = ShardedDataset((xtr,), ytr, batch_size=G, seed=TRAIN_SEED, drop_last=True)
+    order_src = ShardedDataset((xtr,), ytr, batch_size=G, seed=args.seed, drop_last=True)
     log["replicas"] = [world]
     log["net_start"] = net_bytes()
     dist.barrier()
@@ -166,7 +173,9 @@ def run_ddp(args: argparse.Namespace, rank: int, log: dict) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", required=True, choices=("fxpipe", "straight", "mp", "flush", "ddp"))
+    p.add_argument("--mode", required=True,
+                   choices=("fxpipe", "straight", "mp", "flush", "ddp", "auto"))
+    p.add_argument("--seed", type=int, default=TRAIN_SEED, help="model init and minibatch order")
     p.add_argument("--model", default="bigtail")
     p.add_argument("--plan", help="plan.json (fxpipe, straight, mp)")
     p.add_argument("--batch", type=int, default=64, help="pipeline minibatch (per replica)")

@@ -43,6 +43,7 @@ def main() -> int:
                           example_inputs=(x[:BATCH],), loss_fn=F.cross_entropy, plan=plan,
                           leaf_modules=[SleepLayer])
     trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+                               schedule="pipedream",  # what the simulator is checked on
                                timeout_s=120, progress=False, timeline=True)
     loader = ShardedDataset((x,), y, batch_size=BATCH, seed=0, drop_last=True)
     history = trainer.fit(loader, epochs=args.epochs)

@@ -24,7 +24,7 @@ from .resnet import ResNet50
 from .reuse import ReuseNet
 from .s2vt import S2VT
 
-__all__ = ["ModelSpec", "get", "names", "SIZES"]
+__all__ = ["ModelSpec", "get", "names", "resolve", "SIZES"]
 
 SIZES = ("mini", "full")
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
@@ -37,9 +37,9 @@ class ModelSpec:
     name: str
     size: str
     model: nn.Module
-    example_inputs: tuple[torch.Tensor, ...]
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
-    make_batch: Callable[..., Batch]
+    example_inputs: Any  # a tuple of positional inputs, or a dict of keyword inputs
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None  # None: the model computes its own
+    make_batch: Callable[..., Any] | None  # (batch_size, seed) -> (inputs, target)
     batch_size: int
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -165,3 +165,72 @@ def get(name: str, size: str = "mini", batch_size: int | None = None, seed: int 
     inputs, _ = make_batch(bs, seed=seed)
     return ModelSpec(name=name, size=size, model=model, example_inputs=inputs, loss_fn=loss,
                      make_batch=make_batch, batch_size=bs, info=dict(info))
+
+
+def resolve(name: str, *, size: str = "mini", batch_size: int | None = None, seed: int = 0,
+            seq_len: int = 128, meta: bool = False, input_shape: tuple[int, ...] | None = None
+            ) -> ModelSpec:
+    """What the ``fxpipe`` command's MODEL names: a zoo name, ``hf:<Class>[:key=value,...]``
+    (a Hugging Face architecture from its config, see :mod:`fxpipe.models.hf`; ``meta``: on the
+    meta device, ``seq_len`` tokens per sample), or ``file.py:factory`` where ``factory()``
+    returns a :class:`ModelSpec`, ``(model, example_inputs)``, or a bare module (then
+    ``input_shape`` makes its one random input)."""
+    from . import hf
+
+    if name.startswith(hf.PREFIX):
+        model = hf.build(name, meta=meta, seed=seed)
+        make_batch = hf.batch_maker(model, seq_len)
+        bs = batch_size or 8
+        inputs, _ = make_batch(bs, seed=seed)
+        return ModelSpec(name=name, size="custom", model=model, example_inputs=inputs,
+                         loss_fn=None, make_batch=make_batch, batch_size=bs,
+                         info={"seq": seq_len, "meta": meta})
+    if meta:
+        raise ConfigError(f"--meta applies to hf: models, not {name!r}",
+                          "for your own model, build it under `with torch.device('meta'):` in "
+                          "a file.py:factory")
+    path, sep, factory = name.rpartition(":")
+    if sep and path.endswith(".py"):
+        return _from_factory(name, path, factory, input_shape)
+    return get(name, size=size, batch_size=batch_size, seed=seed)
+
+
+def _from_factory(spec: str, path: str, name: str,
+                  input_shape: tuple[int, ...] | None) -> ModelSpec:
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"model file {path!r} does not exist",
+                          "MODEL is a zoo name, hf:Class or file.py:factory")
+    mod_spec = importlib.util.spec_from_file_location(file.stem, file)
+    assert mod_spec is not None and mod_spec.loader is not None
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ConfigError(f"{path!r} has no callable {name!r}",
+                          "MODEL is file.py:factory where factory() returns a model")
+    made = factory()
+    if isinstance(made, ModelSpec):
+        return made
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        model, inputs = made
+        inputs = inputs if isinstance(inputs, (tuple, dict)) else (inputs,)
+    elif isinstance(made, nn.Module):
+        if not input_shape:
+            raise ConfigError("the factory returned a bare module, so fxpipe needs --input-shape",
+                              "e.g. --input-shape 32,3,224,224, or return (model, example_inputs)")
+        model, inputs = made, (torch.randn(*input_shape),)
+    else:
+        raise ConfigError(f"the factory returned {type(made).__name__}",
+                          "return an fxpipe.models.ModelSpec, (model, example_inputs) or an "
+                          "nn.Module")
+    return ModelSpec(name=spec, size="custom", model=model, example_inputs=inputs, loss_fn=None,
+                     make_batch=None, batch_size=_first_dim(inputs))
+
+
+def _first_dim(inputs: Any) -> int:
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    return next((int(x.shape[0]) for x in values if isinstance(x, torch.Tensor) and x.dim()), 1)

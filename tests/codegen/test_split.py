@@ -80,16 +80,18 @@ class Skip(nn.Module):
         return self.c(self.b(h)) + h, h
 
 
-def test_routing_skip_connection_goes_direct() -> None:
+def test_routing_skip_connection_goes_direct_and_outputs_leave_from_the_last_stage() -> None:
     model = Skip()
     gm = fx.symbolic_trace(model)
     stage_of = {"x": 0, "a": 0, "relu": 0, "b": 1, "c": 2, "add": 2}
     s0, s1, s2 = split_graph(gm, stage_of)
+    # h (relu) is a model output made on stage 0: it goes straight to stage 2 (which needs it
+    # anyway), and stage 2 returns it beside the sum, so the loss sees the whole output there
     assert (s0.index, s0.inputs, s0.sources, s0.outputs, s0.consumers) == \
-        (0, ("x",), (-1,), ("relu",), ((1, 2, -1),))
+        (0, ("x",), (-1,), ("relu",), ((1, 2),))
     assert (s1.inputs, s1.sources, s1.outputs, s1.consumers) == (("relu",), (0,), ("b",), ((2,),))
     assert (s2.inputs, s2.sources, s2.outputs, s2.consumers) == \
-        (("relu", "b"), (0, 1), ("add",), ((-1,),))
+        (("relu", "b"), (0, 1), ("relu", "add"), ((-1,), (-1,)))
     x = torch.randn(2, 4)
     out = run_stages([s0, s1, s2], (x,))
     ref = model(x)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fxpipe.codegen.split import StageSpec
+from fxpipe.runtime.commplan import check_logs
 from fxpipe.runtime.errors import WorkerFailedError
 from fxpipe.runtime.executor import WorkerConfig, fail, init_rank, run_rank
 from fxpipe.runtime.launch import free_port
@@ -57,7 +58,9 @@ def _worker(index: int, cfgs: list[WorkerConfig], outdir: str) -> None:
 
 def run_jobs(jobs: Sequence[Job], timeout_s: float = 30.0,
              join_timeout_s: float = 240.0) -> list[RunResult]:
-    """Every job's RunResult, as run_distributed would return it."""
+    """Every job's RunResult, as run_distributed would return it. Every rank records its
+    communication, and each job's logs must pass the NCCL checker (commplan.check_logs): so
+    every schedule and pipeline shape run here is also proven NCCL-safe."""
     world = max(len(j.schedule.ranks) for j in jobs)
     with tempfile.TemporaryDirectory(prefix="fxpipe-jobs-") as outdir:
         port = free_port()
@@ -70,7 +73,7 @@ def run_jobs(jobs: Sequence[Job], timeout_s: float = 30.0,
                 num_minibatches=s.num_minibatches, actions=dict(s.actions), loss_fn=j.loss_fn,
                 optimizer_factory=j.optimizer_factory, batches=list(j.batches),
                 wire=make_wire_plan(j.stages, [b[0] for b in j.batches]), outdir=outdir,
-                port=port, timeout_s=timeout_s))
+                port=port, timeout_s=timeout_s, record_comm=True, windows=tuple(s.windows)))
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_worker, args=(i, cfgs, outdir), daemon=True)
                  for i in range(world)]
@@ -104,5 +107,7 @@ def run_jobs(jobs: Sequence[Job], timeout_s: float = 30.0,
                 [losses[k] for k in range(job.schedule.num_minibatches)],
                 [rp[(s, 0)] for s in range(len(job.stages))], rp,
                 {rank: rs[i]["peak_bytes"] for i, rank in enumerate(ranks)},
-                {i: r["timeline"] for i, r in enumerate(rs)}))
+                {i: r["timeline"] for i, r in enumerate(rs)},
+                comm_logs={i: r["comm_log"] for i, r in enumerate(rs)}))
+            check_logs(results[-1].comm_logs)
     return results

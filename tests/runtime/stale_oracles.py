@@ -161,37 +161,60 @@ def plain_sgd(w0: Weights, data: Sequence[Batch], lr: float, m: int = 1
 
 
 def tied_lm_pipedream_sgd(w0: Weights, data: Sequence[Batch], lr: float, momentum: float, *,
-                          tied: bool = True) -> tuple[list[float], Weights]:
+                          tied: bool = True, delay: int = 2) -> tuple[list[float], Weights]:
     """TiedLM (wte -> mid -> tanh -> lm_head, lm_head.weight IS wte.weight) on three straight
     pipedream stages (wte | mid, tanh | lm_head), SGD with momentum written out.
 
     Stage s is 2 - s updates stale: minibatch k reads stage s's version max(0, k - (2 - s)). The
-    embedding is one logical parameter used on stages 0 and 2: each stage holds a copy and both
-    copies step with the SUM of the two uses' gradients (each use differentiated at its own
-    stage's version), so they stay equal. ``tied=False`` is the counterfactual of two separate
-    parameters, each stepped with its own use's gradient only."""
+    embedding is one logical parameter used on stages 0 and 2: round j's gradient is the SUM of
+    the two uses' gradients for minibatch j (each use differentiated at the version its stage
+    read). Under pipedream that sum is applied ``delay`` updates late (the difference of the
+    in-flight windows of the two stages holding it, 3 - 1 = 2 here): a holder's update i steps
+    the embedding with round i - delay (nothing before update ``delay``), and the last ``delay``
+    rounds are applied at the end of the run as embedding-only steps. So after v updates a copy
+    has taken rounds 0 .. v - delay - 1, in order, through its momentum buffer; both copies take
+    the same rounds and stay equal. Final weights: every round applied.
+
+    ``tied=False`` is the counterfactual of two separate parameters, each stepped with its own
+    use's gradient at every update (no sum, no delay)."""
     E0, mid_w, mid_b = w0["wte.weight"], w0["mid.weight"], w0["mid.bias"]
-    hist = [[{"E": E0}], [{"mw": mid_w, "mb": mid_b}], [{"E": E0}]]
-    buf: list[dict[str, torch.Tensor]] = [{}, {}, {}]
+    d = delay if tied else 0
+    # emb[s][u] = stage s's embedding copy after u rounds; mids[v] = stage 1 after v updates
+    emb: list[list[torch.Tensor]] = [[E0], [], [E0]]
+    ebuf: list[torch.Tensor | None] = [None, None, None]
+    mids = [(mid_w, mid_b)]
+    mbuf: list[torch.Tensor] = []
+    rounds: list[list[torch.Tensor]] = [[], [], []]  # per holder: the gradient of each round
+
+    def step_embedding(s: int) -> None:
+        g = rounds[s][len(emb[s]) - 1]
+        ebuf[s] = g.clone() if ebuf[s] is None else momentum * ebuf[s] + g
+        emb[s].append(emb[s][-1] - lr * ebuf[s])
+
     losses = []
     for k, (idx, tgt) in enumerate(data):
-        w = [{n: t.detach().clone().requires_grad_(True)
-              for n, t in hist[s][max(0, k - (2 - s))].items()} for s in range(3)]
-        h = torch.tanh(F.linear(F.embedding(idx, w[0]["E"]), w[1]["mw"], w[1]["mb"]))
-        loss = F.cross_entropy(F.linear(h, w[2]["E"]), tgt)
+        v = [max(0, k - (2 - s)) for s in range(3)]   # version (updates) each stage reads
+        E_0 = emb[0][max(0, v[0] - d)].detach().clone().requires_grad_(True)
+        mw, mb = (t.detach().clone().requires_grad_(True) for t in mids[v[1]])
+        E_2 = emb[2][max(0, v[2] - d)].detach().clone().requires_grad_(True)
+        h = torch.tanh(F.linear(F.embedding(idx, E_0), mw, mb))      # (batch, seq, hidden)
+        loss = F.cross_entropy(F.linear(h, E_2), tgt)
         losses.append(float(loss.detach()))
-        g0, gmw, gmb, g2 = torch.autograd.grad(loss, [w[0]["E"], w[1]["mw"], w[1]["mb"],
-                                                      w[2]["E"]])
-        grads = [{"E": g0 + g2 if tied else g0}, {"mw": gmw, "mb": gmb},
-                 {"E": g0 + g2 if tied else g2}]
-        for s in range(3):
-            new = {}
-            for n, g in grads[s].items():
-                buf[s][n] = momentum * buf[s][n] + g if n in buf[s] else g.clone()
-                new[n] = hist[s][-1][n] - lr * buf[s][n]
-            hist[s].append(new)
-    out = {"wte.weight": hist[0][-1]["E"], "mid.weight": hist[1][-1]["mw"],
-           "mid.bias": hist[1][-1]["mb"], "lm_head.weight": hist[2][-1]["E"]}
+        g0, gmw, gmb, g2 = torch.autograd.grad(loss, [E_0, mw, mb, E_2])
+        rounds[0].append(g0 + g2 if tied else g0)
+        rounds[2].append(g0 + g2 if tied else g2)
+        # update k of every stage: the middle stage's own step, the embedding's round k - d
+        mbuf = [g.clone() for g in (gmw, gmb)] if not mbuf else \
+            [momentum * b + g for b, g in zip(mbuf, (gmw, gmb))]
+        mids.append(tuple(t - lr * b for t, b in zip(mids[-1], mbuf)))
+        for s in (0, 2):
+            if k - d >= 0:
+                step_embedding(s)
+    for s in (0, 2):  # the end of the run: the last d rounds, embedding-only steps
+        while len(emb[s]) - 1 < len(data):
+            step_embedding(s)
+    out = {"wte.weight": emb[0][-1], "mid.weight": mids[-1][0], "mid.bias": mids[-1][1],
+           "lm_head.weight": emb[2][-1]}
     return losses, out
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 
+from fxpipe.runtime.commplan import check_logs
 from fxpipe.runtime.errors import WorkerFailedError
 from fxpipe.runtime.launch import run_distributed
 from fxpipe.runtime.reference import ReferenceExecutor
@@ -26,8 +27,9 @@ def test_distributed_equals_reference_and_records_a_timeline(tmp_path) -> None:
     ref = ReferenceExecutor(split(copy.deepcopy(model), [2]), [1, 1], sched, loss_fn,
                             sgd).run(data)
     got = run_distributed(split(copy.deepcopy(model), [2]), [1, 1], sched, loss_fn, sgd, data,
-                          timeout_s=30, join_timeout_s=240)
+                          timeout_s=30, join_timeout_s=240, record_comm=True)
     torch.testing.assert_close(got.losses, ref.losses, **TIGHT)
+    assert check_logs(got.comm_logs) == 2 * 2 * 8  # act + grad, each posted at both ends
     for rank in sched.ranks:
         torch.testing.assert_close(got.replica_params[rank], ref.replica_params[rank], **TIGHT)
     assert got.peak_bytes == ref.peak_bytes

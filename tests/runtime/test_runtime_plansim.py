@@ -158,3 +158,31 @@ def test_cli_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     assert "steady state" in out and "BSP" in out
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+
+def test_tied_weights_are_priced_lockstep_when_synchronous_and_free_when_delayed() -> None:
+    """4 unit stages, a 1000-byte weight owned by n0 (stage 0) and shared by n3 (stage 3).
+    Synchronous tied sum: the last stage's update i waits for stage 0's update i, i.e. for
+    F3 + B3 + B2 + B1 + B0 = 5 s per minibatch, plus the 2-holder ring all-reduce of
+    2 (2 - 1) / 2 * 1000 B at 1 MB/s = 1 ms. The runtime's pipedream delay (3 rounds): 2 s,
+    as without the tie. Bytes: each of the two holders sends 1000 B per update."""
+    from fxpipe.runtime.plansim import TiedSync, tied_from_profile
+
+    nodes = [ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=1.0,
+                         backward_s=1.0, activation_bytes=0.0,
+                         parameter_bytes=1000.0 if i == 0 else 0.0,
+                         inputs=(f"n{i - 1}",) if i else (), params=("w",) if i == 0 else (),
+                         shared_params=("w",) if i == 3 else ()) for i in range(4)]
+    prof = Profile(nodes=tuple(nodes), batch_size=4)
+    plan = partition(prof, Cluster(workers=4, bandwidth=BW), stages=4, straight=True)
+    assert plan.replicas == [1, 1, 1, 1]
+    assert tied_from_profile(plan, prof) == [TiedSync((0, 3), 1000.0)]
+    untied = simulate_plan(plan, prof, minibatches=200, tied=[])
+    lockstep = simulate_plan(plan, prof, minibatches=200, tied_delay=0)
+    delayed = simulate_plan(plan, prof, minibatches=200)
+    assert untied.steady_state_period == pytest.approx(2.0, rel=1e-12)
+    assert lockstep.steady_state_period == pytest.approx(5.001, rel=1e-9)
+    assert delayed.steady_state_period == pytest.approx(2.0, rel=1e-12)
+    assert delayed.sync_bytes_per_minibatch == pytest.approx(2000.0)
+    flush = simulate_plan(plan, prof, schedule="1f1b-flush", minibatches=200)
+    assert flush.sync_bytes_per_minibatch > 0  # synchronous there: priced as a barrier

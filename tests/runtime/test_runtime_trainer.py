@@ -16,7 +16,14 @@ from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.trainer import Trainer, make_trainer
 
 momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-step_lr = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
+
+
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
+
+
+# stepped after every update (the default): resuming must restore it exactly
+step_lr = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=_warmup)
 
 
 class Crash(Exception):
@@ -106,9 +113,9 @@ def test_checkpoint_for_another_pipeline_is_refused(tmp_path: Path) -> None:
         other.fit(batches(4), epochs=2, resume=True)
 
 
-def test_world_size_mismatch_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_few_processes_fail_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")  # never contacted: the check comes first
 
@@ -116,7 +123,7 @@ def test_world_size_mismatch_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> 
         raise AssertionError("the process group was started before the world size check")
 
     monkeypatch.setattr(torch.distributed, "init_process_group", no_rendezvous)
-    with pytest.raises(RuntimeConfigError, match="3 processes but the plan needs 2"):
+    with pytest.raises(RuntimeConfigError, match="has 1 process but the plan needs 2"):
         Trainer(stages(), [1, 1], F.mse_loss, sgd, executor="distributed")
 
 

@@ -36,8 +36,8 @@ def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                  "--master-addr=127.0.0.1", f"--master-port={_port()}",
                  str(HERE / "trainer_job.py"), *args])
 
@@ -65,6 +65,33 @@ def test_distributed_resume_after_a_crash_matches_uninterrupted_and_reference(tm
     # 7 minibatches per epoch in segments of checkpoint_every=2; rank 0 runs each F and B once
     assert want["timelines"] == [[n, n] for n in [2, 2, 2, 1] * 2]
     assert got["timelines"] == []  # not recorded unless asked
+    # nothing gathered to rank 0 by fit; state_dict() gathers once, on request
+    assert want["gathers"] == got["gathers"] == [0, 1]
+
+
+def test_surplus_ranks_say_so_and_leave_while_the_plan_trains(tmp_path: Path) -> None:
+    """3 processes for a 2-rank plan (the planner chose fewer workers than launched): rank 2
+    logs that it is idle and exits 0; ranks 0-1 train exactly what the reference trains."""
+    res = _torchrun(str(tmp_path / "out.pt"), "--ckpt", str(tmp_path / "ck"), nproc=3)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "rank 2 is idle: the plan uses 2 of the job's 3 processes" in res.stdout
+    ref = _run([sys.executable, str(HERE / "trainer_job.py"), str(tmp_path / "ref.pt"),
+                "--ckpt", str(tmp_path / "ref"), "--executor", "reference"])
+    assert ref.returncode == 0, ref.stdout[-3000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)["state"]
+    want = torch.load(tmp_path / "ref.pt", weights_only=True)["state"]
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-6, atol=1e-7)
+
+
+def test_ranks_reading_different_data_stop_before_training(tmp_path: Path) -> None:
+    """Each rank's loader seeded by its rank: rank 0 would feed one minibatch's inputs, rank 1
+    compare the outputs with another minibatch's targets. Both stop at the first segment."""
+    res = _torchrun(str(tmp_path / "out.pt"), "--ckpt", str(tmp_path / "ck"), "--rank-data")
+    assert res.returncode != 0 and not (tmp_path / "out.pt").exists()
+    assert "rank 1 read different minibatches of epoch 0 segment at 0 than rank 0" in res.stdout
+    assert "no DistributedSampler" in res.stdout
 
 
 def test_stage_may_start_with_an_in_place_op() -> None:

@@ -61,8 +61,32 @@ class TwoHeads(nn.Module):
         return h, self.b(h)
 
 
-def test_model_output_on_an_early_stage_is_rejected() -> None:
-    gm = fx.symbolic_trace(TwoHeads())
+def test_model_output_made_on_an_early_stage_trains_through_the_last_stage() -> None:
+    """h is a model output made on stage 0: it is routed to stage 1, which returns it with b(h),
+    and the loss's gradient through h reaches stage 0 (plain SGD, one minibatch in flight)."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    gm = fx.symbolic_trace(model)
     stages = split_graph(gm, {n.name: int(n.name == "b") for n in placed_nodes(gm)})
-    with pytest.raises(RuntimeConfigError, match="not the last stage"):
-        ReferenceExecutor(stages, [1, 1], make_schedule("pipedream", [1, 1], 2), loss_fn, sgd)
+    assert stages[0].consumers == ((1,),) and stages[1].outputs == ("a", "b")
+
+    def two_head_loss(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        h, z = out
+        return (z - y).pow(2).mean() + 0.5 * h.pow(2).mean()
+
+    data = [(torch.randn(3, 4), torch.randn(3, 2)) for _ in range(4)]
+    ref_model = TwoHeads()
+    ref_model.load_state_dict(model.state_dict())
+    ex = ReferenceExecutor(stages, [1, 1], make_schedule("1f1b-flush", [1, 1], 4, microbatches=1),
+                           two_head_loss, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    res = ex.run(data)
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    for (x, y), got in zip(data, res.losses):
+        opt.zero_grad()
+        loss = two_head_loss(ref_model(x), y)
+        assert got == pytest.approx(float(loss), rel=1e-6)
+        loss.backward()
+        opt.step()
+    trained = res.merged_params()
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-6, atol=1e-7)

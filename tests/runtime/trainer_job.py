@@ -3,9 +3,11 @@
     python trainer_job.py OUT.pt --ckpt DIR [--crash-after 2] [--resume] [--executor reference]
 
 Trains a 3-stage-cut MLP with dropout (2 stages, replicas [1, 1]) for 2 epochs of 7 minibatches,
-SGD with momentum and a StepLR, checkpoints every 2 minibatches. ``--crash-after N`` kills the
-process hard (os._exit, like a crash) right after the N-th checkpoint completes; rank 0 writes
-the trained state dict and the history to OUT.pt at the end.
+SGD with momentum and a linear warm-up stepped after every update, checkpoints every 2
+minibatches. ``--crash-after N`` kills the process hard (os._exit, like a crash) right after the
+N-th checkpoint completes; rank 0 writes the trained state dict, the history and how often the
+trainer gathered to rank 0 (during fit, then in state_dict()) to OUT.pt at the end.
+``--rank-data``: each rank gets a loader seeded by its rank (a mistake the trainer must catch).
 """
 from __future__ import annotations
 
@@ -42,11 +44,21 @@ def dataset() -> ShardedDataset:
     return ShardedDataset(x, y, batch_size=4, seed=3)
 
 
+def rank_data() -> list:
+    """A plain loader that differs by rank (as if each rank had drawn its own shard)."""
+    g = torch.Generator().manual_seed(100 + int(os.environ.get("RANK", "0")))
+    return [(torch.randn(4, 4, generator=g), torch.randn(4, 2, generator=g)) for _ in range(6)]
+
+
+def warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
+
+
 def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
     return Trainer(stages(), [1, 1], F.mse_loss,
                    functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
-                   lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1,
-                                                  gamma=0.5),
+                   lr_scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR,
+                                                  lr_lambda=warmup),
                    schedule=args.schedule, checkpoint_dir=args.ckpt, checkpoint_every=2,
                    executor=args.executor, timeout_s=30, progress=False,
                    on_checkpoint=on_checkpoint, timeline=args.timeline)
@@ -61,6 +73,7 @@ def main() -> int:
     p.add_argument("--executor", default="distributed")
     p.add_argument("--schedule", default="pipedream")
     p.add_argument("--timeline", action="store_true", help="record; save per-segment counts")
+    p.add_argument("--rank-data", action="store_true", help="a loader that differs by rank")
     args = p.parse_args()
     torch.set_num_threads(1)
     done = []
@@ -72,12 +85,23 @@ def main() -> int:
             os._exit(3)
 
     trainer = make_trainer(args, crash if args.crash_after else None)
-    history = trainer.fit(dataset(), epochs=2, eval_loader=dataset(), resume=args.resume)
+    gathers = [0]
+    real_gather = getattr(trainer.backend, "gather", None)
+    if real_gather is not None:
+        def counted(*a, **kw):
+            gathers[0] += 1
+            return real_gather(*a, **kw)
+        trainer.backend.gather = counted
+    data = rank_data() if args.rank_data else dataset()
+    history = trainer.fit(data, epochs=2, eval_loader=None if args.rank_data else dataset(),
+                          resume=args.resume)
+    in_fit = gathers[0]
+    state = trainer.state_dict()  # collective: every rank; rank 0 gets the whole model
     if int(os.environ.get("RANK", "0")) == 0:
         counts = [[sum(e.category == c for e in tl) for c in ("forward", "backward")]
                   for tl, _ in trainer.timelines]
-        torch.save({"state": trainer.state_dict(), "history": history, "timelines": counts},
-                   Path(args.out))
+        torch.save({"state": state, "history": history, "timelines": counts,
+                    "gathers": [in_fit, gathers[0] - in_fit]}, Path(args.out))
     trainer.close()
     return 0
 

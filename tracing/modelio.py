@@ -40,7 +40,9 @@ class ModelIO:
 
     ``output_template`` mirrors the original output node's argument with every node replaced by a
     :class:`ValueRef` (lists/tuples/dicts made plain). ``in_spec``/``out_spec`` are the pytree specs
-    of a ``torch.export`` module (None for symbolically traced graphs).
+    of a ``torch.export`` module (None for symbolically traced graphs). ``fixed_shapes``: the
+    tensor inputs' shapes a torch.export graph was specialised to (it bakes sizes into views and
+    masks), checked by :meth:`bind_inputs`; empty for symbolically traced graphs.
     """
 
     input_names: tuple[str, ...]
@@ -49,6 +51,7 @@ class ModelIO:
     output_template: Any
     in_spec: pytree.TreeSpec | None = None
     out_spec: pytree.TreeSpec | None = None
+    fixed_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @staticmethod
     def from_graph_module(gm: fx.GraphModule) -> "ModelIO":
@@ -59,13 +62,16 @@ class ModelIO:
         template = _to_template(outputs[0].args[0]) if outputs else None
         codegen = gm.graph._codegen
         in_spec = out_spec = None
+        fixed: tuple[tuple[str, tuple[int, ...]], ...] = ()
         if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info is not None:
             in_spec = codegen.pytree_info.in_spec
             out_spec = codegen.pytree_info.out_spec
+            fixed = tuple((n.name, tuple(int(d) for d in n.meta["val"].shape))
+                          for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor))
         return ModelIO(input_names=tuple(n.name for n in placeholders),
                        arg_names=tuple(str(n.target) for n in placeholders),
                        defaults=defaults, output_template=template,
-                       in_spec=in_spec, out_spec=out_spec)
+                       in_spec=in_spec, out_spec=out_spec, fixed_shapes=fixed)
 
     def bind_inputs(self, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
                     ) -> dict[str, Any]:
@@ -79,7 +85,18 @@ class ModelIO:
             raise InputMismatchError(
                 f"the model takes {len(self.input_names)} inputs {list(self.input_names)}, "
                 f"got {len(flat)}", hint="pass the same arguments as to the original model")
-        return dict(zip(self.input_names, flat))
+        bound = dict(zip(self.input_names, flat))
+        for name, shape in self.fixed_shapes:
+            value = bound[name]
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+                raise InputMismatchError(
+                    f"input {name!r} has shape {tuple(value.shape)}, but the model was traced with "
+                    f"torch.export for shape {shape}, and an exported graph is specialised to "
+                    "its example shapes",
+                    hint="feed batches of the traced shape (DataLoader(drop_last=True), pad "
+                         "sequences to a fixed length), or compile with example inputs of the "
+                         "shape you train on")
+        return bound
 
     def _flatten_with_spec(self, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
         spec = self.in_spec
@@ -137,7 +154,8 @@ class ModelIO:
                 "defaults": [[k, _encode(v)] for k, v in self.defaults],
                 "output_template": _encode(self.output_template),
                 "in_spec": _dump_spec(self.in_spec, "in_spec"),
-                "out_spec": _dump_spec(self.out_spec, "out_spec")}
+                "out_spec": _dump_spec(self.out_spec, "out_spec"),
+                "fixed_shapes": [[n, list(shape)] for n, shape in self.fixed_shapes]}
 
     @staticmethod
     def from_json(data: Mapping[str, Any], path: str) -> "ModelIO":
@@ -148,7 +166,9 @@ class ModelIO:
                 arg_names=tuple(str(x) for x in data["arg_names"]),
                 defaults=tuple((str(k), _decode(v, path)) for k, v in data["defaults"]),
                 output_template=_decode(data["output_template"], path),
-                in_spec=_load_spec(data["in_spec"]), out_spec=_load_spec(data["out_spec"]))
+                in_spec=_load_spec(data["in_spec"]), out_spec=_load_spec(data["out_spec"]),
+                fixed_shapes=tuple((str(n), tuple(int(d) for d in shape))
+                                   for n, shape in data.get("fixed_shapes", [])))
         except PlanFormatError:
             raise
         except Exception as exc:  # noqa: BLE001 - any malformation becomes one clear error

@@ -1,0 +1,117 @@
+"""The Trainer's checkpoints: save a consistent cut per stage, resume from the newest complete one.
+
+A checkpoint is taken only at a segment end (the pipeline drained): each stage's replica 0 writes
+its stage's weights, buffers, optimizer and LR-scheduler state (:mod:`fxpipe.runtime.checkpoint`:
+one file per stage, atomic), then rank 0 writes the manifest once every stage's file exists. A
+mixin of :class:`~fxpipe.runtime.trainer.Trainer`, kept apart so the training loop reads on its
+own.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .errors import RuntimeConfigError
+from .stage import StageReplica
+
+log = logging.getLogger("fxpipe.runtime.trainer")
+
+
+class CheckpointMixin:
+    """Checkpoint and resume methods of the Trainer (it provides the attributes used here)."""
+
+    local: dict[tuple[int, int], StageReplica]
+    schedulers: dict[tuple[int, int], Any]
+    backend: Any
+    stages: list[Any]
+    replicas: list[int]
+    checkpoint_dir: str | None
+    keep_checkpoints: int | None
+    history: list[dict[str, float]]
+    segment: int
+    kind: str
+    seed: int
+    fingerprint: str | None
+    index: int
+    on_checkpoint: Any
+
+    # ------------------------------------------------------------------ checkpoints
+    def _stage_state(self, rank: tuple[int, int], epoch: int, pos: int) -> dict[str, Any]:
+        w = self.local[rank]
+        opt, sch = w.stash.optimizer, self.schedulers.get(rank)
+        return {"weights": {n: t.detach().cpu() for n, t in w.stash.latest.items()},
+                "buffers": {n: t.detach().cpu() for n, t in w.buffers.items()},
+                "optimizer": opt.state_dict() if opt is not None else None,
+                "lr_scheduler": sch.state_dict() if sch is not None else None,
+                "position": [epoch, pos]}
+
+    def _checkpoint(self, epoch: int, pos: int, acc: list[float]) -> None:
+        assert self.checkpoint_dir is not None
+        for rank in self.local:
+            if rank[1] == 0:
+                ckpt.save_stage(self.checkpoint_dir, epoch, pos, rank[0],
+                                self._stage_state(rank, epoch, pos))
+        self.backend.all_sum([0.0], "checkpoint barrier")  # every stage file exists now
+        if self.index == 0:
+            info = {"history": self.history, "partial": acc, "replicas": self.replicas,
+                    "schedule": self.schedule_name, "segment": self.segment, "seed": self.seed,
+                    "fingerprint": self.fingerprint}
+            ckpt.write_manifest(self.checkpoint_dir, epoch, pos, len(self.stages), info)
+            if self.keep_checkpoints:
+                ckpt.prune(self.checkpoint_dir, self.keep_checkpoints, len(self.stages))
+        self.backend.all_sum([0.0], "checkpoint manifest")
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(epoch, pos)
+
+    def _resume(self) -> tuple[int, int, list[float]]:
+        """Load the newest checkpoint every stage finished (chosen by rank 0, for all)."""
+        if self.checkpoint_dir is None:
+            raise RuntimeConfigError("resume=True without checkpoint_dir",
+                                     "pass the checkpoint_dir the run was saving to")
+        choice: Any = None
+        if self.index == 0:
+            try:
+                choice = str(ckpt.find_latest(self.checkpoint_dir, len(self.stages)).folder)
+            except ckpt.CheckpointError as err:
+                choice = err
+        choice = self.backend.broadcast(choice, "checkpoint choice")
+        if isinstance(choice, ckpt.CheckpointError):
+            raise choice
+        found = ckpt.check_folder(Path(choice), len(self.stages), verify=False)
+        m = found.manifest
+        if m.get("replicas") != self.replicas or (self.fingerprint and m.get("fingerprint")
+                                                  not in (None, self.fingerprint)):
+            raise ckpt.CheckpointError(f"{found.folder} was made for replicas {m.get('replicas')} "
+                                       f"(model {m.get('fingerprint')}), this pipeline has "
+                                       f"{self.replicas} (model {self.fingerprint})",
+                                       "resume with the plan the checkpoint was trained with")
+        if (m.get("segment"), m.get("schedule")) != (self.segment, self.schedule_name):
+            log.warning("checkpoint was made with schedule %s and segment %s; resuming with %s "
+                        "and %s will not reproduce the uninterrupted run exactly",
+                        m.get("schedule"), m.get("segment"), self.schedule_name, self.segment)
+        for rank, w in self.local.items():
+            self._load_stage(rank, w, ckpt.load_stage(found, rank[0]))
+        self.history = [dict(h) for h in m.get("history", [])]
+        log.info("resumed from %s (epoch %d, minibatch %d)", found.folder, found.epoch,
+                 found.minibatch)
+        return found.epoch, found.minibatch, list(m.get("partial", [0.0] * 4))
+
+    def _load_stage(self, rank: tuple[int, int], w: StageReplica, state: dict[str, Any]) -> None:
+        for key, dst in (("weights", w.stash.latest), ("buffers", w.buffers)):
+            src = state.get(key) or {}
+            if set(src) != set(dst):
+                raise ckpt.CheckpointError(f"stage {rank[0]}'s checkpoint has {key} "
+                                           f"{sorted(src)[:4]}..., the stage has {sorted(dst)[:4]}",
+                                           "the checkpoint was made for a different model")
+            with torch.no_grad():
+                for n, t in dst.items():
+                    t.copy_(src[n])
+        if w.stash.optimizer is not None and state.get("optimizer") is not None:
+            w.stash.optimizer.load_state_dict(state["optimizer"])
+        if rank in self.schedulers and state.get("lr_scheduler") is not None:
+            self.schedulers[rank].load_state_dict(state["lr_scheduler"])
+

@@ -1,0 +1,80 @@
+"""bench/ablation: the equivalences the sweep relies on, and one tiny run of the harness.
+
+The sweep trains gpipe only as 1f1b-flush, and flush and 2bw at S > 2 only after everything else
+(report falls back to S = 2): that is sound only if gpipe does flush's arithmetic bit for bit, and
+flush / 2bw with the same samples per update do the same arithmetic at every depth up to
+rounding. Checked here on a float64 model, against each other (no formula needed: the claim is
+an equality of two runs)."""
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[2]
+for p in (ROOT, ROOT / "tests" / "runtime"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from rt_helpers import split  # noqa: E402
+
+from fxpipe.runtime.reference import ReferenceExecutor  # noqa: E402
+from fxpipe.runtime.schedule import make_schedule  # noqa: E402
+
+B, UPDATES = 12, 5
+
+
+def model64() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8),
+                         nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def samples() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(B * UPDATES, 4, generator=g, dtype=torch.float64),
+            torch.randn(B * UPDATES, 2, generator=g, dtype=torch.float64))
+
+
+def train(kind: str, cuts: list[int]) -> dict[str, torch.Tensor]:
+    """``kind`` on S = len(cuts) + 1 stages, S microbatches of B / S samples per update."""
+    S = len(cuts) + 1
+    x, y = samples()
+    micro = B // S
+    data = [(x[i:i + micro], y[i:i + micro]) for i in range(0, len(x), micro)]
+    stages = split(copy.deepcopy(model64()), cuts)
+    ex = ReferenceExecutor(stages, [1] * S, make_schedule(kind, [1] * S, len(data), microbatches=S),
+                           F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    return ex.run(data).merged_params()
+
+
+def test_gpipe_is_flush_bit_for_bit() -> None:
+    flush, gpipe = train("1f1b-flush", [1, 3]), train("gpipe", [1, 3])
+    assert all(torch.equal(flush[n], gpipe[n]) for n in flush)
+
+
+@pytest.mark.parametrize("kind", ["1f1b-flush", "2bw"])
+def test_same_arithmetic_at_every_depth(kind: str) -> None:
+    two, three, four = train(kind, [3]), train(kind, [1, 3]), train(kind, [1, 3, 5])
+    for n in two:
+        torch.testing.assert_close(two[n], three[n], rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(two[n], four[n], rtol=1e-12, atol=1e-13)
+    assert not torch.equal(two["0.weight"], model64()[0].weight)  # it trained
+
+
+def test_one_tiny_run_of_the_harness() -> None:
+    torch.set_num_threads(1)
+    from bench.ablation.tasks import make_task
+    from bench.ablation.train import Run, run_one
+
+    task = make_task("mlp", updates=10)
+    rec = run_one(task, Run("mlp", 2, "pipedream+dc", "sgd0.9", 0))
+    assert [u for u, _ in rec["evals"]] == [0, 5, 10] and rec["diverged"] is None
+    assert len(rec["train_losses"]) == 10 and 0.0 <= rec["final"] <= 1.0
+    flush = run_one(task, Run("mlp", 2, "1f1b-flush", "sgd0.9", 0))
+    assert len(flush["train_losses"]) == 10  # one mean per update of 2 microbatches
