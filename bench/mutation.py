@@ -4,7 +4,12 @@ Run from the repository root (takes tens of minutes on 2 cores; one module at a 
 
     nice -n 10 .venv/bin/python -m bench.mutation                      # every module below
     nice -n 10 .venv/bin/python -m bench.mutation runtime/stash.py     # some of them
+    nice -n 10 .venv/bin/python -m bench.mutation --reuse passes/plan.py  # after new tests
     .venv/bin/python -m bench.mutation --report                        # publish saved results
+
+``--reuse`` reruns only what a saved run did not kill (its survivors and the mutants of changed
+lines); a mutant identical to one killed before (same line text, same edit) counts as killed,
+marked "killed (earlier run)", and the report says how many were carried over that way.
 
 Each mutant is one of mutmut's edits (pinned in the ``dev`` extra: ``mutmut==2.5.1``; only its
 mutation generator is used): an operator swapped (``<`` for ``<=``, ``-`` for ``+``), a number
@@ -185,8 +190,18 @@ def run_tests(repo: Path, site: Path, tests: list[str], timeout: float, log: Pat
                 pass
 
 
-def test_module(module: str, repo: Path, site: Path) -> dict:
+def _previously_killed(module: str) -> set[tuple[str, str]]:
+    """(original line, mutated line) of every mutant a saved run of ``module`` killed."""
+    path = OUT / (module.replace("/", "_") + ".json")
+    if not path.exists():
+        return set()
+    return {(m["line"], m["diff"]) for m in json.loads(path.read_text())["mutants"]
+            if m["status"].startswith("killed")}
+
+
+def test_module(module: str, repo: Path, site: Path, reuse: bool = False) -> dict:
     tests = SUITES[module]
+    known = _previously_killed(module) if reuse else set()
     target = repo / module
     original = target.read_text()
     log = repo.parent / "pytest.log"
@@ -200,6 +215,10 @@ def test_module(module: str, repo: Path, site: Path) -> dict:
     results = []
     try:
         for i, (m, source) in enumerate(found):
+            if (m.line, m.diff) in known:  # same edit of the same line text, killed before
+                m.status = "killed (earlier run)"
+                results.append(m)
+                continue
             target.write_text(source)
             rc, m.seconds = run_tests(repo, site, tests, timeout, log)
             m.status = "survived" if rc == 0 else "killed"
@@ -265,7 +284,9 @@ def report() -> str:
         killed = sum(m["status"].startswith("killed") for m in ms)
         surv = [m for m in ms if m["status"] == "survived"]
         argued = [m for m in surv if _why(d["module"], m)]
-        rows.append((d["module"], len(ms), killed, len(surv), len(argued), d["baseline_s"]))
+        carried = sum(m["status"] == "killed (earlier run)" for m in ms)
+        rows.append((d["module"], len(ms), killed, len(surv), len(argued), d["baseline_s"],
+                     carried))
         for m in surv:
             why = _why(d["module"], m) or "**no argument: a missing test**"
             new = m["diff"].splitlines()[-1][2:]
@@ -277,15 +298,18 @@ def report() -> str:
            "mutants from mutmut 2.5.1's generator, each module against its test selection "
            "(`bench/mutation.py`, `SUITES`), first failure kills. Score = killed / mutants; "
            "`score (equivalent excluded)` leaves out the survivors argued equivalent below.", "",
-           "| module | mutants | killed | survived | argued equivalent | score | score "
-           "(equivalent excluded) | selection seconds |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for mod, n, k, s, a, secs in rows:
-        out.append(f"| {mod} | {n} | {k} | {s} | {a} | {100 * k / n:.1f}% | "
+           "`killed earlier` counts mutants identical (line text and edit) to ones a previous "
+           "run killed, not rerun (`--reuse`).", "",
+           "| module | mutants | killed | of which killed earlier | survived | argued equivalent "
+           "| score | score (equivalent excluded) | selection seconds |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for mod, n, k, s, a, secs, c in rows:
+        out.append(f"| {mod} | {n} | {k} | {c} | {s} | {a} | {100 * k / n:.1f}% | "
                    f"{100 * k / max(1, n - a):.1f}% | {secs:.0f} |")
     if total:
         eq = sum(r[4] for r in rows)
-        out.append(f"| **all** | {total} | {killed} | {total - killed} | {eq} | "
+        carried = sum(r[6] for r in rows)
+        out.append(f"| **all** | {total} | {killed} | {carried} | {total - killed} | {eq} | "
                    f"{100 * killed / total:.1f}% | {100 * killed / max(1, total - eq):.1f}% | |")
     out += ["", "Every survivor, with why it cannot be killed (an equivalent mutant: no caller "
             "can observe the change):", "", "| where | original | mutant | why it survives |",
@@ -301,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("modules", nargs="*", help=f"default: all of {sorted(SUITES)}")
     ap.add_argument("--report", action="store_true", help="publish the saved results")
+    ap.add_argument("--reuse", action="store_true",
+                    help="incremental: a mutant identical (same line text, same edit) to one the "
+                         "saved run killed is counted killed without running; the rest run")
     ap.add_argument("--out", help="write the report here instead of BENCHMARKS.md")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -320,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     try:
         for module in args.modules or sorted(SUITES):
-            res = test_module(module, repo, site)
+            res = test_module(module, repo, site, args.reuse)
             (OUT / (module.replace("/", "_") + ".json")).write_text(json.dumps(res, indent=1))
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
