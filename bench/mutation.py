@@ -270,6 +270,10 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "crossing = all_crossing_values(profile, [a for a in sol.starts if a >= 0])"):
         "`crossing` only feeds a debug log line",
     ("passes/partition.py", "if a > 0:", "if a > 1:"): "only decides whether a debug line is logged",
+    ("passes/partition.py",
+     'f"no plan fits in {format_bytes(cluster.memory or 0)} per worker: the smallest-memory "',
+     'f"no plan fits in {format_bytes(cluster.memory or 1)} per worker: the smallest-memory "'):
+        "raised only under a memory cap, and Cluster refuses a cap <= 0: the `or` never applies",
     ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
     ("passes/plan.py", "model_fingerprint: str | None = None",
      "model_fingerprint: str & None = None"): _ANNOTATION,

@@ -244,3 +244,67 @@ def test_to_dict_is_plain_json() -> None:
     assert json.loads(json.dumps(d)) == d  # lists, not tuples: JSON gives back the same
     d["format"] = "other/9"
     assert _bad(d) == "'p.json': field 'format' is 'other/9', expected 'fxpipe.plan/1'"
+
+
+# ----------------------------------------------------------------------------- staleness table
+def test_summary_names_the_stages_by_spans_and_shows_staleness_literally() -> None:
+    """``spans`` replaces first..last node (still cut to 40 columns); a plan with a staleness
+    table ends with it: one row per schedule, own/global per stage, the schedule column as wide
+    as the longest name plus 2, each stage column 10 wide."""
+    plan = dataclasses.replace(two_level_plan(), staleness={"pipedream": ((1, 2), (0, 0)),
+                                                            "2bw": ((1, 1), (1, 1))})
+    lines = plan.summary(spans=["embedding", "x" * 45]).splitlines()
+    assert lines[2][7:47] == "embedding (2)".ljust(40)
+    assert lines[3][7:47] == ("x" * 45 + " (2)")[:37] + "..."
+    assert lines[-5:] == [
+        "",
+        "weight staleness (steady state, per stage: own updates / global block updates as in "
+        "Randomized PipeDream):",
+        "schedule      stage 0   stage 1",
+        "pipedream         1/2       0/0",
+        "2bw               1/1       1/1",
+    ]
+    assert "weight staleness" not in two_level_plan().summary()  # no table: no section
+
+
+def test_staleness_table_of_a_deep_pipeline_shows_the_worst_stage() -> None:
+    """Up to 8 stages one column each; deeper, one column: the largest own / largest global
+    (taken separately, over the stages)."""
+    from fxpipe.passes.plan import format_staleness
+
+    eight = [(i, 7 - i) for i in range(8)]
+    assert format_staleness({"pd": eight}).splitlines() == [
+        "schedule" + "".join(f"{'stage ' + str(s):>10}" for s in range(8)),  # w = 2 + 2
+        "pd  " + "".join(f"{f'{o}/{g}':>10}" for o, g in eight),
+    ]
+    nine = [(0, 5), (3, 1)] + [(1, 1)] * 7
+    assert format_staleness({"pipedream": nine}).splitlines() == [
+        "schedule   worst stage",  # 11 characters overflow the 10-wide column
+        "pipedream         3/5",
+    ]
+
+
+def test_staleness_round_trips_and_every_malformed_table_is_refused() -> None:
+    plan = dataclasses.replace(two_level_plan(), staleness={"pipedream": ((1, 2), (0, 0))})
+    d = plan.to_dict()
+    assert d["staleness"] == {"pipedream": [[1, 2], [0, 0]]}
+    back = Plan.from_dict(json.loads(json.dumps(d)))
+    assert back.staleness == {"pipedream": ((1, 2), (0, 0))} and back == plan
+    old = plan.to_dict()
+    del old["staleness"]  # plans written before the field existed
+    assert Plan.from_dict(old).staleness == {}
+    zero = plan.to_dict()
+    zero["staleness"] = {"gpipe": [[0, 0], [0, 0]]}
+    assert Plan.from_dict(zero).staleness == {"gpipe": ((0, 0), (0, 0))}
+    message = ("'p.json': field 'staleness' must map schedule names to one [own, global] pair "
+               "of non-negative integers per stage (2)")
+    for bad in ([], {"pd": ((1, 2), (0, 0))}, {"pd": [[1, 2]]}, {"pd": [[1, 2], [0, 0], [0, 0]]},
+                {"pd": [[1, 2], (0, 0)]}, {"pd": [[1, 2], [0]]}, {"pd": [[1, 2], [0, 0, 0]]},
+                {"pd": [[1, 2], [0, -1]]}, {"pd": [[1, 2], [True, 0]]},
+                {"pd": [[1, 2], [0, 1.0]]}):
+        d = plan.to_dict()
+        d["staleness"] = bad
+        with pytest.raises(PlanFormatError) as ei:
+            Plan.from_dict(d, origin="'p.json'")
+        assert ei.value.message == message, bad
+        assert ei.value.hint == "re-plan, or delete the field: it is recomputed by fxpipe.compile"
