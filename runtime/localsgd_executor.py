@@ -43,8 +43,9 @@ class LocalSGDExecutor(ReferenceExecutor):
                 f"LocalSGD with parameters tied across stages ({self.tied[0].key!r})",
                 "not supported: use a pipeline schedule, or untie the parameter")
 
-    def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder]) -> None:
-        """Update ``U<i>`` of every replica of one stage: each alone, then maybe the average."""
+    def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder], i: int = 0) -> None:
+        """Update ``U<i>`` of every replica of one stage: each alone, then maybe the average
+        (replicas never sum gradients here, so ``i``, the update's index, is not needed)."""
         for r in sorted(ranks):
             w = self.workers[r]
             t0 = recs[r].now()

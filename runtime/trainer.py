@@ -139,24 +139,13 @@ class Trainer(CheckpointMixin):
                                      "pass checkpoint_dir='ckpt/'")
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
-        # default segments are whole update groups (m minibatches for the batched kinds, a
-        # round of every replica for pipedream), so a boundary never splits a batch
-        kinds = ("pipedream", "1f1b-flush") if spec.kind == AUTO else (spec.kind,)
-        group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
-                           else microbatches or sum(self.replicas) for k in kinds))
-        self._ramp = segment is None and checkpoint_every is None
-        self._first = group * math.ceil(FIRST_SEGMENT / group)
-        self.segment = segment or checkpoint_every or group * math.ceil(DEFAULT_SEGMENT / group)
-        if checkpoint_every and checkpoint_every % self.segment:
-            raise RuntimeConfigError(f"checkpoint_every={checkpoint_every} is not a multiple of "
-                                     f"segment={self.segment}", "checkpoints happen only at "
-                                     "segment ends (where the pipeline is drained)")
+        self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
+        self._set_segments(spec.kind)
         self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync
         self.schedule_name, self.mitigation = spec.name, spec.mitigation
         self.optimizer, self.stashing, self._lr_scheduler = optimizer, stashing, lr_scheduler
         self.auto_options = AutoOptions.make(auto_options)
         self.auto_decision: Decision | None = None  # what schedule="auto" chose, and why
-        self.microbatches = microbatches
         self._schedules: dict[int, Schedule] = {}
         self._check_tied_cadence()  # before any process group: a clear error, not a hang
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
@@ -217,12 +206,29 @@ class Trainer(CheckpointMixin):
                                      f"{err}", None) from err
         del self._schedules[probe.num_minibatches]
 
+    def _set_segments(self, kind: str) -> None:
+        """Segment lengths for ``kind``. Default segments are whole update groups (m minibatches
+        for the batched kinds, a round of every replica for pipedream), so a boundary never
+        splits a batch; ``auto`` (before it chooses) takes a length whole for every candidate."""
+        segment, checkpoint_every = self._segment_args
+        kinds = ("pipedream", "1f1b-flush") if kind == AUTO else (kind,)
+        group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
+                           else self.microbatches or sum(self.replicas) for k in kinds))
+        self._ramp = segment is None and checkpoint_every is None
+        self._first = group * math.ceil(FIRST_SEGMENT / group)
+        self.segment = segment or checkpoint_every or group * math.ceil(DEFAULT_SEGMENT / group)
+        if checkpoint_every and checkpoint_every % self.segment:
+            raise RuntimeConfigError(f"checkpoint_every={checkpoint_every} is not a multiple of "
+                                     f"segment={self.segment}", "checkpoints happen only at "
+                                     "segment ends (where the pipeline is drained)")
+
     def adopt(self, schedule: str) -> None:
         """Switch to ``schedule`` before training (what ``schedule="auto"`` chose): new stage
         replicas with the same initial weights, optimizers made for the new schedule's delays."""
         spec = parse_schedule(schedule)
         self.kind, self.schedule_name, self.mitigation = spec.kind, spec.name, spec.mitigation
         self._schedules.clear()
+        self._set_segments(spec.kind)  # the same segments as a run that named this schedule
         self._check_tied_cadence()
         self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
                              delays=own_delays(spec.kind, self.replicas,
