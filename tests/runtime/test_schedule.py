@@ -270,7 +270,8 @@ def test_deadlock_message_for_an_update_nobody_joins() -> None:
     assert info.value.stuck == {(0, 0): Action("U", 0), (0, 1): Action("B", 1),
                                 (1, 0): Action("F", 2)}
     assert info.value.message == (
-        "deadlock: stage 0 replica 0 stuck at U0 waiting for all replicas of stage 0 at U0; "
+        "deadlock: stage 0 replica 0 stuck at U0 waiting for all replicas of stage 0 (and tied "
+        "stages) at U0; "
         "stage 0 replica 1 stuck at B1 waiting for B1 on stage 1; "
         "stage 1 replica 0 stuck at F2 waiting for F2 on stage 0")
     assert info.value.hint == "reorder the lists so each rank's next action can become ready"
