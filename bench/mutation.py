@@ -274,6 +274,27 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      'f"no plan fits in {format_bytes(cluster.memory or 0)} per worker: the smallest-memory "',
      'f"no plan fits in {format_bytes(cluster.memory or 1)} per worker: the smallest-memory "'):
         "raised only under a memory cap, and Cluster refuses a cap <= 0: the `or` never applies",
+    ("runtime/stash.py", "OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]",
+     "OptimizerFactory = None"): "a type alias used only in annotations (strings under "
+                                 "`from __future__ import annotations`)",
+    ("runtime/stash.py", "_Slots = list[tuple[str, list[tuple[dict, str]]]]", "_Slots = None"):
+        "a type alias used only in annotations (strings under `from __future__ import annotations`)",
+    ("runtime/stash.py", "self.optimizer: torch.optim.Optimizer | None = (",
+     "self.optimizer: torch.optim.Optimizer & None = ("): _ANNOTATION,
+    ("runtime/stash.py", "if self._reads[v] > 0:", "if self._reads[v] >= 0:"):
+        "a count driven below 0 is only ever compared `> 0`, like 0",
+    ("runtime/stash.py", "copied = False", "copied = True"):
+        "an in-place update adds no storage, so the peak it would re-take is already counted "
+        "(the peak starts at bytes_held())",
+    ("runtime/stash.py", "copied = False", "copied = None"): "None is falsy like False",
+    ("runtime/stash.py", "reused = 0", "reused = 1"): "`reused` only feeds a debug log line",
+    ("runtime/stash.py", "reused += 1", "reused = 1"): "`reused` only feeds a debug log line",
+    ("runtime/stash.py", "reused += 1", "reused -= 1"): "`reused` only feeds a debug log line",
+    ("runtime/stash.py", "reused += 1", "reused += 2"): "`reused` only feeds a debug log line",
+    ("runtime/stash.py", "for mname, mod in gm.named_modules(remove_duplicate=False):",
+     "for mname, mod in gm.named_modules(remove_duplicate=True):"):
+        "a module reached under two names is one object with one dict: swapping (and restoring) "
+        "its slot once or twice gives the same call",
     ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
     ("passes/plan.py", "model_fingerprint: str | None = None",
      "model_fingerprint: str & None = None"): _ANNOTATION,

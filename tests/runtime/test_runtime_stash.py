@@ -124,6 +124,7 @@ def test_each_misuse_is_refused_with_what_to_do() -> None:
     with pytest.raises(StashError) as info:
         stash.acquire(0, 0)
     assert info.value.message == "minibatch 0 is already in flight"
+    assert info.value.hint == "each minibatch has one forward per stage replica"
     with pytest.raises(StashError) as info:
         stash.for_backward(5)
     assert info.value.message == "backward of minibatch 5 without its forward"
@@ -131,6 +132,7 @@ def test_each_misuse_is_refused_with_what_to_do() -> None:
     with pytest.raises(StashError) as info:
         stash.rebase()
     assert info.value.message == "rebase with minibatches [0] in flight"
+    assert info.value.hint == "finish every backward before starting a new schedule"
     stash.update({"w": torch.ones(2)})
     stash.release(0)
     with pytest.raises(StashError) as info:
@@ -238,6 +240,13 @@ def test_slots_list_every_place_a_tensor_lives() -> None:
         def forward(self, w: torch.Tensor) -> torch.Tensor:
             return 2 * w
 
+    # an unset (None) parameter or buffer is skipped, and whatever follows it still counted
+    holes = nn.Module()
+    holes.register_parameter("unset", None)
+    holes.w = nn.Parameter(torch.ones(1))
+    holes.register_buffer("nothing", None)
+    holes.register_buffer("count", torch.zeros(1))
+    assert sorted(dict(tensor_slots(holes))) == ["count", "w"]
     p = nn.Linear(2, 2)
     parametrize.register_parametrization(p, "weight", Double())
     assert tensor_slots(nn.Sequential(p)) is None
@@ -262,3 +271,25 @@ def test_swapped_call_uses_the_given_tensors_and_puts_the_originals_back() -> No
     with pytest.raises(RuntimeError):
         swapped_call(m, slots, ({"a.weight": torch.ones(3, 3)}, {}), [x])
     assert m.a.weight is m.b.weight and m.a.weight.shape == (2, 2)  # restored after an error
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_the_stash_owns_copies_of_the_weights_it_was_given(device: str | None) -> None:
+    """A replica owns its weights: updating the stash never writes into the caller's tensors,
+    also when the device asked for is the one they are already on."""
+    given = torch.ones(2, requires_grad=True)
+    stash = WeightStash({"w": given}, sgd, device=device)
+    assert stash.latest["w"].data_ptr() != given.data_ptr()
+    stash.update({"w": torch.ones(2)})  # in place: nothing in flight
+    assert torch.equal(given.detach(), torch.ones(2))
+    assert torch.allclose(stash.latest["w"], torch.full((2,), 0.9))
+
+
+def test_the_stash_puts_the_weights_on_the_device_asked_for() -> None:
+    """``device``: where the replica's weights live (the meta device stands in for an
+    accelerator here: same code path, no storage)."""
+    stash = WeightStash({"w": torch.ones(2, requires_grad=True), "b": torch.zeros(3)}, sgd,
+                        device=torch.device("meta"))
+    assert {n: t.device.type for n, t in stash.latest.items()} == {"w": "meta", "b": "meta"}
+    assert stash.latest["w"].requires_grad and not stash.latest["b"].requires_grad
+    assert stash.trainable == ("w",)
