@@ -1,4 +1,6 @@
-"""Planning speed: ``partition`` on PipeDream's real profiles and a 10,000-node synthetic graph.
+"""Planning speed: ``partition`` on PipeDream's real profiles and a 10,000-node synthetic graph,
+the literal PipeDream DP beside it, and measured profiling of a 94-node CNN (the part of
+``fxpipe.compile`` that runs the model).
 
 Run from the repository root:  .venv/bin/python bench/plan_speed.py
 Writes its section of BENCHMARKS.md (a markdown table with the exact command at the top).
@@ -18,7 +20,7 @@ from fxpipe.passes import partition
 from fxpipe.passes.reference_dp import pipedream_dp
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / ".." / "shared" / "data" / "pipedream-profiles"
+PROFILES = ROOT / "data" / "pipedream-profiles"
 log = logging.getLogger("plan_speed")
 
 
@@ -47,6 +49,32 @@ def timed(profile: Profile, workers: int, sync: str) -> tuple[list[int], float, 
     t = time.perf_counter()
     plan = partition(profile, Cluster(workers=workers, bandwidth="10Gbps"), sync=sync)
     return plan.replicas, plan.time_per_minibatch, time.perf_counter() - t
+
+
+def profiling_seconds(repeats: int = 3) -> tuple[int, list[float]]:
+    """Seconds of ``profile_graph`` (default warm-up and repeats) on a CNN of 94 compute nodes
+    (conv + 30 x conv/bn/relu + pool, flatten, linear; batch 4 x 3 x 16 x 16), ``repeats``
+    times: (nodes, seconds per run). The tests check what it measures, this how long it takes."""
+    import torch
+    import torch.nn as nn
+
+    from fxpipe.costmodel import profile_graph
+    from fxpipe.tracing import trace
+
+    def block(c: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU())
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *[block(8) for _ in range(30)],
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    x = torch.randn(4, 3, 16, 16)
+    secs = []
+    for _ in range(repeats):
+        gm = trace(model, (x,)).gm
+        t = time.perf_counter()
+        profile_graph(gm, (x,))
+        secs.append(time.perf_counter() - t)
+    return sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output")), secs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     for model, n, w, ours, theirs, t_ours, t_dp in dp_rows:
         lines.append(f"| {model} | {n} | {w} | {ours * 1e3:.4f} ms | {theirs * 1e3:.4f} ms | "
                      f"{t_ours:.4f} | {t_dp:.2f} | {t_dp / t_ours:.0f}x |")
+    nodes, secs = profiling_seconds()
+    lines += ["", f"Measured profiling (`fxpipe.costmodel.profile_graph`, warm-up 2, repeats 5: "
+              f"forward, backward and optimizer step of every node) of a CNN of {nodes} compute "
+              f"nodes (batch 4 x 3 x 16 x 16), 3 runs: "
+              + ", ".join(f"{s:.2f} s" for s in secs) + "."]
     sys.path.insert(0, str(ROOT / "bench"))
     from _report import publish
 

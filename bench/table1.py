@@ -28,7 +28,7 @@ from fxpipe.runtime.plan_choice import choose_by_simulation  # noqa: E402
 from fxpipe.runtime.plansim import data_parallel_plan, minibatches_for, simulate_plan  # noqa: E402
 
 log = logging.getLogger("fxpipe.bench.table1")
-PROFILES = ROOT.parent / "shared" / "data" / "pipedream-profiles"
+PROFILES = ROOT / "data" / "pipedream-profiles"
 MODELS = {"VGG16": "vgg16", "AlexNet": "alexnet", "ResNet-50": "resnet50",
           "Inception-v3": "inception_v3", "GNMT": "gnmt", "GPT-2 (124M)": None}
 WORKERS = (4, 8, 16, 64)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "Command: `.venv/bin/python bench/table1.py` "
         f"(took {took:.0f} s on this machine; pure simulation, no GPU).",
         "",
-        "Profiles: PipeDream's published GPU profiles (`../shared/data/pipedream-profiles/`) and "
+        "Profiles: PipeDream's published GPU profiles (`data/pipedream-profiles/`, MIT) and "
         "the zoo's full-size GPT (GPT-2 small, batch 8 x 1024 tokens) estimated for a V100 on the "
         "meta device. Clusters: one worker per machine, every link at the given bandwidth, memory "
         "unconstrained (16 GB at the profiles' batch sizes would rule out BSP itself). Sync model "

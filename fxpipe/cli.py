@@ -3,7 +3,7 @@
     fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps
     fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --device V100 --export out/ --svg plan.svg
     fxpipe plan path/to/file.py:factory --workers 4
-    fxpipe plan ../shared/data/pipedream-profiles/vgg16/graph.txt --workers 8 --sync parameter-server
+    fxpipe plan data/pipedream-profiles/vgg16/graph.txt --workers 8 --sync parameter-server
 
 MODEL is a zoo name (``fxpipe.models.names()``), ``file.py:factory`` (factory() returns an
 ``fxpipe.models.ModelSpec``, a ``(model, example_inputs)`` pair, or a module plus ``--input-shape``),

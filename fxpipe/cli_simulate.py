@@ -1,6 +1,6 @@
 """``fxpipe simulate``: predict a plan's training speed on a cluster we do not have.
 
-    fxpipe simulate ../shared/data/pipedream-profiles/vgg16/graph.txt --workers 8 --bandwidth 10Gbps
+    fxpipe simulate data/pipedream-profiles/vgg16/graph.txt --workers 8 --bandwidth 10Gbps
     fxpipe simulate vgg16 --size full --device V100 --workers 8 --trace predicted.json
     fxpipe simulate profile.json --workers 16 --plan plan.json --schedule 1f1b-flush
 

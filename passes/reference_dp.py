@@ -3,9 +3,14 @@
     A(j, m) = min over i < j, r <= m of max(A(i, m - r), T(i..j, r), cut(i, r))
 
 where A(j, m) is the best bottleneck covering nodes [0, j) with at most m workers, T the stage
-time with r replicas and cut(i, r) the price of the cut before node i into r replicas. Same cost
-model as :func:`fxpipe.passes.partition` (no memory limit), so its optimum must equal the plan's
-``time_per_minibatch``; tests and ``bench/plan_speed.py`` compare the two.
+time with r replicas and cut(i, r) the price of the cut before node i into r replicas.
+
+Why it shares nothing with :mod:`~fxpipe.passes.partition`: an oracle that imports the
+coefficients or the cut prices it is meant to check agrees with any bug in them. So the cost
+model (DESIGN.md, no memory limit) is written out again here from its definitions, in the
+simplest form: per-stage sums, the bytes live across each cut found by scanning the edges, the
+bandwidths chosen per stage. Its optimum must equal ``partition``'s ``time_per_minibatch``;
+tests and ``bench/plan_speed.py`` compare the two.
 """
 from __future__ import annotations
 
@@ -14,30 +19,57 @@ import math
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
 
-from .cuts import cut_bytes
-from .partition import coefficients
+
+def _live_bytes(profile: Profile) -> list[float]:
+    """Bytes of the values produced before cut i and used at or after it (each once), for
+    i = 1..N-1; inf where a value that cannot be sent is live."""
+    nodes = profile.nodes
+    where = {nd.name: i for i, nd in enumerate(nodes)}
+    out = []
+    for i in range(1, len(nodes)):
+        live = {where[u] for nd in nodes[i:] for u in nd.inputs if where[u] < i}
+        if any(not nodes[p].sendable for p in live):
+            out.append(math.inf)
+        else:
+            out.append(sum(nodes[p].activation_bytes for p in live))
+    return out
 
 
 def pipedream_dp(profile: Profile, cluster: Cluster, sync: str = "allreduce") -> float:
     """The optimal time per minibatch by PipeDream's recurrence (slow: for checking only)."""
-    alpha, beta, gamma = coefficients(cluster, sync)
-    cuts = cut_bytes(profile)
-    n, workers = len(profile), cluster.workers
-    comp, par = [0.0], [0.0]
-    for nd in profile.nodes:
-        comp.append(comp[-1] + nd.compute_s)
-        par.append(par[-1] + nd.parameter_bytes)
+    n, workers = len(profile.nodes), cluster.workers
+    one_machine = cluster.workers == cluster.workers_per_machine
+    cut_bw = cluster.intra_bandwidth if one_machine else cluster.bandwidth
+    k = 2.0 if sync == "allreduce" else 4.0  # ring all-reduce | PipeDream's parameter server
+    live = _live_bytes(profile)
+
+    def sync_bandwidth(r: int) -> float:
+        """The link inside a machine while the r replicas fit in one, else the network."""
+        return cluster.intra_bandwidth if one_machine or r <= cluster.workers_per_machine \
+            else cluster.bandwidth
+
+    def cut(i: int, r: int) -> float:
+        """Activations forward and gradients back, into r replicas taking turns."""
+        return 2.0 * live[i - 1] / (cut_bw * r) if i > 0 else 0.0
+
     best = [[math.inf] * (workers + 1) for _ in range(n + 1)]
     best[0] = [0.0] * (workers + 1)
     for j in range(1, n + 1):
+        # C and P of every stage [i, j), summed node by node from j - 1 down to i
+        comp, par = [0.0] * j, [0.0] * j
+        c = p = 0.0
+        for i in range(j - 1, -1, -1):
+            c += profile.nodes[i].compute_s
+            p += profile.nodes[i].parameter_bytes
+            comp[i], par[i] = c, p
         for m in range(1, workers + 1):
             v = math.inf
             for i in range(j):
-                c, p = comp[j] - comp[i], par[j] - par[i]
                 for r in range(1, m + 1):
                     if i > 0 and m - r < 1:
                         break  # the stages before i need at least one worker
-                    cut = gamma[r - 1] * cuts[i - 1] if i > 0 else 0.0
-                    v = min(v, max(best[i][m - r], alpha[r - 1] * c + beta[r - 1] * p, cut))
+                    # (C + k (r-1)/r P / B) / r: r replicas share the minibatches, sync once a round
+                    t = (comp[i] + k * (r - 1) / r * par[i] / sync_bandwidth(r)) / r
+                    v = min(v, max(best[i][m - r], t, cut(i, r)))
             best[j][m] = v
     return best[n][workers]

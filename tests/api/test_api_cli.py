@@ -11,7 +11,7 @@ import pytest
 
 from fxpipe.cli import main
 
-PROFILES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "pipedream-profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
 
 
 def test_plan_zoo_model_exports_and_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -39,7 +39,6 @@ def test_plan_from_factory_file(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert [r[0] for r in rows if r and r[0].isdigit() and len(r) > 3] == ["0", "1"]  # two stages
 
 
-@pytest.mark.skipif(not PROFILES.is_dir(), reason=f"PipeDream profiles not found at {PROFILES}")
 def test_plan_pipedream_profile_vgg16_is_7_1(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["plan", str(PROFILES / "vgg16" / "graph.txt"), "--workers", "8", "--bandwidth",
                "10Gbps", "--sync", "parameter-server"])

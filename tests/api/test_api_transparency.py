@@ -33,9 +33,11 @@ def _check_transparent(model: torch.nn.Module, inputs: tuple, loss_of, stages: i
     model.zero_grad(set_to_none=True)
     loss_of(got_out).backward()
     got = _grads_by_name(compiled.named_parameters())
-    # every trainable parameter of the model got the same gradient, under the model's own name
-    assert set(got) == {n for n, _ in model.named_parameters()} & set(got)
-    assert set(want) == set(got) | {n for n in want if n not in dict(compiled.named_parameters())}
+    # the compiled model holds every parameter of the model, under the model's own name (tied
+    # ones once), and each got the same gradient
+    assert sorted(n for n, _ in compiled.named_parameters()) == sorted(
+        n for n, _ in model.named_parameters())
+    assert set(got) == set(want)
     for name, g in got.items():
         torch.testing.assert_close(g, want[name], rtol=1e-4, atol=1e-6, msg=f"grad of {name}")
     return compiled
@@ -51,7 +53,7 @@ def test_zoo_model_transparent(name: str, stages: int) -> None:
 
 
 def _hf_gpt2():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a dev dependency: a failed import must fail, not skip
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
                                   use_cache=False)
     torch.manual_seed(0)
@@ -61,7 +63,7 @@ def _hf_gpt2():
 
 
 def _hf_bert():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a dev dependency: a failed import must fail, not skip
     cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=2, intermediate_size=64,
                                   max_position_embeddings=32)

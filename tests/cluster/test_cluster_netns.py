@@ -50,7 +50,9 @@ def _alive(pid: int) -> bool:
 def _assert_nothing_left(prefix: str, links_before: set[str], pids: list[int]) -> None:
     assert [n for n in list_namespaces() if n.startswith(prefix + "-")] == []
     assert _links() - links_before == set(), "root namespace gained interfaces"
-    deadline = time.monotonic() + 5
+    # killed processes vanish once the kernel reaps them; the deadline only bounds the wait
+    # (it asserts nothing about speed)
+    deadline = time.monotonic() + 60
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [p for p in pids if _alive(p)] == []

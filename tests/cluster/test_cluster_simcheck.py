@@ -22,16 +22,47 @@ from fxpipe.passes import plan_for  # noqa: E402
 from fxpipe.runtime.plansim import simulate_plan  # noqa: E402
 
 
-def test_sleep_layers_are_profiled_as_leaves_with_their_sleep() -> None:
+class FakeClock:
+    """perf_counter advancing one tick (2**-10 s) per reading, and sleep advancing it by the
+    time asked without waiting: what the profiler measures is then exact, whatever the load."""
+
+    TICK = 2.0 ** -10
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.TICK
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_sleep_layers_are_profiled_as_leaves_with_their_sleep(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each SleepLayer is one traced leaf whose measured forward and backward are its sleeps
+    (plus the one tick between two clock readings): 20 and 40 ms, 1 and 2 ms."""
+    import types
+
+    import bench.simcheck.model as sleep_model
+    import fxpipe.costmodel.profiler as profiler
+
+    clock = FakeClock()
+    monkeypatch.setattr(profiler, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(sleep_model, "time", types.SimpleNamespace(sleep=clock.sleep))
     x, _ = data(1)
     model = SleepChain(layers=((20.0, 40.0), (1.0, 2.0)), width=8)
     c = fx_compile(model, Cluster(workers=2, bandwidth="1Gbps"), example_inputs=(x[:4, :8],),
                    loss_fn=F.cross_entropy, leaf_modules=[SleepLayer], repeats=3)
     nodes = {n.name: n for n in c.profile.nodes}
     assert set(nodes) == {"x", "layers_0", "layers_1", "head"}
-    assert 0.020 <= nodes["layers_0"].forward_s < 0.030
-    assert 0.040 <= nodes["layers_0"].backward_s < 0.050
-    assert nodes["layers_1"].forward_s < 0.010
+    tick = FakeClock.TICK
+    got = {n: (nodes[n].forward_s, nodes[n].backward_s) for n in ("layers_0", "layers_1", "head")}
+    want = {"layers_0": (0.020 + tick, 0.040 + tick), "layers_1": (0.001 + tick, 0.002 + tick),
+            "head": (tick, tick)}
+    for name, pair in want.items():
+        assert got[name] == pytest.approx(pair, rel=1e-9, abs=1e-15), name
     out = c(x[:4, :8])  # and the pipeline computes what the model computes
     torch.testing.assert_close(out, model(x[:4, :8]))
 

@@ -35,7 +35,6 @@ def test_dot_has_clusters_and_red_cut_edges(tmp_path: Path) -> None:
     assert "get_attr" not in src and "conv1\\nConv2d" in src
 
 
-@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz dot not installed")
 def test_svg(tmp_path: Path) -> None:
     path = draw_plan(_stages(), tmp_path / "plan.svg")
     head = path.read_bytes()[:200].lstrip()

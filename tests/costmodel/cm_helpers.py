@@ -52,3 +52,24 @@ def meta(gm: fx.GraphModule, name: str) -> dict[str, Any]:
     node = next(n for n in gm.graph.nodes if n.name == name)
     return node.meta.get("fxpipe", {})
 
+
+
+class FakeClock:
+    """A ``perf_counter`` that advances exactly ``TICK`` per reading and never otherwise.
+
+    Why: timings on a shared machine are noise, but WHICH calls the profiler times, and how it
+    turns readings into seconds, is behaviour. Under this clock every timed call lasts exactly one
+    tick (a power of two, so differences are exact), so a test can say exactly which nodes got a
+    forward and a backward time, and ``sleep`` can be made to advance it instead of waiting."""
+
+    TICK = 2.0 ** -10
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += self.TICK
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds

@@ -8,7 +8,7 @@ import pytest
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ProfileFormatError
 
-PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pipedream-profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
 BATCH = {"vgg16": 128, "resnet50": 128, "resnext50": 128, "inception_v3": 128,
          "nasnetamobile": 128, "resnet101": 64, "resnext101": 64, "densenet121": 64,
          "alexnet": 256, "resnet18": 256, "squeezenet1_0": 256, "nasnetalarge": 16,
@@ -75,10 +75,7 @@ def test_missing_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("model", sorted(BATCH))
 def test_real_profiles(model: str) -> None:
-    path = PROFILES / model / "graph.txt"
-    if not path.exists():
-        pytest.skip(f"PipeDream profiles not found at {PROFILES} (shared data absent)")
-    p = Profile.from_pipedream(path)
+    p = Profile.from_pipedream(PROFILES / model / "graph.txt")
     assert p.batch_size == BATCH[model]
     assert all(n.forward_s == 0 and n.activation_bytes == 0 for n in p.nodes if n.op == "placeholder")
     assert not any(n.target.startswith("__getitem__") and not any(n.name in m.inputs for m in p.nodes)

@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import math
 
-from fxpipe.costmodel.profile import Profile, ProfileNode
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pd_oracle import live_bytes
+
 from fxpipe.costmodel.hardware import Cluster
-from fxpipe.passes import crossing_values, cut_bytes, partition
+from fxpipe.costmodel.profile import Profile, ProfileNode
+from fxpipe.passes import all_crossing_values, crossing_values, cut_bytes, partition
 
 
 def node(name: str, act: float, inputs: tuple[str, ...] = (), sendable: bool = True) -> ProfileNode:
@@ -47,3 +52,60 @@ def test_cut_comm_in_plan_uses_exact_bytes() -> None:
     s1 = plan.stages[1]
     assert s1.input_bytes == cut_bytes(residual())[residual().names.index(s1.nodes[0]) - 1]
     assert s1.comm_s == 2 * s1.input_bytes / (100.0 * s1.replicas)
+
+
+def test_non_sendable_values_back_to_back_and_apart() -> None:
+    """a and b cannot be sent; a lives across cut 1 only, b across cut 2 only: cuts 1, 2 are
+    forbidden, cut 3 carries c (5 bytes). Then two forbidden stretches apart, with an allowed
+    cut between them: e (not sendable) across cut 1, g (not sendable) across cut 3."""
+    p = Profile(nodes=(node("a", 10, sendable=False), node("b", 20, ("a",), sendable=False),
+                       node("c", 5, ("b",)), node("d", 1, ("c",))))
+    cb = cut_bytes(p)
+    assert math.isinf(cb[0]) and math.isinf(cb[1]) and cb[2] == 5
+    q = Profile(nodes=(node("e", 10, sendable=False), node("f", 20, ("e",)),
+                       node("g", 5, ("f",), sendable=False), node("h", 1, ("g",))))
+    cb = cut_bytes(q)
+    assert math.isinf(cb[0]) and cb[1] == 20 and math.isinf(cb[2])
+
+
+def test_an_unused_output_changes_no_cut() -> None:
+    """A model output nothing consumes crosses no cut, however large (its bytes must not even
+    round the others away: 1e20 + 3 - 1e20 is 0 in floating point)."""
+    p = Profile(nodes=(node("a", 3), node("b", 1, ("a",)), node("out", 1e20, ("a", "b")),
+                       node("c", 7, ("b",))))
+    assert cut_bytes(p).tolist() == [3.0, 4.0, 1.0]
+
+
+def test_crossing_values_positions() -> None:
+    r = residual()
+    assert crossing_values(r, 1) == ("x",) and crossing_values(r, 5) == ("add",)
+    for bad in (0, 6, -1):
+        with pytest.raises(ValueError, match=rf"cut position must be in 1\.\.5, got {bad}$"):
+            crossing_values(r, bad)
+    assert all_crossing_values(r, [1, 2, 5]) == {p: crossing_values(r, p) for p in (1, 2, 5)}
+
+
+@st.composite
+def graphs(draw):
+    """Random DAGs in program order: each node uses up to two earlier ones."""
+    n = draw(st.integers(1, 8))
+    nodes = []
+    for i in range(n):
+        ins = draw(st.sets(st.integers(0, i - 1), max_size=2)) if i else set()
+        nodes.append(node(f"v{i}", draw(st.sampled_from([0.0, 1.0, 2.5, 1e3, 1e12])),
+                          tuple(f"v{j}" for j in sorted(ins)),
+                          sendable=draw(st.sampled_from([True, True, False]))))
+    return Profile(nodes=tuple(nodes))
+
+
+@settings(max_examples=200, deadline=None)
+@given(graphs())
+def test_cut_bytes_and_crossing_values_match_the_definition(p: Profile) -> None:
+    want = live_bytes(p.names, [nd.inputs for nd in p.nodes], [nd.activation_bytes for nd in p.nodes],
+                      [nd.sendable for nd in p.nodes])
+    assert cut_bytes(p).tolist() == pytest.approx(want, rel=1e-12)
+    for pos in range(1, len(p.nodes)):
+        names = tuple(nd.name for i, nd in enumerate(p.nodes) if i < pos and any(
+            nd.name in later.inputs for later in p.nodes[pos:]))
+        assert crossing_values(p, pos) == names
+        assert all_crossing_values(p, [pos]) == {pos: names}

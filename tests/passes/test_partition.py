@@ -10,7 +10,7 @@ from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import ConfigError, InfeasiblePlanError
 from fxpipe.passes import Plan, partition, plan_for
 
-PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pipedream-profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
 
 
 def chain(specs: list[tuple[float, float, float]], *, shared: dict[int, tuple[str, ...]] | None = None,
@@ -27,10 +27,7 @@ def chain(specs: list[tuple[float, float, float]], *, shared: dict[int, tuple[st
 
 
 def test_vgg16_pipedream_7_1() -> None:
-    path = PROFILES / "vgg16" / "graph.txt"
-    if not path.exists():
-        pytest.skip(f"PipeDream profiles not found at {PROFILES} (shared data absent)")
-    prof = Profile.from_pipedream(path)
+    prof = Profile.from_pipedream(PROFILES / "vgg16" / "graph.txt")
     plan = partition(prof, Cluster(workers=8, bandwidth=1.25e9), sync="parameter-server")
     assert plan.replicas == [7, 1]
     assert plan.speedup_over_data_parallel > 1.0
@@ -129,3 +126,113 @@ def test_plan_for_rejects_bad_partitions(starts: list[int], replicas: list[int],
     prof = chain([(0.01, 1e6, 1e5)] * 4)
     with pytest.raises(err, match=match):
         plan_for(prof, Cluster(workers=4, bandwidth="1Gbps"), starts, replicas)
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_each_refusal_names_the_value_and_what_to_do() -> None:
+    prof = chain([(0.01, 1e6, 1e6)] * 3)
+    with pytest.raises(ConfigError) as ei:
+        partition(prof, Cluster(workers=4), sync="gossip")
+    assert (ei.value.message, ei.value.hint) == (
+        "unknown sync model 'gossip'", "use one of allreduce, parameter-server")
+    for bad in (-0.5, "2", None):
+        with pytest.raises(ConfigError) as ei:
+            partition(prof, Cluster(workers=4), optimizer_state_factor=bad)
+        assert (ei.value.message, ei.value.hint) == (
+            f"optimizer_state_factor must be >= 0, got {bad!r}",
+            "e.g. 2.0 for Adam (two moments per parameter), 0 for plain SGD")
+    # 0 (plain SGD keeps no state) is valid: P (2 + 0) per replica
+    plan = partition(chain([(0.01, 1e6, 0.0)]), Cluster(workers=1), optimizer_state_factor=0)
+    assert plan.stages[0].memory_bytes == 2e6
+    with pytest.raises(ConfigError, match="^the profile has no nodes$"):
+        partition(Profile(nodes=()), Cluster(workers=2))
+    for bad in (True, 0, 1.0, 4):
+        with pytest.raises(InfeasiblePlanError) as ei:
+            partition(prof, Cluster(workers=4), stages=bad)
+        assert (ei.value.message, ei.value.hint) == (
+            f"cannot make {bad!r} stages: the maximum is 3 (4 workers, 2 places where the graph "
+            "can be cut)", "pass stages between 1 and 3, or None to let fxpipe choose")
+    assert len(partition(prof, Cluster(workers=4), stages=1).stages) == 1
+
+
+def test_memory_refusal_quotes_the_cap_and_the_need() -> None:
+    prof = chain([(0.01, 1e9, 1e9)] * 2)
+    with pytest.raises(InfeasiblePlanError) as ei:
+        partition(prof, Cluster(workers=2, memory="1GB"))
+    assert ei.value.message == ("no plan fits in 1 GB per worker: the smallest-memory plan needs "
+                                "6 GB (6000000000 bytes) per worker")
+    assert ei.value.hint == ("use more workers or devices with more memory, a smaller batch, or "
+                             "optimizer_state_factor matching your optimizer")
+
+
+def test_coefficients_per_replica_count() -> None:
+    """alpha = 1/r; beta = k (r-1)/r / B / r with B the link the replicas share; gamma =
+    2 / (B_cut r); one entry per r = 1..workers."""
+    from fxpipe.passes import coefficients
+
+    c = Cluster(workers=4, workers_per_machine=2, bandwidth=10.0, intra_bandwidth=100.0)
+    a, b, g = coefficients(c, "allreduce")
+    assert a == [1.0, 0.5, 1 / 3, 0.25]
+    assert b == pytest.approx([0.0, 2 * 0.5 / 100 / 2, 2 * (2 / 3) / 10 / 3, 2 * 0.75 / 10 / 4],
+                              rel=1e-15)
+    assert g == pytest.approx([2 / 10, 2 / 20, 2 / 30, 2 / 40], rel=1e-15)
+    _, b_ps, _ = coefficients(c, "parameter-server")
+    assert b_ps == pytest.approx([2 * x for x in b], rel=1e-15)
+    with pytest.raises(ConfigError, match="unknown sync model 'ring'"):
+        coefficients(c, "ring")
+
+
+def test_ties_are_within_one_part_in_a_billion() -> None:
+    """Two nodes of 1 s on 2 workers, 1 GB/s, nothing crossing the cut: [1 | 1] takes 1 s, data
+    parallelism 1 + P / (2 B). P = 1 byte: 1 + 5e-10, a tie (relative gap below 1e-9), so data
+    parallelism; P = 3 bytes: 1 + 1.5e-9, the pipeline is faster."""
+    def two(p: float) -> Profile:
+        return chain([(1.0, p / 2, 0.0), (1.0, p / 2, 0.0)])
+    c = Cluster(workers=2, bandwidth=1e9)
+    assert partition(two(1.0), c).replicas == [2]
+    assert partition(two(3.0), c).replicas == [1, 1]
+
+
+@pytest.mark.parametrize("starts, replicas, match", [
+    ([0, 2, 2], [1, 1, 1], "not a partition of 4 nodes: starts [0, 2, 2], replicas [1, 1, 1]"),
+    ([0, 4], [1, 1], "not a partition of 4 nodes: starts [0, 4], replicas [1, 1]"),
+])
+def test_plan_for_refuses_empty_stages(starts: list[int], replicas: list[int], match: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        plan_for(chain([(0.01, 1e6, 1e5)] * 4), Cluster(workers=4), starts, replicas)
+    assert ei.value.message == match
+    assert ei.value.hint == ("starts: increasing node indices from 0; one replica count (>= 1) "
+                             "per stage")
+
+
+def test_plan_for_refuses_cuts_where_a_value_cannot_be_sent() -> None:
+    """n0 -> t (a tuple: not sendable) -> n2 -> n3 -> n4: cutting before n2 would send t."""
+    nodes = list(chain([(0.01, 0.0, 1e5)] * 5).nodes)
+    nodes[1] = ProfileNode(name="t", op="call_function", target="t", forward_s=0.01,
+                           backward_s=0.0, activation_bytes=1e5, parameter_bytes=0.0,
+                           inputs=("n0",), sendable=False)
+    nodes[2] = ProfileNode(name="n2", op="call_module", target="m", forward_s=0.01,
+                           backward_s=0.0, activation_bytes=1e5, parameter_bytes=0.0,
+                           inputs=("t",))
+    prof = Profile(nodes=tuple(nodes))
+    ok = plan_for(prof, Cluster(workers=3), [0, 1, 3], [1, 1, 1])
+    assert [s.nodes for s in ok.stages] == [("n0",), ("t", "n2"), ("n3", "n4")]
+    for starts in ([0, 2], [0, 1, 2], [0, 2, 3]):
+        with pytest.raises(InfeasiblePlanError) as ei:
+            plan_for(prof, Cluster(workers=3), starts, [1] * len(starts))
+        assert ei.value.message == ("cannot cut before 'n2': a value that cannot be sent (not "
+                                    "a tensor) is live there")
+        assert ei.value.hint == "move that stage boundary"
+    with pytest.raises(InfeasiblePlanError) as ei:
+        plan_for(prof, Cluster(workers=3), [0, 1], [4, 1])
+    assert (ei.value.message, ei.value.hint) == (
+        "replicas [4, 1] need 5 workers, the cluster has 3", "use fewer replicas or a larger Cluster")
+
+
+def test_only_parameters_of_several_stages_are_shared_and_the_fingerprint_is_kept() -> None:
+    prof = chain([(0.01, 1e8, 1e6)] * 4, params={0: ("emb.weight",), 1: ("w",)},
+                 shared={3: ("emb.weight",)})
+    prof = Profile(nodes=prof.nodes, batch_size=32, meta={"model_fingerprint": "abc123"})
+    plan = partition(prof, Cluster(workers=4, bandwidth="1Gbps"), stages=2)
+    assert plan.shared_parameters == {"emb.weight": (0, 1)}  # w lives in stage 0 alone
+    assert plan.model_fingerprint == "abc123"

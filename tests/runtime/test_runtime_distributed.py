@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import pytest
 import torch
@@ -51,22 +50,26 @@ def test_distributed_equals_reference_and_records_a_timeline(tmp_path) -> None:
         cats = {e["cat"] for e in mine}
         assert {"forward", "backward", "optimizer"} <= cats
         assert ("send" in cats) and ("recv" in cats)
-    for steady in (True, False):
-        busy = busy_fraction(got.timeline, steady_state=steady)
-        assert set(busy) == {0, 1} and all(0 < b <= 1 for b in busy.values()), busy
+    busy = busy_fraction(got.timeline, steady_state=False)
+    assert set(busy) == {0, 1}
+    for rank, evs in got.timeline.items():  # F, B and U time over the rank's span
+        compute = sum(e.end - e.start for e in evs if e.category in ("forward", "backward",
+                                                                      "optimizer"))
+        span = max(e.end for e in evs) - min(e.start for e in evs)
+        assert busy[rank] == pytest.approx(compute / span, rel=1e-12)
 
 
 def test_killed_rank_makes_the_others_fail_naming_it() -> None:
     sched = make_schedule("pipedream", [1, 1, 1], 8)
-    start = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
         run_distributed(split(tiny_mlp(), [1, 3]), [1, 1, 1], sched, loss_fn, sgd, batches(8),
                         timeout_s=5, join_timeout_s=120, faults={1: ("die", 3)})
     err = info.value
-    assert err.exitcodes[1] == 17 and err.exitcodes[0] != 0 and err.exitcodes[2] != 0
+    # the survivors exit by themselves (a positive code; the launcher's terminate after
+    # join_timeout_s would show as a negative signal number), each naming the dead rank
+    assert err.exitcodes[1] == 17 and err.exitcodes[0] > 0 and err.exitcodes[2] > 0
     for i in (0, 2):
         assert "stage 1 replica 0 (rank 1)" in err.errors[i], err.errors[i]
-    assert time.monotonic() - start < 90
 
 
 def test_hung_rank_times_out_naming_it() -> None:

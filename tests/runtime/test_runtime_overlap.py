@@ -18,7 +18,7 @@ from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 from rt_spawn import Job, run_jobs
 from rt_tied import TiedLM, ce, sgd_m, token_batches
 
-from fxpipe.runtime.buckets import BucketLayout, GradBuckets, last_backwards
+from fxpipe.runtime.buckets import BucketLayout, GradBuckets, Slot, last_backwards
 from fxpipe.runtime.executor import WorkerConfig
 from fxpipe.runtime.reference import ReferenceExecutor, RunResult
 from fxpipe.runtime.schedule import make_schedule
@@ -122,6 +122,48 @@ def test_hooks_report_each_sum_mid_backward_and_change_nothing() -> None:
         assert torch.equal(g, hooked.grad_sums[n]) and torch.equal(g, plain.grad_sums[n])
     assert hooked.count == plain.count == 2
     assert torch.equal(hooked.local_gradient(), plain.local_gradient())
+
+
+def test_layout_starts_a_bucket_at_the_cap_and_at_each_dtype_change() -> None:
+    """Reversed order y, big, h, x with a 16-byte cap: big (40 B) does not fit after y (4 B) and
+    gets a bucket of its own; h is float64 and x float32 again: a bucket each. Exactly at the
+    cap still fits; a parameter larger than the cap first opens no empty bucket."""
+    params = {"x": torch.zeros(1), "h": torch.zeros(2, dtype=torch.float64),
+              "big": torch.zeros(10), "y": torch.zeros(1)}
+    lay = BucketLayout.build(params, ["x", "h", "big", "y"], cap_bytes=16)
+    assert lay.buckets == (("y",), ("big",), ("h",), ("x",)) and len(lay) == 4
+    assert lay.sizes == (1, 10, 2, 2)
+    assert lay.dtypes == (torch.float32, torch.float32, torch.float64, torch.float32)
+    assert lay.slots["h"] == Slot(2, 0, 2) and lay.names == ("x", "h", "big", "y")
+    two = BucketLayout.build({"a": torch.zeros(2), "b": torch.zeros(2)}, ["a", "b"],
+                             cap_bytes=16)
+    assert two.buckets == (("b", "a"),) and two.slots["a"] == Slot(0, 2, 2)
+    assert BucketLayout.build({"big": torch.zeros(10)}, ["big"], cap_bytes=8).sizes == (11,)
+
+
+def test_a_round_is_opened_once_and_closed_by_reading_it() -> None:
+    params = {"a": torch.ones(2), "b": torch.ones(3, dtype=torch.float64)}
+    bk = GradBuckets(BucketLayout.build(params, ["a", "b"]), torch.device("cpu"),
+                     lambda i, buf: i)
+    assert [b.dtype for b in bk.bufs] == [torch.float64, torch.float32]
+    bk.start()
+    with pytest.raises(RuntimeError, match=r"a round is already open \(missing wait at U\)"):
+        bk.start()
+    bk.finish({"a": torch.full((2,), 6.0), "b": torch.full((3,), 3.0, dtype=torch.float64)},
+              count=3)
+    flat = bk.flat()  # float64: the promotion of the buckets' dtypes
+    assert flat.dtype == torch.float64 and flat.tolist() == [6.0, 6.0, 3.0, 3.0, 3.0, 3.0]
+    assert not bk.active
+    bk.start()  # a new round reuses the buffers
+    bk.finish({"a": torch.full((2,), 6.0)}, count=3)  # b got no gradient: zeros
+    grads, count = bk.grads(params)
+    assert count == 3.0 and grads["a"].tolist() == [2.0, 2.0] and grads["b"].tolist() == [0.0] * 3
+    assert bk.bufs[-1][-1].item() == 3.0  # the count itself is not divided
+
+
+def test_last_backwards_edge_cases() -> None:
+    assert last_backwards("") == {} and last_backwards("UU") == {} and last_backwards("FB") == {}
+    assert last_backwards("FBBU") == {2: 3} and last_backwards("FBUBU") == {1: 2, 3: 4}
 
 
 # ----------------------------------------------------------------------------- distributed

@@ -14,7 +14,7 @@ from fxpipe.passes import partition
 from fxpipe.runtime.plan_choice import _merge_chain, choose_by_simulation
 from fxpipe.runtime.plansim import simulate_plan
 
-PROFILES = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "pipedream-profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
 
 
 def chain(n: int, f: float, b: float, act: float, par: float) -> Profile:
@@ -25,10 +25,7 @@ def chain(n: int, f: float, b: float, act: float, par: float) -> Profile:
 
 
 def inception() -> Profile:
-    path = PROFILES / "inception_v3" / "graph.txt"
-    if not path.exists():
-        pytest.skip(f"PipeDream profiles not found at {PROFILES} (shared data absent)")
-    return Profile.from_pipedream(path)
+    return Profile.from_pipedream(PROFILES / "inception_v3" / "graph.txt")
 
 
 def test_simulation_rejects_the_planners_unevenly_replicated_optimum() -> None:
@@ -79,7 +76,6 @@ def test_forced_stages_has_one_candidate_and_bad_arguments_are_clear() -> None:
 
 
 def test_cli_plan_choose_simulation(capsys: pytest.CaptureFixture[str]) -> None:
-    inception()  # skips without the shared profiles
     graph = str(PROFILES / "inception_v3" / "graph.txt")
     argv = ["plan", graph, "--workers", "8", "--bandwidth", "10Gbps", "--sync",
             "parameter-server"]
@@ -93,7 +89,6 @@ def test_cli_plan_choose_simulation(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_simulate_choose_simulation(capsys: pytest.CaptureFixture[str]) -> None:
-    inception()  # skips without the shared profiles
     graph = str(PROFILES / "inception_v3" / "graph.txt")
     argv = ["simulate", graph, "--workers", "8", "--bandwidth", "10Gbps", "--sync",
             "parameter-server"]

@@ -136,9 +136,7 @@ def test_chrome_trace_one_f_and_b_per_minibatch_per_rank(tmp_path: Path) -> None
 
 
 def test_pipedream_vgg16_compute_bound_plan_matches() -> None:
-    path = Path(__file__).resolve().parents[3] / "shared/data/pipedream-profiles/vgg16/graph.txt"
-    if not path.exists():
-        pytest.skip(f"PipeDream profiles not present at {path}")
+    path = Path(__file__).resolve().parents[2] / "data/pipedream-profiles/vgg16/graph.txt"
     prof = Profile.from_pipedream(path)
     plan = partition(prof, Cluster(workers=8, bandwidth="10Gbps"), sync="parameter-server")
     sim = simulate_plan(plan, prof)

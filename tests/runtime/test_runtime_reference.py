@@ -5,7 +5,9 @@ import copy
 
 import pytest
 import torch
-from rt_helpers import SkipMLP, batches, loss_fn, plain_sgd, sgd, split, tiny_mlp
+from rt_helpers import LR, SkipMLP, batches, loss_fn, plain_sgd, sgd, split, tiny_mlp
+from stale_oracles import double, pipedream_sgd, two_bw_sgd
+from stale_oracles import plain_sgd as oracle_sgd
 
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.reference import ReferenceExecutor
@@ -53,29 +55,16 @@ def test_noam_one_skip_connection_equals_plain_sgd() -> None:
     torch.testing.assert_close(res.merged_params(), params, rtol=1e-6, atol=1e-7)
 
 
-def test_pipelined_differs_from_sgd_and_stashing_matters() -> None:
-    """With 3 in flight the gradients are stale (not plain SGD); without stashing, different
-    again; both train (finite, loss goes down on a fixed batch)."""
-    data = batches(8)
-    model = tiny_mlp()
-    sched = make_schedule("pipedream", [1, 1, 1], 8)
-    stash = ReferenceExecutor(split(copy.deepcopy(model), [1, 3]), [1, 1, 1], sched, loss_fn,
-                              sgd).run(data)
-    nostash = ReferenceExecutor(split(copy.deepcopy(model), [1, 3]), [1, 1, 1], sched, loss_fn,
-                                sgd, stashing=False).run(data)
-    _, params = plain_sgd(model, data)
-    assert not torch.allclose(stash.params[0]["0.weight"], params["0.weight"])
-    assert not torch.allclose(stash.params[0]["0.weight"], nostash.params[0]["0.weight"])
-    # the forward losses of the first minibatches use version 0 everywhere: identical
-    assert stash.losses[:1] == nostash.losses[:1]
+# Pipelined pipedream with and without stashing, replicated stages and vertical sync are
+# checked against their training rules in test_runtime_stale_oracles.py.
 
 
-def test_replicated_stage_keeps_replicas_equal() -> None:
+def test_replicated_stage_keeps_replicas_bit_identical() -> None:
+    """Replicas step with the same all-reduced mean: their weights are equal to the last bit."""
     data = batches(8)
     sched = make_schedule("pipedream", [2, 1], 8)
     res = ReferenceExecutor(split(tiny_mlp(), [2]), [2, 1], sched, loss_fn, sgd).run(data)
     torch.testing.assert_close(res.replica_params[(0, 0)], res.replica_params[(0, 1)], **EXACT)
-    assert all(torch.isfinite(torch.tensor(res.losses)))
 
 
 def test_data_parallel_one_stage_two_replicas_equals_big_batch_sgd() -> None:
@@ -95,20 +84,22 @@ def test_data_parallel_one_stage_two_replicas_equals_big_batch_sgd() -> None:
 
 
 @pytest.mark.parametrize("kind", SCHEDULE_KINDS)
-def test_every_kind_runs(kind: str) -> None:
+def test_every_kind_trains_by_its_rule(kind: str) -> None:
+    """Each kind against its rule written as plain PyTorch (stale_oracles.py), in float64:
+    pipedream = 1F1B stale SGD, the flush kinds = one SGD step per 4 microbatches, 2bw = one
+    step per batch on the weights one batch old."""
+    data = double(batches(8))
     m = None if kind == "pipedream" else 4
     sched = make_schedule(kind, [1, 1], 8, microbatches=m)
-    res = ReferenceExecutor(split(tiny_mlp(), [2]), [1, 1], sched, loss_fn, sgd).run(batches(8))
-    assert len(res.losses) == 8
-
-
-def test_vertical_sync_runs_and_differs() -> None:
-    data = batches(8)
-    sched = make_schedule("pipedream", [1, 1, 1], 8)
-    plain = ReferenceExecutor(split(tiny_mlp(), [1, 3]), [1, 1, 1], sched, loss_fn, sgd).run(data)
-    vs = ReferenceExecutor(split(tiny_mlp(), [1, 3]), [1, 1, 1], sched, loss_fn, sgd,
-                           vertical_sync=True).run(data)
-    assert not torch.allclose(plain.params[2]["4.weight"], vs.params[2]["4.weight"])
+    res = ReferenceExecutor(split(tiny_mlp().double(), [2]), [1, 1], sched, loss_fn,
+                            sgd).run(data)
+    w0 = {n: p.detach().clone() for n, p in tiny_mlp().double().named_parameters()}
+    want = {"pipedream": lambda: pipedream_sgd(w0, (0, 0, 1, 1, 1), (1, 1), data, LR),
+            "1f1b-flush": lambda: oracle_sgd(w0, data, LR, 4),
+            "gpipe": lambda: oracle_sgd(w0, data, LR, 4),
+            "2bw": lambda: two_bw_sgd(w0, data, 4, LR)}[kind]()
+    torch.testing.assert_close(res.losses, want[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(res.merged_params(), want[1], rtol=1e-10, atol=1e-12)
 
 
 def test_run_twice_continues_training() -> None:

@@ -111,3 +111,185 @@ def test_stage_without_parameters_still_answers_old_versions() -> None:
     stash.release(1)
     stash.release(2)
     assert stash.versions_held() == [1]
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_each_misuse_is_refused_with_what_to_do() -> None:
+    stash = WeightStash({"w": torch.ones(2, requires_grad=True)}, sgd)
+    with pytest.raises(StashError) as info:
+        stash.acquire(0, 1)
+    assert info.value.message == "forward of minibatch 0 reads version 1 but only 0 updates happened"
+    assert info.value.hint == "check the schedule's versions"
+    stash.acquire(0, 0)
+    with pytest.raises(StashError) as info:
+        stash.acquire(0, 0)
+    assert info.value.message == "minibatch 0 is already in flight"
+    assert info.value.hint == "each minibatch has one forward per stage replica"
+    with pytest.raises(StashError) as info:
+        stash.for_backward(5)
+    assert info.value.message == "backward of minibatch 5 without its forward"
+    assert info.value.hint == "run F<k> before B<k> on the same replica"
+    with pytest.raises(StashError) as info:
+        stash.rebase()
+    assert info.value.message == "rebase with minibatches [0] in flight"
+    assert info.value.hint == "finish every backward before starting a new schedule"
+    stash.update({"w": torch.ones(2)})
+    stash.release(0)
+    with pytest.raises(StashError) as info:
+        stash.get(0)
+    assert info.value.message == "weight version 0 is not held (held: [1])"
+    assert info.value.hint == "the schedule reads a version that was dropped: pass planned_reads"
+
+
+def test_rebase_starts_counting_from_zero_again() -> None:
+    stash = WeightStash({"w": torch.ones(2, requires_grad=True)}, sgd, planned_reads={0: 1})
+    stash.update({"w": torch.ones(2)})  # version 0 is planned to be read: kept
+    assert stash.versions_held() == [0, 1]
+    stash.rebase()
+    assert stash.version == 0 and stash.versions_held() == [0] and stash.spare_bytes() == 0
+    assert torch.allclose(stash.get(0)["w"], torch.full((2,), 0.9))  # the latest, renamed
+    stash.set_planned_reads({0: 1})
+    stash.update({"w": torch.ones(2)})
+    assert stash.versions_held() == [0, 1]  # the new plan keeps version 0 alive
+
+
+def test_without_stashing_the_backward_gets_the_latest() -> None:
+    stash = WeightStash({"w": torch.ones(2, requires_grad=True)}, sgd, stashing=False)
+    first = stash.acquire(0, 0)
+    stash.update({"w": torch.ones(2)})
+    version, weights = stash.for_backward(0)
+    assert version == 1 and weights is stash.latest and weights["w"] is first["w"]  # in place
+    assert stash.versions_held() == [1] and stash.bytes_held() == 8
+
+
+# ----------------------------------------------------------------------------- memory
+def test_a_dropped_versions_tensors_are_reused_by_the_next_copy() -> None:
+    """Copy-on-write writes into the spare tensors of a version dropped earlier (one version's
+    worth is kept, counted apart from bytes_held); an in-place update frees them."""
+    stash = WeightStash({"w": torch.zeros(4, requires_grad=True),
+                         "b": torch.zeros(2, requires_grad=True)}, sgd)
+    stash.acquire(0, 0)
+    stash.update({"w": torch.ones(4), "b": torch.ones(2)})  # v0 in flight: copied
+    v0 = stash.get(0)
+    assert stash.bytes_held() == 48 and stash.spare_bytes() == 0
+    stash.release(0)  # v0 dropped: its tensors become the spares
+    assert stash.versions_held() == [1] and stash.spare_bytes() == 24 and stash.bytes_held() == 24
+    stash.acquire(1, 1)
+    stash.update({"w": torch.ones(4), "b": torch.ones(2)})  # v1 in flight: copied into spares
+    assert stash.latest["w"].data_ptr() == v0["w"].data_ptr()
+    assert stash.latest["b"].data_ptr() == v0["b"].data_ptr()
+    assert torch.allclose(stash.latest["w"], torch.full((4,), -0.2)) and stash.spare_bytes() == 0
+    assert torch.allclose(stash.get(1)["w"], torch.full((4,), -0.1))  # untouched by the copy
+    stash.release(1)
+    assert stash.spare_bytes() == 24
+    stash.update({"w": torch.ones(4), "b": torch.ones(2)})  # nobody reads v2: in place
+    assert stash.spare_bytes() == 0 and stash.peak_bytes == 48
+
+
+def test_spares_only_fit_tensors_of_the_same_layout() -> None:
+    """A spare is keyed by shape, stride, dtype and device: a transposed twin is not reused."""
+    w = torch.zeros(2, 3, requires_grad=True)
+    stash = WeightStash({"w": w}, sgd)
+    stash.acquire(0, 0)
+    stash.update({"w": torch.ones(2, 3)})
+    stash.release(0)
+    spare = next(iter(stash._spare.values()))[0]
+    assert stash._spare.keys() == {((2, 3), (3, 1), torch.float32, torch.device("cpu"))}
+    stash.acquire(1, 1)
+    stash.update({"w": torch.ones(2, 3)})
+    assert stash.latest["w"] is spare
+
+
+def test_bytes_held_counts_each_storage_once() -> None:
+    base = torch.zeros(10)
+    stash = WeightStash({"a": base[:5].requires_grad_(), "frozen": torch.zeros(3)}, sgd)
+    assert stash.trainable == ("a",) and stash.bytes_held() == 20 + 12
+    assert stash.spare_bytes() == 0 and stash.peak_bytes == 32
+
+
+def test_a_stage_with_nothing_trainable_has_no_optimizer() -> None:
+    stash = WeightStash({"frozen": torch.ones(3)}, sgd)
+    assert stash.optimizer is None and stash.trainable == ()
+    assert stash.update({}) == 1 and torch.equal(stash.latest["frozen"], torch.ones(3))
+
+
+# ----------------------------------------------------------------------------- swapped_call
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2, bias=False)
+        self.b = nn.Linear(2, 2, bias=False)
+        self.b.weight = self.a.weight
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) * self.scale
+
+
+def test_slots_list_every_place_a_tensor_lives() -> None:
+    from fxpipe.runtime.stash import tensor_slots
+
+    m = Tied()
+    slots = dict(tensor_slots(m))
+    assert sorted(slots) == ["a.weight", "scale"]  # the tied weight once, by its first name
+    assert [attr for _, attr in slots["a.weight"]] == ["weight", "weight"]
+    assert slots["scale"][0][0] is m._buffers
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+    # an unset (None) parameter or buffer is skipped, and whatever follows it still counted
+    holes = nn.Module()
+    holes.register_parameter("unset", None)
+    holes.w = nn.Parameter(torch.ones(1))
+    holes.register_buffer("nothing", None)
+    holes.register_buffer("count", torch.zeros(1))
+    assert sorted(dict(tensor_slots(holes))) == ["count", "w"]
+    p = nn.Linear(2, 2)
+    parametrize.register_parametrization(p, "weight", Double())
+    assert tensor_slots(nn.Sequential(p)) is None
+
+
+def test_swapped_call_uses_the_given_tensors_and_puts_the_originals_back() -> None:
+    from fxpipe.runtime.stash import swapped_call, tensor_slots
+
+    m = Tied()
+    slots = tensor_slots(m)
+    x = torch.ones(1, 2)
+    w = torch.eye(2)
+    out = swapped_call(m, slots, ({"a.weight": w}, {"scale": torch.tensor(3.0)}), [x])
+    assert torch.equal(out, 3 * x)  # both uses of the tied weight saw w, the buffer 3
+    assert m.a.weight is m.b.weight and m.scale.item() == 2.0  # originals back
+    # the second mapping wins over the first; names given nowhere keep the module's own
+    out = swapped_call(m, slots, ({"a.weight": w, "scale": torch.tensor(5.0)},
+                                  {"scale": torch.tensor(7.0)}), [x])
+    assert torch.equal(out, 7 * x)
+    want = m(x)
+    assert torch.equal(swapped_call(m, slots, ({}, {}), [x]), want)
+    with pytest.raises(RuntimeError):
+        swapped_call(m, slots, ({"a.weight": torch.ones(3, 3)}, {}), [x])
+    assert m.a.weight is m.b.weight and m.a.weight.shape == (2, 2)  # restored after an error
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_the_stash_owns_copies_of_the_weights_it_was_given(device: str | None) -> None:
+    """A replica owns its weights: updating the stash never writes into the caller's tensors,
+    also when the device asked for is the one they are already on."""
+    given = torch.ones(2, requires_grad=True)
+    stash = WeightStash({"w": given}, sgd, device=device)
+    assert stash.latest["w"].data_ptr() != given.data_ptr()
+    stash.update({"w": torch.ones(2)})  # in place: nothing in flight
+    assert torch.equal(given.detach(), torch.ones(2))
+    assert torch.allclose(stash.latest["w"], torch.full((2,), 0.9))
+
+
+def test_the_stash_puts_the_weights_on_the_device_asked_for() -> None:
+    """``device``: where the replica's weights live (the meta device stands in for an
+    accelerator here: same code path, no storage)."""
+    stash = WeightStash({"w": torch.ones(2, requires_grad=True), "b": torch.zeros(3)}, sgd,
+                        device=torch.device("meta"))
+    assert {n: t.device.type for n, t in stash.latest.items()} == {"w": "meta", "b": "meta"}
+    assert stash.latest["w"].requires_grad and not stash.latest["b"].requires_grad
+    assert stash.trainable == ("w",)

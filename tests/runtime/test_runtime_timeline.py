@@ -27,11 +27,29 @@ def test_recorder_fills_gaps_with_idle() -> None:
 
 
 def test_steady_state_ignores_fill_and_drain() -> None:
-    """Busy only in the middle: the steady-state window is the middle half of F/B events."""
+    """Busy only in the middle: the steady-state window is the middle half of F/B events.
+    F_i starts at 10 i and lasts 10 for i in 2..5, else 1. Whole span: 0..71, busy 4 * 10 + 4 *
+    1 = 44. Steady window: from the start of F_2 (8 // 4 = 2) to the end of F_5
+    (ceil(3 * 8 / 4) - 1 = 5): 20..60, all of it busy."""
     evs = [TimelineEvent("forward", f"F{i}", 10.0 * i, 10.0 * i + (10 if 2 <= i < 6 else 1))
            for i in range(8)]
-    assert busy_fraction({3: evs}, steady_state=True)[3] == pytest.approx(1.0)
-    assert busy_fraction({3: evs}, steady_state=False)[3] < 0.7
+    assert busy_fraction({3: evs}, steady_state=True) == {3: 1.0}
+    assert busy_fraction({3: evs}, steady_state=False) == {3: 44 / 71}
+
+
+def test_steady_window_clips_events_and_counts_only_compute() -> None:
+    """Four F/B events at 0-2, 4-6, 8-10, 12-14 plus an optimizer step 6-7, a send 10-11 and idle
+    11-12. Steady window: start of event 1 (4) to end of event 2 (ceil(3) - 1 = 2): 4..10, of
+    which forward/backward 4 + optimizer 1 = 5 busy (the send is not compute): 5/6. Whole span
+    0..14: 2 * 4 + 1 = 9 busy of 14."""
+    evs = [TimelineEvent("forward", "F0", 0.0, 2.0), TimelineEvent("forward", "F1", 4.0, 6.0),
+           TimelineEvent("optimizer", "U0", 6.0, 7.0), TimelineEvent("backward", "B0", 8.0, 10.0),
+           TimelineEvent("send", "B0", 10.0, 11.0), TimelineEvent("idle", "", 11.0, 12.0),
+           TimelineEvent("backward", "B1", 12.0, 14.0)]
+    assert busy_fraction({0: evs}) == {0: 5 / 6}
+    assert busy_fraction({0: evs}, steady_state=False) == {0: 9 / 14}
+    # fewer than 4 forward/backward events: the whole span, even when asked for steady state
+    assert busy_fraction({0: evs[:3]}) == {0: 5 / 7}
 
 
 def test_reference_run_trace(tmp_path) -> None:
@@ -49,7 +67,15 @@ def test_reference_run_trace(tmp_path) -> None:
         assert sum(e["cat"] == "optimizer" for e in xs if e["pid"] == pid) == 2
     meta = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert {e["args"]["name"] for e in meta} == {"stage 0", "stage 1"}
-    assert all(0 < b <= 1 for b in busy_fraction(res.timeline).values())
+    # the whole-run busy fraction is each rank's F, B and U time over its span: stage 0 waits
+    # for stage 1's backwards, so strictly less than 1
+    busy = busy_fraction(res.timeline, steady_state=False)
+    for rank, evs in res.timeline.items():
+        compute = sum(e.end - e.start for e in evs if e.category in ("forward", "backward",
+                                                                      "optimizer"))
+        span = max(e.end for e in evs) - min(e.start for e in evs)
+        assert busy[rank] == pytest.approx(compute / span, rel=1e-12)
+        assert [e.category for e in evs].count("idle") >= 1 and busy[rank] < 1
 
 
 def test_empty_timeline_is_an_error(tmp_path) -> None:

@@ -5,7 +5,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -128,12 +127,10 @@ def test_fxpipe_train_world_size_mismatch_fails_fast(tmp_path: Path) -> None:
     plan = fx_compile(spec.model, 3, example_inputs=spec.example_inputs, stages=3,
                       straight=True, repeats=1).plan
     plan.save(tmp_path / "plan.json")
-    start = time.monotonic()
     res = _run([sys.executable, "-m", "fxpipe.cli_train", "train", "alexnet", "--data",
                 "synthetic", "--nproc", "2", "--plan", str(tmp_path / "plan.json")], timeout=60)
-    assert res.returncode == 2
+    assert res.returncode == 2  # the launcher's own usage error: no worker was started
     assert "--nproc 2 but the plan" in res.stdout and "needs 3 processes" in res.stdout
-    assert time.monotonic() - start < 30
     # the same mismatch inside a torchrun job (a user launching workers by hand): every rank
     # refuses before it joins the process group
     res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",

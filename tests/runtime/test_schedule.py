@@ -223,3 +223,127 @@ def test_every_generated_schedule_validates(replicas: list[int], n: int, kind: s
         assert sorted(fwd) == sorted(bwd) == [k for k in range(n) if s.owner(rank[0], k) == rank]
     tl = simulate(s, [1.0] * len(replicas), [2.0] * len(replicas))
     assert all(0.0 <= b <= 1.0 for b in tl.busy_fraction.values())
+
+
+# --------------------------------------------------------------------------- every refusal
+def _refusal(sched: Schedule) -> ScheduleError:
+    with pytest.raises(ScheduleError) as info:
+        validate(sched)
+    return info.value
+
+
+def test_validate_names_each_broken_rule() -> None:
+    e = _refusal(Schedule.from_text([1, 1], {(0, 0): "F0 B0"}))
+    assert e.message == "schedule ranks [(0, 0)] != [(0, 0), (1, 0)]"
+    assert e.hint == "give exactly one action list per (stage, replica)"
+    e = _refusal(Schedule.from_text([1], {(0, 0): "F0 B0 U1"}))
+    assert e.message == "U1 on stage 0 replica 0: expected update U0"
+    e = _refusal(Schedule("custom", (1,), 1, {(0, 0): (Action("F", 0), Action("B", 0),
+                                                      Action("U", 0, 2))}))
+    assert e.message == "U0 on stage 0 replica 0: expected update U0"  # U0 makes version 1
+    e = _refusal(Schedule.from_text([1], {(0, 0): "F0 B0 F1 B1"}, num_minibatches=1))
+    assert e.message == "F1 on stage 0 replica 0: minibatch out of range"
+    assert e.hint == "minibatch k runs on replica k % r of each stage"
+    e = _refusal(Schedule.from_text([1], {(0, 0): "F0 F0 B0"}))
+    assert e.message == "F0 on stage 0 replica 0: forward repeated"
+    e = _refusal(Schedule.from_text([1], {(0, 0): "F0 B0 B0"}))
+    assert e.message == "B0 on stage 0 replica 0: backward repeated"
+    e = _refusal(Schedule("custom", (1,), 1, {(0, 0): (Action("F", 0, 1), Action("B", 0, 1))}))
+    assert e.message == "F0 on stage 0 replica 0: reads version 1 but only 0 updates happened"
+    e = _refusal(Schedule("custom", (1,), 1, {(0, 0): (Action("F", 0, -1), Action("B", 0, -1))}))
+    assert "reads version -1" in e.message
+    # versions may be left out (hand-written tables), and a U may carry the version it makes
+    validate(Schedule("custom", (1,), 2, {(0, 0): (
+        Action("F", 0), Action("B", 0), Action("U", 0, 1), Action("F", 1, 1),
+        Action("B", 1, 1), Action("U", 1))}))
+
+
+def test_deadlock_message_for_an_update_nobody_joins() -> None:
+    """Replica 0 of stage 0 updates before forwarding minibatch 2; stage 1 wants F2 before B1;
+    replica 1 needs B1 before it joins U0: a cycle through the update."""
+    s = Schedule.from_text([2], {(0, 0): "F0 B0 U0", (0, 1): "U0 F1 B1"})
+    validate(s)  # U0 is one collective both replicas reach (0 after B0, 1 at once)
+    s = Schedule.from_text([2, 1], {(0, 0): "F0 U0 F2 B0 B2", (0, 1): "F1 B1 U0",
+                                    (1, 0): "F0 F2 B2 F1 B1 B0"})
+    with pytest.raises(DeadlockError) as info:
+        validate(s)
+    assert info.value.stuck == {(0, 0): Action("U", 0), (0, 1): Action("B", 1),
+                                (1, 0): Action("F", 2)}
+    assert info.value.message == (
+        "deadlock: stage 0 replica 0 stuck at U0 waiting for all replicas of stage 0 (and tied "
+        "stages) at U0; "
+        "stage 0 replica 1 stuck at B1 waiting for B1 on stage 1; "
+        "stage 1 replica 0 stuck at F2 waiting for F2 on stage 0")
+    assert info.value.hint == "reorder the lists so each rank's next action can become ready"
+
+
+def test_schedules_are_immutable_and_parse_their_text() -> None:
+    s = make_schedule("pipedream", [1, 1], 2)
+    with pytest.raises(TypeError):
+        s.actions[(0, 0)] = ()  # type: ignore[index]
+    assert s.num_stages == 2 and s.ranks == ((0, 0), (1, 0)) and s.group == 1
+    assert Schedule.from_text([1], {(0, 0): "F0 B0 F3 B3"}).num_minibatches == 4
+    assert Schedule.from_text([1], {(0, 0): "U0"}).num_minibatches == 0
+    with pytest.raises(ConfigError, match="unknown action kind 'X'"):
+        Action("X", 0)  # type: ignore[arg-type]
+    for text in ("F", "Fx", "f3", "F-1", ""):
+        with pytest.raises(ConfigError, match="cannot parse action"):
+            Action.parse(text)
+    assert Action.parse(" U7 ") == Action("U", 7)
+
+
+def test_noam_below_the_default_shrinks_every_window() -> None:
+    """noam = 2 on 3 stages: stage 0 admits 2; stage s keeps what is left after the workers
+    upstream hold theirs: ceil((2 * 1 - 1) / 1) = 1, ceil((2 - 2) / 1) = 0 -> at least 1."""
+    s = make_schedule("pipedream", [1, 1, 1], 4, noam=2)
+    assert s.noam == 2 and s.windows == (2, 1, 1)
+    assert table(s) == {
+        (0, 0): "F0 F1 B0 U0 F2 B1 U1 F3 B2 U2 B3 U3",
+        (1, 0): "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3",
+        (2, 0): "F0 B0 U0 F1 B1 U1 F2 B2 U2 F3 B3 U3",
+    }
+    assert [a.version for a in s.actions[(0, 0)] if a.kind == "F"] == [0, 0, 1, 2]
+    # 4 stages, noam 3: stage 1 keeps ceil((3 - 1) / 1) = 2 (below its default 3), stage 2
+    # ceil((3 - 2) / 1) = 1, stage 3 ceil(0) -> 1
+    assert make_schedule("pipedream", [1, 1, 1, 1], 8, noam=3).windows == (3, 2, 1, 1)
+    # replicated [2, 2], noam 3: stage 1 would keep ceil((3 * 2 - 2) / 2) = 2, but never more
+    # than its default ceil(2 / 2) = 1
+    r = make_schedule("pipedream", [2, 2], 8, noam=3)
+    assert r.windows == (3, 1) and r.noam == 3
+    # noam above the default does not grow the later windows beyond theirs
+    assert make_schedule("pipedream", [1, 1, 1], 4, noam=5).windows == (5, 2, 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kind="zigzag"), "unknown schedule kind 'zigzag'"),
+    (dict(replicas=[]), "bad replica vector []"),
+    (dict(replicas=[1, True]), None),
+    (dict(num_minibatches=-1), "num_minibatches=-1 is negative"),
+    (dict(noam=0), "noam=0 with kind 'pipedream'"),
+    (dict(kind="gpipe", noam=2), "noam=2 with kind 'gpipe'"),
+    (dict(microbatches=4), "microbatches=4 with pipedream"),
+    (dict(kind="gpipe", microbatches=0), "microbatches=0"),
+])
+def test_make_schedule_refusals(kwargs: dict, message: str | None) -> None:
+    args = dict(kind="pipedream", replicas=[1, 1], num_minibatches=4) | kwargs
+    kind, replicas, n = args.pop("kind"), args.pop("replicas"), args.pop("num_minibatches")
+    if message is None:  # True is an int: a 1
+        assert make_schedule(kind, replicas, n, **args).replicas == (1, 1)
+        return
+    with pytest.raises(ConfigError) as info:
+        make_schedule(kind, replicas, n, **args)
+    assert info.value.message == message
+
+
+def test_idle_replica_still_joins_every_update() -> None:
+    """3 minibatches on [2] replicas: replica 1 has none in round 1 but still makes U1 (it
+    all-reduces zeros); pipedream's rounds have r minibatches, 2bw's and the flush kinds' m."""
+    s = make_schedule("pipedream", [2], 3)
+    assert table(s) == {(0, 0): "F0 B0 U0 F2 B2 U1", (0, 1): "F1 B1 U0 U1"}
+    g = make_schedule("1f1b-flush", [2, 1], 3, microbatches=2)
+    assert table(g) == {(0, 0): "F0 B0 U0 F2 B2 U1", (0, 1): "F1 B1 U0 U1",
+                        (1, 0): "F0 B0 F1 B1 U0 F2 B2 U1"}
+    assert g.group == 2 and make_schedule("gpipe", [1, 1], 4).group == 2  # m = workers
+    b = make_schedule("2bw", [1, 1], 6, microbatches=2)
+    assert [a.version for a in b.actions[(1, 0)] if a.kind == "F"] == [0, 0, 0, 0, 1, 1]
+    assert make_schedule("pipedream", [1], 0).actions == {(0, 0): ()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (a dev dependency: missing means a broken install, not a skip)
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from fxpipe.tracing import trace  # noqa: E402

@@ -1,0 +1,106 @@
+"""PipeDream's cost model written out from its definitions: the planner tests' oracle.
+
+Nothing here imports ``fxpipe.passes`` (the code under test): the formulas are DESIGN.md's "Cost
+model" (after PipeDream, Harlap et al. section 3.1), spelled out per stage, summing each stage's
+nodes directly instead of through the solver's prefix sums. A test that prices a plan with these
+functions and gets the planner's number has checked the planner against the definition, not
+against itself.
+
+Per stage s with compute C, owned parameter bytes P, activation bytes A and r replicas, on a
+cluster of ``workers`` with ``workers_per_machine`` per machine:
+
+- sync bandwidth: the intra-machine link when the cluster is one machine or r <= workers per
+  machine (the replicas share a machine), else the network between machines;
+- stage time: (C + k (r-1)/r P / B_sync) / r, k = 2 for ring all-reduce, 4 for PipeDream's
+  parameter server;
+- cut into stage s: 2 X / (B_cut r), X = bytes of every value produced before the stage and used in
+  or after it (each counted once), B_cut = the network unless the cluster is one machine;
+- in flight: v = ceil(replicas of stages s..end / r);
+- memory per replica: P (2 + opt) + (v - 1) P + v A.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Net:
+    """The cluster as plain numbers (bytes per second)."""
+
+    workers: int
+    bandwidth: float
+    intra_bandwidth: float
+    workers_per_machine: int = 1
+    sync: str = "allreduce"
+
+    @property
+    def one_machine(self) -> bool:
+        return self.workers == self.workers_per_machine
+
+    def sync_bandwidth(self, r: int) -> float:
+        return self.intra_bandwidth if self.one_machine or r <= self.workers_per_machine \
+            else self.bandwidth
+
+    def cut_bandwidth(self) -> float:
+        return self.intra_bandwidth if self.one_machine else self.bandwidth
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One plan priced by the definitions."""
+
+    bottleneck: float
+    stage_times: tuple[float, ...]
+    cut_times: tuple[float, ...]   # 0 for stage 0
+    in_flight: tuple[int, ...]
+    memory: tuple[float, ...]
+
+
+def stage_time(c: float, p: float, r: int, net: Net) -> float:
+    k = 2.0 if net.sync == "allreduce" else 4.0
+    return (c + k * (r - 1) / r * p / net.sync_bandwidth(r)) / r
+
+
+def cut_time(x: float, r: int, net: Net) -> float:
+    return 2.0 * x / (net.cut_bandwidth() * r)
+
+
+def in_flight(replicas: Sequence[int], s: int) -> int:
+    return math.ceil(sum(replicas[s:]) / replicas[s])
+
+
+def memory(p: float, a: float, v: int, opt: float) -> float:
+    return p * (2 + opt) + (v - 1) * p + v * a
+
+
+def price(compute: Sequence[float], params: Sequence[float], acts: Sequence[float],
+          cuts: Sequence[float], starts: Sequence[int], replicas: Sequence[int], net: Net,
+          opt: float = 1.0) -> Priced:
+    """``cuts[p - 1]``: bytes live across cut position p (before node p)."""
+    ends = [*starts[1:], len(compute)]
+    st, ct, vs, mem = [], [], [], []
+    for s, (a, e, r) in enumerate(zip(starts, ends, replicas)):
+        c, p, x = sum(compute[a:e]), sum(params[a:e]), sum(acts[a:e])
+        st.append(stage_time(c, p, r, net))
+        ct.append(cut_time(cuts[a - 1], r, net) if s else 0.0)
+        vs.append(in_flight(replicas, s))
+        mem.append(memory(p, x, vs[-1], opt))
+    return Priced(max(st + ct), tuple(st), tuple(ct), tuple(vs), tuple(mem))
+
+
+def live_bytes(names: Sequence[str], inputs: Sequence[Sequence[str]], sizes: Sequence[float],
+               sendable: Sequence[bool] | None = None) -> list[float]:
+    """Bytes live across each cut position 1..N-1 of a graph in this node order: a value
+    produced before the cut and consumed at or after it, once however many later users it has;
+    inf where a value that cannot be sent is live."""
+    index = {n: i for i, n in enumerate(names)}
+    out = []
+    for p in range(1, len(names)):
+        live = {index[u] for j in range(p, len(names)) for u in inputs[j] if index[u] < p}
+        if sendable is not None and not all(sendable[i] for i in live):
+            out.append(math.inf)
+        else:
+            out.append(float(sum(sizes[i] for i in live)))
+    return out

@@ -1,0 +1,140 @@
+"""solve()'s search and minimum_memory() against their contracts: the checks it reports are the
+checks it made, it converges in a few of them (the infeasible checks' jumps), forced stage counts
+it cannot make are refused, and the memory users are told to get is exactly the least that fits.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from pd_oracle import Net
+from test_solver_bruteforce import coeffs, instances
+
+import fxpipe.passes.solver as solver
+from fxpipe.errors import InfeasiblePlanError
+from fxpipe.passes.solver import evaluate, minimum_memory, solve
+
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def counting(mp: pytest.MonkeyPatch) -> tuple[list[str], list]:
+    """Record every feasibility check solve() makes, and the plans the checks returned."""
+    calls: list[str] = []
+    found: list = []
+    for name in ("check_budget", "check_exact", "fewest_stages"):
+        real = getattr(solver, name)
+
+        def wrapped(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            out = _real(*args, **kw)
+            plan = out if _name == "fewest_stages" else out[0]
+            if plan is not None and _name != "fewest_stages":
+                found.append(args[0].evaluate([a for a, _ in plan], [r for _, r in plan]))
+            return out
+        mp.setattr(solver, name, wrapped)
+    return calls, found
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(instances())
+def test_checks_reported_are_the_checks_made_and_few(inst) -> None:
+    C, P, A, cb, net, cap, opt, stages, straight = inst
+    with pytest.MonkeyPatch.context() as mp:
+        calls, found = counting(mp)
+        try:
+            sol = solve(C, P, A, cb, net.workers, *coeffs(net), memory_cap=cap,
+                        optimizer_state_factor=opt, stages=stages, straight=straight)
+        except InfeasiblePlanError as e:
+            assert len(calls) == 1  # one check at an unbounded budget proves it
+            assert e.message == "no partition satisfies the memory and stage constraints"
+            return
+    assert sol.checks == len(calls)
+    assert ("check_exact" in calls) == (stages is not None)
+    assert ("check_budget" in calls) == (stages is None)
+    assert "fewest_stages" not in calls[:-1]  # only once, at the end, when no count is forced
+    best = min(found, key=lambda f: f.bottleneck)  # the search's best (the first of equals)
+    assert ("fewest_stages" in calls) == (stages is None and len(best.starts) > 1)
+    # each infeasible check jumps its lower bound to a value where the answer can change, so
+    # the search ends after a handful of checks (bisection alone takes dozens on these)
+    assert sol.checks <= 12
+
+
+def test_forced_stage_counts_it_cannot_make_are_refused() -> None:
+    a, b, g = coeffs(Net(3, 1.0, 1.0))
+    args = ([1.0] * 4, [0.0] * 4, [0.0] * 4, [0.0] * 3, 3, a, b, g)
+    for stages, nodes_workers in ((0, "4 nodes and 3 workers"), (4, "4 nodes and 3 workers")):
+        with pytest.raises(InfeasiblePlanError) as info:
+            solve(*args, stages=stages)
+        assert info.value.message == f"cannot make {stages} stages from {nodes_workers}"
+    with pytest.raises(InfeasiblePlanError, match="cannot make 3 stages from 2 nodes"):
+        solve([1.0] * 2, [0.0] * 2, [0.0] * 2, [0.0], 3, a, b, g, stages=3)
+    assert len(solve(*args, stages=3).starts) == 3
+
+
+def test_the_lower_bound_does_not_cut_off_a_perfect_split() -> None:
+    """Compute 4 x 1 s on 4 workers and free communication: every split reaches the work
+    bound C / workers = 1 s exactly; the optimum is that bound, data parallelism on a tie."""
+    a, b, g = coeffs(Net(4, 1e30, 1e30))
+    sol = solve([1.0] * 4, [0.0] * 4, [0.0] * 4, [0.0] * 3, 4, a, b, g)
+    assert sol.bottleneck == 1.0 and sol.replicas == (4,)
+    sol = solve([1.0] * 4, [0.0] * 4, [0.0] * 4, [0.0] * 3, 4, a, b, g, stages=4)
+    assert sol.bottleneck == 1.0 and sol.replicas == (1, 1, 1, 1)
+
+
+def test_ties_within_the_tolerance_go_to_fewer_stages() -> None:
+    """Two nodes, 2 workers, a slow network: [1 | 1] takes 1 s; data parallelism takes
+    (2 + 2 (1/2) P / B) / 2 = 1 + 5e-10 s. Within a tolerance of 1e-9 it is a tie and data
+    parallelism wins; without one the pipeline is strictly faster."""
+    net = Net(2, 1.0, 1.0)
+    args = ([1.0, 1.0], [5e-10, 5e-10], [0.0, 0.0], [0.0], 2, *coeffs(net))
+    assert solve(*args).replicas == (1, 1)
+    assert solve(*args, tie_tolerance=1e-9).replicas == (2,)
+    assert solve(*args, tie_tolerance=1e-11).replicas == (1, 1)
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(instances())
+def test_minimum_memory_is_the_least_cap_some_plan_fits(inst) -> None:
+    C, P, A, cb, net, _, opt, stages, straight = inst
+    a, b, g = coeffs(net)
+    n, m = len(C), net.workers
+    need = math.inf
+    for k in range(n):
+        if stages is not None and k + 1 != stages:
+            continue
+        for cuts in itertools.combinations(range(1, n), k):
+            if any(math.isinf(cb[p - 1]) for p in cuts):
+                continue
+            for rv in ([(1,) * (k + 1)] if straight else
+                       itertools.product(range(1, m + 1), repeat=k + 1)):
+                if sum(rv) <= m:
+                    sol = evaluate(C, P, A, cb, m, a, b, g, [0, *cuts], rv,
+                                   optimizer_state_factor=opt)
+                    need = min(need, max(sol.memory))
+    got = minimum_memory(C, P, A, cb, m, a, b, g, optimizer_state_factor=opt, stages=stages,
+                         straight=straight)
+    if need > 0:
+        assert got == need  # exactly: the bisection ends on adjacent floats
+    else:
+        assert 0 < got <= 2.0 ** -200  # nothing needed: 200 halvings of the first cap, 1
+
+
+def test_minimum_memory_without_any_plan_is_infinite() -> None:
+    a, b, g = coeffs(Net(2, 1.0, 1.0))
+    # the only cut is forbidden, and two stages are demanded
+    assert minimum_memory([1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [math.inf], 2, a, b, g,
+                          stages=2) == math.inf
+    # a cap of 3e30: one node of 1e30 parameter bytes needs 3 P (weights, gradient, state)
+    assert minimum_memory([1.0], [1e30], [0.0], [], 1, a, b, g) == math.inf
+    assert minimum_memory([1.0], [1e29], [0.0], [], 1, a, b, g) == (2.0 + 1.0) * 1e29
+
+
+def test_default_optimizer_state_is_one_copy_of_the_weights() -> None:
+    """Without optimizer_state_factor a replica holds weights, gradients and one state tensor
+    per parameter (SGD with momentum): 3 P, plus the activations."""
+    a, b, g = coeffs(Net(1, 1.0, 1.0))
+    assert solve([1.0], [10.0], [5.0], [], 1, a, b, g).memory == (35.0,)
+    assert evaluate([1.0], [10.0], [5.0], [], 1, a, b, g, [0], [1]).memory == (35.0,)
+    assert minimum_memory([1.0], [10.0], [5.0], [], 1, a, b, g) == 35.0
