@@ -30,8 +30,7 @@ from fxpipe.passes import partition  # noqa: E402
 from fxpipe.runtime.plansim import simulate_plan  # noqa: E402
 
 SYNC_KINDS = ("gpipe", "1f1b-flush", "zb-h1", "zb-h2")
-PROFILE_DIRS = (ROOT / "data" / "pipedream-profiles",
-                ROOT.parent / "shared" / "data" / "pipedream-profiles")
+PROFILE_DIRS = (ROOT / "data" / "pipedream-profiles",)  # vendored (MIT, see its LICENSE)
 STAGES, WORKERS, BANDWIDTH = 8, 8, "10Gbps"
 UNLIMITED = "1TB"  # memory is not the question here (as in table1.py); the zb-h2 rows hold more
 
