@@ -26,6 +26,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from fxpipe.runtime.auto import DEFAULT_CANDIDATES
+
 from .run import DEFAULT_OUT, SAME_AT_EVERY_DEPTH
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +36,7 @@ ORDER = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream", "pipedream
          "pipedream+momentum", "pipedream+predict+momentum")
 MITIGATED = tuple(v for v in ORDER if v.startswith("pipedream+") and v != "pipedream+vsync")
 AUTO_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream") + MITIGATED
+# auto_picks replays the trainer's own default candidates (fxpipe.runtime.auto)
 SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # flush's updates exactly: its statistics
 
 
@@ -190,7 +193,7 @@ def auto_picks(data: dict, t: str, S: int, o: str, per: dict[str, float], pilot:
     seeds = len(data.get((t, S, "1f1b-flush", o), []))
     for i in range(seeds):
         curves = {}
-        for v in AUTO_CANDIDATES:
+        for v in DEFAULT_CANDIDATES:
             recs = data.get((t, S, v, o), [])
             if len(recs) > i:
                 c = recs[i]["train_losses"][:pilot]
