@@ -53,9 +53,12 @@ SYNCHRONOUS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")
 SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # minibatch SGD, flush's arithmetic: its pilot curve
 SAFE = ("the synchronous schedule is never statistically worse, so it is the safe choice "
         "without a measurement")
-DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream", "pipedream+lr_scale",
-                      "pipedream+predict", "pipedream+dc", "pipedream+momentum",
+DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "pipedream", "pipedream+lr_scale",
                       "pipedream+predict+momentum")
+"""Trained in the pilot: flush (whose curve gpipe and the zero-bubble kinds share), pipedream,
+and the two mitigations that came out best in bench/ablation's goal table (lr_scale,
+predict+momentum). Each trained candidate costs one pilot of whole-model steps, so the default
+list is short; pass ``auto_options={"candidates": (...)}`` for others (2bw, +dc, ...)."""
 
 
 @dataclass(frozen=True)

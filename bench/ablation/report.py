@@ -26,14 +26,18 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from fxpipe.runtime.auto import DEFAULT_CANDIDATES
+
 from .run import DEFAULT_OUT, SAME_AT_EVERY_DEPTH
 
 ROOT = Path(__file__).resolve().parents[2]
-ORDER = ("1f1b-flush", "gpipe", "2bw", "pipedream", "pipedream-nostash", "pipedream+vsync",
+ORDER = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream", "pipedream-nostash", "pipedream+vsync",
          "localsgd", "pipedream+lr_scale", "pipedream+predict", "pipedream+dc",
          "pipedream+momentum", "pipedream+predict+momentum")
 MITIGATED = tuple(v for v in ORDER if v.startswith("pipedream+") and v != "pipedream+vsync")
-AUTO_CANDIDATES = ("1f1b-flush", "gpipe", "2bw", "pipedream") + MITIGATED
+AUTO_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream") + MITIGATED
+# auto_picks replays the trainer's own default candidates (fxpipe.runtime.auto)
+SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # flush's updates exactly: its statistics
 
 
 def load(path: str) -> dict[tuple[str, int, str, str], list[dict[str, Any]]]:
@@ -52,7 +56,7 @@ def load(path: str) -> dict[tuple[str, int, str, str], list[dict[str, Any]]]:
         for o in opts:
             for S in (2, 4, 8):
                 for v in ORDER:
-                    src = "1f1b-flush" if v == "gpipe" else v
+                    src = "1f1b-flush" if v in SAME_AS_FLUSH else v
                     recs = runs.get((t, S, src, o), {})
                     fallback = False
                     if src in SAME_AT_EVERY_DEPTH and S > 2:
@@ -141,7 +145,7 @@ def periods(task_name: str, S: int) -> tuple[dict[str, float], dict[str, Any]]:
     n = minibatches_for([1] * S)
     pd = simulate_plan(big.plan, big.profile, schedule="pipedream", minibatches=n)
     out = {v: pd.steady_state_period for v in ORDER if v.startswith("pipedream")}
-    for kind in ("1f1b-flush", "gpipe", "2bw"):
+    for kind in ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw"):
         sim = simulate_plan(micro_plan, small.profile, schedule=kind, minibatches=n,
                             microbatches=S)
         out[kind] = sim.steady_state_period * S
@@ -189,7 +193,7 @@ def auto_picks(data: dict, t: str, S: int, o: str, per: dict[str, float], pilot:
     seeds = len(data.get((t, S, "1f1b-flush", o), []))
     for i in range(seeds):
         curves = {}
-        for v in AUTO_CANDIDATES:
+        for v in DEFAULT_CANDIDATES:
             recs = data.get((t, S, v, o), [])
             if len(recs) > i:
                 c = recs[i]["train_losses"][:pilot]
@@ -249,8 +253,8 @@ def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Pat
                               + " to target / flush's")
     axes[0][0].legend(fontsize=8, loc="upper left")
     what = "Updates" if key == "updates" else "Predicted time (simulated commodity cluster)"
-    fig.suptitle(f"{what} to target relative to 1f1b-flush (mean of 3 seeds; x = never within "
-                 "the budget; dashed: 1.1x)", fontsize=11)
+    fig.suptitle(f"{what} to target relative to 1f1b-flush (mean over the seeds run, 1 to 3: "
+                 "see BENCHMARKS.md; x = never within the budget; dashed: 1.1x)", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -294,8 +298,8 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
         for S in (4, 8):
             for o in opts:
                 b = stats.get((t, S, "1f1b-flush", o))
-                if b is None:
-                    continue
+                if b is None or (t, S, "pipedream", o) not in stats:
+                    continue  # the asynchronous side was not run at this depth
                 fu = b["updates"][0]
                 ratio = lambda v: stats[(t, S, v, o)]["updates"][0] / fu  # noqa: E731
                 pdr = ratio("pipedream") if (t, S, "pipedream", o) in stats else math.nan
@@ -326,8 +330,8 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
     for t in tasks:
         for S in (2, 4, 8):
             for o in opts:
-                if (t, S, "1f1b-flush", o) not in stats:
-                    continue
+                if (t, S, "1f1b-flush", o) not in stats or (t, S, "pipedream", o) not in data:
+                    continue  # auto's rival was not run here: nothing to compare
                 picks = auto_picks(data, t, S, o, per[(t, S)], pilot)
                 times = []
                 for i, v in enumerate(picks):
@@ -359,8 +363,8 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
     lines.append("**All rows**: updates to target (mean ± sd, seeds that reached it / seeds), "
                  "final metric (mean ± sd), predicted time to target in ms (simulated seconds "
                  "per update x updates). `*`: flush/2bw not run at this depth, the S = 2 runs "
-                 "stand in (same arithmetic, see bench/ablation/run.py); gpipe is flush's "
-                 "training with its own throughput.")
+                 "stand in (same arithmetic, see bench/ablation/run.py); gpipe, zb-h1 and zb-h2 "
+                 "are flush's training (the same updates) with their own throughput.")
     for t in tasks:
         task = make_task(t)
         for o in opts:
@@ -416,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     figure(data, extra["stats"], tasks, opts, Path(a.figure))
     figure(data, extra["stats"], tasks, opts,
            Path(a.figure).with_name(Path(a.figure).stem + "-time.png"), key="time_ms")
-    runs = sum(len(v) for k, v in data.items() if k[2] != "gpipe" and
+    runs = sum(len(v) for k, v in data.items() if k[2] not in SAME_AS_FLUSH and
                not any(r.get("fallback") for r in v))
     head = (f"### Statistical efficiency: schedules, mitigations and auto\n\n"
             f"Command: `.venv/bin/python -m bench.ablation.run` (the sweep, {a.minutes} on the "
