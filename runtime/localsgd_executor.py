@@ -43,7 +43,8 @@ class LocalSGDExecutor(ReferenceExecutor):
                 f"LocalSGD with parameters tied across stages ({self.tied[0].key!r})",
                 "not supported: use a pipeline schedule, or untie the parameter")
 
-    def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder]) -> None:
+    def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder],
+                i: int | None = None) -> None:
         """Update ``U<i>`` of every replica of one stage: each alone, then maybe the average."""
         for r in sorted(ranks):
             w = self.workers[r]
