@@ -97,8 +97,8 @@ def forward_fn(stages: list[Any], weights: list[dict], buffers: list[dict]
 def _scored(base: type, task: Task, evals: list[tuple[int, float]], S: int) -> type:
     """``base`` executor that scores the model after every ``eval_every``-th input-stage update."""
     class Scored(base):  # type: ignore[misc, valid-type]
-        def _update(self, ranks: list, recs: dict) -> None:
-            super()._update(ranks, recs)
+        def _update(self, ranks: list, recs: dict, *index: int) -> None:
+            super()._update(ranks, recs, *index)  # the reference passes the update index
             if ranks[0][0] != 0:
                 return
             u = self.workers[ranks[0]].stash.version
