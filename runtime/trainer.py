@@ -161,12 +161,10 @@ class Trainer(CheckpointMixin):
         optimizer = wrap_factory(optimizer, self.stages, state_keys)  # `names=` (param_names)
         # default segments are whole update groups (m minibatches for the batched kinds, a
         # round of every replica for pipedream), so a boundary never splits a batch
-        kinds = ("pipedream", "1f1b-flush") if spec.kind == AUTO else (spec.kind,)
-        group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
-                           else microbatches or sum(self.replicas) for k in kinds))
         self._ramp = segment is None and checkpoint_every is None
-        self._first = group * math.ceil(FIRST_SEGMENT / group)
-        self.segment = segment or checkpoint_every or group * math.ceil(DEFAULT_SEGMENT / group)
+        self._segment_arg = segment or checkpoint_every
+        self._size_segments(("pipedream", "1f1b-flush") if spec.kind == AUTO else (spec.kind,),
+                            microbatches)
         if checkpoint_every and checkpoint_every % self.segment:
             raise RuntimeConfigError(f"checkpoint_every={checkpoint_every} is not a multiple of "
                                      f"segment={self.segment}", "checkpoints happen only at "
@@ -230,6 +228,15 @@ class Trainer(CheckpointMixin):
         self.prefetch = prefetch  # minibatches read ahead by a thread (runtime/prefetch.py)
 
     # ------------------------------------------------------------------ helpers
+    def _size_segments(self, kinds: Sequence[str], microbatches: int | None) -> None:
+        """First and full segment lengths in whole update groups of ``kinds`` (see
+        DEFAULT_SEGMENT); redone when ``schedule="auto"`` adopts its choice, so an auto run
+        segments exactly as a run naming that schedule."""
+        group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
+                           else microbatches or sum(self.replicas) for k in kinds))
+        self._first = group * math.ceil(FIRST_SEGMENT / group)
+        self.segment = self._segment_arg or group * math.ceil(DEFAULT_SEGMENT / group)
+
     def _check_tied_cadence(self) -> None:
         """Stages sharing a tied weight must update equally often, or their tied all-reduces
         never pair up (a hang until the timeout): check on a short schedule of the same kind."""
@@ -251,6 +258,7 @@ class Trainer(CheckpointMixin):
         replicas with the same initial weights, optimizers made for the new schedule's delays."""
         spec = parse_schedule(schedule)
         self.kind, self.schedule_name, self.mitigation = spec.kind, spec.name, spec.mitigation
+        self._size_segments((spec.kind,), self.microbatches)
         self._schedules.clear()
         self._check_tied_cadence()
         self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
