@@ -138,3 +138,26 @@ def test_default_optimizer_state_is_one_copy_of_the_weights() -> None:
     assert solve([1.0], [10.0], [5.0], [], 1, a, b, g).memory == (35.0,)
     assert evaluate([1.0], [10.0], [5.0], [], 1, a, b, g, [0], [1]).memory == (35.0,)
     assert minimum_memory([1.0], [10.0], [5.0], [], 1, a, b, g) == 35.0
+
+
+@pytest.mark.parametrize("C, P, bottleneck, starts, replicas, checks", [
+    ([1.0] * 4, 0.0, 1.0, (0,), (4,), 5),
+    ([1.0] * 4, 0.5, 1.0, (0, 1, 2, 3), (1, 1, 1, 1), 4),
+    ([1.0, 3.0], 0.0, 1.0, (0,), (4,), 5),
+    ([1.0, 3.0], 0.5, 11 / 9, (0, 1), (1, 3), 5),
+    ([2.0, 1.0, 1.0], 0.0, 1.0, (0,), (4,), 5),
+    ([2.0, 1.0, 1.0], 0.5, 1.25, (0, 1, 2), (2, 1, 1), 4),
+    ([1.0, 1.0], 0.0, 0.5, (0,), (4,), 5),
+    ([1.0, 1.0], 0.5, 0.75, (0, 1), (2, 2), 4),
+])
+def test_the_search_starts_at_the_work_bound(C, P, bottleneck, starts, replicas, checks) -> None:
+    """4 workers, 1 B/s, no activations: the optimum, and the number of checks the search
+    takes from its bracket [work bound (1 - 1e-9), first plan]: sum(C) / 4 below (every worker
+    busy all the time), so a looser or tighter start changes the count. Optima by hand: with
+    no parameters data parallelism on 4 is sum(C) / 4; [1, 3] with P = 0.5 per node: stage
+    [1 | 3] on 1 + 3 workers, 3 / 3 + 2 (2/3) 0.5 / 3 = 11/9."""
+    a, b, g = coeffs(Net(4, 1.0, 1.0))
+    n = len(C)
+    sol = solve(C, [P] * n, [0.0] * n, [0.0] * (n - 1), 4, a, b, g)
+    assert (sol.starts, sol.replicas, sol.checks) == (starts, replicas, checks)
+    assert sol.bottleneck == pytest.approx(bottleneck, rel=1e-12)
