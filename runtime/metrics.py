@@ -1,7 +1,9 @@
 """Metrics a user can read after the run: a JSON-lines log (``Trainer(metrics_path=...)``) and,
 when the ``tensorboard`` package is installed, a TensorBoard writer (``tensorboard_dir=``).
 
-One JSON object per line, written by rank 0 only (every rank computes the same numbers)::
+One JSON object per line, written by rank 0 only (every rank computes the same numbers; the
+path may be given on rank 0 alone: the numbers ride on the exchange of the segment's loss that
+every rank makes anyway)::
 
     {"kind": "train", "epoch": 1, "step": 40, "minibatches": 160, "loss": 2.31,
      "lr": 0.00029, "samples_per_s": 812.5, "time_s": 0.79, "busy_s": [0.61, 0.58]}

@@ -367,7 +367,10 @@ class Trainer(CheckpointMixin):
                     losses = self.backend.run_segment(self._schedule(n), parts, self._wire)
                     del parts  # one segment's minibatches in memory at a time
                     dt = time.perf_counter() - t0
-                    got = self.backend.all_sum([sum(losses.values()), len(losses)], "loss sum")
+                    # one exchange for the loss and the stages' busy time (metrics): every
+                    # rank takes part whether or not it was given a metrics path
+                    got = self.backend.all_sum([sum(losses.values()), len(losses),
+                                                *self._busy()], "loss sum")
                     acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
                     if self.metrics.enabled:
                         self._record(epoch, n, got, dt)
@@ -396,14 +399,19 @@ class Trainer(CheckpointMixin):
                 self._checkpoint(epoch + 1, 0, [0.0, 0.0, 0.0, 0.0])
         self._write_back()
 
-    def _record(self, epoch: int, n: int, got: list[float], dt: float) -> None:
-        """One segment into the metrics log (:mod:`fxpipe.runtime.metrics`): every rank adds
-        its stages' busy time (one small all-reduce), rank 0 writes."""
+    def _busy(self) -> list[float]:
+        """This rank's busy seconds per stage since the last call (mean over a stage's
+        replicas once summed over the ranks)."""
         busy = [0.0] * len(self.stages)
         for r, w in self.local.items():
             busy[r[0]] += (w.busy_s - self._busy_seen.get(r, 0.0)) / self.replicas[r[0]]
             self._busy_seen[r] = w.busy_s
-        busy = self.backend.all_sum(busy, "metrics (busy time)")
+        return busy
+
+    def _record(self, epoch: int, n: int, got: list[float], dt: float) -> None:
+        """One segment into the metrics log (:mod:`fxpipe.runtime.metrics`); ``got``: the
+        segment's summed [loss sum, losses, busy seconds per stage...]; rank 0 writes."""
+        busy = got[2:]
         updates = sum(a.kind == "U" for a in self._schedule(n).actions[(0, 0)])
         first = self.local.get((0, 0))
         opt = first.stash.optimizer if first is not None else None
