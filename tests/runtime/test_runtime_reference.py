@@ -86,8 +86,8 @@ def test_data_parallel_one_stage_two_replicas_equals_big_batch_sgd() -> None:
 @pytest.mark.parametrize("kind", SCHEDULE_KINDS)
 def test_every_kind_trains_by_its_rule(kind: str) -> None:
     """Each kind against its rule written as plain PyTorch (stale_oracles.py), in float64:
-    pipedream = 1F1B stale SGD, the flush kinds = one SGD step per 4 microbatches, 2bw = one
-    step per batch on the weights one batch old."""
+    pipedream = 1F1B stale SGD, the flush kinds (the zero-bubble ones too) = one SGD step per 4
+    microbatches, 2bw = one step per batch on the weights one batch old."""
     data = double(batches(8))
     m = None if kind == "pipedream" else 4
     sched = make_schedule(kind, [1, 1], 8, microbatches=m)
@@ -97,6 +97,8 @@ def test_every_kind_trains_by_its_rule(kind: str) -> None:
     want = {"pipedream": lambda: pipedream_sgd(w0, (0, 0, 1, 1, 1), (1, 1), data, LR),
             "1f1b-flush": lambda: oracle_sgd(w0, data, LR, 4),
             "gpipe": lambda: oracle_sgd(w0, data, LR, 4),
+            "zb-h1": lambda: oracle_sgd(w0, data, LR, 4),
+            "zb-h2": lambda: oracle_sgd(w0, data, LR, 4),
             "2bw": lambda: two_bw_sgd(w0, data, 4, LR)}[kind]()
     torch.testing.assert_close(res.losses, want[0], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(res.merged_params(), want[1], rtol=1e-10, atol=1e-12)
