@@ -109,3 +109,18 @@ def test_cut_bytes_and_crossing_values_match_the_definition(p: Profile) -> None:
             nd.name in later.inputs for later in p.nodes[pos:]))
         assert crossing_values(p, pos) == names
         assert all_crossing_values(p, [pos]) == {pos: names}
+
+
+def test_an_early_model_output_is_carried_to_the_last_stage() -> None:
+    """A model output made early (an encoder's last hidden state) is returned by the last stage,
+    so it is live across every cut after it, by hand: enc (40 bytes, an output) -> h (5) -> y (3)
+    -> loss (1); the cuts after enc carry 40 + what the chain carries there."""
+    def out(name: str, act: float, inputs: tuple[str, ...] = ()) -> ProfileNode:
+        return ProfileNode(name=name, op="call_function", target=name, forward_s=0.01,
+                           backward_s=0.02, activation_bytes=act, parameter_bytes=0.0,
+                           inputs=inputs, is_output=True)
+
+    p = Profile(nodes=(node("x", 7), out("enc", 40, ("x",)), node("h", 5, ("enc",)),
+                       node("y", 3, ("h",)), out("loss", 1, ("y",))))
+    assert cut_bytes(p).tolist() == [7.0, 40.0, 40.0 + 5.0, 40.0 + 3.0]
+    assert crossing_values(p, 3) == ("enc", "h")
