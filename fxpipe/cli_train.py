@@ -235,19 +235,11 @@ def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
 
 def _user_loaders(text: str) -> tuple[Any, Any]:
     """``file.py:factory`` -> factory()'s (train, val) loaders (val may be None)."""
-    import importlib.util
-    from pathlib import Path
+    from fxpipe.models import load_factory
 
     path, _, name = text.rpartition(":")
-    mod_spec = importlib.util.spec_from_file_location(Path(path).stem + "_data", path)
-    assert mod_spec is not None and mod_spec.loader is not None
-    module = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(module)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ConfigError(f"{path!r} has no callable {name!r}",
-                          "--data file.py:factory, factory() returning (train, val) loaders")
-    made = factory()
+    usage = "--data file.py:factory, factory() returning (train, val) loaders"
+    made = load_factory(path, name, kind="data", file_hint=usage, callable_hint=usage)()
     if isinstance(made, tuple) and len(made) == 2:
         return made[0], made[1]
     raise ConfigError(f"{text} returned {type(made).__name__}",

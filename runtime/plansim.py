@@ -52,7 +52,7 @@ from fxpipe.passes.partition import coefficients
 from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.units import format_bytes, format_seconds
 
-from .schedule import SYNCHRONOUS_KINDS, Action, Rank, make_schedule, tie_delay
+from .schedule import SYNCHRONOUS_KINDS, Action, Rank, make_schedule, sync_sets, tie_delay
 from .timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
 
 log = logging.getLogger(__name__)
@@ -284,14 +284,7 @@ class _Sim:
         self.sched, self.costs, self.bw, self.lat, self.duplex = sched, costs, bandwidth, latency, duplex
         # tied weights: stage -> its component (stages updating together or with a lag), the
         # bytes it all-reduces per update, and the lag in rounds
-        comps: list[set[int]] = []
-        for t in tied:
-            merged = set(t.stages)
-            for c in [c for c in comps if c & merged]:
-                merged |= c
-                comps.remove(c)
-            comps.append(merged)
-        self.comp = {s: tuple(sorted(c)) for c in comps for s in c}
+        self.comp = {s: c for c in sync_sets([t.stages for t in tied]) for s in c}
         self.tied_bytes = {s: sum(t.nbytes for t in tied if s in t.stages)
                            for s in range(sched.num_stages)}
         self.delay = delay

@@ -460,6 +460,19 @@ def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = (),
     return order
 
 
+def sync_sets(stage_sets: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Merge stage sets that share a stage (tied parameters chain stages together): the
+    connected components, each sorted, in sorted order."""
+    comps: list[set[int]] = []
+    for stages in stage_sets:
+        merged = set(stages)
+        for c in [c for c in comps if c & merged]:
+            merged |= c
+            comps.remove(c)
+        comps.append(merged)
+    return sorted(tuple(sorted(c)) for c in comps)
+
+
 def tie_delay(sched: Schedule, tie_stage_sets: Sequence[Sequence[int]]) -> int:
     """Rounds by which tied weights' updates lag their gradients under ``sched`` (0 for the
     flushing kinds and when nothing is tied): the largest difference of in-flight windows

@@ -39,6 +39,7 @@ from .device import move_constants
 from .errors import RuntimeConfigError, StashError
 from .splitgrad import WeightTask, input_gradients
 from .precision import autocast
+from .schedule import sync_sets
 from .stash import OptimizerFactory, WeightStash, swapped_call, tensor_slots
 
 log = logging.getLogger(__name__)
@@ -116,14 +117,7 @@ def tie_sets(tied: Sequence[TiedParameter]) -> dict[tuple[int, ...], list[TiedPa
 
 def sync_components(tied: Sequence[TiedParameter]) -> list[tuple[int, ...]]:
     """Stages whose updates must happen together (connected through tied parameters)."""
-    comps: list[set[int]] = []
-    for t in tied:
-        merged = set(t.stages)
-        for c in [c for c in comps if c & merged]:
-            merged |= c
-            comps.remove(c)
-        comps.append(merged)
-    return sorted(tuple(sorted(c)) for c in comps)
+    return sync_sets([t.stages for t in tied])
 
 
 def model_env(stages: Sequence[StageSpec], inputs: Any) -> dict[str, Any]:

@@ -195,23 +195,32 @@ def resolve(name: str, *, size: str = "mini", batch_size: int | None = None, see
     return get(name, size=size, batch_size=batch_size, seed=seed)
 
 
-def _from_factory(spec: str, path: str, name: str,
-                  input_shape: tuple[int, ...] | None) -> ModelSpec:
+def load_factory(path: str, name: str, *, kind: str, file_hint: str,
+                 callable_hint: str) -> Callable[[], Any]:
+    """The callable ``name`` of the Python file ``path`` (a user's ``file.py:factory``, for a
+    model or for data), with a clear ConfigError when the file or the callable is missing."""
     import importlib.util
     from pathlib import Path
 
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"model file {path!r} does not exist",
-                          "MODEL is a zoo name, hf:Class or file.py:factory")
+        raise ConfigError(f"{kind} file {path!r} does not exist", file_hint)
     mod_spec = importlib.util.spec_from_file_location(file.stem, file)
     assert mod_spec is not None and mod_spec.loader is not None
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
     factory = getattr(module, name, None)
     if not callable(factory):
-        raise ConfigError(f"{path!r} has no callable {name!r}",
-                          "MODEL is file.py:factory where factory() returns a model")
+        raise ConfigError(f"{path!r} has no callable {name!r}", callable_hint)
+    return factory
+
+
+def _from_factory(spec: str, path: str, name: str,
+                  input_shape: tuple[int, ...] | None) -> ModelSpec:
+    factory = load_factory(path, name, kind="model",
+                           file_hint="MODEL is a zoo name, hf:Class or file.py:factory",
+                           callable_hint="MODEL is file.py:factory where factory() returns a "
+                                         "model")
     made = factory()
     if isinstance(made, ModelSpec):
         return made
