@@ -270,3 +270,4 @@ def check_against_brute_force(inst) -> None:
             plain = [b for (s0, _, fl), (b, _) in feasible.items()
                      if not any(fl) and len(s0) <= len(sol.starts)]
             assert all(b > sol.bottleneck * (1 - TIE) for b in plain)
+
