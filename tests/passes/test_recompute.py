@@ -206,21 +206,9 @@ def test_caps_only_recomputation_meets_match_brute_force() -> None:
     """Seeded profiles with the cap set between the least memory of any plan with
     recomputation allowed and the least without: "never" is infeasible, "auto" must find the
     brute force's optimum (and "always" too, when it fits)."""
-    import random
-
     tried = 0
     for seed in range(150):
-        rng = random.Random(seed)
-        n, m = rng.randint(2, 6), rng.randint(2, 4)
-        C = [rng.randint(1, 400) / 100 for _ in range(n)]
-        F = [round(c * rng.choice([0.25, 0.5]), 4) for c in C]
-        P = [float(rng.randint(0, 30)) for _ in range(n)]
-        A = [float(rng.randint(50, 300)) for _ in range(n)]
-        H = [float(rng.randint(0, 50))] + [0.0] * (n - 1)
-        cb = [float(rng.choice([rng.randint(0, 20), rng.randint(0, 300)])) for _ in range(n - 1)]
-        al = [1.0 / r for r in range(1, m + 1)]
-        be = [0.02 * (r - 1) / r / r for r in range(1, m + 1)]
-        ga = [0.02 / r for r in range(1, m + 1)]
+        C, F, P, A, H, cb, m, al, be, ga, _ = seeded(seed)
         args = (C, F, P, A, H, cb, m, al, be, ga, None, 1.0)
         need = {md: min(max(mem) for _, mem in brute(*args, md, None).values())
                 for md in ("never", "auto")}
@@ -235,6 +223,91 @@ def test_caps_only_recomputation_meets_match_brute_force() -> None:
         for mode in ("auto", "always"):
             check_against_brute_force((C, F, P, A, H, cb, m, al, be, ga, cap, 1.0, mode, None))
     assert tried >= 100  # the seeds above give that many such caps (a generator change shows)
+
+
+def seeded(seed: int) -> tuple:
+    """A random chain instance (thin and fat cuts, model inputs in node 0, activations large
+    next to parameters, so recomputation often matters), and the generator for the caller's
+    further draws."""
+    import random
+
+    rng = random.Random(seed)
+    n, m = rng.randint(2, 6), rng.randint(2, 4)
+    C = [rng.randint(1, 400) / 100 for _ in range(n)]
+    F = [round(c * rng.choice([0.25, 0.5]), 4) for c in C]
+    P = [float(rng.randint(0, 30)) for _ in range(n)]
+    A = [float(rng.randint(50, 300)) for _ in range(n)]
+    H = [float(rng.randint(0, 50))] + [0.0] * (n - 1)
+    cb = [float(rng.choice([rng.randint(0, 20), rng.randint(0, 300)])) for _ in range(n - 1)]
+    al = [1.0 / r for r in range(1, m + 1)]
+    be = [0.02 * (r - 1) / r / r for r in range(1, m + 1)]
+    ga = [0.02 / r for r in range(1, m + 1)]
+    return C, F, P, A, H, cb, m, al, be, ga, rng
+
+
+def fat_and_thin(seed: int) -> tuple:
+    """Straight pipelines (one worker per stage) over cuts that are either nearly free or fat:
+    where an earlier start at a thin cut can reach further than the latest one at a fat cut.
+    ``FAT_AND_THIN`` are seeds (found by a search over 3000) where it does for some bound, so
+    a check that only tries the latest start gives a wrong answer on them."""
+    import random
+
+    rng = random.Random(seed)
+    n, m = rng.randint(3, 6), rng.randint(3, 4)
+    C = [rng.randint(1, 400) / 100 for _ in range(n)]
+    F = [round(c * 0.25, 4) for c in C]
+    P = [float(rng.randint(0, 10)) for _ in range(n)]
+    A = [float(rng.randint(50, 300)) for _ in range(n)]
+    cb = [float(rng.choice([rng.randint(0, 5), rng.randint(200, 600)])) for _ in range(n - 1)]
+    return C, F, P, A, [0.0] * n, cb, m, [1.0] * m, [0.0] * m, [0.0] * m, float(
+        rng.randint(100, 1500))
+
+
+FAT_AND_THIN = (263, 304, 483, 795, 979, 980, 1297, 1364, 1476, 1657)
+
+
+def test_recompute_checks_against_brute_force() -> None:
+    """check_budget_rc and fewest_stages_rc themselves, at bounds between the brute force's
+    plan times: a plan exactly when one exists within the bound (and within it, and the
+    fewest stages for fewest_stages_rc); when none, ``nxt`` is a promise that no plan exists
+    below it either."""
+    cases = []
+    for seed in range(60):
+        C, F, P, A, H, cb, m, al, be, ga, rng = seeded(seed)
+        need = [min(max(mem) for _, mem in brute(C, F, P, A, H, cb, m, al, be, ga, None, 1.0,
+                                                     md, None).values()) for md in ("auto", "never")]
+        # none, any, or between what plans need with recomputation and without
+        cap = rng.choice([None, float(rng.randint(200, 1500)), float(sum(need) // 2)])
+        cases.append(((C, F, P, A, H, cb, m, al, be, ga, cap, 1.0), False))
+    cases += [((*fat_and_thin(seed), 0.0), True) for seed in FAT_AND_THIN]
+    for args, straight in cases:
+        check_checks(args, straight)
+
+
+def check_checks(args: tuple, straight: bool) -> None:
+    from fxpipe.passes.feasibility import _Inst
+    from fxpipe.passes.recompute import check_budget_rc, fewest_stages_rc
+
+    C, F, P, A, H, cb, m, al, be, ga, cap, opt = args
+    for mode in ("auto", "always"):
+        plans = {k: v for k, v in brute(*args, mode, None).items()
+                 if not straight or set(k[1]) == {1}}
+        times = sorted({round(b, 9) for b, _ in plans.values()})
+        taus = [0.0] + [(x + y) / 2 for x, y in zip(times, times[1:])] + [
+            t * 1.5 for t in times[-1:]]
+        inst = _Inst(C, P, A, cb, m, al, be, ga, cap, opt, straight, mode, F, H)
+        for tau in taus:
+            under = {k: b for k, (b, _) in plans.items() if b <= tau}
+            plan, nxt = check_budget_rc(inst, tau)
+            assert (plan is not None) == bool(under), (args, mode, tau)
+            if plan is None:
+                assert nxt > tau and all(b >= nxt * (1 - 1e-9) for b, _ in plans.values())
+                assert fewest_stages_rc(inst, tau) is None
+                continue
+            assert tuple(zip(*plan)) in under, (args, mode, tau, plan)
+            few = fewest_stages_rc(inst, tau)
+            assert few is not None and tuple(zip(*few)) in under
+            assert len(few) == min(len(k[0]) for k in under)
 
 
 def check_against_brute_force(inst) -> None:
