@@ -23,6 +23,10 @@ everything is proven infeasible: an infeasible check also reports the smallest v
 its comparisons could flip, so ``lo`` jumps to real candidate values and the loop ends with
 ``lo == hi``, exactly optimal. Ties: fewest stages (so plain data parallelism wins when it is as
 fast), by a stage-layered version of the recurrence at the optimal ``tau``.
+
+Activation recomputation (``recompute="always"|"auto"``): a recomputing stage's memory depends on
+the bytes entering it, which is not monotone in its start, so the checks of
+:mod:`~fxpipe.passes.recompute` try every allowed start and both flags (still exact).
 """
 from __future__ import annotations
 

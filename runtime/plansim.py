@@ -133,7 +133,8 @@ class PlanSimulation:
         per-minibatch activation bytes times :attr:`in_flight`; a recomputing stage holds its
         input bytes per minibatch in flight and one minibatch's activations)."""
         return tuple(sp.input_bytes * v + sp.activation_bytes if sp.recompute
-                     else sp.activation_bytes * v for sp, v in zip(self.plan.stages, self.in_flight))
+                     else sp.activation_bytes * v
+                     for sp, v in zip(self.plan.stages, self.in_flight))
 
     @property
     def bytes_per_minibatch(self) -> float:

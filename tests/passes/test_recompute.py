@@ -186,8 +186,8 @@ def instances(draw):
     opt = draw(st.sampled_from([0.0, 1.0, 2.0]))
     # caps around what plans need: a share of "every byte, every minibatch in flight"
     most = (3 + opt) * sum(P) + m * (sum(A) + sum(H))
-    cap = draw(st.one_of(st.none(), *[st.integers(5, 100).map(lambda q: float(round(q * most
-                                                                                      / 100)))] * 3))
+    share = st.integers(5, 100).map(lambda q: float(round(q * most / 100)))
+    cap = draw(st.one_of(st.none(), share, share, share))
     mode = draw(st.sampled_from(["never", "always", "auto", "auto", "auto"]))
     stages = draw(st.one_of(st.none(), st.none(), st.integers(1, min(n, m))))
     return C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages
@@ -275,7 +275,8 @@ def test_recompute_checks_against_brute_force() -> None:
     for seed in range(60):
         C, F, P, A, H, cb, m, al, be, ga, rng = seeded(seed)
         need = [min(max(mem) for _, mem in brute(C, F, P, A, H, cb, m, al, be, ga, None, 1.0,
-                                                     md, None).values()) for md in ("auto", "never")]
+                                                     md, None).values())
+                for md in ("auto", "never")]
         # none, any, or between what plans need with recomputation and without
         cap = rng.choice([None, float(rng.randint(200, 1500)), float(sum(need) // 2)])
         cases.append(((C, F, P, A, H, cb, m, al, be, ga, cap, 1.0), False))

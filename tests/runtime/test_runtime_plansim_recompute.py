@@ -50,3 +50,28 @@ def test_simulated_period_includes_the_extra_forward(schedule: str) -> None:
     assert plain.steady_state_period < rec.steady_state_period
     assert "(recompute 1 s)" in rec.summary()
     assert "recompute" not in plain.summary()
+
+
+
+def test_choosing_by_simulation_passes_recompute_through() -> None:
+    """tests/passes/test_recompute.py's cap case: x (10 B) -> l1 (P 0, A 300) -> l2 (P 100,
+    A 10) on 2 workers of 400 B. Only [x, l1] | [l2] with stage 0 recomputing fits (330 B and
+    310 B; the one-stage merge needs 620 B without and 630 B with), so the simulated choice is
+    that plan, flags included; without recomputation nothing fits."""
+    from fxpipe.errors import InfeasiblePlanError
+    from fxpipe.runtime.plan_choice import choose_by_simulation
+
+    def node(name: str, f: float, p: float, a: float, inputs: tuple[str, ...] = (),
+             op: str = "call_module") -> ProfileNode:
+        return ProfileNode(name=name, op=op, target=name, forward_s=f, backward_s=2 * f,
+                           activation_bytes=a, parameter_bytes=p, inputs=inputs)
+
+    prof = Profile(nodes=(node("x", 0.0, 0.0, 10.0, op="placeholder"),
+                          node("l1", 1.0, 0.0, 300.0, ("x",)),
+                          node("l2", 1.0, 100.0, 10.0, ("l1",))), batch_size=4)
+    cl = Cluster(workers=2, bandwidth=1e9, memory=400)
+    choice = choose_by_simulation(prof, cl, recompute="auto", minibatches=32)
+    assert choice.plan.recompute == [True, False]
+    assert [s.memory_bytes for s in choice.plan.stages] == [330.0, 310.0]
+    with pytest.raises(InfeasiblePlanError):
+        choose_by_simulation(prof, cl, minibatches=32)
