@@ -200,10 +200,13 @@ class CompiledModel:
         :class:`fxpipe.runtime.trainer.Trainer` for every option. The schedule defaults to
         ``"auto"`` (a pilot on the first minibatches and this plan's simulated throughput pick
         it, see :mod:`fxpipe.runtime.auto`; :meth:`summary` then says what and why); pass
-        ``schedule="pipedream"`` (or another) to skip the pilot."""
+        ``schedule="pipedream"`` (or another) to skip the pilot. ``recompute`` defaults to the
+        plan's per-stage flags (``plan.recompute``), whose memory the plan was priced with."""
         from fxpipe.runtime.trainer import make_trainer
 
         self._needs_values("train")
+        if kwargs.get("recompute") is None and any(self.plan.recompute):
+            kwargs["recompute"] = self.plan.recompute
         return make_trainer(self, **kwargs)
 
     def torch_stages(self, rank: int, world_size: int, *, placement: str = "loop",
@@ -300,7 +303,8 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             straight: bool = False, sync: str = "allreduce", plan: Plan | None = None,
             leaf_modules: Sequence[Any] = (), repeats: int = 5,
             optimizer: Callable[..., Any] | None = None, choose: str = "planner",
-            tracer: str = "auto", plan_timeout_s: float = 600.0) -> CompiledModel:
+            tracer: str = "auto", plan_timeout_s: float = 600.0,
+            recompute: str = "never") -> CompiledModel:
     """Compile ``model`` for ``cluster``: trace, cost, partition, split.
 
     ``example_inputs``: a tuple of positional inputs, a dict of keyword inputs (a Hugging Face
@@ -317,7 +321,9 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     (:func:`choose_plan`); the default takes the planner's optimum.
     ``tracer``: "auto" (torch.fx.symbolic_trace, else torch.export: the first that gives a graph
     that runs, trains and exports), "symbolic_trace" or "export"; ``compiled.tracer`` says which
-    one ran.
+    one ran. ``recompute``: activation recomputation per stage, "never", "always" or "auto"
+    (the planner recomputes where it makes the plan fit in memory or faster; the trainer then
+    recomputes in those stages, see ``plan.recompute``).
 
     In a distributed job (torchrun: ``WORLD_SIZE > 1``) only rank 0 measures costs and plans;
     the other ranks receive its profile and plan (waiting at most ``plan_timeout_s``), so every
@@ -342,7 +348,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
         profile = cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer)
         chosen = plan if plan is not None else replace(
             choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,
-                        choose=choose), model_fingerprint=fingerprint)
+                        choose=choose, recompute=recompute), model_fingerprint=fingerprint)
         return {"profile": profile.to_dict(), "plan": chosen.to_dict()}
 
     from fxpipe.runtime.agree import shared  # a torchrun job: rank 0 plans for every rank
@@ -372,7 +378,8 @@ CHOOSERS = ("planner", "simulation")
 
 def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 stages: int | None = None, straight: bool = False,
-                choose: str = "planner", schedule: str = "pipedream") -> Plan:
+                choose: str = "planner", schedule: str = "pipedream",
+                recompute: str = "never") -> Plan:
     """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds).
     ``simulation``: the planner's candidates, each event-simulated with its schedule, the fastest
     kept (``fxpipe.runtime.plan_choice``; seconds at 16 workers): it sees the 1F1B start-up and
@@ -381,11 +388,12 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     if choose not in CHOOSERS:
         raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
     if choose == "planner":
-        return partition(profile, cluster, sync=sync, stages=stages, straight=straight)
+        return partition(profile, cluster, sync=sync, stages=stages, straight=straight,
+                         recompute=recompute)
     from fxpipe.runtime.plan_choice import choose_by_simulation
 
     choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages, straight=straight,
-                                  schedules=(schedule,))
+                                  schedules=(schedule,), recompute=recompute)
     log.info("%s", choice.summary())
     return choice.plan
 

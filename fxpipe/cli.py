@@ -51,14 +51,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               "pass a zoo name or file.py:factory")
         profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
         plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
-                           straight=args.straight, choose=args.choose)
+                           straight=args.straight, choose=args.choose, recompute=args.recompute)
     else:
         from fxpipe.api import compile as fx_compile
 
         spec = _resolve_model(args)
         compiled = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
                               loss_fn=spec.loss_fn, stages=args.stages, straight=args.straight,
-                              sync=args.sync, choose=args.choose, tracer=args.tracer)
+                              sync=args.sync, choose=args.choose, tracer=args.tracer,
+                              recompute=args.recompute)
         print(f"traced {spec.name} with {compiled.tracer} ({len(compiled.traced.gm.graph.nodes)} "
               "graph nodes)")
         plan, profile = compiled.plan, compiled.profile
@@ -87,6 +88,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_recompute_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recompute", default="never", choices=["never", "always", "auto"],
+                   help="activation recomputation per stage (auto: where it makes the plan fit "
+                   "in --memory or faster)")
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Options of hf: models and of the tracer, shared by plan, simulate and train."""
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
@@ -113,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sync", default="allreduce", choices=["allreduce", "parameter-server"])
     pl.add_argument("--stages", type=int, default=None, help="force the number of stages")
     pl.add_argument("--straight", action="store_true", help="one worker per stage")
+    add_recompute_argument(pl)
     pl.add_argument("--choose", default="planner", choices=["planner", "simulation"],
                     help="planner: the analytic optimum; simulation: simulate the planner's "
                     "best plan per stage count and keep the fastest (slower; sees 1F1B start-up "

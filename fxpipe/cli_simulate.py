@@ -51,9 +51,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--size", default="mini", help="zoo model size: mini or full")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--input-shape", default=None, help="for factories that return a bare module")
-    from fxpipe.cli import add_model_arguments
+    from fxpipe.cli import add_model_arguments, add_recompute_argument
 
     add_model_arguments(p)
+    add_recompute_argument(p)
     p.set_defaults(func=cmd_simulate)
     return p
 
@@ -72,7 +73,7 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
         spec = _resolve_model(args)
         profile = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
                              stages=args.stages, straight=args.straight, sync=args.sync,
-                             tracer=args.tracer).profile
+                             tracer=args.tracer, recompute=args.recompute).profile
     if args.plan:
         plan = Plan.load(args.plan)
         missing = set(plan.stage_of()) - set(profile.names)
@@ -84,7 +85,7 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
 
         plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
                            straight=args.straight, choose=args.choose,
-                           schedule=args.schedule)
+                           schedule=args.schedule, recompute=args.recompute)
     return profile, plan
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 
 INF = math.inf
+RECOMPUTE_MODES = ("never", "always", "auto")
 _BIG = np.finfo(float).max
 
 
@@ -35,6 +36,8 @@ class Solution:
     memory: tuple[float, ...]          # bytes per replica
     in_flight: tuple[int, ...]         # v_s
     checks: int = 0                    # feasibility checks the search used (diagnostics)
+    recompute: tuple[bool, ...] = ()   # per stage: activation recomputation (() = none)
+    recompute_times: tuple[float, ...] = ()  # alpha[r] * F_s where recomputing, else 0
 
 
 class _Inst:
@@ -43,7 +46,9 @@ class _Inst:
     def __init__(self, compute: Sequence[float], parameters: Sequence[float],
                  activations: Sequence[float], cut_bytes: Sequence[float], workers: int,
                  alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float],
-                 memory_cap: float | None, optimizer_state_factor: float, straight: bool) -> None:
+                 memory_cap: float | None, optimizer_state_factor: float, straight: bool,
+                 recompute: str = "never", forward: Sequence[float] | None = None,
+                 held: Sequence[float] | None = None) -> None:
         n = len(compute)
         if n == 0 or len(parameters) != n or len(activations) != n or len(cut_bytes) != n - 1:
             raise ValueError("compute/parameters/activations need N >= 1 entries and cut_bytes N-1")
@@ -62,6 +67,18 @@ class _Inst:
         self.beta = [0.0] + [float(x) for x in beta[:workers]]
         self.gamma = [1.0] + [float(x) for x in gamma[:workers]]  # index 0 unused
         self.cap = memory_cap
+        # activation recomputation (see recompute.py): the flags a stage may take, the forward
+        # time it repeats (F) and the bytes of model inputs it keeps per minibatch (H)
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        if recompute != "never" and (forward is None or len(forward) != n):
+            raise ValueError("recompute needs forward times for the N nodes")
+        self.flags = {"never": (False,), "always": (True,), "auto": (False, True)}[recompute]
+        self.Fc = np.concatenate([[0.0], np.cumsum(np.asarray(forward if forward is not None
+                                                              else np.zeros(n), dtype=float))])
+        self.Hc = np.concatenate([[0.0], np.cumsum(np.asarray(held if held is not None
+                                                              else np.zeros(n), dtype=float))])
+        self.Fl, self.Hl = self.Fc.tolist(), self.Hc.tolist()
         self.opt = float(optimizer_state_factor)
         self.rs = [1] if straight else list(range(1, workers + 1))
         # cut cost per (r, position); positions 0 and n never cost anything (always allowed).
@@ -75,11 +92,21 @@ class _Inst:
         self._mkey: dict[int, list[float]] = {}
 
     # --- the exact cost expressions (the only ones used for decisions) ------------------
-    def time(self, r: int, a: int, e: int) -> float:
+    def time(self, r: int, a: int, e: int, x: bool = False) -> float:
+        """Stage time; ``x``: recomputing, i.e. one more forward ``F`` per minibatch."""
+        if x:
+            return (self.alpha[r] * ((self.Cl[e] - self.Cl[a]) + (self.Fl[e] - self.Fl[a]))
+                    + self.beta[r] * (self.Pl[e] - self.Pl[a]))
         return self.alpha[r] * (self.Cl[e] - self.Cl[a]) + self.beta[r] * (self.Pl[e] - self.Pl[a])
 
-    def mem(self, v: int, a: int, e: int) -> float:
+    def mem(self, v: int, a: int, e: int, x: bool = False) -> float:
+        """Bytes per replica; ``x``: recomputing, so the ``v`` in-flight minibatches keep only
+        the stage's inputs (the cut bytes into it, and model inputs ``H`` inside it) and one
+        minibatch's activations ``A`` are live at a time (the one being recomputed)."""
         p = self.Pl[e] - self.Pl[a]
+        if x:
+            return ((2.0 + self.opt) * p + (v - 1) * p
+                    + v * (self.cbl[a] + (self.Hl[e] - self.Hl[a])) + (self.Al[e] - self.Al[a]))
         return (2.0 + self.opt) * p + (v - 1) * p + v * (self.Al[e] - self.Al[a])
 
     def cut(self, r: int, p: int) -> float:
@@ -128,15 +155,22 @@ class _Inst:
                           lo)
         return min(et, em), et
 
-    def time_many(self, r: int, a: np.ndarray, e: np.ndarray) -> np.ndarray:
+    def time_many(self, r: int, a: np.ndarray, e: np.ndarray, x: bool = False) -> np.ndarray:
         """Vectorised :meth:`time` (same IEEE operations, so the same values)."""
+        if x:
+            return (self.alpha[r] * ((self.Cc[e] - self.Cc[a]) + (self.Fc[e] - self.Fc[a]))
+                    + self.beta[r] * (self.Pc[e] - self.Pc[a]))
         return self.alpha[r] * (self.Cc[e] - self.Cc[a]) + self.beta[r] * (self.Pc[e] - self.Pc[a])
 
-    def mem_many(self, v: int, a: np.ndarray, e: np.ndarray) -> np.ndarray:
+    def mem_many(self, v: int, a: np.ndarray, e: np.ndarray, x: bool = False) -> np.ndarray:
         p = self.Pc[e] - self.Pc[a]
+        if x:
+            return ((2.0 + self.opt) * p + (v - 1) * p
+                    + v * (self.cb[a] + (self.Hc[e] - self.Hc[a])) + (self.Ac[e] - self.Ac[a]))
         return (2.0 + self.opt) * p + (v - 1) * p + v * (self.Ac[e] - self.Ac[a])
 
-    def reach_many(self, r: int, v: int, a: np.ndarray, tau: float) -> tuple[np.ndarray, np.ndarray]:
+    def reach_many(self, r: int, v: int, a: np.ndarray, tau: float,
+                   x: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Vectorised :meth:`reach` by exact bisection (log N vector steps)."""
         def bis(f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
             lo, hi = a.copy(), np.full_like(a, self.n)
@@ -148,11 +182,11 @@ class _Inst:
                 ok = f(mid) & act
                 lo = np.where(ok, mid, lo)
                 hi = np.where(act & ~ok, mid - 1, hi)
-        et = bis(lambda e: self.time_many(r, a, e) <= tau)
+        et = bis(lambda e: self.time_many(r, a, e, x) <= tau)
         if self.cap is None:
             return et, et
         cap = self.cap
-        em = bis(lambda e: self.mem_many(v, a, e) <= cap)
+        em = bis(lambda e: self.mem_many(v, a, e, x) <= cap)
         return np.minimum(et, em), et
 
     def last_allowed(self, tau: float) -> "_LastAllowed":
@@ -163,26 +197,34 @@ class _Inst:
         return float(self.cut_values[i]) if i < len(self.cut_values) else INF
 
     # --- evaluation of a given plan ---------------------------------------------------
-    def evaluate(self, starts: Sequence[int], replicas: Sequence[int], checks: int = 0) -> Solution:
+    def evaluate(self, starts: Sequence[int], replicas: Sequence[int], checks: int = 0,
+                 recompute: Sequence[bool] | None = None) -> Solution:
+        """Costs of a plan; ``recompute``: one flag per stage (default: the mode's only flag,
+        or no recomputation under "auto")."""
         bounds = list(starts) + [self.n]
+        flags = (tuple(bool(f) for f in recompute) if recompute is not None
+                 else (self.flags[-1] if len(self.flags) == 1 else False,) * len(replicas))
         total = sum(replicas)
-        comp, sync, st, cb, ct, mem, vs = [], [], [], [], [], [], []
+        comp, sync, st, cb, ct, mem, vs, rt = [], [], [], [], [], [], [], []
         after = total
-        for s, r in enumerate(replicas):
+        for s, (r, x) in enumerate(zip(replicas, flags)):
             a, e = bounds[s], bounds[s + 1]
             v = -(-after // r)
             after -= r
-            c = self.alpha[r] * (self.Cl[e] - self.Cl[a])
+            c = self.alpha[r] * ((self.Cl[e] - self.Cl[a]) + (self.Fl[e] - self.Fl[a]) if x
+                                 else self.Cl[e] - self.Cl[a])
             y = self.beta[r] * (self.Pl[e] - self.Pl[a])
             comp.append(c)
             sync.append(y)
-            st.append(self.time(r, a, e))
+            st.append(self.time(r, a, e, x))
             cb.append(self.cbl[a] if s else 0.0)
             ct.append(self.cut(r, a) if s else 0.0)
-            mem.append(self.mem(v, a, e))
+            mem.append(self.mem(v, a, e, x))
             vs.append(v)
+            rt.append(self.alpha[r] * (self.Fl[e] - self.Fl[a]) if x else 0.0)
         return Solution(max(st + ct), tuple(starts), tuple(replicas), tuple(comp), tuple(sync),
-                        tuple(st), tuple(cb), tuple(ct), tuple(mem), tuple(vs), checks)
+                        tuple(st), tuple(cb), tuple(ct), tuple(mem), tuple(vs), checks,
+                        flags, tuple(rt))
 
     def fits(self, memory: Sequence[float]) -> bool:
         return self.cap is None or all(x <= self.cap for x in memory)

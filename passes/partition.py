@@ -19,7 +19,7 @@ from fxpipe.units import format_bytes
 
 from .cuts import all_crossing_values, cut_bytes
 from .plan import Plan, StagePlan
-from .solver import Solution, evaluate, minimum_memory, solve
+from .solver import RECOMPUTE_MODES, Solution, evaluate, minimum_memory, solve
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,30 @@ def coefficients(cluster: Cluster, sync: str) -> tuple[list[float], list[float],
     return alpha, beta, gamma
 
 
+def _recompute_inputs(profile: Profile) -> dict[str, list[float]]:
+    """What a recomputing stage repeats (each node's forward) and keeps per in-flight minibatch
+    besides the bytes crossing the cut into it: the model inputs (placeholders) it holds."""
+    return {"forward": [nd.forward_s for nd in profile.nodes],
+            "held": [nd.activation_bytes if nd.op == "placeholder" else 0.0
+                     for nd in profile.nodes]}
+
+
+def check_recompute(recompute: object) -> str:
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"unknown recompute={recompute!r}",
+                          f"use one of {', '.join(RECOMPUTE_MODES)} (auto: recompute activations "
+                          "in the stages where it makes the plan fit in memory or faster)")
+    return str(recompute)
+
+
 def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
               stages: int | None = None, straight: bool = False,
-              optimizer_state_factor: float = 1.0) -> Plan:
-    """Minimum time-per-minibatch plan of ``profile`` on ``cluster`` (exact; see solver.py)."""
+              optimizer_state_factor: float = 1.0, recompute: str = "never") -> Plan:
+    """Minimum time-per-minibatch plan of ``profile`` on ``cluster`` (exact; see solver.py).
+    ``recompute``: activation recomputation per stage, "never", "always" or "auto" (the planner
+    decides per stage, recomputing only where it makes the plan fit or faster); a recomputing
+    stage holds only its inputs per in-flight minibatch and pays one more forward."""
+    check_recompute(recompute)
     alpha, beta, gamma = coefficients(cluster, sync)
     if not isinstance(optimizer_state_factor, (int, float)) or optimizer_state_factor < 0:
         raise ConfigError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}",
@@ -82,26 +102,35 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     params = [nd.parameter_bytes for nd in profile.nodes]
     acts = [nd.activation_bytes for nd in profile.nodes]
     args = (compute, params, acts, cb.tolist(), m, alpha, beta, gamma)
+    rc = dict(recompute=recompute, **_recompute_inputs(profile))
     try:
         sol = solve(*args, memory_cap=cluster.memory, optimizer_state_factor=optimizer_state_factor,
-                    stages=stages, straight=straight, tie_tolerance=TIE_TOLERANCE)
+                    stages=stages, straight=straight, tie_tolerance=TIE_TOLERANCE, **rc)
     except InfeasiblePlanError:
         need = minimum_memory(*args, optimizer_state_factor=optimizer_state_factor, stages=stages,
-                              straight=straight)
+                              straight=straight, **rc)
         raise InfeasiblePlanError(
             f"no plan fits in {format_bytes(cluster.memory or 0)} per worker: the smallest-memory "
-            f"plan needs {format_bytes(need)} ({need:.0f} bytes) per worker",
-            "use more workers or devices with more memory, a smaller batch, or "
-            "optimizer_state_factor matching your optimizer") from None
+            f"plan needs {format_bytes(need)} ({need:.0f} bytes) per worker"
+            f"{'' if recompute == 'never' else f' with recompute={recompute!r}'}",
+            "use more workers or devices with more memory, a smaller batch, "
+            + ("recompute='auto' (activation recomputation), " if recompute == "never" else "")
+            + "or optimizer_state_factor matching your optimizer") from None
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
     return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha)
 
 
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,
-             sync: str = "allreduce", optimizer_state_factor: float = 1.0) -> Plan:
+             sync: str = "allreduce", optimizer_state_factor: float = 1.0,
+             recompute: list[bool] | None = None) -> Plan:
     """The plan of a GIVEN partition (stage s starts at node ``starts[s]``, ``starts[0] == 0``,
-    and runs on ``replicas[s]`` workers), costed with the planner's exact expressions: to compare
-    plans the solver did not choose (benchmarks, what-if questions, choosing by simulation)."""
+    and runs on ``replicas[s]`` workers, recomputing its activations where ``recompute[s]``),
+    costed with the planner's exact expressions: to compare plans the solver did not choose
+    (benchmarks, what-if questions, choosing by simulation)."""
+    if recompute is not None and (len(recompute) != len(replicas)
+                                  or not all(isinstance(f, bool) for f in recompute)):
+        raise ConfigError(f"recompute={recompute!r} for {len(replicas)} stages",
+                          "pass one bool per stage, or None (no recomputation)")
     n, m = len(profile.nodes), cluster.workers
     ok = (len(starts) == len(replicas) >= 1 and starts[0] == 0
           and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < n
@@ -122,7 +151,8 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
     args = ([nd.compute_s for nd in profile.nodes], [nd.parameter_bytes for nd in profile.nodes],
             [nd.activation_bytes for nd in profile.nodes], cb.tolist(), m, alpha, beta, gamma)
     sol = evaluate(*args, list(starts), list(replicas),
-                   optimizer_state_factor=optimizer_state_factor)
+                   optimizer_state_factor=optimizer_state_factor, recompute=recompute,
+                   **_recompute_inputs(profile))
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
     return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha)
 
@@ -144,7 +174,9 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
             memory_bytes=sol.memory[s], in_flight=sol.in_flight[s],
             # the update is already inside compute_s (node compute_s includes it); this is the
             # same alpha C split, reported on its own
-            update_s=alpha[r - 1] * sum(nd.update_s for nd in profile.nodes[a:e])))
+            update_s=alpha[r - 1] * sum(nd.update_s for nd in profile.nodes[a:e]),
+            recompute=bool(sol.recompute[s]) if sol.recompute else False,
+            recompute_s=sol.recompute_times[s] if sol.recompute_times else 0.0))
         if a > 0:
             log.debug("stage %d receives %s", s, ", ".join(crossing[a]))
     stage_of = {nm: s for s, sp in enumerate(stage_plans) for nm in sp.nodes}

@@ -25,7 +25,9 @@ class StagePlan:
     optimizer-step part of it (shown separately so users see what the update costs), ``sync_s``
     its weight synchronisation, ``comm_s`` the time to move ``input_bytes`` into it
     (activations forward, gradients back). ``memory_bytes`` is per replica, with ``in_flight``
-    weight versions."""
+    weight versions. ``recompute``: the stage recomputes its activations in the backward (it
+    keeps only its inputs per in-flight minibatch); ``recompute_s`` is the extra forward this
+    costs, already inside ``compute_s``."""
 
     index: int
     nodes: tuple[str, ...]
@@ -41,6 +43,9 @@ class StagePlan:
     in_flight: int
     # Last with a default: plans saved before the update was modelled load with 0.0.
     update_s: float = 0.0
+    # Optional too (plans saved before recomputation was planned load without it).
+    recompute: bool = False
+    recompute_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,11 @@ class Plan:
         return [s.replicas for s in self.stages]
 
     @property
+    def recompute(self) -> list[bool]:
+        """Per stage: does it recompute its activations (what the trainer runs by default)."""
+        return [s.recompute for s in self.stages]
+
+    @property
     def is_data_parallel(self) -> bool:
         """One stage holding the whole model: plain data parallelism, no pipelining."""
         return len(self.stages) == 1
@@ -94,8 +104,9 @@ class Plan:
         """A human-readable table plus the headline numbers. ``spans``: what each stage holds,
         in words (default: its first and last node), e.g. the modules a compiled model's stages
         cover, which read better than an aten graph's node names."""
+        rc = any(self.recompute)  # the column only when some stage recomputes
         head = (f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10} {'update':>10} "
-                f"{'comm':>10} {'memory':>10}")
+                f"{'comm':>10} {'memory':>10}" + (f" {'recompute':>10}" if rc else ""))
         lines = [head, "-" * len(head)]
         for s in self.stages:
             span = (f"{s.nodes[0]}..{s.nodes[-1]} ({len(s.nodes)})" if len(s.nodes) > 1
@@ -107,9 +118,14 @@ class Plan:
             lines.append(f"{s.index:>5}  {span:<40} {s.replicas:>8} "
                          f"{format_seconds(s.compute_s + s.sync_s):>10} "
                          f"{format_seconds(s.update_s):>10} {format_seconds(s.comm_s):>10} "
-                         f"{format_bytes(s.memory_bytes):>10}")
+                         f"{format_bytes(s.memory_bytes):>10}"
+                         + (f" {format_seconds(s.recompute_s) if s.recompute else 'no':>10}"
+                            if rc else ""))
         lines.append("(compute = forward + backward + update + sync, per minibatch; update = "
                      "the optimizer step, included in compute)")
+        if rc:
+            lines.append("(recompute = the extra forward of activation recomputation, included in "
+                         "compute; such a stage keeps only its inputs per minibatch in flight)")
         lines.append("")
         lines.append(f"time per minibatch: {format_seconds(self.time_per_minibatch)}"
                      f" ({self.sync} sync, {self.workers_used} of {self.cluster.get('workers')} workers)")
@@ -157,8 +173,10 @@ class Plan:
                     if not all(isinstance(x, str) for x in nodes):
                         raise PlanFormatError(f"{where}: field 'nodes' must be a list of names")
                     kw["nodes"] = tuple(nodes)
-                elif f.name == "update_s" and f.name not in sd:
-                    kw[f.name] = 0.0  # written before the update was in the cost model
+                elif f.name in ("update_s", "recompute_s") and f.name not in sd:
+                    kw[f.name] = 0.0  # written before the update / recomputation was modelled
+                elif f.name == "recompute":
+                    kw[f.name] = _get(sd, f.name, bool, where) if f.name in sd else False
                 elif f.name in ("index", "replicas", "in_flight"):
                     kw[f.name] = _get(sd, f.name, int, where)
                 else:

@@ -23,6 +23,10 @@ everything is proven infeasible: an infeasible check also reports the smallest v
 its comparisons could flip, so ``lo`` jumps to real candidate values and the loop ends with
 ``lo == hi``, exactly optimal. Ties: fewest stages (so plain data parallelism wins when it is as
 fast), by a stage-layered version of the recurrence at the optimal ``tau``.
+
+Activation recomputation (``recompute="always"|"auto"``): a recomputing stage's memory depends on
+the bytes entering it, which is not monotone in its start, so the checks of
+:mod:`~fxpipe.passes.recompute` try every allowed start and both flags (still exact).
 """
 from __future__ import annotations
 
@@ -33,11 +37,12 @@ from typing import Sequence
 from fxpipe.errors import InfeasiblePlanError
 
 from .exact_stages import check_exact
-from .feasibility import Solution, _Inst, check_budget, fewest_stages
+from .feasibility import RECOMPUTE_MODES, Solution, _Inst, check_budget, fewest_stages
+from .recompute import check_budget_rc, fewest_stages_rc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Solution", "solve", "evaluate", "minimum_memory"]
+__all__ = ["Solution", "solve", "evaluate", "minimum_memory", "RECOMPUTE_MODES"]
 
 # Below this relative gap the search probes ``lo`` itself instead of the midpoint.
 _PROBE_LO_GAP = 1e-9
@@ -46,35 +51,65 @@ _PROBE_LO_GAP = 1e-9
 def _instance(compute: Sequence[float], parameters: Sequence[float],
               activations: Sequence[float], cut_bytes: Sequence[float], workers: int,
               alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float],
-              memory_cap: float | None, optimizer_state_factor: float, straight: bool) -> _Inst:
+              memory_cap: float | None, optimizer_state_factor: float, straight: bool,
+              recompute: str = "never", forward: Sequence[float] | None = None,
+              held: Sequence[float] | None = None) -> _Inst:
     return _Inst(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
-                 memory_cap, optimizer_state_factor, straight)
+                 memory_cap, optimizer_state_factor, straight, recompute, forward, held)
+
+
+def _check(inst: _Inst, tau: float, stages: int | None) -> tuple[list[tuple] | None, float]:
+    """The feasibility check for this instance: the fast monotone one without recomputation,
+    else the all-starts one (recompute.py); ``stages``: exactly that many."""
+    if stages is not None:
+        return check_exact(inst, tau, stages)
+    return check_budget(inst, tau) if inst.flags == (False,) else check_budget_rc(inst, tau)
+
+
+def _solution(inst: _Inst, plan: Sequence[tuple], checks: int = 0) -> Solution:
+    """Cost a witness ``(start, replicas[, recompute])`` per stage. Under "auto" a stage
+    recomputes only where it must: dropping the flag never slows a stage, so it is dropped
+    wherever the stage still fits in memory without it (the bottleneck cannot grow)."""
+    starts, reps = [p[0] for p in plan], [p[1] for p in plan]
+    flags = [bool(p[2]) if len(p) > 2 else inst.flags[0] for p in plan]
+    if len(inst.flags) > 1 and any(flags):
+        mem = inst.evaluate(starts, reps, recompute=[False] * len(plan)).memory
+        flags = [f and not (inst.cap is None or mem[s] <= inst.cap) for s, f in enumerate(flags)]
+    return inst.evaluate(starts, reps, checks, recompute=flags)
 
 
 def solve(compute: Sequence[float], parameters: Sequence[float], activations: Sequence[float],
           cut_bytes: Sequence[float], workers: int, alpha: Sequence[float], beta: Sequence[float],
           gamma: Sequence[float], *, memory_cap: float | None = None,
           optimizer_state_factor: float = 1.0, stages: int | None = None,
-          straight: bool = False, tie_tolerance: float = 0.0) -> Solution:
+          straight: bool = False, tie_tolerance: float = 0.0, recompute: str = "never",
+          forward: Sequence[float] | None = None,
+          held: Sequence[float] | None = None) -> Solution:
     """Minimum-bottleneck partition (see module docstring). ``stages`` forces an exact count;
     ``straight`` forces every ``r = 1``. Plans within ``tie_tolerance`` (relative) of the optimum
     count as ties, won by the fewest stages: measured profiles are nowhere near 1e-9 accurate, so
     a pipeline that beats data parallelism by rounding noise should not be chosen. Raises
-    InfeasiblePlanError when nothing fits."""
+    InfeasiblePlanError when nothing fits.
+
+    ``recompute``: "never", "always" (every stage recomputes its activations) or "auto" (each
+    stage may; the optimum over both, recomputing only where needed, see recompute.py);
+    ``forward``: per-node forward time (what a recomputing stage repeats; required unless
+    "never"); ``held``: per-node bytes a recomputing stage holding the node keeps per in-flight
+    minibatch besides its cut input (model inputs; default 0)."""
     inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
-                     memory_cap, optimizer_state_factor, straight)
+                     memory_cap, optimizer_state_factor, straight, recompute, forward, held)
     if stages is not None and not 1 <= stages <= min(inst.n, workers):
         raise InfeasiblePlanError(f"cannot make {stages} stages from {inst.n} nodes and "
                                   f"{workers} workers")
 
-    def check(tau: float) -> tuple[list[tuple[int, int]] | None, float]:
-        return check_budget(inst, tau) if stages is None else check_exact(inst, tau, stages)
+    def check(tau: float) -> tuple[list[tuple] | None, float]:
+        return _check(inst, tau, stages)
 
     plan, _ = check(math.inf)
     checks = 1
     if plan is None:
         raise InfeasiblePlanError("no partition satisfies the memory and stage constraints")
-    best = inst.evaluate([a for a, _ in plan], [r for _, r in plan])
+    best = _solution(inst, plan)
     # Work bound: sum_s r_s T_s >= min_r(r alpha_r) C_total and sum_s r_s <= workers.
     lower = min(r * inst.alpha[r] for r in inst.rs) * inst.Cl[-1] / workers
     lo, hi = max(0.0, lower * (1 - 1e-9)), best.bottleneck
@@ -91,14 +126,26 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
         if plan is None:
             lo = max(lo, nxt)
             continue
-        sol = inst.evaluate([a for a, _ in plan], [r for _, r in plan])
+        sol = _solution(inst, plan)
         assert sol.bottleneck <= tau, "feasibility check returned a plan over its bound"
         best, hi = sol, sol.bottleneck
     if stages is None and len(best.starts) > 1:
-        fewer = fewest_stages(inst, hi * (1.0 + tie_tolerance) if tie_tolerance > 0 else hi)
+        bound = hi * (1.0 + tie_tolerance) if tie_tolerance > 0 else hi
+        fewer = (fewest_stages(inst, bound) if inst.flags == (False,)
+                 else fewest_stages_rc(inst, bound))
         checks += 1
         if fewer is not None and len(fewer) < len(best.starts):
-            best = inst.evaluate([a for a, _ in fewer], [r for _, r in fewer])
+            best = _solution(inst, fewer)
+    if any(best.recompute) and len(inst.flags) > 1:
+        # "auto": recompute only when it is strictly faster or saves stages; an equally fast
+        # plan without it, with no more stages, wins
+        plain = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
+                          gamma, memory_cap, optimizer_state_factor, straight)
+        alt = (fewest_stages(plain, best.bottleneck) if stages is None
+               else check_exact(plain, best.bottleneck, stages)[0])
+        checks += 1
+        if alt is not None and len(alt) <= len(best.starts):
+            best = _solution(plain, alt)
     log.debug("solved N=%d M=%d in %d checks: bottleneck %.6g", inst.n, workers, checks,
               best.bottleneck)
     return Solution(**{**best.__dict__, "checks": checks})
@@ -107,26 +154,30 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
 def evaluate(compute: Sequence[float], parameters: Sequence[float], activations: Sequence[float],
              cut_bytes: Sequence[float], workers: int, alpha: Sequence[float],
              beta: Sequence[float], gamma: Sequence[float], starts: Sequence[int],
-             replicas: Sequence[int], *, optimizer_state_factor: float = 1.0) -> Solution:
-    """Costs of a given partition, with the solver's exact expressions (for tests, reports)."""
+             replicas: Sequence[int], *, optimizer_state_factor: float = 1.0,
+             recompute: Sequence[bool] | None = None, forward: Sequence[float] | None = None,
+             held: Sequence[float] | None = None) -> Solution:
+    """Costs of a given partition, with the solver's exact expressions (for tests, reports);
+    ``recompute``: one flag per stage (then ``forward`` is required, see :func:`solve`)."""
+    mode = "auto" if recompute is not None and any(recompute) else "never"
     inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
-                     None, optimizer_state_factor, False)
-    return inst.evaluate(list(starts), list(replicas))
+                     None, optimizer_state_factor, False, mode, forward, held)
+    return inst.evaluate(list(starts), list(replicas), recompute=recompute)
 
 
 def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
                    activations: Sequence[float], cut_bytes: Sequence[float], workers: int,
                    alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float], *,
                    optimizer_state_factor: float = 1.0, stages: int | None = None,
-                   straight: bool = False) -> float:
+                   straight: bool = False, recompute: str = "never",
+                   forward: Sequence[float] | None = None,
+                   held: Sequence[float] | None = None) -> float:
     """Smallest per-worker memory for which some plan exists (time unconstrained), by bisection
     on the cap; used to tell users how much memory they need. inf if no plan exists at all."""
     def ok(cap: float) -> bool:
         inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
-                         gamma, cap, optimizer_state_factor, straight)
-        plan = (check_budget(inst, math.inf) if stages is None
-                else check_exact(inst, math.inf, stages))[0]
-        return plan is not None
+                         gamma, cap, optimizer_state_factor, straight, recompute, forward, held)
+        return _check(inst, math.inf, stages)[0] is not None
 
     hi = 1.0
     while not ok(hi):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
@@ -75,7 +75,8 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                          stages: int | None = None, straight: bool = False,
                          optimizer_state_factor: float = 1.0, max_stages: int = 8,
                          exact_up_to: int = 16, minibatches: int = 200,
-                         schedules: Sequence[str] = ("pipedream",)) -> SimulatedChoice:
+                         schedules: Sequence[str] = ("pipedream",),
+                         recompute: str = "never") -> SimulatedChoice:
     """The planner's candidates (see the module doc; only the ``stages``-stage optimum when
     ``stages`` is given), each simulated with each of ``schedules`` (e.g. the synchronous
     ``1f1b-flush`` and zero-bubble ``zb-h1``/``zb-h2`` next to ``pipedream``: the best plan
@@ -87,16 +88,18 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                     ("minibatches", minibatches)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-    kw = dict(sync=sync, optimizer_state_factor=optimizer_state_factor)
-    best = partition(profile, cluster, stages=stages, straight=straight, **kw)  # raises if none
+    kw: dict[str, Any] = dict(sync=sync, optimizer_state_factor=optimizer_state_factor)
+    best = partition(profile, cluster, stages=stages, straight=straight,  # raises if none
+                     recompute=recompute, **kw)
     plans = [best]
     if stages is None:
         if not straight:
-            plans += _merge_chain(profile, cluster, best, kw)
+            plans += _merge_chain(profile, cluster, best, kw, recompute)
         if cluster.workers <= exact_up_to:
             for s in range(1, min(max_stages, cluster.workers) + 1):
                 try:
-                    plans.append(partition(profile, cluster, stages=s, straight=straight, **kw))
+                    plans.append(partition(profile, cluster, stages=s, straight=straight,
+                                           recompute=recompute, **kw))
                 except InfeasiblePlanError:  # more stages than cut points, or memory
                     continue
     seen: set[tuple] = set()
@@ -125,11 +128,13 @@ def _starts(profile: Profile, plan: Plan) -> list[int]:
     return [index[sp.nodes[0]] for sp in plan.stages]
 
 
-def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict) -> list[Plan]:
+def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict,
+                 recompute: str = "never") -> list[Plan]:
     """From ``plan``, repeatedly merge the adjacent pair of stages (replicas summed) whose merged
     plan the planner rates fastest, down to one stage. Merges that do not fit in memory are
     skipped; the chain stops when none fits. (Dropping a boundary of a valid plan keeps the
-    others valid and the worker count, so ``plan_for`` accepts every merge.)"""
+    others valid and the worker count, so ``plan_for`` accepts every merge.) ``recompute``:
+    "always" recomputes every merged stage, "auto" exactly the stages over the cap without."""
     out: list[Plan] = []
     cap = cluster.memory
     starts, reps = _starts(profile, plan), list(plan.replicas)
@@ -138,7 +143,12 @@ def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict) -> li
         for i in range(len(starts) - 1):
             s2 = starts[:i + 1] + starts[i + 2:]
             r2 = reps[:i] + [reps[i] + reps[i + 1]] + reps[i + 2:]
-            p = plan_for(profile, cluster, s2, r2, **kw)
+            p = plan_for(profile, cluster, s2, r2, **kw,
+                         recompute=[True] * len(s2) if recompute == "always" else None)
+            if recompute == "auto" and cap is not None and any(
+                    sp.memory_bytes > cap for sp in p.stages):
+                p = plan_for(profile, cluster, s2, r2, **kw,
+                             recompute=[sp.memory_bytes > cap for sp in p.stages])
             if cap is None or all(sp.memory_bytes <= cap for sp in p.stages):
                 options.append((p.time_per_minibatch, i, p, s2))
         if not options:

@@ -9,6 +9,8 @@ other, and an all-reduce holds every replica of a stage. So this is a discrete-e
 
 * compute: a replica runs a whole minibatch; stage s's forward+backward is ``compute_s * r_s``,
   split into forward and backward with the profile's per-node times (1:2 without a profile);
+  a stage that recomputes its activations (``StagePlan.recompute``) runs its forward again at
+  the start of each backward (``recompute_s * r_s``, before B's half of a split backward);
 * cuts: each F sends the cut's bytes (every value live across it, ``input_bytes``) to the next
   stage's owner, each B sends as many gradient bytes back, at the cut bandwidth of
   :func:`~fxpipe.passes.partition.coefficients` plus ``latency`` per message. Links are the
@@ -102,6 +104,7 @@ class StageCosts:
     parameter_bytes: float
     input_bytes: float
     sync_bytes: float  # bytes sent on the wire by all replicas together per update
+    recompute_s: float = 0.0  # the forward a recomputing stage repeats, inside backward_s
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,11 @@ class PlanSimulation:
     @property
     def activation_memory(self) -> tuple[float, ...]:
         """Bytes of activations a replica of each stage holds at its peak (the plan's
-        per-minibatch activation bytes times :attr:`in_flight`)."""
-        return tuple(sp.activation_bytes * v for sp, v in zip(self.plan.stages, self.in_flight))
+        per-minibatch activation bytes times :attr:`in_flight`; a recomputing stage holds its
+        input bytes per minibatch in flight and one minibatch's activations)."""
+        return tuple(sp.input_bytes * v + sp.activation_bytes if sp.recompute
+                     else sp.activation_bytes * v
+                     for sp, v in zip(self.plan.stages, self.in_flight))
 
     @property
     def bytes_per_minibatch(self) -> float:
@@ -169,6 +175,8 @@ class PlanSimulation:
         for s, (c, u) in enumerate(zip(self.costs, self.utilisation)):
             lines.append(f"  stage {s}: x{self.plan.stages[s].replicas} fwd "
                          f"{format_seconds(c.forward_s)} bwd {format_seconds(c.backward_s)} "
+                         + (f"(recompute {format_seconds(c.recompute_s)}) " if c.recompute_s
+                            else "") +
                          f"update {format_seconds(c.update_s)} in {format_bytes(c.input_bytes)}"
                          f"  utilisation {u:.0%}"
                          + (f"  activations {self.in_flight[s]} x "
@@ -192,7 +200,8 @@ def stage_costs(plan: Plan, profile: Profile | None = None) -> list[StageCosts]:
     out = []
     for sp in plan.stages:
         r = sp.replicas
-        total = sp.compute_s * r  # the plan divides a stage's compute among its replicas
+        extra = sp.recompute_s * r if sp.recompute else 0.0  # the repeated forward
+        total = sp.compute_s * r - extra  # the plan divides a stage's compute among its replicas
         frac = DEFAULT_FORWARD_FRACTION
         if by_name:
             missing = [n for n in sp.nodes if n not in by_name]
@@ -203,11 +212,17 @@ def stage_costs(plan: Plan, profile: Profile | None = None) -> list[StageCosts]:
             b = sum(by_name[n].backward_s for n in sp.nodes)
             if f + b > 0:
                 frac = f / (f + b)
-        out.append(StageCosts(forward_s=total * frac, backward_s=total * (1.0 - frac),
+        out.append(StageCosts(forward_s=total * frac, backward_s=total * (1.0 - frac) + extra,
                               update_s=r * beta[r - 1] * sp.parameter_bytes if r > 1 else 0.0,
                               parameter_bytes=sp.parameter_bytes, input_bytes=sp.input_bytes,
-                              sync_bytes=2.0 * (r - 1) * sp.parameter_bytes))
+                              sync_bytes=2.0 * (r - 1) * sp.parameter_bytes, recompute_s=extra))
     return out
+
+
+def _split_backward(c: StageCosts) -> tuple[float, float]:
+    """(B, W) of a split backward: half each, the recomputed forward in B (it needs it first)."""
+    half = (c.backward_s - c.recompute_s) / 2
+    return half + c.recompute_s, half
 
 
 def minibatches_for(replicas: list[int], floor: int = 200, cap: int = 2000) -> int:
@@ -245,7 +260,7 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     if not (latency >= 0 and math.isfinite(latency)):
         raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
     costs = stage_costs(plan, profile)
-    fbw = [(c.forward_s, c.backward_s / 2, c.backward_s / 2) for c in costs]
+    fbw = [(c.forward_s, *_split_backward(c)) for c in costs]
     bandwidth = cut_bandwidth(cluster)
     wire = [c.input_bytes / bandwidth + latency for c in costs]
     sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam,
@@ -374,8 +389,8 @@ class _Sim:
         if need is not None and need not in self.arrived:
             self.waiting.setdefault(need, []).append(rank)
             return
-        dur = (c.forward_s if a.kind == "F" else c.backward_s / 2 if rank in self.split
-               else c.backward_s)
+        dur = (c.forward_s if a.kind == "F" else c.backward_s if rank not in self.split
+               else _split_backward(c)[0 if a.kind == "B" else 1])
         self.ptr[rank] += 1
         self.record(rank, "forward" if a.kind == "F" else "backward", str(a), now, now + dur,
                     minibatch=k)

@@ -31,7 +31,7 @@ def counting(mp: pytest.MonkeyPatch) -> tuple[list[str], list]:
             out = _real(*args, **kw)
             plan = out if _name == "fewest_stages" else out[0]
             if plan is not None and _name != "fewest_stages":
-                found.append(args[0].evaluate([a for a, _ in plan], [r for _, r in plan]))
+                found.append(args[0].evaluate([p[0] for p in plan], [p[1] for p in plan]))
             return out
         mp.setattr(solver, name, wrapped)
     return calls, found
