@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,28 @@ def test_a_checkpoint_without_layout_resumes_only_under_its_own_plan(tmp_path: P
     for plan in (([5], [1, 1]), ([3], [2, 1])):
         with pytest.raises(CheckpointError, match="resumes only under the plan that wrote it"):
             trainer(plan, tmp_path / "copy").fit(data(), epochs=1, resume=True)
+
+
+def test_torchrun_checkpoint_of_2_processes_resumes_on_3(tmp_path: Path,
+                                                         oracle: tuple[dict, list[float]]) -> None:
+    """Save under 2 ranks (2 stages), crash, resume under 3 ranks (another cut, stage 0 on 2
+    replicas): the result is the uninterrupted one-stage run's."""
+    from test_runtime_trainer_dist import HERE, _port, _run
+
+    def torchrun(n: int, *args: str) -> object:
+        return _run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
+                     "--master-addr=127.0.0.1", f"--master-port={_port()}",
+                     str(HERE / "repartition_job.py"), str(tmp_path / "out.pt"), "--ckpt",
+                     str(tmp_path / "ck"), *args])
+
+    crashed = torchrun(2, "--cuts", "5", "--replicas", "1,1", "--crash-after", "4")
+    assert crashed.returncode != 0 and not (tmp_path / "out.pt").exists()
+    assert find_latest(tmp_path / "ck", None).manifest["replicas"] == [1, 1]
+    resumed = torchrun(3, "--cuts", "4", "--replicas", "2,1", "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    want, losses = oracle
+    for name, w in want.items():
+        torch.testing.assert_close(got["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close([h["loss"] for h in got["history"]], losses, rtol=1e-5,
+                               atol=1e-7)
