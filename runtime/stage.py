@@ -5,30 +5,19 @@ Both executors (the single-process reference and the distributed one) drive the 
 results can be compared tightly; they differ only in how tensors travel and how the replicas'
 gradients are summed.
 
-Gradient semantics of an update ``U``: each replica sums the parameter gradients of the minibatches
-it ran since its previous update and counts them; the replicas of the stage add up both (an
-all-reduce of one flat buffer, or the same sums in buckets launched during the last backward of
-the round: :mod:`fxpipe.runtime.buckets`) and the update uses sum / count, the mean gradient over
-the minibatches of the group (= plain SGD for one replica updating after every minibatch).
-
-Why the update path avoids copies: on a one-stage run the gradient memory is touched by the
-backward and by the optimizer anyway; every extra pass (concatenating, dividing into a new tensor,
-cloning) costs as much again, and every fresh allocation of a large tensor pays page faults. So
-a gradient sum is accumulated in place once the replica owns it, a lone replica without tied
-weights hands its sums straight to the optimizer (:meth:`StageReplica.apply_local_update`), and
-the flat path divides views of the summed buffer in place. The floating-point operations (one
-addition per minibatch in order, one division by the count) are exactly those of the copying
-version, so results are bit-identical.
+The update half (gradient sums to optimizer steps, and the gradient semantics of an update ``U``)
+lives in :mod:`fxpipe.runtime.stage_update`; the facts about the whole list of stages (checks,
+tied parameters, binding a batch to the model's inputs) in :mod:`fxpipe.runtime.stage_set`;
+helpers around one GraphModule call in :mod:`fxpipe.runtime.stage_call`. Their public names are
+re-exported here, where the rest of the runtime imports them from.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import torch
 from torch.func import functional_call
@@ -37,97 +26,18 @@ from fxpipe.codegen.split import MODEL, StageSpec
 
 from .device import move_constants
 from .errors import RuntimeConfigError, StashError
-from .splitgrad import WeightTask, input_gradients
 from .precision import autocast
-from .schedule import sync_sets
+from .splitgrad import WeightTask, input_gradients
+from .stage_call import is_differentiable, may_write_inputs, modes, rng_state, writable
+from .stage_set import (LossFn, TiedParameter, check_stages, model_env, sync_components,
+                        tie_sets, tied_parameters)
+from .stage_update import UpdateMixin
 from .stash import OptimizerFactory, WeightStash, swapped_call, tensor_slots
 
+__all__ = ["LossFn", "StageReplica", "TiedParameter", "check_stages", "is_differentiable",
+           "model_env", "modes", "sync_components", "tie_sets", "tied_parameters"]
+
 log = logging.getLogger(__name__)
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def is_differentiable(t: torch.Tensor) -> bool:
-    """Gradients flow only through floating/complex tensors: the rule both ends of a cut share,
-    so a receiver never waits for a gradient the sender will not send."""
-    return t.is_floating_point() or t.is_complex()
-
-
-def check_stages(stages: Sequence[StageSpec], replicas: Sequence[int]) -> None:
-    """Reject pipelines the runtime cannot carry out, with a hint."""
-    if not stages:
-        raise RuntimeConfigError("no stages", "pass the list split_graph returned")
-    if len(replicas) != len(stages):
-        raise RuntimeConfigError(f"{len(stages)} stages but replicas={list(replicas)}",
-                                 "give one replica count per stage")
-    last = len(stages) - 1
-    for st in stages:
-        for name, cons in zip(st.outputs, st.consumers):
-            if MODEL in cons and st.index != last:
-                raise RuntimeConfigError(
-                    f"model output {name!r} is produced by stage {st.index}, not the last stage",
-                    "the loss runs on the last stage: put every model output there")
-    if stages[last].io is None:
-        raise RuntimeConfigError("the stages carry no model I/O description",
-                                 "build them with fxpipe.codegen.split_graph")
-    for t in tied_parameters(stages):
-        log.info("parameter %r is used by stages %s: one logical parameter, its gradients are "
-                 "summed across those stages at every update", t.key, list(t.stages))
-
-
-@dataclass(frozen=True)
-class TiedParameter:
-    """A Parameter used by several stages (e.g. GPT's ``wte.weight`` / ``lm_head.weight``).
-
-    Why it matters: every stage holding it trains a copy, so the copies stay one logical
-    parameter only if every update of each copy uses the same gradient: the sum of all its uses'
-    gradients (Megatron's embedding all-reduce). ``key``: its name in the lowest stage;
-    ``names[s]``: its name in stage s (tied weights can have a different name per stage).
-    """
-
-    key: str
-    names: Mapping[int, str]
-
-    @property
-    def stages(self) -> tuple[int, ...]:
-        return tuple(sorted(self.names))
-
-
-def tied_parameters(stages: Sequence[StageSpec]) -> tuple[TiedParameter, ...]:
-    """Trainable Parameters shared by identity across stages (split_graph keeps the model's
-    Parameter objects, and a pickled list of stages keeps the sharing), sorted by key."""
-    seen: dict[int, dict[int, str]] = {}
-    for st in stages:
-        for n, p in st.gm.named_parameters(remove_duplicate=False):
-            if p.requires_grad:
-                seen.setdefault(id(p), {}).setdefault(st.index, n)
-    tied = [TiedParameter(names[min(names)], dict(sorted(names.items())))
-            for names in seen.values() if len(names) > 1]
-    return tuple(sorted(tied, key=lambda t: t.key))
-
-
-def tie_sets(tied: Sequence[TiedParameter]) -> dict[tuple[int, ...], list[TiedParameter]]:
-    """Tied parameters grouped by the exact set of stages holding them: one all-reduce (and one
-    process group) per set, in sorted order so every rank posts them in the same order."""
-    out: dict[tuple[int, ...], list[TiedParameter]] = {}
-    for t in tied:
-        out.setdefault(t.stages, []).append(t)
-    return dict(sorted(out.items()))
-
-
-def sync_components(tied: Sequence[TiedParameter]) -> list[tuple[int, ...]]:
-    """Stages whose updates must happen together (connected through tied parameters)."""
-    return sync_sets([t.stages for t in tied])
-
-
-def model_env(stages: Sequence[StageSpec], inputs: Any) -> dict[str, Any]:
-    """Model inputs by placeholder name, from a tensor, a tuple of positional inputs or a dict
-    of keyword inputs (a Hugging Face batch)."""
-    io = stages[-1].io
-    if isinstance(inputs, Mapping):
-        return io.bind_inputs((), inputs)  # type: ignore[union-attr]
-    args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    return io.bind_inputs(args, None)  # type: ignore[union-attr]
 
 
 @dataclass
@@ -139,7 +49,7 @@ class _InFlight:
     rng: tuple[torch.Tensor, torch.Tensor | None] | None = None  # recompute: the forward's RNG
 
 
-class StageReplica:
+class StageReplica(UpdateMixin):
     """The parameters, weight versions, buffers and gradient sums of one (stage, replica)."""
 
     def __init__(self, spec: StageSpec, optimizer_factory: OptimizerFactory, *,
@@ -191,7 +101,7 @@ class StageReplica:
         self._owned: set[str] = set()
         self._count = 0
         self._slots = tensor_slots(spec.gm)
-        self._clone_in = _may_write_inputs(spec)  # see _writable
+        self._clone_in = may_write_inputs(spec)  # see stage_call.writable
 
     def _call(self, weights: Mapping[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> tuple:
         if self._slots is None:
@@ -221,13 +131,13 @@ class StageReplica:
         weights = self.stash.acquire(minibatch, version)
         if self.stash.stashing and not self.recompute:
             with autocast(self.precision, self.device):
-                outs = self._call(weights, _writable(ins, self._clone_in))
+                outs = self._call(weights, writable(ins, self._clone_in))
                 loss = self._loss(outs, target) if self.is_last else None
             self._flight[minibatch] = _InFlight(ins, outs, loss)
         else:
-            rng = _rng_state(self.device) if self.recompute else None
+            rng = rng_state(self.device) if self.recompute else None
             with torch.no_grad(), autocast(self.precision, self.device):
-                outs = self._call(weights, _writable(ins, self._clone_in))
+                outs = self._call(weights, writable(ins, self._clone_in))
                 loss = self._loss(outs, target) if self.is_last else None
             self._flight[minibatch] = _InFlight(ins, None, None, target, rng)
         self.busy_s += time.perf_counter() - t0
@@ -336,7 +246,7 @@ class StageReplica:
         the first forward, so the recomputation writes into copies."""
         if fl.rng is None:  # the no-stashing ablation: as it always did
             with autocast(self.precision, self.device):
-                outs = self._call(weights, _writable(fl.inputs, self._clone_in))
+                outs = self._call(weights, writable(fl.inputs, self._clone_in))
                 loss = self._loss(outs, fl.target) if self.is_last else None
             return _InFlight(fl.inputs, outs, loss)
         devices = [self.device] if self.device.type == "cuda" else []
@@ -348,7 +258,7 @@ class StageReplica:
                 if fl.rng[1] is not None:
                     torch.cuda.set_rng_state(fl.rng[1], self.device)
                 with autocast(self.precision, self.device):
-                    outs = self._call(weights, _writable(fl.inputs, self._clone_in))
+                    outs = self._call(weights, writable(fl.inputs, self._clone_in))
                     loss = self._loss(outs, fl.target) if self.is_last else None
         finally:
             self.buffers = saved
@@ -385,131 +295,6 @@ class StageReplica:
         """Gradient sums since the last update by parameter name (absent: no gradient yet)."""
         return self._grad_sum
 
-    # ------------------------------------------------------------------ updates
-    def local_gradient(self) -> torch.Tensor:
-        """Flat buffer [sum of gradients of every trainable parameter..., minibatch count]."""
-        parts = []
-        for n in self.stash.trainable:
-            p = self.stash.latest[n]
-            g = self._grad_sum.get(n)
-            parts.append((torch.zeros_like(p) if g is None else g).reshape(-1))
-        ref = next(iter(self.stash.latest.values()), torch.zeros(()))
-        parts.append(torch.tensor([float(self._count)], dtype=ref.dtype, device=ref.device))
-        return torch.cat(parts)
-
-    def _offsets(self) -> dict[str, tuple[int, int]]:
-        """name -> (offset, numel) in the flat buffer of :meth:`local_gradient`."""
-        out, off = {}, 0
-        for n in self.stash.trainable:
-            out[n] = (off, self.stash.latest[n].numel())
-            off += out[n][1]
-        return out
-
-    def segment(self, flat: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-        """The parts of ``flat`` (a :meth:`local_gradient` layout) for ``names``, concatenated
-        (a copy): what a tied-parameter all-reduce sends."""
-        offs = self._offsets()
-        return torch.cat([flat[offs[n][0]:offs[n][0] + offs[n][1]] for n in names])
-
-    def split_segment(self, seg: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The parts of ``seg`` (a :meth:`segment` layout) by name, shaped like the weights."""
-        out, pos = {}, 0
-        for n in names:
-            p = self.stash.latest[n]
-            out[n] = seg[pos:pos + p.numel()].view(p.shape)
-            pos += p.numel()
-        return out
-
-    def put_segment(self, flat: torch.Tensor, names: Sequence[str], seg: torch.Tensor) -> None:
-        """Write ``seg`` (the layout of :meth:`segment`) back into ``flat`` in place."""
-        offs, pos = self._offsets(), 0
-        for n in names:
-            off, numel = offs[n]
-            flat[off:off + numel] = seg[pos:pos + numel]
-            pos += numel
-
-    def apply_update(self, total: torch.Tensor,
-                     tied: Mapping[str, torch.Tensor | None] | None = None) -> int:
-        """Step the optimizer with the mean gradient in ``total`` (the sum over the stage's
-        replicas of :meth:`local_gradient`); returns the new weight version. ``total`` is
-        consumed: its parts are divided in place and handed to the optimizer as views.
-        ``tied``: gradients (already means) used instead of ``total``'s for those names, None
-        for "no step for this parameter now" (delayed tied rounds, see reference.tied_delay)."""
-        return self.finish_update(self.update_grads(total, tied))
-
-    def update_grads(self, total: torch.Tensor,
-                     tied: Mapping[str, torch.Tensor | None] | None = None
-                     ) -> dict[str, torch.Tensor | None]:
-        """The mean gradients :meth:`apply_update` steps with (before clipping); resets the
-        round's sums. The reference executor clips them over all stages in between."""
-        count = float(total[-1])
-        grads: dict[str, torch.Tensor | None] = {}
-        offset = 0
-        for n in self.stash.trainable:
-            p = self.stash.latest[n]
-            grads[n] = total[offset:offset + p.numel()].reshape(p.shape)
-            offset += p.numel()
-        fixed = dict(tied or {})
-        grads.update(fixed)
-        return self.mean_grads(grads, count, writable=grads, fixed=fixed)
-
-    def apply_local_update(self) -> int:
-        """The update of a replica that sums with nobody (one replica, no tied parameters):
-        its own gradient sums go straight to the optimizer, with no flat buffer; the same
-        values as ``apply_update(local_gradient())``."""
-        latest = self.stash.latest
-        grads = {n: self._grad_sum[n] if n in self._grad_sum else torch.zeros_like(latest[n])
-                 for n in self.stash.trainable}
-        writable = {n for n in grads if n in self._owned or n not in self._grad_sum}
-        return self.apply_grads(grads, float(self._count), writable=writable)
-
-    def apply_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,
-                    writable: Collection[str], fixed: Collection[str] = ()) -> int:
-        """Step the optimizer with ``grads[n] / count`` (every trainable name; ``count`` 0:
-        no minibatch, the sums are used as they are; 1: nothing to divide, ``x / 1 == x``).
-        Names in ``writable`` are divided in place, the others into a new tensor; names in
-        ``fixed`` are used as given (None: that parameter takes no step). Resets the round's
-        sums and count, clips (:attr:`clip`), calls :attr:`on_update`; returns the new weight
-        version."""
-        return self.finish_update(self.mean_grads(grads, count, writable=writable, fixed=fixed))
-
-    def mean_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,
-                   writable: Collection[str], fixed: Collection[str] = ()
-                   ) -> dict[str, torch.Tensor | None]:
-        """``grads / count`` (see :meth:`apply_grads`); resets the round's sums and count."""
-        if count > 0 and count != 1:
-            grads = {n: g if n in fixed or g is None else g.div_(count) if n in writable
-                     else g / count for n, g in grads.items()}
-        self._grad_sum.clear()
-        self._owned.clear()
-        self._count = 0
-        return dict(grads)
-
-    def finish_update(self, grads: dict[str, torch.Tensor | None]) -> int:
-        """Clip (:attr:`clip`) and step with the mean gradients ``grads``."""
-        if self.clip is not None:
-            grads = self.clip(grads)
-        return self.step(grads)
-
-    def step(self, grads: Mapping[str, torch.Tensor | None]) -> int:
-        """One optimizer step with final gradients; calls :attr:`on_update`."""
-        t0 = time.perf_counter()
-        version = self.stash.update(grads)
-        if self.on_update is not None:
-            self.on_update()
-        self.busy_s += time.perf_counter() - t0
-        return version
-
-    def apply_tied_only(self, tied: Mapping[str, torch.Tensor]) -> int:
-        """One optimizer step of the tied parameters alone (every other parameter's gradient
-        None, so it does not move): what completes the delayed tied rounds at a segment end.
-        Does not call :attr:`on_update` (it finishes earlier updates, it is not a new one)."""
-        grads: dict[str, torch.Tensor | None] = {n: None for n in self.stash.trainable}
-        grads.update(tied)
-        if self.clip is not None and self.clip_local:
-            grads = self.clip(grads)
-        return self.stash.update(grads)
-
     def evaluate(self, inputs: Sequence[Any]) -> tuple:
         """Evaluation forward with the latest weights: no graph, the stage in eval mode (then
         every module back in the mode it had)."""
@@ -520,58 +305,3 @@ class StageReplica:
     def parameters(self) -> dict[str, torch.Tensor]:
         """The latest weights by the model's own names (detached copies)."""
         return {n: t.detach().clone() for n, t in self.stash.latest.items()}
-
-
-@contextlib.contextmanager
-def modes(module: torch.nn.Module, training: bool) -> Iterator[None]:
-    """Put ``module`` and all its submodules in train (or eval) mode for a block, then give
-    every one back the mode it had (``module.train(old)`` would flatten a mix of modes)."""
-    saved = [(m, m.training) for m in module.modules()]
-    module.train(training)
-    try:
-        yield
-    finally:
-        for m, was in saved:
-            m.training = was
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU generator's state (and the device's, on CUDA): what a recomputed forward needs
-    to draw the same dropout masks."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _writable(ins: Sequence[Any], which: Collection[int]) -> list[Any]:
-    """The stage's inputs ``which`` as non-leaf clones: a received activation is a leaf that
-    requires grad, and a stage that starts with an in-place op (a cut right before
-    ``ReLU(inplace=True)``) may not write into a leaf. The leaves stay in ``_InFlight`` for their
-    gradients. Inputs no op may write into (:func:`_may_write_inputs`) are passed as they are."""
-    return [x.clone() if i in which and isinstance(x, torch.Tensor) and x.requires_grad else x
-            for i, x in enumerate(ins)]
-
-
-# consumers that never write into their input and return a fresh tensor (not a view of it)
-_FRESH_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
-                  torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.LayerNorm, torch.nn.ReLU,
-                  torch.nn.GELU, torch.nn.Tanh, torch.nn.Sigmoid, torch.nn.MaxPool2d,
-                  torch.nn.AvgPool2d, torch.nn.AdaptiveAvgPool2d)
-_FRESH_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.truediv,
-                              operator.matmul, torch.add, torch.mul, torch.matmul, torch.cat,
-                              torch.nn.functional.linear, torch.relu})
-
-
-def _may_write_inputs(spec: StageSpec) -> frozenset[int]:
-    """Positions of the inputs that some op might write into in place: every one, except those
-    whose every user is a known out-of-place op with a fresh result (conservative)."""
-    gm = spec.gm
-    if not isinstance(gm, torch.fx.GraphModule):
-        return frozenset(range(len(spec.inputs)))
-    def safe(user: torch.fx.Node) -> bool:
-        if user.op == "call_module":
-            mod = gm.get_submodule(str(user.target))
-            return type(mod) in _FRESH_MODULES and not getattr(mod, "inplace", False)
-        return (user.op == "call_function" and user.target in _FRESH_FUNCTIONS
-                and not user.kwargs.get("inplace", False) and "out" not in user.kwargs)
-    holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return frozenset(i for i, n in enumerate(holders) if not all(safe(u) for u in n.users))

@@ -37,11 +37,15 @@ its own stage's weights into its stage's modules (the user's Parameters when com
 same process) and nothing is gathered. :meth:`Trainer.state_dict` gathers on request;
 checkpoints are written per stage (:func:`fxpipe.runtime.checkpoint.load_model_state`
 re-assembles one).
+
+**Layout.** This module is the loop (construction, data exchange, ``fit``, evaluation); its
+mixins hold the rest: :mod:`.trainer_schedule` (the schedule and the segments of an epoch),
+:mod:`.trainer_checkpoint` (save and resume), :mod:`.trainer_results` (write-back, gathering,
+timelines); :mod:`.trainer_backends` carries segments out on the executors.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -49,42 +53,36 @@ import torch
 
 from fxpipe.codegen.split import MODEL, StageSpec
 
-from .data import Part, PartStream, batch_size_of, derive_seed, take
-from .errors import RuntimeConfigError
 from .auto import AutoOptions, Decision
 from .auto import resolve as resolve_auto
-from .reference import check_schedule
-from .schedule import Schedule, make_schedule
-from .schedule_spec import AUTO, parse_schedule
-from .staleness import own_delays
-from .stage import LossFn, StageReplica, check_stages, tied_parameters
+from .data import Part, PartStream, batch_size_of, derive_seed, take
+from .errors import RuntimeConfigError
 from .metrics import MetricsLog
 from .param_names import wrap_factory
+from .schedule import Schedule
+from .schedule_spec import AUTO, parse_schedule
+from .stage import LossFn, StageReplica, check_stages
+from .staleness import own_delays
 from .stash import OptimizerFactory
 from .step_options import StepOptions
-from .timeline import TimelineEvent
 from .trainer_backends import DistributedBackend, IdleBackend, ReferenceBackend, surplus_rank
 from .trainer_checkpoint import CheckpointMixin
 from .trainer_progress import Progress
+from .trainer_results import ResultsMixin
+from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin
 from .wire import make_wire_plan
+
+__all__ = ["DEFAULT_SEGMENT", "FIRST_SEGMENT", "History", "LR_INTERVALS", "Trainer",
+           "make_trainer"]
 
 log = logging.getLogger(__name__)
 
 History = list[dict[str, float]]
 _EVAL_CHUNK = 64  # eval minibatches per exchange
-DEFAULT_SEGMENT = 256
-"""Minibatches per segment when neither ``segment`` nor ``checkpoint_every`` is given: bounds the
-memory of an epoch of any length, for a drain of (stages - 1) slots per 256 minibatches (about
-1% on 4 stages). The first segments of an epoch ramp up (8, 16, 32, ... 256 minibatches: a
-segment as long as everything before it plus 8), so training starts once 8 minibatches are read
-even from a slow loader; boundaries depend only on the position, so a resume replays them. All
-are rounded up to whole update groups (m minibatches for the batched kinds, lcm(replicas) for
-pipedream), so a boundary never cuts a batch in two."""
-FIRST_SEGMENT = 8
 LR_INTERVALS = ("step", "epoch")
 
 
-class Trainer(CheckpointMixin):
+class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
     """Trains the stages of a plan with a PipeDream schedule (see the module doc).
 
     ``stages``/``replicas``: the CompiledModel's ``stage_specs`` and ``plan.replicas``.
@@ -218,74 +216,7 @@ class Trainer(CheckpointMixin):
                                      "positive number of minibatches")
         self.prefetch = prefetch  # minibatches read ahead by a thread (runtime/prefetch.py)
 
-    # ------------------------------------------------------------------ helpers
-    def _check_tied_cadence(self) -> None:
-        """Stages sharing a tied weight must update equally often, or their tied all-reduces
-        never pair up (a hang until the timeout): check on a short schedule of the same kind."""
-        if not tied_parameters(self.stages) or self.kind == AUTO:  # auto: checked in adopt()
-            return
-        m = self.microbatches or sum(self.replicas)
-        n = 2 * math.lcm(*self.replicas) * (1 if self.kind == "pipedream" else m)
-        try:
-            probe = self._schedule(n)
-        except RuntimeConfigError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a kind that cannot run this shape says why
-            raise RuntimeConfigError(f"schedule {self.kind!r} with replicas {self.replicas}: "
-                                     f"{err}", None) from err
-        del self._schedules[probe.num_minibatches]
-
-    def _set_segments(self, kind: str) -> None:
-        """Segment lengths for ``kind``. Default segments are whole update groups (m minibatches
-        for the batched kinds, a round of every replica for pipedream), so a boundary never
-        splits a batch; ``auto`` (before it chooses) takes a length whole for every candidate."""
-        segment, checkpoint_every = self._segment_args
-        kinds = ("pipedream", "1f1b-flush") if kind == AUTO else (kind,)
-        group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
-                           else self.microbatches or sum(self.replicas) for k in kinds))
-        self._ramp = segment is None and checkpoint_every is None
-        self._first = group * math.ceil(FIRST_SEGMENT / group)
-        self.segment = segment or checkpoint_every or group * math.ceil(DEFAULT_SEGMENT / group)
-        if checkpoint_every and checkpoint_every % self.segment:
-            raise RuntimeConfigError(f"checkpoint_every={checkpoint_every} is not a multiple of "
-                                     f"segment={self.segment}", "checkpoints happen only at "
-                                     "segment ends (where the pipeline is drained)")
-
-    def adopt(self, schedule: str) -> None:
-        """Switch to ``schedule`` before training (what ``schedule="auto"`` chose): new stage
-        replicas with the same initial weights, optimizers made for the new schedule's delays."""
-        spec = parse_schedule(schedule)
-        self.kind, self.schedule_name, self.mitigation = spec.kind, spec.name, spec.mitigation
-        self._schedules.clear()
-        self._set_segments(spec.kind)  # the same segments as a run that named this schedule
-        self._check_tied_cadence()
-        self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
-                             delays=own_delays(spec.kind, self.replicas,
-                                               vertical_sync=self.vertical_sync,
-                                               microbatches=self.microbatches))
-        self.local = self.backend.local
-        self.schedulers = {r: self._lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
-                           if self._lr_scheduler is not None and w.stash.optimizer is not None}
-        if self.lr_interval == "step":
-            for r, sch in self.schedulers.items():
-                self.local[r].on_update = sch.step
-
-    def _schedule(self, n: int) -> Schedule:
-        """The (validated) schedule of a segment of ``n`` minibatches, made once per length:
-        every full segment of every epoch has the same one. Checked against the stages too
-        (tied weights need one update cadence on every stage holding them)."""
-        sched = self._schedules.get(n)
-        if sched is None:
-            sched = make_schedule(self.kind, self.replicas, n, microbatches=self.microbatches)
-            sched = sched.with_vertical_sync() if self.vertical_sync else sched
-            check_schedule(self.stages, self.replicas, sched)
-            self._schedules[n] = sched
-        return sched
-
-    def _segment_at(self, pos: int) -> int:
-        """Minibatches in the segment starting at epoch position ``pos`` (see DEFAULT_SEGMENT)."""
-        return min(self.segment, pos + self._first) if self._ramp else self.segment
-
+    # ------------------------------------------------------------------ data
     def _lead(self, it: PartStream, n: int, what: str, wire: bool = True
               ) -> tuple[list[Part], int]:
         """Every rank that reads data takes up to ``n`` minibatches itself (all at the same
@@ -438,68 +369,6 @@ class Trainer(CheckpointMixin):
         out = {"eval_loss": total[0] / max(total[1], 1)}
         if total[3] > 0:
             out["eval_accuracy"] = total[2] / total[3]
-        return out
-
-    # ------------------------------------------------------------------ results
-    def _write_back(self) -> None:
-        """Copy the trained weights into this process's stage GraphModules (the user's own
-        Parameters when compiled in this process): every stage this rank trained, nothing
-        more, and no communication (the whole model is gathered only when asked for)."""
-        with torch.no_grad():
-            for (s, _), w in sorted(self.local.items(), key=lambda kv: kv[0][1], reverse=True):
-                gm = self.stages[s].gm  # replica 0 last: the one every checkpoint keeps
-                for n, t in [*gm.named_parameters(), *gm.named_buffers()]:
-                    src = w.stash.latest.get(n, w.buffers.get(n))
-                    if src is not None:
-                        t.copy_(src)
-
-    @property
-    def timelines(self) -> list[tuple[list[TimelineEvent], list[TimelineEvent]]]:
-        """Per segment so far, this rank's (events, background) when ``timeline=True``."""
-        return getattr(self.backend, "timelines", [])
-
-    @property
-    def timeline_origin(self) -> float:
-        """The ``perf_counter()`` the timelines count from (the same clock on every process of
-        one machine, so ranks on one machine line up)."""
-        return self.backend.comm.recorder.t0
-
-    def state_dict(self, *, gather: bool = True) -> dict[str, torch.Tensor]:
-        """Weights and buffers by the model's own names: with ``state_keys`` (a compiled model's
-        trainer: the model's ``state_dict`` keys -> (stage, name there), or the tensor itself
-        for state no stage holds) exactly the model's keys, tied aliases included, so that
-        ``model.load_state_dict(trainer.state_dict())`` takes it strictly; else the stage
-        GraphModules' names.
-
-        With the distributed executor and ``gather=True`` (default) this is a COLLECTIVE: call
-        it on every rank (a rank calling it alone waits ``data_timeout_s`` and fails naming a
-        peer). Rank 0 then receives every stage's weights from replica 0 of that stage and
-        returns the whole model; every other rank returns its own stage's entries. With
-        ``gather=False`` each rank returns its own stage's entries without any communication
-        (what a rank can save on its own). The reference executor and idle ranks never
-        communicate: the former returns every stage, the latter nothing."""
-        if self.idle:
-            return {}
-        mine = {s: {n: t.detach() for n, t in self.stages[s].gm.state_dict().items()}
-                for s in sorted({s for s, _ in self.local})}
-        if gather and isinstance(self.backend, DistributedBackend):
-            shares = {s: {n: t.cpu() for n, t in sd.items()} for s, sd in mine.items()
-                      if (s, 0) in self.local}
-            got = self.backend.gather(shares, "state_dict() gathering every stage (call it on "
-                                      "every rank)")
-            for share in got or []:
-                for s, sd in share.items():
-                    mine.setdefault(s, sd)
-        out: dict[str, torch.Tensor] = {}
-        if self.state_keys is None:
-            for s in sorted(mine):
-                out.update(mine[s])
-            return out
-        for key, where in self.state_keys.items():
-            if isinstance(where, torch.Tensor):
-                out[key] = where.detach()
-            elif where[0] in mine:
-                out[key] = mine[where[0]][where[1]]
         return out
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ group of exactly the plan's size.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
@@ -319,9 +320,23 @@ class DistributedBackend:
             return eval_metrics(self.loss_fn, out, y)
 
     def close(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_group = False
+        """Leave the job. First a barrier (bounded by the pipeline timeout): a rank that tears
+        down its sockets while a peer still reads its part of the last gather can abort that
+        peer. Then the groups are destroyed and this object's references to them dropped, so
+        their C++ worker threads end here and not during the interpreter's finalisation, where
+        a gloo thread releasing a tensor needs the GIL and the process dies with SIGABRT
+        ("terminate called without an active exception", seen once in CI at exit)."""
+        if not (self._owns_group and dist.is_initialized()):
+            return
+        try:
+            dist.barrier(group=self.control, async_op=True).wait(self.timeout)
+        except RuntimeError as err:  # a peer already gone: still leave cleanly
+            log.warning("%s: the closing barrier failed (%s); leaving anyway", self.comm.who, err)
+        self.comm.groups.clear()
+        self.control = None
+        dist.destroy_process_group()
+        self._owns_group = False
+        gc.collect()  # the dropped groups' last references (cycles) go now, GIL held
 
     def describe(self) -> str:
         return rank_name(self.me, self.index)
