@@ -4,9 +4,10 @@
 
 Three hosts (network namespaces, bench/cluster) each run one torchrun agent with
 ``--nnodes 2:3 --max-restarts 3 --rdzv-backend c10d`` (host 0 holds the rendezvous store) and
-one worker ``fxpipe.cli_train gpt --elastic`` (a GPT mini, AdamW with named groups, LR warm-up,
-1f1b-flush with 4 microbatches, a checkpoint every 8 minibatches into one shared folder; each
-minibatch is read with a 0.1 s delay so the run lasts long enough to be cut mid-epoch). Once the
+one worker ``fxpipe.cli_train gpt --elastic`` (a GPT mini learning counting sequences, AdamW with
+named groups, LR warm-up, 1f1b-flush with 4 microbatches, a checkpoint every 8 minibatches into
+one shared folder; each minibatch is read with a 0.1 s delay so the run lasts long enough to be
+cut mid-epoch). Once the
 checkpoint at minibatch 16 of epoch 1 is complete, every process of the last host is SIGKILLed.
 The survivors' workers fail (a dead peer), their agents re-rendezvous with 2 nodes, and the
 workers re-plan for WORLD_SIZE=2 and resume from the newest complete checkpoint.
@@ -44,11 +45,17 @@ from bench._report import publish  # noqa: E402
 from bench.cluster import EmulatedCluster, read_output, wait_all  # noqa: E402
 from bench.cluster.netns import namespace_pids  # noqa: E402
 
-DATA = '''"""A slow loader for bench/elastic.py: the GPT mini's synthetic batches, 0.1 s per read."""
+DATA = '''"""A slow, learnable loader for bench/elastic.py: counting sequences (each token is the
+previous one + 1 mod 128) in the GPT mini's shape, read with a delay of {delay} s."""
 import time
 
-from fxpipe import models
-from fxpipe.runtime.data import synthetic_loader
+import torch
+
+
+def batch(k, size=4, seq=16, vocab=128):
+    g = torch.Generator().manual_seed(k)
+    tokens = (torch.randint(0, vocab, (size, 1), generator=g) + torch.arange(seq + 1)) % vocab
+    return (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous()
 
 
 class Slow:
@@ -65,16 +72,14 @@ class Slow:
 
 
 def loaders():
-    spec = models.resolve("gpt", size="mini", batch_size=None, seed=0, seq_len=32)
-    return (Slow(synthetic_loader(spec.make_batch, spec.batch_size, {n}, 0), {delay}),
-            synthetic_loader(spec.make_batch, spec.batch_size, 4, 1))
+    return Slow([batch(k) for k in range({n})], {delay}), [batch(10_000 + k) for k in range(8)]
 '''
 
 
 def worker_args(work: Path, ckpt: Path, tag: str, epochs: int) -> list[str]:
     return ["-m", "fxpipe.cli_train", "gpt", "--data", f"{work / 'data.py'}:loaders",
             "--seq-len", "32", "--schedule", "1f1b-flush", "--microbatches", "4",
-            "--optimizer", "adamw", "--lr", "3e-3", "--weight-decay", "0.1", "--warmup", "4",
+            "--optimizer", "adamw", "--lr", "1e-2", "--weight-decay", "0.1", "--warmup", "4",
             "--epochs", str(epochs), "--checkpoint-dir", str(ckpt), "--checkpoint-every", "8",
             "--timeout", "20", "--elastic", "--no-progress",
             "--metrics", str(work / f"{tag}.jsonl"), "--save", str(work / f"{tag}.pt")]
@@ -174,8 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     same_weights = s_el.keys() == s_fr.keys() and all(torch.equal(s_el[k], s_fr[k])
                                                       for k in s_el)
     drift = max(float((s_el[k] - s_base[k]).abs().max()) for k in s_el)
-    ev = {tag: [r["eval_loss"] for r in recs if r["kind"] == "eval"]
-          for tag, recs in (("elastic", el), ("fresh", fr), ("base", records(work / "base.jsonl")))}
+    runs = (("elastic", el), ("fresh", fr), ("base", records(work / "base.jsonl")))
+    ev = {tag: [r["eval_loss"] for r in recs if r["kind"] == "eval"] for tag, recs in runs}
+    acc = {tag: [r.get("eval_accuracy", 0.0) for r in recs if r["kind"] == "eval"]
+           for tag, recs in runs}
+
+    def fmt(xs: list[float]) -> str:
+        return "[" + ", ".join(f"{x:.4f}" for x in xs) + "]"
     fresh_plan = re.search(r"plan replicas (\[[^\]]*\])", fresh_log)
     ok = (codes == [0] * last and fresh_codes == [0] * last and base_codes == [0] * a.hosts
           and again[1] == str(last) and again[3].startswith("resuming")
@@ -197,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{same_losses} ({len(fr_train)} records, compared exactly) |",
           f"| final weights bit-identical to the fresh run's | {same_weights} |",
           f"| eval loss per epoch: elastic / fresh / uninterrupted {a.hosts} hosts | "
-          f"{ev['elastic'][-a.epochs:]} / {ev['fresh']} / {ev['base']} |",
+          f"{fmt(ev['elastic'][-a.epochs:])} / {fmt(ev['fresh'])} / {fmt(ev['base'])} |",
+          f"| eval accuracy per epoch: elastic / uninterrupted {a.hosts} hosts | "
+          f"{fmt(acc['elastic'][-a.epochs:])} / {fmt(acc['base'])} |",
           f"| max abs weight difference to the uninterrupted run | {drift:.3g} |",
           "", f"All checks passed: {ok}."]
     publish("elastic", "\n".join(md), a.out)

@@ -152,21 +152,22 @@ class Repartition:
                         f"{tuple(t.shape)} in stage {stage}",
                         "the checkpoint was made for a different model")
                 out[kind][n] = src
-        out["optimizer"], sources = self._optimizer(stage, latest, opt)
-        out["lr_scheduler"] = self._scheduler(stage, scheduler, opt, sources)
+        out["optimizer"], sources, olds = self._optimizer(stage, latest, opt)
+        out["lr_scheduler"] = self._scheduler(stage, scheduler, opt, sources, olds)
         return out
 
     def _optimizer(self, stage: int, latest: dict[str, torch.Tensor],
                    opt: torch.optim.Optimizer | None
-                   ) -> tuple[dict[str, Any] | None, list[tuple[int, int]]]:
-        """The new optimizer's state dict, and per new group the (old stage, old group) its
-        first parameter came from."""
+                   ) -> tuple[dict[str, Any] | None, list[tuple[int, int]], set[int]]:
+        """The new optimizer's state dict, per new group the (old stage, old group) its first
+        parameter came from, and every old stage a parameter came from."""
         if opt is None:
-            return None, []
+            return None, [], set()
         by_id = {id(t): n for n, t in latest.items()}
         state: dict[int, Any] = {}
         groups: list[dict[str, Any]] = []
         sources: list[tuple[int, int]] = []
+        contributing: set[int] = set()
         index = 0
         for g, group in enumerate(opt.param_groups):
             hyper: dict[str, Any] | None = None
@@ -182,6 +183,7 @@ class Repartition:
                         f"{self.found.folder} (stage {s} had no optimizer state for it)",
                         "resume with the model and requires_grad settings it was trained with")
                 i = old.names.index(old_name)
+                contributing.add(s)
                 old_opt = old.state["optimizer"]
                 if i in old_opt["state"]:
                     state[index] = copy.deepcopy(old_opt["state"][i])
@@ -200,15 +202,16 @@ class Repartition:
                 index += 1
             groups.append({**copy.deepcopy(hyper or {}), "params": params})
             sources.append(first if first is not None else (-1, -1))
-        return {"state": state, "param_groups": groups}, sources
+        return {"state": state, "param_groups": groups}, sources, contributing
 
     def _scheduler(self, stage: int, scheduler: Any | None, opt: torch.optim.Optimizer | None,
-                   sources: list[tuple[int, int]]) -> dict[str, Any] | None:
-        """The new LR scheduler's state: counters from the old stages (equal), per-group lists
-        mapped through ``sources``."""
+                   sources: list[tuple[int, int]], contributing: set[int]
+                   ) -> dict[str, Any] | None:
+        """The new LR scheduler's state: counters from the old stages its parameters come from
+        (they must be equal), per-group lists mapped through ``sources``."""
         if scheduler is None or opt is None or not sources:
             return None
-        olds = {s: self._old(s).state.get("lr_scheduler") for s, _ in sources if s >= 0}
+        olds = {s: self._old(s).state.get("lr_scheduler") for s in sorted(contributing)}
         if any(v is None for v in olds.values()):
             raise ckpt.CheckpointError(f"stage {stage}'s LR scheduler has no saved state in "
                                        f"{self.found.folder}", "resume with the same lr_scheduler")

@@ -222,3 +222,21 @@ def test_torchrun_checkpoint_of_2_processes_resumes_on_3(tmp_path: Path,
         torch.testing.assert_close(got["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
     torch.testing.assert_close([h["loss"] for h in got["history"]], losses, rtol=1e-5,
                                atol=1e-7)
+
+
+def test_stages_whose_lr_schedules_drifted_apart_are_not_merged(tmp_path: Path) -> None:
+    """pipedream with stage 0 on 2 replicas: stage 0 steps its LR schedule once per 2
+    minibatches, stage 1 every minibatch. One stage cannot continue both: a clear error; a plan
+    that keeps the stages apart (the same cut, other replicas) resumes."""
+    def make(cuts: list[int], replicas: list[int], hook=None) -> Trainer:
+        return Trainer(stages(cuts), replicas, F.mse_loss, adamw, lr_scheduler=lambda_lr,
+                       schedule="pipedream", checkpoint_dir=str(tmp_path), checkpoint_every=4,
+                       executor="reference", progress=False, on_checkpoint=hook)
+
+    def crash(epoch: int, pos: int) -> None:
+        raise Crash(f"after {(epoch, pos)}")
+    with pytest.raises(Crash):
+        make([NODES - 2], [2, 1], crash).fit(data(), epochs=1)  # l2, l4 (tied) on stage 0
+    with pytest.raises(CheckpointError, match="LR schedulers differ in 'last_epoch'"):
+        make([], [1]).fit(data(), epochs=1, resume=True)
+    make([NODES - 3], [1, 2]).fit(data(), epochs=1, resume=True)
