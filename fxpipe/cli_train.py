@@ -68,6 +68,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="minibatches")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--elastic", action="store_true", help="under torchrun's elastic agent: "
+                   "re-plan for this start's WORLD_SIZE and resume from the newest complete "
+                   "checkpoint of any plan, if there is one (fxpipe/cli_elastic.py)")
     p.add_argument("--size", default="mini", help="zoo model size: mini or full")
     p.add_argument("--device", default="cpu", help="device the plan is estimated for")
     p.add_argument("--stages", type=int, default=None, help="force the number of stages")
@@ -301,6 +304,10 @@ def run_worker(args: argparse.Namespace) -> int:
     from fxpipe.runtime.trainer import make_trainer
 
     _check_data(args.data)
+    if args.elastic:
+        from fxpipe.cli_elastic import check_elastic
+
+        check_elastic(args)
     rank = int(os.environ.get("RANK", "0"))
     spec = _spec(args)
     plan = Plan.load(args.plan) if args.plan else None
@@ -321,8 +328,13 @@ def run_worker(args: argparse.Namespace) -> int:
                            microbatches=args.microbatches, segment=args.segment,
                            prefetch=args.prefetch, metrics_path=args.metrics,
                            metrics_every=args.metrics_every)
+    resume = args.resume
+    if args.elastic:
+        from fxpipe.cli_elastic import elastic_resume
+
+        resume = elastic_resume(args, list(compiled.plan.replicas))
     t0 = time.perf_counter()
-    history = trainer.fit(train, epochs=args.epochs, eval_loader=evaluate, resume=args.resume)
+    history = trainer.fit(train, epochs=args.epochs, eval_loader=evaluate, resume=resume)
     state = trainer.state_dict() if args.save else None  # collective: rank 0 gets every stage
     if rank == 0 and trainer.auto_decision is not None:
         print(trainer.auto_decision.summary(), flush=True)

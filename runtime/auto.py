@@ -329,7 +329,7 @@ def _checkpoint_schedule(trainer: Any) -> str | None:
     from . import checkpoint as ckpt
 
     try:
-        found = ckpt.find_latest(trainer.checkpoint_dir, len(trainer.stages))
+        found = ckpt.find_latest(trainer.checkpoint_dir, None)
     except ckpt.CheckpointError:
         return None
     name = found.manifest.get("schedule")

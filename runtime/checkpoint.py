@@ -127,8 +127,10 @@ class Found:
         return self.folder / self.manifest["stages"][str(stage)]["file"]
 
 
-def check_folder(folder: Path, num_stages: int, verify: bool) -> Found:
-    """Parse and verify one checkpoint folder, or raise CheckpointError saying what is wrong."""
+def check_folder(folder: Path, num_stages: int | None, verify: bool) -> Found:
+    """Parse and verify one checkpoint folder, or raise CheckpointError saying what is wrong.
+    ``num_stages``: required to match the manifest, or None to take any plan's checkpoint (a
+    resume under another plan re-partitions it: :mod:`fxpipe.runtime.repartition`)."""
     mpath = folder / "manifest.json"
     if not mpath.is_file():
         raise CheckpointError(f"{folder.name}: no manifest (a stage did not finish)")
@@ -136,6 +138,8 @@ def check_folder(folder: Path, num_stages: int, verify: bool) -> Found:
         doc = json.loads(mpath.read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{folder.name}: unreadable manifest: {err}") from err
+    if num_stages is None and isinstance(doc.get("num_stages"), int):
+        num_stages = doc["num_stages"]
     if doc.get("format") != FORMAT or doc.get("num_stages") != num_stages:
         raise CheckpointError(f"{folder.name}: format {doc.get('format')} with "
                               f"{doc.get('num_stages')} stages, expected format {FORMAT} with "
@@ -150,10 +154,11 @@ def check_folder(folder: Path, num_stages: int, verify: bool) -> Found:
     return Found(folder, int(doc["epoch"]), int(doc["minibatch"]), doc)
 
 
-def find_latest(directory: str | os.PathLike[str], num_stages: int, *,
+def find_latest(directory: str | os.PathLike[str], num_stages: int | None, *,
                 verify: bool = True) -> Found:
     """The newest checkpoint that every stage finished (older ones when newer are incomplete or
-    corrupt); :class:`CheckpointError` listing what was wrong when there is none."""
+    corrupt); :class:`CheckpointError` listing what was wrong when there is none.
+    ``num_stages`` None: a checkpoint of any plan (see :func:`check_folder`)."""
     root = Path(directory)
     folders = []
     if root.is_dir():

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
+from .repartition import Repartition, optimizer_names, stage_layout
 from .errors import RuntimeConfigError
 from .stage import StageReplica
 
@@ -46,6 +47,7 @@ class CheckpointMixin:
         return {"weights": {n: t.detach().cpu() for n, t in w.stash.latest.items()},
                 "buffers": {n: t.detach().cpu() for n, t in w.buffers.items()},
                 "optimizer": opt.state_dict() if opt is not None else None,
+                "optimizer_names": optimizer_names(opt, w.stash.latest),
                 "lr_scheduler": sch.state_dict() if sch is not None else None,
                 "position": [epoch, pos]}
 
@@ -59,7 +61,7 @@ class CheckpointMixin:
         if self.index == 0:
             info = {"history": self.history, "partial": acc, "replicas": self.replicas,
                     "schedule": self.schedule_name, "segment": self.segment, "seed": self.seed,
-                    "fingerprint": self.fingerprint}
+                    "fingerprint": self.fingerprint, "layout": stage_layout(self.stages)}
             ckpt.write_manifest(self.checkpoint_dir, epoch, pos, len(self.stages), info)
             if self.keep_checkpoints:
                 ckpt.prune(self.checkpoint_dir, self.keep_checkpoints, len(self.stages))
@@ -75,26 +77,37 @@ class CheckpointMixin:
         choice: Any = None
         if self.index == 0:
             try:
-                choice = str(ckpt.find_latest(self.checkpoint_dir, len(self.stages)).folder)
+                choice = str(ckpt.find_latest(self.checkpoint_dir, None).folder)
             except ckpt.CheckpointError as err:
                 choice = err
         choice = self.backend.broadcast(choice, "checkpoint choice")
         if isinstance(choice, ckpt.CheckpointError):
             raise choice
-        found = ckpt.check_folder(Path(choice), len(self.stages), verify=False)
+        found = ckpt.check_folder(Path(choice), None, verify=False)
         m = found.manifest
-        if m.get("replicas") != self.replicas or (self.fingerprint and m.get("fingerprint")
-                                                  not in (None, self.fingerprint)):
-            raise ckpt.CheckpointError(f"{found.folder} was made for replicas {m.get('replicas')} "
-                                       f"(model {m.get('fingerprint')}), this pipeline has "
-                                       f"{self.replicas} (model {self.fingerprint})",
-                                       "resume with the plan the checkpoint was trained with")
+        if self.fingerprint and m.get("fingerprint") not in (None, self.fingerprint):
+            raise ckpt.CheckpointError(f"{found.folder} was made for model {m.get('fingerprint')}"
+                                       f", this is model {self.fingerprint}",
+                                       "the checkpoint was made for a different model: resume "
+                                       "with the model it was trained with")
         if (m.get("segment"), m.get("schedule")) != (self.segment, self.schedule_name):
             log.warning("checkpoint was made with schedule %s and segment %s; resuming with %s "
                         "and %s will not reproduce the uninterrupted run exactly",
                         m.get("schedule"), m.get("segment"), self.schedule_name, self.segment)
-        for rank, w in self.local.items():
-            self._load_stage(rank, w, ckpt.load_stage(found, rank[0]))
+        if m.get("layout", stage_layout(self.stages)) == stage_layout(self.stages) \
+                and m.get("num_stages") == len(self.stages) and (
+                    "layout" in m or m.get("replicas") == self.replicas):
+            for rank, w in self.local.items():  # the same stages: each loads its own file
+                self._load_stage(rank, w, ckpt.load_stage(found, rank[0]))
+        else:
+            log.info("re-partitioning checkpoint %s: %s stages, replicas %s -> %d stages, "
+                     "replicas %s", found.folder.name, m.get("num_stages"), m.get("replicas"),
+                     len(self.stages), self.replicas)
+            source = Repartition(found, self.stages)
+            for rank, w in self.local.items():
+                self._load_stage(rank, w, source.state_for(
+                    rank[0], w.stash.latest, w.buffers, w.stash.optimizer,
+                    self.schedulers.get(rank)))
         self.history = [dict(h) for h in m.get("history", [])]
         log.info("resumed from %s (epoch %d, minibatch %d)", found.folder, found.epoch,
                  found.minibatch)
@@ -106,7 +119,10 @@ class CheckpointMixin:
             if set(src) != set(dst):
                 raise ckpt.CheckpointError(f"stage {rank[0]}'s checkpoint has {key} "
                                            f"{sorted(src)[:4]}..., the stage has {sorted(dst)[:4]}",
-                                           "the checkpoint was made for a different model")
+                                           "the checkpoint was made for a different model "
+                                           "(or, written without a layout by an older fxpipe, "
+                                           "for another plan: it resumes only under the plan "
+                                           "that wrote it)")
             with torch.no_grad():
                 for n, t in dst.items():
                     t.copy_(src[n])

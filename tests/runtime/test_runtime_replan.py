@@ -1,0 +1,86 @@
+"""Re-planning decisions from measurements (runtime/replan.py), on hand-made profiles whose best
+partitions are worked out by hand."""
+from __future__ import annotations
+
+import pytest
+
+from fxpipe.costmodel import Cluster, Profile, ProfileNode
+from fxpipe.errors import ConfigError
+from fxpipe.passes.partition import plan_for
+from fxpipe.runtime.replan import StageTimes, measure, propose, rescale
+from fxpipe.runtime.timeline import TimelineEvent
+
+MS = 1e-3
+
+
+def chain(costs: list[float]) -> Profile:
+    """A chain of nodes, forward = backward = cost each, no parameters, tiny activations (the
+    links cost nothing): a stage's time is the sum of its nodes' 2 x cost."""
+    nodes, prev = [], ()
+    for i, c in enumerate(costs):
+        nodes.append(ProfileNode(f"n{i}", "call_function", "f", c, c, 4.0, 0.0, inputs=prev))
+        prev = (f"n{i}",)
+    return Profile(tuple(nodes), batch_size=1)
+
+
+CLUSTER = Cluster(workers=2, bandwidth="100Gbps")
+
+
+def test_a_stage_measured_4x_slower_moves_the_cut() -> None:
+    """Profile [1, 1, 1, 1] ms split [2 | 2] (balanced). Measured: stage 0 takes 4x its
+    prediction, so its nodes cost [4, 4] and the rescaled chain is [4, 4, 1, 1]. Current
+    partition: max(2*8, 2*2) = 16 ms per minibatch. By hand the best straight 2-stage
+    partition is [4 | 4, 1, 1]: max(8, 12) = 12 ms; data parallel on 2 workers (no parameters
+    to sync) is 2*10/2 = 10 ms. Either way a gain over 5%: adopt."""
+    profile = chain([MS] * 4)
+    plan = plan_for(profile, CLUSTER, [0, 2], [1, 1])
+    assert plan.time_per_minibatch == pytest.approx(4 * MS, rel=1e-3)
+    got = propose(profile, plan, [StageTimes(8 * MS, 8 * MS, 0.0), StageTimes(2 * MS, 2 * MS, 0.0)],
+                  CLUSTER)
+    assert got.factors == ((4.0, 4.0, 1.0), (1.0, 1.0, 1.0))
+    assert got.current.time_per_minibatch == pytest.approx(16 * MS, rel=1e-3)
+    assert got.proposed.time_per_minibatch == pytest.approx(10 * MS, rel=1e-3)
+    assert got.adopt and got.gain == pytest.approx(0.6, rel=1e-3)
+
+
+def test_measurements_that_match_the_profile_keep_the_plan() -> None:
+    profile = chain([MS] * 4)
+    plan = plan_for(profile, CLUSTER, [0, 2], [1, 1])
+    got = propose(profile, plan, [StageTimes(2 * MS, 2 * MS, 0.0)] * 2, CLUSTER)
+    assert got.factors == ((1.0, 1.0, 1.0), (1.0, 1.0, 1.0))
+    assert got.current.time_per_minibatch == pytest.approx(plan.time_per_minibatch)
+    # data parallel (4 ms) ties with the balanced pipeline: no gain, nothing to adopt
+    assert not got.adopt and got.gain == pytest.approx(0.0, abs=1e-9)
+
+
+def test_gain_below_the_threshold_is_not_adopted() -> None:
+    """Stage 0 measured 10% slow: [1.1, 1.1, 1, 1]; the current plan costs 4.4 ms, data
+    parallel 4.2 ms: a gain of 4.8%, under a 5% threshold, over a 1% one."""
+    profile = chain([MS] * 4)
+    plan = plan_for(profile, CLUSTER, [0, 2], [1, 1])
+    slow = [StageTimes(2.2 * MS, 2.2 * MS, 0.0), StageTimes(2 * MS, 2 * MS, 0.0)]
+    assert not propose(profile, plan, slow, CLUSTER, threshold=0.05).adopt
+    got = propose(profile, plan, slow, CLUSTER, threshold=0.01)
+    assert got.adopt and got.gain == pytest.approx(4.4 / 4.2 - 1, rel=1e-3)
+
+
+def test_rescale_keeps_kinds_that_were_not_measured_and_checks_the_stage_count() -> None:
+    profile = chain([MS] * 4)
+    plan = plan_for(profile, CLUSTER, [0, 2], [1, 1])
+    scaled, f = rescale(profile, plan, [StageTimes(0.0, 6 * MS, 0.0), StageTimes(2 * MS, 2 * MS,
+                                                                                 0.0)])
+    assert f[0] == (1.0, 3.0, 1.0)
+    assert [n.backward_s for n in scaled.nodes] == pytest.approx([3 * MS, 3 * MS, MS, MS])
+    assert [n.forward_s for n in scaled.nodes] == pytest.approx([MS] * 4)
+    with pytest.raises(ConfigError, match="1 stage measurements for a plan of 2 stages"):
+        rescale(profile, plan, [StageTimes(MS, MS, 0.0)])
+
+
+def test_measure_averages_spans_per_minibatch_and_per_update() -> None:
+    ev = [TimelineEvent("forward", "F0", 0.0, 1.0, {"minibatch": 0}),
+          TimelineEvent("forward", "F1", 1.0, 4.0, {"minibatch": 1}),
+          TimelineEvent("backward", "B0", 4.0, 6.0, {"minibatch": 0}),
+          TimelineEvent("optimizer", "U0 gradients", 6.0, 6.5, {"update": 0}),
+          TimelineEvent("optimizer", "U0", 7.0, 8.0, {"update": 0}),
+          TimelineEvent("idle", "", 8.0, 9.0, {})]
+    assert measure(ev) == StageTimes(2.0, 2.0, 1.5)
