@@ -84,3 +84,29 @@ def test_measure_averages_spans_per_minibatch_and_per_update() -> None:
           TimelineEvent("optimizer", "U0", 7.0, 8.0, {"update": 0}),
           TimelineEvent("idle", "", 8.0, 9.0, {})]
     assert measure(ev) == StageTimes(2.0, 2.0, 1.5)
+
+
+def test_torchrun_ranks_measure_their_stages_and_agree_on_one_proposal(tmp_path) -> None:
+    """2 ranks, a compiled 2-stage MLP with timelines: every rank gets the same proposal, and
+    each stage's forward/backward factor is that stage's own measured mean over its predicted
+    time (the rank's timeline, read here independently of the exchange)."""
+    import sys
+
+    from test_runtime_trainer_dist import HERE, _port, _run
+
+    out = tmp_path / "got"
+    res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                "--master-addr=127.0.0.1", f"--master-port={_port()}",
+                str(HERE / "replan_job.py"), str(out)])
+    assert res.returncode == 0, res.stdout[-3000:]
+    import torch
+
+    got = [torch.load(f"{out}.{r}.pt", weights_only=False) for r in range(2)]
+    assert got[0]["factors"] == got[1]["factors"] and got[0]["gain"] == got[1]["gain"]
+    assert got[0]["current"] == [1, 1]
+    for g in got:
+        s, own = g["stage"], g["own"]
+        assert len(own) >= 1
+        for k in range(2):  # forward, backward
+            mean = sum(o[k] for o in own) / len(own)
+            assert g["factors"][s][k] == pytest.approx(mean / g["predicted"][s][k], rel=1e-9)
