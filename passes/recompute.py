@@ -30,15 +30,24 @@ def _starts(ok: np.ndarray, r: int, x_end: int) -> np.ndarray:
     return np.flatnonzero(ok[r, :x_end + 1])
 
 
-def _best_reach(inst: _Inst, r: int, v: int, starts: np.ndarray, tau: float
+def _best_reach(inst: _Inst, r: int, v: int, starts: np.ndarray, tau: float, need: int
                 ) -> tuple[int, int, bool]:
-    """(furthest end, its start, its flag) over ``starts`` and the instance's flags."""
+    """(furthest end, its start, its flag) over ``starts`` and the instance's flags, among the
+    starts that reach at least ``need`` (-1 if none does). Exact pruning: for a fixed start,
+    time and memory grow with the end, so a start over a bound at ``need`` cannot reach it."""
     best, arg = -1, (0, False)
+    ends = np.full_like(starts, need)
     for x in inst.flags:
-        e, _ = inst.reach_many(r, v, starts, tau, x)
+        ok = inst.time_many(r, starts, ends, x) <= tau
+        if inst.cap is not None:
+            ok &= inst.mem_many(v, starts, ends, x) <= inst.cap
+        if not ok.any():
+            continue
+        cand = starts[ok]
+        e, _ = inst.reach_many(r, v, cand, tau, x)
         i = int(np.argmax(e))
         if int(e[i]) > best:
-            best, arg = int(e[i]), (int(starts[i]), x)
+            best, arg = int(e[i]), (int(cand[i]), x)
     return best, arg[0], arg[1]
 
 
@@ -72,9 +81,11 @@ def check_budget_rc(inst: _Inst, tau: float) -> tuple[Flagged | None, float]:
             if r > k:
                 break
             starts = _starts(ok, r, min(R[k - r], n - 1))
-            e, a, x = _best_reach(inst, r, _v(m, k, r), starts, tau)
+            e, a, x = _best_reach(inst, r, _v(m, k, r), starts, tau, best + 1)
             if e > best:
                 best, bc = e, (r, a, x)
+                if best >= n:
+                    break
         R[k], ch[k] = best, bc
         if best >= n:
             return _rebuild(ch, k, n), nxt
@@ -124,7 +135,7 @@ def fewest_stages_rc(inst: _Inst, tau: float) -> Flagged | None:
                 if cur[k] >= n:
                     continue
                 starts = _starts(ok, r, min(prev[kp], n - 1))
-                e, a, x = _best_reach(inst, r, _v(m, k, r), starts, tau)
+                e, a, x = _best_reach(inst, r, _v(m, k, r), starts, tau, cur[k] + 1)
                 if e > cur[k]:
                     cur[k], cch[k] = e, ("r", r, a, x)
         for k in range(1, m + 1):
