@@ -214,3 +214,45 @@ def test_bad_master_weights_option_is_a_clear_error() -> None:
     with pytest.raises(RuntimeConfigError, match="master_weights='yes'"):
         Trainer(split(tiny_mlp(), [2]), [1, 1], F.mse_loss, sgd, executor="reference",
                 master_weights="yes")  # type: ignore[arg-type]
+
+
+def test_localsgd_averages_the_masters_then_rounds_them_down() -> None:
+    """LocalSGD (R copies, each its own optimizer, averaged every H rounds) of a bfloat16 model:
+    the oracle averages each copy's float32 masters and rounds the mean into the parameters."""
+    from fxpipe.runtime.localsgd import make_localsgd_schedule
+    from fxpipe.runtime.localsgd_executor import LocalSGDExecutor
+
+    model, data, R, H = bf16_model(), bf16_batches(10), 2, 2
+    stages = split(copy.deepcopy(model), [1, 3])
+    ex = LocalSGDExecutor(stages, make_localsgd_schedule(3, R, len(data), average_every=H),
+                          F.mse_loss, sgd)
+    ex.run(data)
+    names = [n for n, _ in model.named_parameters()]
+    copies = [copy.deepcopy(model) for _ in range(R)]
+    masters = [[p.detach().float().clone().requires_grad_(True) for p in c.parameters()]
+               for c in copies]
+    opts = [sgd(ms) for ms in masters]
+    rounds = len(data) // R
+    for i in range(rounds):
+        for j in range(R):
+            x, y = data[i * R + j]
+            params = list(copies[j].parameters())
+            grads = torch.autograd.grad(F.mse_loss(copies[j](x), y), params)
+            for w, g in zip(masters[j], grads):
+                w.grad = g.float()
+            opts[j].step()
+            with torch.no_grad():
+                for p, w in zip(params, masters[j]):
+                    p.copy_(w)
+        if (i + 1) % H == 0 or i == rounds - 1:
+            with torch.no_grad():
+                for idx, ws in enumerate(zip(*masters)):
+                    mean = torch.stack([w.detach() for w in ws]).mean(0)
+                    for j, w in enumerate(ws):
+                        w.copy_(mean)
+                        list(copies[j].parameters())[idx].copy_(mean)
+    want = dict(zip(names, masters[0]))
+    for (s, j), w in ex.workers.items():
+        for n, t in w.stash.masters.master.items():
+            assert torch.equal(t, want[n].detach()), (s, j, n)
+            assert torch.equal(w.stash.latest[n], t.to(BF16)), (s, j, n)
