@@ -7,11 +7,12 @@ the loss, and the recomputed forwards of activation recomputation) under
     loss.backward()
 
 Weights, gradients and the optimizer stay in float32 (autocast casts copies per op), so the
-"master weights" are the parameters themselves (a model whose parameters are themselves
-low precision gets float32 masters: :mod:`fxpipe.runtime.master`). Values crossing a stage boundary keep the dtype
-autocast gave them (a bfloat16 activation is sent as bfloat16, half the bytes): the wire plan is
-made under the same autocast (:func:`fxpipe.runtime.wire.make_wire_plan`), so receivers post
-buffers of the right dtype. The backward needs no context (autograd replays each op's dtype).
+"master weights" are the parameters themselves (a model whose parameters are themselves low
+precision gets float32 masters: :mod:`fxpipe.runtime.master`). Values crossing a stage boundary
+keep the dtype autocast gave them (a bfloat16 activation is sent as bfloat16, half the bytes):
+the wire plan is made under the same autocast (:func:`fxpipe.runtime.wire.make_wire_plan`), so
+receivers post buffers of the right dtype. The backward needs no context (autograd replays each
+op's dtype).
 
 ``"fp16"`` runs the same forwards under float16 autocast (CPU float16 autocast exists in torch
 2.13, so it is tested here) and adds dynamic loss scaling (:mod:`fxpipe.runtime.loss_scale`:

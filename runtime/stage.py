@@ -63,7 +63,8 @@ class StageReplica(UpdateMixin):
         """``device``: where this replica's weights, buffers and gradients live. The stage's
         GraphModule is NOT moved: its own tensors are never used for compute (every call swaps
         the replica's in), so a device holds the weights once (the stash), not twice.
-        ``precision``: ``"bf16"`` runs forwards under autocast (:mod:`fxpipe.runtime.precision`).
+        ``precision``: ``"bf16"``/``"fp16"`` runs forwards under autocast
+        (:mod:`fxpipe.runtime.precision`).
         ``recompute``: activation recomputation: forwards keep only the stage's inputs (and the
         RNG state), the backward re-runs the forward with the same stashed weights, RNG and
         precision, so gradients are those of the stored-activation run (bitwise on the CPU).

@@ -1,6 +1,8 @@
 """What every stage replica does beyond plain forward/backward/update, given once to an executor:
 gradient clipping (:mod:`fxpipe.runtime.clipping`), precision (:mod:`fxpipe.runtime.precision`),
-float32 master weights (:mod:`fxpipe.runtime.master`) and activation recomputation per stage (:class:`fxpipe.runtime.stage.StageReplica`).
+float32 master weights (:mod:`fxpipe.runtime.master`), fp16 loss scaling
+(:mod:`fxpipe.runtime.loss_scale`) and activation recomputation per stage
+(:class:`fxpipe.runtime.stage.StageReplica`).
 
 Both executors take the same :class:`StepOptions`, so the reference stays the oracle of the
 distributed runtime with any of them on.
@@ -20,7 +22,7 @@ from .schedule_spec import AUTO
 
 @dataclass(frozen=True)
 class StepOptions:
-    """``clip_grad_norm``: max gradient norm or None. ``precision``: "fp32" or "bf16".
+    """``clip_grad_norm``: max gradient norm or None. ``precision``: "fp32", "bf16" or "fp16".
     ``recompute``: the stages that recompute their activations in the backward.
     ``master_weights``: float32 masters for low-precision parameters (None: automatic).
     ``scaler``: the loss scaler's settings (used with ``precision="fp16"``)."""
@@ -85,8 +87,8 @@ class StepOptions:
 
     def sync(self, kind: str, num_stages: int, sync: Sequence[tuple[int, ...]]
              ) -> list[tuple[int, ...]]:
-        """The stages whose updates happen together: with the global norm, all of them (one
-        all-reduce of the squared norms at every update), else the tied sets ``sync``."""
+        """The stages whose updates happen together: with the global norm or fp16 loss
+        scaling, all of them (one all-reduce at every update), else the tied sets ``sync``."""
         if self.global_step(kind) and num_stages > 1:
             return [tuple(range(num_stages))]
         return list(sync)

@@ -1,10 +1,10 @@
 """The Trainer's checkpoints: save a consistent cut per stage, resume from the newest complete one.
 
 A checkpoint is taken only at a segment end (the pipeline drained): each stage's replica 0 writes
-its stage's weights, float32 master weights, buffers, optimizer, LR-scheduler and loss-scaler state (:mod:`fxpipe.runtime.checkpoint`:
-one file per stage, atomic), then rank 0 writes the manifest once every stage's file exists. A
-mixin of :class:`~fxpipe.runtime.trainer.Trainer`, kept apart so the training loop reads on its
-own.
+its stage's weights, float32 master weights, buffers, optimizer, LR-scheduler and loss-scaler
+state (:mod:`fxpipe.runtime.checkpoint`: one file per stage, atomic), then rank 0 writes the
+manifest once every stage's file exists. A mixin of :class:`~fxpipe.runtime.trainer.Trainer`,
+kept apart so the training loop reads on its own.
 """
 from __future__ import annotations
 
