@@ -88,13 +88,16 @@ class LossScaler:
         still being sent), and a float32 0/1 flag on the gradients' device (not read here, so
         a GPU does not wait: the caller all-reduces it first)."""
         inv = torch.tensor(self.scale, dtype=torch.float64).reciprocal().float()
+        invs: dict[torch.device, torch.Tensor] = {}  # one copy per device, not per gradient
         out: dict[str, torch.Tensor | None] = {}
         bad: list[torch.Tensor] = []
         for n, g in grads.items():
             if g is None:
                 out[n] = None
                 continue
-            u = g * inv.to(g.device)
+            if g.device not in invs:
+                invs[g.device] = inv.to(g.device)
+            u = g * invs[g.device]
             out[n] = u
             bad.append((~torch.isfinite(u)).any().reshape(1))
         dev = next((b.device for b in bad), torch.device("cpu"))
