@@ -89,7 +89,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-steps", type=int, default=None, help="updates the cosine spans")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor / lr")
     p.add_argument("--clip", type=float, default=None, help="clip gradients to this global norm")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="bf16/fp16 autocast; fp16 adds dynamic loss scaling (flushing "
+                        "schedules only, e.g. --schedule 1f1b-flush)")
     p.add_argument("--recompute", action="store_true", help="recompute activations (all stages)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="minibatches per update (flushing schedules)")
@@ -146,7 +148,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_data(args.data)
     from fxpipe.runtime.schedule_spec import parse_schedule
 
-    parse_schedule(args.schedule)  # a misspelt schedule fails here, not in N workers
+    kind = parse_schedule(args.schedule).kind  # a misspelt schedule fails here, not in N workers
+    if args.precision == "fp16":  # loss scaling needs a flushing schedule (runtime/loss_scale.py)
+        from fxpipe.runtime.schedule import SYNCHRONOUS_KINDS
+
+        if kind not in SYNCHRONOUS_KINDS:
+            raise ConfigError(f"--precision fp16 with --schedule {args.schedule}: dynamic loss "
+                              "scaling needs one skip decision per batch on every stage",
+                              f"use --schedule one of {', '.join(SYNCHRONOUS_KINDS)}, or "
+                              "--precision bf16")
     if args.data == "digits":  # fail here, before torchrun starts N processes to say the same
         spec = _spec(args)
         digits_for(_input_shape(spec), args.model)

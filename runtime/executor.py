@@ -47,7 +47,8 @@ from .mitigation import Mitigation, make_replica
 from .reference import Batch, planned_reads, tied_delay
 from .schedule import Action, Rank, Schedule, split_ranks
 from .stage import LossFn, model_env, sync_components, tie_sets, tied_parameters
-from .clipping import GROUP, coefficient, counted, grad_dtype, scaled, squared_norm, stage_clipper
+from .clipping import GROUP, counted, stage_clipper
+from .global_step import step_hook
 from .stash import OptimizerFactory
 from .step_options import DEFAULT, StepOptions
 from .timeline import Recorder, TimelineEvent
@@ -129,18 +130,16 @@ class RankExecutor:
             w.clip = stage_clipper(max_norm, w.stash.trainable,  # type: ignore[arg-type]
                                    [t.names[self.me[0]] for t in self._tied_all
                                     if self.me[0] in t.names])
-        elif scope == "global":
-            names = counted(self.me, w.stash.trainable, self._tied_all)
+        elif scope == "global" or w.scaler is not None:  # one all-reduce over every rank
             peers = list(self.comm.rank_of)
 
-            def clip(grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
-                sq = squared_norm(grads, names).reshape(1)
+            def reduce(t: torch.Tensor, what: str) -> None:
                 if len(peers) > 1:
-                    self.comm.all_reduce(sq, GROUP, peers, f"gradient norm U{w.stash.version}")
-                coef = coefficient(sq[0], max_norm, grad_dtype(grads))  # type: ignore[arg-type]
-                return scaled(grads, list(grads), coef)
+                    self.comm.all_reduce(t, GROUP, peers, what)
 
-            w.clip, w.clip_local = clip, False
+            w.clip = step_hook(w, counted(self.me, w.stash.trainable, self._tied_all),
+                               max_norm if scope == "global" else None, reduce)
+            w.clip_local = False
 
     # ------------------------------------------------------------------ messages
     def _grad_ok(self, name: str, k: int) -> bool:
@@ -192,10 +191,13 @@ class RankExecutor:
         if not self.overlap_allreduce or reps[s] < 2:
             return None
         if self._buckets is None:
-            latest = self.replica.stash.latest
-            ref = next(iter(latest.values()), torch.zeros(()))
-            layout = BucketLayout.build(latest, self.replica.stash.trainable, self.bucket_bytes,
-                                        ref.dtype)
+            stash = self.replica.stash
+            # shaped like the weights, in the gradients' dtype (float32 for master weights)
+            like = {n: t if n not in stash.grad_dtypes or stash.grad_dtypes[n] == t.dtype else
+                    torch.empty(t.shape, dtype=stash.grad_dtypes[n], device="meta")
+                    for n, t in stash.latest.items()}
+            ref = next(iter(like.values()), torch.zeros(()))
+            layout = BucketLayout.build(like, stash.trainable, self.bucket_bytes, ref.dtype)
             peers = [(s, j) for j in range(reps[s])]
             self._buckets = GradBuckets(
                 layout, self.device,

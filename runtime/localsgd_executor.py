@@ -65,7 +65,15 @@ class LocalSGDExecutor(ReferenceExecutor):
         """Replace the replicas' latest weights and floating buffers by their mean, in place
         (the optimizers keep pointing at the same tensors)."""
         first = workers[0]
+        masters = first.stash.masters.master  # type: ignore[attr-defined]
         for name in first.stash.latest:  # type: ignore[attr-defined]
+            if name in masters:  # average the float32 masters, then round them down
+                ms = [w.stash.masters.master[name] for w in workers]  # type: ignore[attr-defined]
+                mean = torch.stack([m.detach() for m in ms]).mean(0)
+                for w, m in zip(workers, ms):
+                    m.copy_(mean)
+                    w.stash.latest[name].copy_(mean)  # type: ignore[attr-defined]
+                continue
             ts = [w.stash.latest[name] for w in workers]  # type: ignore[attr-defined]
             mean = torch.stack([t.detach() for t in ts]).mean(0)
             for t in ts:

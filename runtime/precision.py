@@ -7,15 +7,17 @@ the loss, and the recomputed forwards of activation recomputation) under
     loss.backward()
 
 Weights, gradients and the optimizer stay in float32 (autocast casts copies per op), so the
-"master weights" are the parameters themselves. Values crossing a stage boundary keep the dtype
-autocast gave them (a bfloat16 activation is sent as bfloat16, half the bytes): the wire plan is
-made under the same autocast (:func:`fxpipe.runtime.wire.make_wire_plan`), so receivers post
-buffers of the right dtype. The backward needs no context (autograd replays each op's dtype).
+"master weights" are the parameters themselves (a model whose parameters are themselves low
+precision gets float32 masters: :mod:`fxpipe.runtime.master`). Values crossing a stage boundary
+keep the dtype autocast gave them (a bfloat16 activation is sent as bfloat16, half the bytes):
+the wire plan is made under the same autocast (:func:`fxpipe.runtime.wire.make_wire_plan`), so
+receivers post buffers of the right dtype. The backward needs no context (autograd replays each
+op's dtype).
 
-``"fp16"`` needs loss scaling (``torch.amp.GradScaler``'s rules: scale the loss, unscale the
-gradients before clipping, skip the step of EVERY stage when any stage found an inf/NaN, adapt the
-scale) and runs only on CUDA: it is refused here with a clear error (not implemented yet; this
-machine has no GPU to test it on).
+``"fp16"`` runs the same forwards under float16 autocast (CPU float16 autocast exists in torch
+2.13, so it is tested here) and adds dynamic loss scaling (:mod:`fxpipe.runtime.loss_scale`:
+``torch.amp.GradScaler``'s rules, one scale and one skip decision for every stage), which only
+the flushing schedules support.
 """
 from __future__ import annotations
 
@@ -33,16 +35,14 @@ def check_precision(precision: str) -> str:
     """The precision name, or a clear error."""
     if precision not in PRECISIONS:
         raise RuntimeConfigError(f"precision={precision!r}", f"use one of {PRECISIONS}")
-    if precision == "fp16":
-        raise RuntimeConfigError("precision='fp16' (float16 autocast with loss scaling) is not "
-                                 "implemented", "use precision='bf16' (no loss scaling needed) "
-                                 "or 'fp32'")
     return precision
 
 
 def autocast(precision: str, device: torch.device | str | None) -> ContextManager[object]:
-    """The context every stage forward runs in: autocast for ``bf16``, nothing for ``fp32``."""
+    """The context every stage forward runs in: autocast for ``bf16`` and ``fp16``, nothing for
+    ``fp32``."""
     if precision == "fp32":
         return contextlib.nullcontext()
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    return torch.autocast(dev.type, dtype=torch.bfloat16)
+    return torch.autocast(dev.type, dtype=torch.float16 if precision == "fp16"
+                          else torch.bfloat16)

@@ -27,7 +27,8 @@ from .schedule import (SCHEDULE_KINDS, Rank, Schedule, execution_order, split_ra
 from .staleness import own_delays
 from .stage import (LossFn, StageReplica, TiedParameter, check_stages, model_env, sync_components,
                     tie_sets, tied_parameters)
-from .clipping import coefficient, counted, grad_dtype, scaled, squared_norm, stage_clipper
+from .clipping import stage_clipper
+from .global_step import reference_step
 from .stash import OptimizerFactory
 from .step_options import DEFAULT, StepOptions
 from .timeline import Recorder, TimelineEvent
@@ -168,7 +169,7 @@ class ReferenceExecutor:
             for rank in self.schedule.ranks}
         self.tied = tied_parameters(self.stages)
         self._sync = sync_components(self.tied)
-        self._global_clip = False  # set per run (see _configure_clipping)
+        self._global = False  # set per run (see _configure_clipping)
         self._runs = 0
         # delayed tied rounds (see tied_delay): (tie set, round) -> rank -> (local segment,
         # that rank's stage count of the round)
@@ -251,11 +252,12 @@ class ReferenceExecutor:
 
     def _configure_clipping(self, kind: str) -> None:
         """Gradient clipping for ``kind`` (see :mod:`fxpipe.runtime.clipping`): the global
-        norm puts every stage's updates together (``self._sync``) and is applied in
-        :meth:`_update`; the stage scope lives in each replica."""
+        norm (and fp16 loss scaling's global inf check) puts every stage's updates together
+        (``self._sync``) and is applied in :meth:`_update`; the stage scope lives in each
+        replica."""
         base = sync_components(self.tied)
         self._sync = self.options.sync(kind, len(self.stages), base)
-        self._global_clip = self.options.global_clip(kind)
+        self._global = self.options.global_step(kind)
         for r, w in self.workers.items():
             w.clip, w.clip_local = None, True
             if self.options.scope(kind) == "stage":
@@ -273,17 +275,11 @@ class ReferenceExecutor:
                   for r in ranks}  # type: ignore[union-attr]
         if self._delay == 0:
             tied_update(totals, locals_, self.workers, self.tied)
-        if self._global_clip:  # every rank of the pipeline is in ``ranks`` (see _sync)
+        if self._global:  # every rank of the pipeline is in ``ranks`` (see _sync)
             grads = {r: self.workers[r].update_grads(totals[r]) for r in sorted(ranks)}
-            total_sq = _sum([squared_norm(grads[r], counted(r, self.workers[r].stash.trainable,
-                                                            self.tied))
-                             for r in sorted(ranks) if r[1] == 0])
-            max_norm = self.options.clip_grad_norm
-            assert total_sq is not None and max_norm is not None
-            for r in sorted(ranks):
-                g = grads[r]
-                coef = coefficient(total_sq, max_norm, grad_dtype(g))
-                self.workers[r].step(scaled(g, list(g), coef))
+            for r, g in reference_step(grads, self.workers, self.tied,
+                                       self.options.clip_grad_norm).items():
+                self.workers[r].step(g)
                 recs[r].add("optimizer", f"U{i}", t0[r], recs[r].now(), stage=r[0],
                             replica=r[1], update=i)
             return

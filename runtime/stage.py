@@ -26,6 +26,7 @@ from fxpipe.codegen.split import MODEL, StageSpec
 
 from .device import move_constants
 from .errors import RuntimeConfigError, StashError
+from .loss_scale import LossScaler, ScalerConfig
 from .precision import autocast
 from .splitgrad import WeightTask, input_gradients
 from .stage_call import is_differentiable, may_write_inputs, modes, rng_state, writable
@@ -56,16 +57,23 @@ class StageReplica(UpdateMixin):
                  loss_fn: LossFn | None = None, stashing: bool = True,
                  planned_reads: Mapping[int, int] | None = None,
                  model_input_grads: bool = True, device: torch.device | None = None,
-                 precision: str = "fp32", recompute: bool = False) -> None:
+                 precision: str = "fp32", recompute: bool = False,
+                 master_weights: bool | None = None, scaler: ScalerConfig | None = None
+                 ) -> None:
         """``device``: where this replica's weights, buffers and gradients live. The stage's
         GraphModule is NOT moved: its own tensors are never used for compute (every call swaps
         the replica's in), so a device holds the weights once (the stash), not twice.
-        ``precision``: ``"bf16"`` runs forwards under autocast (:mod:`fxpipe.runtime.precision`).
+        ``precision``: ``"bf16"``/``"fp16"`` runs forwards under autocast
+        (:mod:`fxpipe.runtime.precision`).
         ``recompute``: activation recomputation: forwards keep only the stage's inputs (and the
         RNG state), the backward re-runs the forward with the same stashed weights, RNG and
-        precision, so gradients are those of the stored-activation run (bitwise on the CPU)."""
+        precision, so gradients are those of the stored-activation run (bitwise on the CPU).
+        ``master_weights``: float32 masters for low-precision parameters (:mod:`.master`).
+        ``scaler``: dynamic loss scaling (fp16, :mod:`.loss_scale`): the last stage seeds its
+        backwards with the scale; the executor unscales, checks and steps at each update."""
         self.spec = spec
         self.precision, self.recompute = precision, recompute
+        self.scaler = LossScaler(scaler) if scaler is not None else None
         self.device = device if device is not None else torch.device("cpu")
         self.clip: Callable[[dict[str, torch.Tensor | None]],
                             dict[str, torch.Tensor | None]] | None = None
@@ -87,7 +95,8 @@ class StageReplica(UpdateMixin):
         self.loss_fn = loss_fn
         params = dict(spec.gm.named_parameters())
         self.stash = WeightStash(params, optimizer_factory, stashing=stashing,
-                                 planned_reads=planned_reads, device=device)
+                                 planned_reads=planned_reads, device=device,
+                                 master_weights=master_weights)
         self.buffers = {n: b.detach().to(device, copy=True) if device is not None
                         else b.detach().clone() for n, b in spec.gm.named_buffers()}
         if device is not None:
@@ -170,7 +179,8 @@ class StageReplica(UpdateMixin):
         if fl.outputs is None:  # recompute (or no stashing: with the latest weights)
             fl = self._recompute(fl, weights)
         if self.is_last:
-            roots, seeds = [fl.loss], [None]
+            roots = [fl.loss]
+            seeds = [self.scaler.seed(fl.loss) if self.scaler is not None else None]
         else:
             pairs = [(o, g) for o, g in zip(fl.outputs, output_grads)  # type: ignore[arg-type]
                      if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
@@ -274,9 +284,14 @@ class StageReplica(UpdateMixin):
     def _accumulate(self, name: str, g: torch.Tensor) -> torch.Tensor:
         """Add ``g`` to ``name``'s gradient sum and return the sum. The first gradient is kept
         as is (no copy); the second allocates the sum once; later ones add in place (the same
-        additions, in the same order, as ``sum = sum + g``)."""
+        additions, in the same order, as ``sum = sum + g``). A gradient of a parameter with a
+        float32 master is summed in float32 (:mod:`.master`): the first one is cast (a copy)."""
         cur = self._grad_sum.get(name)
         if cur is None:
+            dt = self.stash.grad_dtypes.get(name, g.dtype)
+            if g.dtype != dt:
+                g = g.to(dt)
+                self._owned.add(name)
             self._grad_sum[name] = g
         elif name in self._owned:
             cur.add_(g)

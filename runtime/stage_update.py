@@ -42,12 +42,14 @@ class UpdateMixin:
     def local_gradient(self) -> torch.Tensor:
         """Flat buffer [sum of gradients of every trainable parameter..., minibatch count]."""
         parts = []
+        dts = self.stash.grad_dtypes
         for n in self.stash.trainable:
             p = self.stash.latest[n]
             g = self._grad_sum.get(n)
-            parts.append((torch.zeros_like(p) if g is None else g).reshape(-1))
+            parts.append((torch.zeros_like(p, dtype=dts[n]) if g is None else g).reshape(-1))
         ref = next(iter(self.stash.latest.values()), torch.zeros(()))
-        parts.append(torch.tensor([float(self._count)], dtype=ref.dtype, device=ref.device))
+        dtype = next((dts[n] for n in self.stash.trainable), ref.dtype)  # the gradients' dtype
+        parts.append(torch.tensor([float(self._count)], dtype=dtype, device=ref.device))
         return torch.cat(parts)
 
     def _offsets(self) -> dict[str, tuple[int, int]]:
@@ -111,8 +113,9 @@ class UpdateMixin:
         its own gradient sums go straight to the optimizer, with no flat buffer; the same
         values as ``apply_update(local_gradient())``."""
         latest = self.stash.latest
-        grads = {n: self._grad_sum[n] if n in self._grad_sum else torch.zeros_like(latest[n])
-                 for n in self.stash.trainable}
+        dts = self.stash.grad_dtypes
+        grads = {n: self._grad_sum[n] if n in self._grad_sum
+                 else torch.zeros_like(latest[n], dtype=dts[n]) for n in self.stash.trainable}
         writable = {n for n in grads if n in self._owned or n not in self._grad_sum}
         return self.apply_grads(grads, float(self._count), writable=writable)
 

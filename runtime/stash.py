@@ -22,6 +22,9 @@ a tensor as large as the stage's weights. So the trainable tensors of a dropped 
 writes into them. Spares are only reused by that copy; an update that needs no copy frees them,
 so steady memory stays that of the versions held (``spare_bytes`` reports them separately).
 
+Low-precision parameters get float32 master copies that the optimizer steps (:mod:`.master`):
+the versions stashed are the low-precision copies the forwards read; the masters exist once.
+
 ``stashing=False`` (an ablation only): the backward uses the latest weights; the owner recomputes
 the forward with them (see :mod:`fxpipe.runtime.stage`), so no old version is ever kept.
 """
@@ -34,6 +37,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
 import torch
 
 from .errors import StashError
+from .master import MasterWeights
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +51,28 @@ class WeightStash:
     ``planned_reads``: version -> number of forwards that will read it (from the rank's action
     list). Needed when a forward may read an OLDER version than the latest (vertical sync): the
     stash then keeps that version alive. Without it only in-flight versions are kept.
+    ``master_weights``: float32 masters for low-precision parameters (:mod:`.master`; None:
+    automatic, on when some trainable parameter is float16 or bfloat16).
     """
 
     def __init__(self, params: Mapping[str, torch.Tensor], optimizer_factory: OptimizerFactory,
                  *, stashing: bool = True, planned_reads: Mapping[int, int] | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, master_weights: bool | None = None
+                 ) -> None:
         self.stashing = stashing
         self._latest: dict[str, torch.Tensor] = {
             n: (p.detach().to(device, copy=True) if device is not None else p.detach().clone()
                 ).requires_grad_(p.requires_grad) for n, p in params.items()}
         self.trainable: tuple[str, ...] = tuple(n for n, p in self._latest.items()
                                                 if p.requires_grad)
+        self.masters = MasterWeights(self._latest, self.trainable, master_weights)
+        self.grad_dtypes: dict[str, torch.dtype] = {
+            n: self.masters.grad_dtype(n, self._latest[n]) for n in self.trainable}
+        """The dtype each trainable parameter's gradients are summed, reduced and clipped in."""
         # a stage without trainable parameters (an activation alone) has no optimizer
         self.optimizer: torch.optim.Optimizer | None = (
-            optimizer_factory([self._latest[n] for n in self.trainable]) if self.trainable
-            else None)
+            optimizer_factory(self.masters.optimizer_params(self._latest, self.trainable))
+            if self.trainable else None)
         self.version = 0
         self._older: dict[int, dict[str, torch.Tensor]] = {}
         self._inflight: dict[int, int] = {}  # minibatch -> version its forward read
@@ -135,11 +146,12 @@ class WeightStash:
                 copied = True
             else:  # in place: nobody reads the current version; spares would only sit idle
                 self._spare.clear()
-            for n in self.trainable:  # None: this parameter takes no step now
-                self._latest[n].grad = grads[n]
-            self.optimizer.step()
-            for n in self.trainable:
-                self._latest[n].grad = None
+            # None: this parameter takes no step now (all None: a skipped step, no call at all)
+            self.masters.set_grads(self._latest, {n: grads[n] for n in self.trainable})
+            if any(grads[n] is not None for n in self.trainable):
+                self.optimizer.step()
+            self.masters.clear_grads(self._latest, self.trainable)
+            self.masters.copy_down(self._latest)
         self.version += 1
         self._collect()
         if copied:  # else the storages held are a subset of ones already counted in the peak

@@ -109,7 +109,11 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
     (:mod:`fxpipe.runtime.param_names`); ``clip_grad_norm`` clips by norm
     (:mod:`fxpipe.runtime.clipping`: the whole model's norm for 1f1b-flush and gpipe, each
     stage's own for pipedream and 2bw); ``precision="bf16"`` runs forwards under autocast
-    (:mod:`fxpipe.runtime.precision`); ``recompute`` (True or one bool per stage) recomputes
+    (:mod:`fxpipe.runtime.precision`); ``master_weights`` (None: on exactly for float16/bfloat16
+    parameters) steps float32 masters of low-precision parameters (:mod:`fxpipe.runtime.master`);
+    ``precision="fp16"`` adds dynamic loss scaling (:mod:`fxpipe.runtime.loss_scale`,
+    ``loss_scaler``: GradScaler's keywords; flushing schedules only); ``recompute`` (True or one
+    bool per stage) recomputes
     activations in the backward; ``metrics_path``/``metrics_every``/``tensorboard_dir`` write
     metrics (:mod:`fxpipe.runtime.metrics`); ``prefetch`` reads that many minibatches ahead in a
     thread (:mod:`fxpipe.runtime.prefetch`).
@@ -133,7 +137,9 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
                  clip_grad_norm: float | None = None, precision: str = "fp32",
                  recompute: bool | Sequence[bool] | None = None,
                  metrics_path: str | None = None, metrics_every: int = 1,
-                 tensorboard_dir: str | None = None, prefetch: int = 0) -> None:
+                 tensorboard_dir: str | None = None, prefetch: int = 0,
+                 master_weights: bool | None = None,
+                 loss_scaler: Mapping[str, Any] | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
@@ -156,7 +162,10 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         check_stages(self.stages, self.replicas)
         self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
         self.options = StepOptions.make(len(self.stages), clip_grad_norm=clip_grad_norm,
-                                        precision=precision, recompute=recompute)
+                                        precision=precision, recompute=recompute,
+                                        master_weights=master_weights,
+                                        loss_scaler=loss_scaler)
+        self.options.check_kind(spec.kind)  # fp16: a flushing schedule, named
         optimizer = wrap_factory(optimizer, self.stages, state_keys)  # `names=` (param_names)
         self._set_segments(spec.kind)
         self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync

@@ -219,7 +219,7 @@ class DistributedBackend:
         self._agree_on_pipeline()
         ties = list(tie_sets(tied_parameters(self.stages)))  # by identity, before any copy
         groups = make_groups(list(replicas), self.rank_of, ties, timeout_s,
-                             extra=(GROUP,) if options.clip_grad_norm is not None else ())
+                             extra=(GROUP,) if options.global_group else ())
         clock = CudaClock(dev) if timeline and dev.type == "cuda" else None
         self.comm = Comm(self.me, self.rank_of, len(crossing_values(self.stages)), timeout_s, dev,
                          groups, recorder=Recorder(enabled=timeline, device_clock=clock))

@@ -1,10 +1,10 @@
 """The Trainer's checkpoints: save a consistent cut per stage, resume from the newest complete one.
 
 A checkpoint is taken only at a segment end (the pipeline drained): each stage's replica 0 writes
-its stage's weights, buffers, optimizer and LR-scheduler state (:mod:`fxpipe.runtime.checkpoint`:
-one file per stage, atomic), then rank 0 writes the manifest once every stage's file exists. A
-mixin of :class:`~fxpipe.runtime.trainer.Trainer`, kept apart so the training loop reads on its
-own.
+its stage's weights, float32 master weights, buffers, optimizer, LR-scheduler and loss-scaler
+state (:mod:`fxpipe.runtime.checkpoint`: one file per stage, atomic), then rank 0 writes the
+manifest once every stage's file exists. A mixin of :class:`~fxpipe.runtime.trainer.Trainer`,
+kept apart so the training loop reads on its own.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ class CheckpointMixin:
         opt, sch = w.stash.optimizer, self.schedulers.get(rank)
         return {"weights": {n: t.detach().cpu() for n, t in w.stash.latest.items()},
                 "buffers": {n: t.detach().cpu() for n, t in w.buffers.items()},
+                "masters": w.stash.masters.state(),  # float32 masters (runtime/master.py)
+                "loss_scaler": w.scaler.state_dict() if w.scaler is not None else None,
                 "optimizer": opt.state_dict() if opt is not None else None,
                 "optimizer_names": optimizer_names(opt, w.stash.latest),
                 "lr_scheduler": sch.state_dict() if sch is not None else None,
@@ -126,6 +128,13 @@ class CheckpointMixin:
             with torch.no_grad():
                 for n, t in dst.items():
                     t.copy_(src[n])
+        w.stash.masters.load(state.get("masters"), w.stash.latest)
+        if w.scaler is not None:
+            if state.get("loss_scaler") is None:
+                raise ckpt.CheckpointError(f"stage {rank[0]}'s checkpoint has no loss-scaler "
+                                           "state (it was not trained with precision='fp16')",
+                                           "resume with the precision the run was trained with")
+            w.scaler.load_state_dict(state["loss_scaler"])
         if w.stash.optimizer is not None and state.get("optimizer") is not None:
             w.stash.optimizer.load_state_dict(state["optimizer"])
         if rank in self.schedulers and state.get("lr_scheduler") is not None:

@@ -113,7 +113,7 @@ def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:
     rank_of = {r: i for i, r in enumerate(sched.ranks)}
     ties = list(tie_sets(tied_parameters(cfg.stages)))
     groups = make_groups(sched.replicas, rank_of, ties, cfg.timeout_s,
-                         extra=(GROUP,) if cfg.options.clip_grad_norm is not None else ())
+                         extra=(GROUP,) if cfg.options.global_group else ())
     if index >= len(sched.ranks):
         dist.barrier(async_op=True).wait(timeout=timedelta(seconds=cfg.timeout_s))
         return None
