@@ -92,7 +92,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="bf16/fp16 autocast; fp16 adds dynamic loss scaling (flushing "
                         "schedules only, e.g. --schedule 1f1b-flush)")
-    p.add_argument("--recompute", action="store_true", help="recompute activations (all stages)")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute activations in every stage (default: the stages the plan "
+                        "recomputes, e.g. a --plan saved by `fxpipe plan --recompute auto`)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="minibatches per update (flushing schedules)")
     p.add_argument("--segment", type=int, default=None, help="minibatches per segment")
@@ -311,8 +313,6 @@ def run_worker(args: argparse.Namespace) -> int:
     from fxpipe.api import compile as fx_compile
     from fxpipe.costmodel import Cluster
     from fxpipe.passes import Plan
-    from fxpipe.runtime.trainer import make_trainer
-
     _check_data(args.data)
     if args.elastic:
         from fxpipe.cli_elastic import check_elastic
@@ -327,7 +327,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
     train, evaluate = _loaders(args, spec)
-    trainer = make_trainer(compiled, **_recipe(args, compiled, train),
+    trainer = compiled.trainer(**_recipe(args, compiled, train),  # the plan's recompute flags
                            schedule=args.schedule, vertical_sync=args.vertical_sync,
                            auto_options={} if args.pilot is None else {"pilot": args.pilot},
                            checkpoint_dir=args.checkpoint_dir,
