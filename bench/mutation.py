@@ -8,8 +8,10 @@ Run from the repository root (takes tens of minutes on 2 cores; one module at a 
     .venv/bin/python -m bench.mutation --report                        # publish saved results
 
 ``--reuse`` reruns only what a saved run did not kill (its survivors and the mutants of changed
-lines); a mutant identical to one killed before (same line text, same edit) counts as killed,
-marked "killed (earlier run)", and the report says how many were carried over that way.
+lines); a mutant identical to one killed before (the same edit of the same line, between the
+same two neighbouring lines) counts as killed, marked "killed (earlier run)", and the report says
+how many were carried over that way. Results are saved after every mutant, so a run stopped part
+way (the rest saved as "untested") is continued by ``--reuse``.
 
 Each mutant is one of mutmut's edits (pinned in the ``dev`` extra: ``mutmut==2.5.1``; only its
 mutation generator is used): an operator swapped (``<`` for ``<=``, ``-`` for ``+``), a number
@@ -25,8 +27,8 @@ from the copy, no bytecode cache), stops at the first failure, and records
 Lines inside ``log.*(...)`` calls are not mutated (a log message's text is not behaviour any test
 could or should pin down). Results go to ``out/mutation/<module>.json``; ``--report`` turns them
 into the ``mutation-testing`` section of BENCHMARKS.md, listing every survivor. Why the argued
-survivors are equivalent lives in ``EQUIVALENT`` below (keyed by module and line text), so a rerun
-after a code change shows which arguments no longer apply.
+survivors are equivalent lives in ``bench/mutation_equivalent.py`` (keyed by module and line
+text), so a rerun after a code change shows which arguments no longer apply.
 
 To cover a new module: add it to ``SUITES`` with the test files that exercise it, fastest and
 most specific first (``-x`` stops at the first failure, so order is speed).
@@ -43,8 +45,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "out" / "mutation"
@@ -54,6 +58,17 @@ _T = "tests/passes/"
 _LITERAL, _BRUTE = _T + "test_cost_model_literal.py", _T + "test_solver_bruteforce.py"
 _RUNTIME = ["tests/runtime/test_runtime_stale_oracles.py", "tests/runtime/test_runtime_reference.py",
             "tests/runtime/test_runtime_tied.py", "tests/runtime/test_runtime_staleness.py"]
+_R = "tests/runtime/"
+_ZB = _R + "test_runtime_zerobubble.py"
+_OVERLAP = _R + "test_runtime_overlap.py"
+# The tests that spawn process groups (tens of seconds of start-up each) are left out of the
+# runtime selections: the same cases run in-process against the reference executor there.
+def _deselect(path: str, *tests: str) -> list[str]:
+    return [x for t in tests for x in ("--deselect", f"{path}::{t}")]
+
+
+_NO_PROCESSES = ["--deselect", _ZB + "::test_distributed_equals_reference_and_minibatch_sgd",
+                 "--deselect", _R + "test_runtime_schedules.py::test_distributed_equals_reference"]
 # module -> the tests that exercise it, cheapest and most specific first (-x: order is speed)
 SUITES: dict[str, list[str]] = {
     "passes/cuts.py": [_T + "test_cuts.py", _LITERAL,
@@ -69,9 +84,19 @@ SUITES: dict[str, list[str]] = {
                        _T + "test_partition_update.py"],
     "passes/reference_dp.py": [_T + "test_solver_vs_pipedream_dp.py", _LITERAL,
                                _T + "test_partition_update.py"],
-    "runtime/schedule.py": ["tests/runtime/test_schedule.py", *_RUNTIME],
+    "runtime/schedule.py": ["tests/runtime/test_schedule.py", _ZB, _R + "test_runtime_schedules.py",
+                            *_RUNTIME, *_NO_PROCESSES],
+    "runtime/zerobubble.py": [_ZB, "tests/runtime/test_schedule.py",
+                              _R + "test_runtime_reference.py", *_NO_PROCESSES],
     "runtime/stash.py": ["tests/runtime/test_runtime_stash.py", *_RUNTIME],
-    "runtime/buckets.py": ["tests/runtime/test_runtime_overlap.py"],
+    # the in-process tests of the layout, hooks, rounds and means; the end-to-end cases spawn a
+    # world of processes (a minute each on 2 cores) and are left out
+    "runtime/buckets.py": [_OVERLAP, _ZB + "::test_buckets_launch_after_the_last_w_of_a_round",
+                           *_deselect(_OVERLAP, "test_distributed_equals_reference",
+                                      "test_overlapped_and_flat_give_the_same",
+                                      "test_first_bucket_is_launched_before",
+                                      "test_flat_path_has_no_bucket_waits",
+                                      "test_hung_replica_fails_the_bucket_wait")],
 }
 
 
@@ -190,16 +215,66 @@ def run_tests(repo: Path, site: Path, tests: list[str], timeout: float, log: Pat
                 pass
 
 
-def _previously_killed(module: str) -> set[tuple[str, str]]:
-    """(original line, mutated line) of every mutant a saved run of ``module`` killed."""
+Key = tuple[str, str, str, str, int]
+
+
+def _keys(source: str, ms: list[dict]) -> list[Key]:
+    """Each mutant's identity across edits elsewhere in the file: (line before, its line, line
+    after, the edit, which occurrence of that 3-line context it is). A mutant of an unchanged
+    line in a changed neighbourhood (or of one of several identical lines) is not the same."""
+    lines = [x.strip() for x in source.split("\n")]
+    seen: dict[tuple[str, str, str], list[int]] = {}
+    out = []
+    for m in ms:
+        i = m["line_number"] - 1
+        ctx = (lines[i - 1] if i else "", lines[i], lines[i + 1] if i + 1 < len(lines) else "")
+        nums = seen.setdefault(ctx, [])
+        if m["line_number"] not in nums:
+            nums.append(m["line_number"])
+        out.append((*ctx, m["diff"], nums.index(m["line_number"])))
+    return out
+
+
+def _saved_source(module: str, d: dict) -> str | None:
+    """The source a saved run mutated: stored with it, or (runs saved before the source was)
+    the last commit's version if every saved mutant's line is where that version has it."""
+    if "source" in d:
+        return d["source"]
+    try:
+        src = subprocess.run(["git", "show", f"HEAD:{module}"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout
+    except subprocess.CalledProcessError:
+        return None
+    lines = src.split("\n")
+    ok = all(m["line_number"] <= len(lines) and lines[m["line_number"] - 1].strip() == m["line"]
+             for m in d["mutants"])
+    return src if ok else None
+
+
+def _previously_killed(module: str) -> set[Key]:
+    """The keys (``_keys``) of every mutant a saved run of ``module`` killed."""
     path = OUT / (module.replace("/", "_") + ".json")
     if not path.exists():
         return set()
-    return {(m["line"], m["diff"]) for m in json.loads(path.read_text())["mutants"]
-            if m["status"].startswith("killed")}
+    d = json.loads(path.read_text())
+    source = _saved_source(module, d)
+    if source is None:
+        print(f"{module}: the saved run's source is unknown; nothing is reused", flush=True)
+        return set()
+    # Runs saved before the source was carried kills over by line text and edit alone, which
+    # confuses identical lines: such a carried kill of a repeated line is not trusted (rerun).
+    twice = {x for x, c in Counter((m["line"], m["diff"]) for m in d["mutants"]).items()
+             if c > 1} if "source" not in d else set()
+    return {k for k, m in zip(_keys(source, d["mutants"]), d["mutants"])
+            if m["status"].startswith("killed") and not (m["status"] == "killed (earlier run)"
+                                                         and (m["line"], m["diff"]) in twice)}
 
 
-def test_module(module: str, repo: Path, site: Path, reuse: bool = False) -> dict:
+def test_module(module: str, repo: Path, site: Path, reuse: bool = False,
+                save: Callable[[dict], None] = lambda _: None) -> dict:
+    """Run every mutant of ``module``; ``save`` gets the results after each one (the mutants
+    not run yet as ``untested``), so a run stopped part way keeps what it measured and a
+    ``--reuse`` run picks up from there."""
     tests = SUITES[module]
     known = _previously_killed(module) if reuse else set()
     target = repo / module
@@ -210,12 +285,21 @@ def test_module(module: str, repo: Path, site: Path, reuse: bool = False) -> dic
         raise SystemExit(f"{module}: the unmutated selection fails (rc {rc}); see {log}")
     timeout = max(30.0, 3 * base)
     found = mutants(target)
+    keys = _keys(original, [asdict(m) for m, _ in found])
     print(f"{module}: {len(found)} mutants, baseline {base:.1f} s, timeout {timeout:.0f} s",
           flush=True)
-    results = []
+    results: list[Mutant] = []
+
+    def result() -> dict:
+        return {"module": module, "tests": tests, "baseline_s": base, "timeout_s": timeout,
+                "mutants": [asdict(m) for m in results]
+                + [{**asdict(m), "status": "killed (earlier run)" if k in known else "untested"}
+                   for (m, _), k in zip(found[len(results):], keys[len(results):])],
+                "source": original}
+
     try:
-        for i, (m, source) in enumerate(found):
-            if (m.line, m.diff) in known:  # same edit of the same line text, killed before
+        for i, ((m, source), key) in enumerate(zip(found, keys)):
+            if key in known:  # the same edit of the same line in the same context, killed before
                 m.status = "killed (earlier run)"
                 results.append(m)
                 continue
@@ -227,170 +311,23 @@ def test_module(module: str, repo: Path, site: Path, reuse: bool = False) -> dic
             results.append(m)
             print(f"  [{i + 1}/{len(found)}] {m.status:<16} line {m.line_number}: "
                   f"{m.diff.splitlines()[-1]}", flush=True)
+            save(result())
     finally:
         target.write_text(original)
-    return {"module": module, "tests": tests, "baseline_s": base, "timeout_s": timeout,
-            "mutants": [asdict(m) for m in results]}
+    return result()
 
 
 # --------------------------------------------------------------------------- reporting
-# (module, stripped original line, mutated line) -> why the mutant is equivalent: it changes no
-# result any caller can observe. Filled in from the survivors of a run, each argued in one line.
-_UNREAD = "the extra element is never read"
-_ANNOTATION = "an annotation: a string under `from __future__ import annotations`, never evaluated"
-_PATH = ("search path only: which exact checks the bisection makes, not where it ends (the same "
-         "plan); only the reported `checks` may differ")
-EQUIVALENT: dict[tuple[str, str, str], str] = {
-    ("passes/cuts.py", "if j > last[i]:", "if j >= last[i]:"):
-        "when j == last[i] it stores the same j again",
-    ("passes/cuts.py", "if n <= 1:", "if n < 1:"):
-        "for n = 1 the general path also returns an empty float array",
-    ("passes/cuts.py", "diff = np.zeros(n + 1)", "diff = np.zeros(n + 2)"):
-        _UNREAD + " (the prefix sum is sliced [1:n])",
-    ("passes/cuts.py", "bad = np.zeros(n + 1, dtype=np.int64)",
-     "bad = np.zeros(n + 2, dtype=np.int64)"): _UNREAD + " (the prefix sum is sliced [1:n])",
-    ("passes/reference_dp.py", "best = [[math.inf] * (workers + 1) for _ in range(n + 1)]",
-     "best = [[math.inf] * (workers + 2) for _ in range(n + 1)]"): _UNREAD,
-    ("passes/reference_dp.py", "best = [[math.inf] * (workers + 1) for _ in range(n + 1)]",
-     "best = [[math.inf] * (workers + 1) for _ in range(n + 2)]"): _UNREAD,
-    ("passes/reference_dp.py", "best[0] = [0.0] * (workers + 1)",
-     "best[0] = [0.0] * (workers + 2)"): _UNREAD,
-    ("passes/reference_dp.py", "comp, par = [0.0] * j, [0.0] * j",
-     "comp, par = [1.0] * j, [0.0] * j"): "every entry is overwritten by the loop below before "
-                                           "it is read",
-    ("passes/reference_dp.py", "comp, par = [0.0] * j, [0.0] * j",
-     "comp, par = [0.0] * j, [1.0] * j"): "every entry is overwritten by the loop below before "
-                                           "it is read",
-    ("passes/reference_dp.py", "if i > 0 and m - r < 1:", "if i > 1 and m - r < 1:"):
-        "the break only skips candidates built on best[i][0] = inf (i > 0), which never win",
-    ("passes/reference_dp.py", "if i > 0 and m - r < 1:", "if i > 0 and m + r < 1:"):
-        "the break only skips candidates built on best[i][0] = inf (i > 0), which never win",
-    ("passes/reference_dp.py", "break  # the stages before i need at least one worker",
-     "continue  # the stages before i need at least one worker"):
-        "the loop goes on through candidates built on best[i][0] = inf, which never win",
-    ("passes/partition.py", "crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])",
-     "crossing = all_crossing_values(profile, [a for a in sol.starts if a >= 0])"):
-        "`crossing` only feeds a debug log line",
-    ("passes/partition.py", "if a > 0:", "if a > 1:"): "only decides whether a debug line is logged",
-    ("passes/partition.py",
-     'f"no plan fits in {format_bytes(cluster.memory or 0)} per worker: the smallest-memory "',
-     'f"no plan fits in {format_bytes(cluster.memory or 1)} per worker: the smallest-memory "'):
-        "raised only under a memory cap, and Cluster refuses a cap <= 0: the `or` never applies",
-    ("runtime/stash.py", "OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]",
-     "OptimizerFactory = None"): "a type alias used only in annotations (strings under "
-                                 "`from __future__ import annotations`)",
-    ("runtime/stash.py", "_Slots = list[tuple[str, list[tuple[dict, str]]]]", "_Slots = None"):
-        "a type alias used only in annotations (strings under `from __future__ import annotations`)",
-    ("runtime/stash.py", "self.optimizer: torch.optim.Optimizer | None = (",
-     "self.optimizer: torch.optim.Optimizer & None = ("): _ANNOTATION,
-    ("runtime/stash.py", "if self._reads[v] > 0:", "if self._reads[v] >= 0:"):
-        "a count driven below 0 is only ever compared `> 0`, like 0",
-    ("runtime/stash.py", "copied = False", "copied = True"):
-        "an in-place update adds no storage, so the peak it would re-take is already counted "
-        "(the peak starts at bytes_held())",
-    ("runtime/stash.py", "copied = False", "copied = None"): "None is falsy like False",
-    ("runtime/stash.py", "reused = 0", "reused = 1"): "`reused` only feeds a debug log line",
-    ("runtime/stash.py", "reused += 1", "reused = 1"): "`reused` only feeds a debug log line",
-    ("runtime/stash.py", "reused += 1", "reused -= 1"): "`reused` only feeds a debug log line",
-    ("runtime/stash.py", "reused += 1", "reused += 2"): "`reused` only feeds a debug log line",
-    ("runtime/stash.py", "for mname, mod in gm.named_modules(remove_duplicate=False):",
-     "for mname, mod in gm.named_modules(remove_duplicate=True):"):
-        "a module reached under two names is one object with one dict: swapping (and restoring) "
-        "its slot once or twice gives the same call",
-    ("passes/solver.py", "_PROBE_LO_GAP = 1e-9", "_PROBE_LO_GAP = 2e-09"): _PATH,
-    ("passes/solver.py",
-     "lower = min(r * inst.alpha[r] for r in inst.rs) * inst.Cl[-1] / workers",
-     "lower = min(r / inst.alpha[r] for r in inst.rs) * inst.Cl[-1] / workers"):
-        "alpha_r = 1/r (the only coefficients partition() makes): r alpha_r = 1 = min r/alpha_r "
-        "(at r = 1)",
-    ("passes/solver.py", "lo, hi = max(0.0, lower * (1 - 1e-9)), best.bottleneck",
-     "lo, hi = max(0.0, lower * (1 - 2e-09)), best.bottleneck"): _PATH,
-    ("passes/solver.py", "if hi - lo <= _PROBE_LO_GAP * hi:",
-     "if hi + lo <= _PROBE_LO_GAP * hi:"): _PATH,
-    ("passes/solver.py", "if hi - lo <= _PROBE_LO_GAP * hi:",
-     "if hi - lo < _PROBE_LO_GAP * hi:"): _PATH,
-    ("passes/solver.py", "if hi - lo <= _PROBE_LO_GAP * hi:",
-     "if hi - lo <= _PROBE_LO_GAP / hi:"): _PATH,
-    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo >= 0 and hi > 2 * lo:"): _PATH,
-    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo > 0 and hi > 3 * lo:"): _PATH,
-    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo > 0 or hi > 2 * lo:"): _PATH,
-    ("passes/solver.py", "tau = lo + (hi - lo) / 2", "tau = lo + (hi - lo) / 3"): _PATH,
-    ("passes/solver.py",
-     'assert sol.bottleneck <= tau, "feasibility check returned a plan over its bound"',
-     'assert sol.bottleneck <= tau, "XXfeasibility check returned a plan over its boundXX"'):
-        "the text of an internal invariant no correct check violates: never shown",
-    ("passes/solver.py",
-     "fewer = fewest_stages(inst, hi * (1.0 + tie_tolerance) if tie_tolerance > 0 else hi)",
-     "fewer = fewest_stages(inst, hi * (1.0 + tie_tolerance) if tie_tolerance >= 0 else hi)"):
-        "at tie_tolerance = 0, hi (1 + 0) is hi",
-    ("passes/solver.py", "if fewer is not None and len(fewer) < len(best.starts):",
-     "if fewer is not None or len(fewer) < len(best.starts):"):
-        "fewest_stages at hi always finds a plan (the best one is within hi), so `fewer` is "
-        "never None",
-    ("passes/solver.py", "if mid <= lo or mid >= hi:", "if mid < lo or mid >= hi:"):
-        "mid == lo only between adjacent floats, where ok(lo) is already known false: the extra "
-        "step changes nothing and the 200-step cap ends the loop",
-    ("passes/solver.py", "if mid <= lo or mid >= hi:", "if mid <= lo or mid > hi:"):
-        "mid == hi only between adjacent floats, where ok(hi) is already known true: the extra "
-        "step changes nothing and the 200-step cap ends the loop",
-    ("passes/solver.py", "if mid <= lo or mid >= hi:", "if mid <= lo and mid >= hi:"):
-        "never breaks early: once lo and hi are adjacent floats every step changes nothing, and "
-        "the 200-step cap ends the loop",
-    ("passes/solver.py", "break", "continue"):
-        "never breaks early: once lo and hi are adjacent floats every step changes nothing, and "
-        "the 200-step cap ends the loop",
-    ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
-    ("passes/plan.py", "model_fingerprint: str | None = None",
-     "model_fingerprint: str & None = None"): _ANNOTATION,
-}
-
-
-# Survivors of the last saved run that a test added afterwards kills, checked by applying the
-# mutant by hand (not yet rerun through this driver): (module, line, mutated line) -> the test.
-# The table's numbers stay those of the saved run; rerun with --reuse to fold these in.
-_STASH_T, _SOLVER_T = ("tests/runtime/test_runtime_stash.py::",
-                       "tests/passes/test_solver.py::test_the_search_starts_at_the_work_bound")
-KILLED_SINCE: dict[tuple[str, str, str], str] = {
-    ("runtime/stash.py",
-     "n: (p.detach().to(device, copy=True) if device is not None else p.detach().clone()",
-     "n: (p.detach().to(device, copy=False) if device is not None else p.detach().clone()"):
-        _STASH_T + "test_the_stash_owns_copies_of_the_weights_it_was_given",
-    ("runtime/stash.py",
-     "n: (p.detach().to(device, copy=True) if device is not None else p.detach().clone()",
-     "n: (p.detach().to(device, copy=True) if device is  None else p.detach().clone()"):
-        _STASH_T + "test_the_stash_puts_the_weights_on_the_device_asked_for",
-    ("runtime/stash.py", '"each minibatch has one forward per stage replica")',
-     '"XXeach minibatch has one forward per stage replicaXX")'):
-        _STASH_T + "test_each_misuse_is_refused_with_what_to_do",
-    ("runtime/stash.py", '"finish every backward before starting a new schedule")',
-     '"XXfinish every backward before starting a new scheduleXX")'):
-        _STASH_T + "test_each_misuse_is_refused_with_what_to_do",
-    ("runtime/stash.py", "continue", "break"):
-        _STASH_T + "test_slots_list_every_place_a_tensor_lives",
-    ("passes/solver.py",
-     "lower = min(r * inst.alpha[r] for r in inst.rs) * inst.Cl[-1] / workers",
-     "lower = min(r * inst.alpha[r] for r in inst.rs) * inst.Cl[+1] / workers"): _SOLVER_T,
-    ("passes/solver.py",
-     "lower = min(r * inst.alpha[r] for r in inst.rs) * inst.Cl[-1] / workers",
-     "lower = min(r * inst.alpha[r] for r in inst.rs) * inst.Cl[-2] / workers"): _SOLVER_T,
-    ("passes/solver.py", "lo, hi = max(0.0, lower * (1 - 1e-9)), best.bottleneck",
-     "lo, hi = max(0.0, lower / (1 - 1e-9)), best.bottleneck"): _SOLVER_T,
-    ("passes/solver.py", "lo, hi = max(0.0, lower * (1 - 1e-9)), best.bottleneck",
-     "lo, hi = max(0.0, lower * (1 + 1e-9)), best.bottleneck"): _SOLVER_T,
-    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo > 1 and hi > 2 * lo:"):
-        _SOLVER_T,
-    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo > 0 and hi >= 2 * lo:"):
-        _SOLVER_T,
-    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo > 0 and hi > 2 / lo:"):
-        _SOLVER_T,
-}
+from .mutation_equivalent import EQUIVALENT, KILLED_SINCE  # noqa: E402  (the argued survivors)
 
 
 def report() -> str:
-    rows, lines = [], []
+    rows, lines, partial = [], [], []
     for path in sorted(OUT.glob("*.json")):
         d = json.loads(path.read_text())
-        ms = d["mutants"]
+        ms = [m for m in d["mutants"] if m["status"] != "untested"]
+        if len(ms) < len(d["mutants"]):
+            partial.append(f"`{d['module']}` ({len(ms)} of {len(d['mutants'])})")
         killed = sum(m["status"].startswith("killed") for m in ms)
         surv = [m for m in ms if m["status"] == "survived"]
         argued = [m for m in surv if _why(d["module"], m)]
@@ -410,8 +347,17 @@ def report() -> str:
            "Command: `nice -n 10 .venv/bin/python -m bench.mutation` (then `--report`), "
            "mutants from mutmut 2.5.1's generator, each module against its test selection "
            "(`bench/mutation.py`, `SUITES`), first failure kills. Score = killed / mutants; "
-           "`score (equivalent excluded)` leaves out the survivors argued equivalent below.", "",
-           "`killed earlier` counts mutants identical (line text and edit) to ones a previous "
+           "`score (equivalent excluded)` leaves out the survivors argued equivalent below. "
+           "The runtime selections leave out the tests that spawn a world of processes (a "
+           "minute each on 2 cores): `runtime/schedule.py` and `zerobubble.py` run their "
+           "in-process tests (literal tables, the reference executor, the stale-weight "
+           "oracles), `runtime/buckets.py` the in-process layout, hook and round tests "
+           "(`SUITES` lists them).", "",
+           f"Report written {time.strftime('%Y-%m-%d', time.gmtime())} (UTC) from the saved runs "
+           "in `out/mutation/`; runs niced on a 2-core machine shared with other sessions, so "
+           "`selection seconds` (the unmutated selection's wall time) is not a benchmark.", "",
+           "`killed earlier` counts mutants identical (the same edit of the same line between the "
+           "same neighbours) to ones a previous "
            "run killed, not rerun (`--reuse`).", "",
            "| module | mutants | killed | of which killed earlier | survived | argued equivalent "
            "| score | score (equivalent excluded) | selection seconds |",
@@ -422,8 +368,12 @@ def report() -> str:
     if total:
         eq = sum(r[4] for r in rows)
         carried = sum(r[6] for r in rows)
-        out.append(f"| **all** | {total} | {killed} | {carried} | {total - killed} | {eq} | "
+        out.append(f"| **all** | {total} | {killed} | {carried} | {sum(r[3] for r in rows)} | "
+                   f"{eq} | "
                    f"{100 * killed / total:.1f}% | {100 * killed / max(1, total - eq):.1f}% | |")
+    if partial:
+        out += ["", "Stopped part way (mutants run of all; the rest are not counted above, and "
+                "`--reuse` picks up from there): " + ", ".join(partial) + "."]
     missing = sorted(set(SUITES) - {r[0] for r in rows})
     if missing:
         out += ["", "Not run yet (no saved results): " + ", ".join(f"`{m}`" for m in missing)
@@ -443,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("modules", nargs="*", help=f"default: all of {sorted(SUITES)}")
     ap.add_argument("--report", action="store_true", help="publish the saved results")
     ap.add_argument("--reuse", action="store_true",
-                    help="incremental: a mutant identical (same line text, same edit) to one the "
+                    help="incremental: a mutant identical (same edit, same line, same neighbours) to one the "
                          "saved run killed is counted killed without running; the rest run")
     ap.add_argument("--out", help="write the report here instead of BENCHMARKS.md")
     args = ap.parse_args(argv)
@@ -464,8 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     try:
         for module in args.modules or sorted(SUITES):
-            res = test_module(module, repo, site, args.reuse)
-            (OUT / (module.replace("/", "_") + ".json")).write_text(json.dumps(res, indent=1))
+            path = OUT / (module.replace("/", "_") + ".json")
+
+            def save(res: dict, path: Path = path) -> None:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(res, indent=1))
+                tmp.replace(path)
+            save(test_module(module, repo, site, args.reuse, save))
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
     return 0

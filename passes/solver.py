@@ -46,6 +46,8 @@ __all__ = ["Solution", "solve", "evaluate", "minimum_memory", "RECOMPUTE_MODES"]
 
 # Below this relative gap the search probes ``lo`` itself instead of the midpoint.
 _PROBE_LO_GAP = 1e-9
+# minimum_memory reports a need above this many bytes as no plan (inf): past any machine.
+_NO_PLAN = 1e30
 
 
 def _instance(compute: Sequence[float], parameters: Sequence[float],
@@ -172,22 +174,32 @@ def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
                    straight: bool = False, recompute: str = "never",
                    forward: Sequence[float] | None = None,
                    held: Sequence[float] | None = None) -> float:
-    """Smallest per-worker memory for which some plan exists (time unconstrained), by bisection
-    on the cap; used to tell users how much memory they need. inf if no plan exists at all."""
+    """Smallest per-worker memory for which some plan exists (time unconstrained), to the float:
+    0 when nothing needs memory, inf when no plan exists at all or only above ``_NO_PLAN``
+    bytes. Used to tell users how much memory they need. Bisection on the cap from a bracket
+    ``(lo, hi]`` with ``ok(lo)`` false and ``ok(hi)`` true (ok is monotone in the cap), found
+    by halving or doubling from 1, so it ends on adjacent floats: hi is the least that fits."""
     def ok(cap: float) -> bool:
         inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
                          gamma, cap, optimizer_state_factor, straight, recompute, forward, held)
         return _check(inst, math.inf, stages)[0] is not None
 
+    if ok(0.0):
+        return 0.0
     hi = 1.0
-    while not ok(hi):
-        hi *= 2.0
-        if hi > 1e30:
-            return math.inf
-    lo = 0.0
-    for _ in range(200):
+    if ok(hi):
+        while ok(hi / 2):  # ends: hi / 2 reaches 0.0, which does not fit
+            hi /= 2
+        lo = hi / 2
+    else:
+        while True:
+            if hi >= _NO_PLAN:
+                return math.inf
+            lo, hi = hi, min(2 * hi, _NO_PLAN)
+            if ok(hi):
+                break
+    while True:
         mid = lo + (hi - lo) / 2
-        if mid <= lo or mid >= hi:
-            break
+        if mid <= lo or mid >= hi:  # lo and hi are adjacent floats: hi is the least that fits
+            return hi
         lo, hi = (lo, mid) if ok(mid) else (mid, hi)
-    return hi

@@ -115,10 +115,7 @@ def test_minimum_memory_is_the_least_cap_some_plan_fits(inst) -> None:
                     need = min(need, max(sol.memory))
     got = minimum_memory(C, P, A, cb, m, a, b, g, optimizer_state_factor=opt, stages=stages,
                          straight=straight)
-    if need > 0:
-        assert got == need  # exactly: the bisection ends on adjacent floats
-    else:
-        assert 0 < got <= 2.0 ** -200  # nothing needed: 200 halvings of the first cap, 1
+    assert got == need  # exactly (0 when nothing is needed): the bisection ends on adjacent floats
 
 
 def test_minimum_memory_without_any_plan_is_infinite() -> None:
@@ -161,3 +158,71 @@ def test_the_search_starts_at_the_work_bound(C, P, bottleneck, starts, replicas,
     sol = solve(C, [P] * n, [0.0] * n, [0.0] * (n - 1), 4, a, b, g)
     assert (sol.starts, sol.replicas, sol.checks) == (starts, replicas, checks)
     assert sol.bottleneck == pytest.approx(bottleneck, rel=1e-12)
+
+
+@pytest.mark.parametrize("need", [0.0, 0.4, 35.0, 1e-300, 3e29, 9e29, 1e30])
+def test_minimum_memory_is_exact_at_any_scale(need: float) -> None:
+    """One node of `need` activation bytes and no parameters on one worker needs exactly `need`
+    (memory = (2 + opt) P + (v - 1) P + v A with P = 0, v = 1): below 1 (halving from the first
+    cap), above it (doubling) and up to 1e30 bytes, where the search stops."""
+    a, b, g = coeffs(Net(1, 1.0, 1.0))
+    assert minimum_memory([1.0], [0.0], [need], [], 1, a, b, g) == need
+
+
+@pytest.mark.parametrize("need", [1.2e30, 3e30])
+def test_minimum_memory_past_1e30_bytes_is_no_plan(need: float) -> None:
+    a, b, g = coeffs(Net(1, 1.0, 1.0))
+    assert minimum_memory([1.0], [0.0], [need], [], 1, a, b, g) == math.inf
+
+
+def test_minimum_memory_lets_replicas_cut_the_minibatches_in_flight() -> None:
+    """Three nodes of 10 parameter bytes (no activations) on 4 workers. By hand, memory per
+    replica is 3 P + (v - 1) P, v = ceil(workers of this stage and after / r): replicas
+    (2, 1, 1) hold v = 2, 2, 1: 40 bytes at most. Without replicas (straight) at most three
+    stages fit, and the first then holds v = 3: 50 bytes (two stages hold 20 bytes in one:
+    60). Replication is allowed unless asked otherwise."""
+    a, b, g = coeffs(Net(4, 1.0, 1.0))
+    args = ([1.0] * 3, [10.0] * 3, [0.0] * 3, [0.0] * 2, 4, a, b, g)
+    assert minimum_memory(*args) == 40.0
+    assert minimum_memory(*args, straight=True) == 50.0
+
+
+def test_a_tolerance_never_trades_the_optimum_for_a_slower_plan_of_as_many_stages() -> None:
+    """Two workers, 1 B/s ring all-reduce, C = [2, 2, 1] s, P = [1, 2, 2] B, no cut bytes. By
+    hand: one stage takes 5 s on one worker and (5 + 2 (1/2) 5) / 2 = 5 s on two; [2 | 2 1]
+    takes 3 s, [2 2 | 1] 4 s. Within a tolerance of 0.5 (4.5 s) no plan has fewer than two
+    stages, so the 3 s plan stays; the 4 s one has as many stages and must not replace it."""
+    args = ([2.0, 2.0, 1.0], [1.0, 2.0, 2.0], [0.0] * 3, [0.0] * 2, 2, *coeffs(Net(2, 1.0, 1.0)))
+    for tol in (0.0, 0.5):
+        sol = solve(*args, tie_tolerance=tol)
+        assert (sol.starts, sol.replicas, sol.bottleneck) == ((0, 1), (1, 1), 3.0)
+
+
+def test_an_optimum_the_search_probes_exactly_is_accepted() -> None:
+    """4 workers, 1 B/s ring all-reduce, C = [3, 1] s, P = [1, 2] B, one byte across the cut.
+    By hand (stage time (C + 2 (r-1)/r P) / r, cut 2 X / r): one stage takes (4 + 2 (3/4) 3) / 4
+    = 2.125 s at best (r = 4); [3 | 1] on (2, 1) takes max((3 + 1) / 2, 1, 2) = 2 s, as do
+    (3, 1) and (2, 2), and nothing is faster (stage 1 alone needs 2 / r1 for its cut, stage 0
+    3 / r0 + ..., r0 + r1 <= 4). The search reaches 2 s as its lower bound and probes it."""
+    sol = solve([3.0, 1.0], [1.0, 2.0], [0.0, 0.0], [1.0], 4, *coeffs(Net(4, 1.0, 1.0)))
+    assert sol.bottleneck == 2.0 and sol.starts == (0, 1)
+    assert sol.replicas in {(2, 1), (3, 1), (2, 2)}
+
+
+@pytest.mark.parametrize("C, P, bottleneck, starts, replicas", [
+    ([1.0] * 4, 0.0, 1.0, (0,), (4,)),
+    ([1.0, 3.0], 0.5, 11 / 9, (0, 1), (1, 3)),
+    ([2.0, 1.0, 1.0], 0.5, 1.25, (0, 1, 2), (2, 1, 1)),
+    ([1.0, 1.0], 0.5, 0.75, (0, 1), (2, 2)),
+])
+def test_coefficients_in_other_units_scale_the_optimum(C, P, bottleneck, starts, replicas) -> None:
+    """The hand optima of test_the_search_starts_at_the_work_bound with every coefficient
+    times 2^-10 (a profile in other time units; a power of two, so every product scales
+    exactly): the same plan, the bottleneck times 2^-10. The search's lower bound must use
+    the coefficients given, not assume alpha_r = 1 / r."""
+    k = 2.0 ** -10
+    a, b, g = ([k * x for x in c] for c in coeffs(Net(4, 1.0, 1.0)))
+    n = len(C)
+    sol = solve(C, [P] * n, [0.0] * n, [0.0] * (n - 1), 4, a, b, g)
+    assert (sol.starts, sol.replicas) == (starts, replicas)
+    assert sol.bottleneck == pytest.approx(k * bottleneck, rel=1e-12)

@@ -78,7 +78,7 @@ def test_only_parameters_outside_the_last_bucket_are_hooked() -> None:
 def test_grads_are_the_mean_divided_once_per_bucket() -> None:
     params = {n: torch.randn(2, 3) for n in "abc"}
     sums = {n: torch.randn(2, 3) for n in "abc"}
-    for count, want_div in ((4, 4.0), (1, 1.0), (0, 1.0)):
+    for count, want_div in ((4, 4.0), (2, 2.0), (1, 1.0), (0, 1.0)):
         bk = GradBuckets(BucketLayout.build(params, list(params), cap_bytes=24),
                          torch.device("cpu"), lambda i, buf: i)
         bk.start()
@@ -141,14 +141,44 @@ def test_layout_starts_a_bucket_at_the_cap_and_at_each_dtype_change() -> None:
     assert BucketLayout.build({"big": torch.zeros(10)}, ["big"], cap_bytes=8).sizes == (11,)
 
 
+def test_default_cap_is_ddps_25_mib_counted_in_bytes() -> None:
+    """DDP's bucket_cap_mb default, 25 MiB = 26214400 bytes: float32 parameters of 12 MiB and
+    13 MiB share one bucket, one element more opens a second. Bytes, not elements: a 1-byte
+    dtype packs by its own size (cap 2: 1 + 2 bytes do not fit). A bucket holding no bytes yet
+    (a zero-size parameter) takes the next parameter whatever its size. Meta tensors: only
+    sizes and dtypes matter."""
+    def meta(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(n, dtype=dtype, device="meta")
+    mib = 2 ** 20
+    fits = {"a": meta(3 * mib), "b": meta(13 * mib // 4)}  # 12 MiB + 13 MiB of float32
+    assert BucketLayout.build(fits, ["a", "b"]).buckets == (("b", "a"),)
+    over = {"a": meta(3 * mib + 1), "b": meta(13 * mib // 4)}
+    assert BucketLayout.build(over, ["a", "b"]).buckets == (("b",), ("a",))
+    small = {"x": meta(2, torch.uint8), "y": meta(1, torch.uint8)}
+    assert BucketLayout.build(small, ["x", "y"], cap_bytes=2).buckets == (("y",), ("x",))
+    empty_first = {"big": meta(10), "z": meta(0)}
+    assert BucketLayout.build(empty_first, ["big", "z"], cap_bytes=8).buckets == (("z", "big"),)
+
+
+def test_layouts_and_slots_cannot_be_changed_once_built() -> None:
+    """Every replica must keep the layout it built (the collectives match bucket by bucket)."""
+    import dataclasses
+    lay = BucketLayout.build({"a": torch.zeros(2)}, ["a"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lay.sizes = (1,)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lay.slots["a"].offset = 1  # type: ignore[misc]
+
+
 def test_a_round_is_opened_once_and_closed_by_reading_it() -> None:
     params = {"a": torch.ones(2), "b": torch.ones(3, dtype=torch.float64)}
     bk = GradBuckets(BucketLayout.build(params, ["a", "b"]), torch.device("cpu"),
                      lambda i, buf: i)
     assert [b.dtype for b in bk.bufs] == [torch.float64, torch.float32]
     bk.start()
-    with pytest.raises(RuntimeError, match=r"a round is already open \(missing wait at U\)"):
+    with pytest.raises(RuntimeError) as info:
         bk.start()
+    assert str(info.value) == "gradient buckets: a round is already open (missing wait at U)"
     bk.finish({"a": torch.full((2,), 6.0), "b": torch.full((3,), 3.0, dtype=torch.float64)},
               count=3)
     flat = bk.flat()  # float64: the promotion of the buckets' dtypes
@@ -159,6 +189,29 @@ def test_a_round_is_opened_once_and_closed_by_reading_it() -> None:
     grads, count = bk.grads(params)
     assert count == 3.0 and grads["a"].tolist() == [2.0, 2.0] and grads["b"].tolist() == [0.0] * 3
     assert bk.bufs[-1][-1].item() == 3.0  # the count itself is not divided
+
+
+def test_a_gradient_reported_twice_in_a_round_is_refused() -> None:
+    """A second hook call would add the parameter's sum into its bucket twice."""
+    params = {"a": torch.ones(2), "b": torch.ones(2)}
+    bk = GradBuckets(BucketLayout.build(params, ["a", "b"], cap_bytes=8), torch.device("cpu"),
+                     lambda i, buf: i)
+    bk.start()
+    bk.ready("b", torch.ones(2))
+    with pytest.raises(RuntimeError) as info:
+        bk.ready("b", torch.ones(2))
+    assert str(info.value) == "gradient of 'b' reported twice in one round"
+    assert bk.pending == [0]  # b's bucket (the first: reverse order) went out once
+
+
+def test_one_bucket_reads_back_flat_in_its_own_dtype() -> None:
+    """A single bucket (the usual small stage): flat() is its sums then the count, float64."""
+    params = {"a": torch.ones(2, dtype=torch.float64)}
+    bk = GradBuckets(BucketLayout.build(params, ["a"]), torch.device("cpu"), lambda i, buf: i)
+    bk.start()
+    bk.finish({"a": torch.tensor([1.5, 2.5], dtype=torch.float64)}, count=2)
+    flat = bk.flat()
+    assert flat.dtype == torch.float64 and flat.tolist() == [1.5, 2.5, 2.0]
 
 
 def test_last_backwards_edge_cases() -> None:

@@ -48,6 +48,41 @@ def test_zb_h2_two_stages_by_hand() -> None:
         "s1r0  | . F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3"]
 
 
+def test_zb_h2_keeps_a_w_where_a_message_is_still_on_the_wire() -> None:
+    """As above, but a message takes 1 s across the cut (activations and gradients). By hand
+    from the rules (F = B = W = 1, three in flight): stage 1 runs F0 at 2 (its input left stage
+    0 at 1), B0, F1 at 4, B1, F2 at 6, B2, then W0 at 8 (three in flight: no F). At 9 F3 is not
+    there yet (stage 0 ran F3 from 8 to 9, so it arrives at 10) and W1 ends by then, so W1 goes
+    first; without the wire F3 would be there at 9. Stage 0: B0 at 5 (stage 1's B0 ended at 4),
+    W0 at 6 (B1 arrives at 7), B1, F3 at 8 (B2 arrives at 9), B2, W1, W2 while B3 travels (12 ->
+    13), B3, W3."""
+    s = make_schedule("zb-h2", [1, 1], 4, microbatches=4, comm=[0.0, 1.0])
+    assert table(s) == {(0, 0): "F0 F1 F2 B0 W0 B1 F3 B2 W1 W2 B3 W3 U0",
+                        (1, 0): "F0 B0 F1 B1 F2 B2 W0 W1 F3 B3 W2 W3 U0"}
+    # Three stages, 0.5 s into stages 1 and 2 (five in flight: no F waits for memory). Stage 2
+    # runs F0 B0 at 3 (F0 of stage 1 ended at 2.5), then each F as it arrives and its B. Stage
+    # 1's B0 is there only at 5.5 (stage 2's B0 ended at 5), so F3 (there at 4.5) goes first
+    # (without the wire B0 is there at 4, before F3); then each W fits exactly while the next
+    # B travels: W0 at 6.5 (B1 there at 7.5), W1 at 8.5, W2 at 10.5. Stage 0 likewise.
+    s = make_schedule("zb-h2", [1, 1, 1], 4, microbatches=4, comm=[0.0, 0.5, 0.5])
+    assert table(s) == {(0, 0): "F0 F1 F2 F3 B0 W0 B1 W1 B2 W2 B3 W3 U0",
+                        (1, 0): "F0 F1 F2 F3 B0 W0 B1 W1 B2 W2 B3 W3 U0",
+                        (2, 0): "F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3 U0"}
+    assert table(make_schedule("zb-h2", [1, 1, 1], 4, microbatches=4))[(1, 0)] == \
+        "F0 F1 F2 B0 F3 B1 W0 B2 W1 B3 W2 W3 U0"
+
+
+def test_a_w_that_would_delay_an_arriving_f_waits() -> None:
+    """Two stages, three in flight, 1.5 s across the cut, stage 1's W takes 2 s. By hand: stage
+    1 runs F0 at 2.5, B0, F1, B1, F2, B2 (ends 8.5), W0 until 10.5 (no F: three in flight).
+    Stage 0 ran F3 from 9 to 10, so F3 reaches stage 1 at 11.5: W1 from 10.5 would end at
+    12.5 and delay it, so stage 1 idles and runs F3 B3 first, then W1 W2 W3."""
+    s = make_schedule("zb-h2", [1, 1], 4, microbatches=4,
+                      costs=[(1.0, 1.0, 1.0), (1.0, 1.0, 2.0)], comm=[0.0, 1.5])
+    assert table(s) == {(0, 0): "F0 F1 F2 B0 W0 B1 F3 B2 W1 W2 B3 W3 U0",
+                        (1, 0): "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3 U0"}
+
+
 @pytest.mark.parametrize("stages", [2, 3, 4, 8])
 @pytest.mark.parametrize("per", [1, 2, 4])
 def test_zb_h2_leaves_only_the_last_stages_start_up(stages: int, per: int) -> None:
@@ -101,8 +136,32 @@ def test_buckets_launch_after_the_last_w_of_a_round() -> None:
 
 def test_zero_bubble_kinds_reject_a_memory_of_nothing() -> None:
     from fxpipe.runtime import zerobubble
-    with pytest.raises(ConfigError, match="stuck"):
+    with pytest.raises(ConfigError) as info:
         zerobubble.batch_orders([1, 1], range(2), [0, 0])
+    # stage 0 waits first (for a later time), then stage 1 finds nothing anyone could wait for
+    assert info.value.message == "zero-bubble scheduling is stuck on stage 1 replica 0"
+    assert info.value.hint == "every stage needs a memory limit of at least 1"
+
+
+def test_bad_kinds_costs_and_comm_are_refused_with_what_to_do() -> None:
+    """Each refusal names the offending value and says what to pass instead; a wrong count, a
+    wrong tuple and a negative time are each refused on their own."""
+    from fxpipe.runtime import zerobubble
+    with pytest.raises(ConfigError) as info:
+        zerobubble.limits("zb-h3", [1, 1])
+    assert (info.value.message, info.value.hint) == ("'zb-h3' is not a zero-bubble kind",
+                                                     "use zb-h1 or zb-h2")
+    for costs in ([(1.0, 1.0, 1.0)], [(1.0, 1.0), (1.0, 1.0, 1.0)],
+                  [(1.0, -1.0, 1.0), (1.0, 1.0, 1.0)]):
+        with pytest.raises(ConfigError) as info:
+            zerobubble.batch_orders([1, 1], range(2), [1, 1], costs=costs)
+        assert info.value.message == f"costs={costs!r} needs one (F, B, W) >= 0 per stage"
+        assert info.value.hint == "e.g. [(1.0, 1.0, 1.0)] * stages"
+    for comm in ([0.0], [0.0, -1.0]):
+        with pytest.raises(ConfigError) as info:
+            zerobubble.batch_orders([1, 1], range(2), [1, 1], comm=comm)
+        assert info.value.message == f"comm={comm!r} needs one time >= 0 per stage (the cut into it)"
+        assert info.value.hint is None
 
 
 # ----------------------------------------------------------------------------- training

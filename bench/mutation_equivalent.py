@@ -1,0 +1,197 @@
+"""Why each argued survivor of ``bench/mutation.py`` is equivalent, in one line each.
+
+Keyed by (module, stripped original line, mutated line), so a rerun after a code change shows
+which arguments no longer apply (the report marks a survivor without one as a missing test).
+"""
+from __future__ import annotations
+
+# (module, stripped original line, mutated line) -> why the mutant is equivalent: it changes no
+# result any caller can observe. Filled in from the survivors of a run, each argued in one line.
+_UNREAD = "the extra element is never read"
+_ANNOTATION = "an annotation: a string under `from __future__ import annotations`, never evaluated"
+_STALL = ("`stalled` starts at a value no (progress, time) pair reaches (progress counts up "
+          "from its start, time is >= 0), and progress is only compared with itself")
+_NOT_F = ("dep() treats every kind but \"F\" alike (B's and W's dependencies), so a wrong name "
+          "for B is still not F")
+_BRACKET = ("another first bracket: ok(lo) is still false and ok(hi) true (ok is monotone), and "
+            "the bisection ends on the same adjacent floats")
+_INIT = ("the field becomes an optional constructor argument no caller passes; __post_init__ "
+         "or start() sets it before any use")
+_STARTED = ("start() sets it before any use, and every round (ready, finish) begins with "
+            "start() (runtime/executor.py)")
+_CAT = ("torch.cat in flat() promotes over its parts, which hold every bucket's dtype, so the "
+        "count's dtype before the cat never decides the result's")
+_ALIAS = ("a type alias used only in annotations (strings under `from __future__ import "
+          "annotations`, or a local variable's, never evaluated)")
+_PATH = ("search path only: which exact checks the bisection makes, not where it ends (the same "
+         "plan); only the reported `checks` may differ")
+EQUIVALENT: dict[tuple[str, str, str], str] = {
+    ("passes/cuts.py", "if j > last[i]:", "if j >= last[i]:"):
+        "when j == last[i] it stores the same j again",
+    ("passes/cuts.py", "if n <= 1:", "if n < 1:"):
+        "for n = 1 the general path also returns an empty float array",
+    ("passes/cuts.py", "diff = np.zeros(n + 1)", "diff = np.zeros(n + 2)"):
+        _UNREAD + " (the prefix sum is sliced [1:n])",
+    ("passes/cuts.py", "bad = np.zeros(n + 1, dtype=np.int64)",
+     "bad = np.zeros(n + 2, dtype=np.int64)"): _UNREAD + " (the prefix sum is sliced [1:n])",
+    ("passes/reference_dp.py", "best = [[math.inf] * (workers + 1) for _ in range(n + 1)]",
+     "best = [[math.inf] * (workers + 2) for _ in range(n + 1)]"): _UNREAD,
+    ("passes/reference_dp.py", "best = [[math.inf] * (workers + 1) for _ in range(n + 1)]",
+     "best = [[math.inf] * (workers + 1) for _ in range(n + 2)]"): _UNREAD,
+    ("passes/reference_dp.py", "best[0] = [0.0] * (workers + 1)",
+     "best[0] = [0.0] * (workers + 2)"): _UNREAD,
+    ("passes/reference_dp.py", "comp, par = [0.0] * j, [0.0] * j",
+     "comp, par = [1.0] * j, [0.0] * j"): "every entry is overwritten by the loop below before "
+                                           "it is read",
+    ("passes/reference_dp.py", "comp, par = [0.0] * j, [0.0] * j",
+     "comp, par = [0.0] * j, [1.0] * j"): "every entry is overwritten by the loop below before "
+                                           "it is read",
+    ("passes/reference_dp.py", "if i > 0 and m - r < 1:", "if i > 1 and m - r < 1:"):
+        "the break only skips candidates built on best[i][0] = inf (i > 0), which never win",
+    ("passes/reference_dp.py", "if i > 0 and m - r < 1:", "if i > 0 and m + r < 1:"):
+        "the break only skips candidates built on best[i][0] = inf (i > 0), which never win",
+    ("passes/reference_dp.py", "break  # the stages before i need at least one worker",
+     "continue  # the stages before i need at least one worker"):
+        "the loop goes on through candidates built on best[i][0] = inf, which never win",
+    ("passes/partition.py", "crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])",
+     "crossing = all_crossing_values(profile, [a for a in sol.starts if a >= 0])"):
+        "`crossing` only feeds a debug log line",
+    ("passes/partition.py", "if a > 0:", "if a > 1:"): "only decides whether a debug line is logged",
+    ("passes/partition.py",
+     'f"no plan fits in {format_bytes(cluster.memory or 0)} per worker: the smallest-memory "',
+     'f"no plan fits in {format_bytes(cluster.memory or 1)} per worker: the smallest-memory "'):
+        "raised only under a memory cap, and Cluster refuses a cap <= 0: the `or` never applies",
+    ("runtime/stash.py", "OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]",
+     "OptimizerFactory = None"): "a type alias used only in annotations (strings under "
+                                 "`from __future__ import annotations`)",
+    ("runtime/stash.py", "_Slots = list[tuple[str, list[tuple[dict, str]]]]", "_Slots = None"):
+        "a type alias used only in annotations (strings under `from __future__ import annotations`)",
+    ("runtime/stash.py", "self.optimizer: torch.optim.Optimizer | None = (",
+     "self.optimizer: torch.optim.Optimizer & None = ("): _ANNOTATION,
+    ("runtime/stash.py", "if self._reads[v] > 0:", "if self._reads[v] >= 0:"):
+        "a count driven below 0 is only ever compared `> 0`, like 0",
+    ("runtime/stash.py", "copied = False", "copied = True"):
+        "an in-place update adds no storage, so the peak it would re-take is already counted "
+        "(the peak starts at bytes_held())",
+    ("runtime/stash.py", "copied = False", "copied = None"): "None is falsy like False",
+    ("runtime/stash.py", "reused = 0", "reused = 1"): "`reused` only feeds a debug log line",
+    ("runtime/stash.py", "reused += 1", "reused = 1"): "`reused` only feeds a debug log line",
+    ("runtime/stash.py", "reused += 1", "reused -= 1"): "`reused` only feeds a debug log line",
+    ("runtime/stash.py", "reused += 1", "reused += 2"): "`reused` only feeds a debug log line",
+    ("runtime/stash.py", "for mname, mod in gm.named_modules(remove_duplicate=False):",
+     "for mname, mod in gm.named_modules(remove_duplicate=True):"):
+        "a module reached under two names is one object with one dict: swapping (and restoring) "
+        "its slot once or twice gives the same call",
+    ("passes/solver.py", "_PROBE_LO_GAP = 1e-9", "_PROBE_LO_GAP = 2e-09"): _PATH,
+    ("passes/solver.py", "lo, hi = max(0.0, lower * (1 - 1e-9)), best.bottleneck",
+     "lo, hi = max(0.0, lower * (1 - 2e-09)), best.bottleneck"): _PATH,
+    ("passes/solver.py", "if hi - lo <= _PROBE_LO_GAP * hi:",
+     "if hi + lo <= _PROBE_LO_GAP * hi:"): _PATH,
+    ("passes/solver.py", "if hi - lo <= _PROBE_LO_GAP * hi:",
+     "if hi - lo < _PROBE_LO_GAP * hi:"): _PATH,
+    ("passes/solver.py", "if hi - lo <= _PROBE_LO_GAP * hi:",
+     "if hi - lo <= _PROBE_LO_GAP / hi:"): _PATH,
+    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo >= 0 and hi > 2 * lo:"): _PATH,
+    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo > 0 and hi > 3 * lo:"): _PATH,
+    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo > 0 and hi >= 2 * lo:"): _PATH,
+    ("passes/solver.py", "elif lo > 0 and hi > 2 * lo:", "elif lo > 0 or hi > 2 * lo:"): _PATH,
+    ("passes/solver.py", "tau = lo + (hi - lo) / 2", "tau = lo + (hi - lo) / 3"): _PATH,
+    ("passes/solver.py",
+     'assert sol.bottleneck <= tau, "feasibility check returned a plan over its bound"',
+     'assert sol.bottleneck <= tau, "XXfeasibility check returned a plan over its boundXX"'):
+        "the text of an internal invariant no correct check violates: never shown",
+    ("passes/solver.py",
+     "fewer = fewest_stages(inst, hi * (1.0 + tie_tolerance) if tie_tolerance > 0 else hi)",
+     "fewer = fewest_stages(inst, hi * (1.0 + tie_tolerance) if tie_tolerance >= 0 else hi)"):
+        "at tie_tolerance = 0, hi (1 + 0) is hi",
+    ("runtime/zerobubble.py", "Costs = Sequence[tuple[float, float, float]]  # per stage: (F, B, W) "
+     "seconds of one replica", "Costs = None  # per stage: (F, B, W) seconds of one replica"):
+        "a type alias used only in annotations (strings under `from __future__ import annotations`)",
+    ("runtime/zerobubble.py", "heap = [(0.0, i, rk) for i, rk in enumerate(ranks) if total[rk]]",
+     "heap = [(1.0, i, rk) for i, rk in enumerate(ranks) if total[rk]]"):
+        "every time shifts by 1 s and only the order is returned, which compares times with each "
+        "other (exact for the tests' integer and dyadic costs; only float rounding could differ)",
+    ("runtime/zerobubble.py", "progress = 0", "progress = 1"): _STALL,
+    **{("runtime/zerobubble.py",
+        "stalled: dict[Rank, tuple[int, float]] = {rk: (-1, -1.0) for rk in ranks}",
+        f"stalled: dict[Rank, tuple[int, float]] = {{rk: {v} for rk in ranks}}"): _STALL
+       for v in ("(+1, -1.0)", "(-2, -1.0)", "(-1, +1.0)", "(-1, -2.0)")},
+    ("passes/solver.py", "None, optimizer_state_factor, False)",
+     "None, optimizer_state_factor, True)"):
+        "evaluate prices the replicas it is given; `straight` only limits the replica counts a "
+        "search may choose (`rs`, `cut_values`), which evaluate never reads",
+    ("passes/solver.py", "hi = 1.0", "hi = 2.0"): _BRACKET,
+    ("passes/solver.py", "lo = hi / 2", "lo = hi / 3"): _BRACKET,
+    ("passes/solver.py", "lo, hi = hi, min(2 * hi, _NO_PLAN)", "lo, hi = hi, min(3 * hi, _NO_PLAN)"):
+        _BRACKET,
+    ("passes/solver.py", "mid = lo + (hi - lo) / 2", "mid = lo + (hi - lo) / 3"):
+        "a third instead of a half still keeps ok(lo) false and ok(hi) true and ends only on "
+        "adjacent floats (lo + (hi - lo) / 3 rounds to lo only there): the same hi",
+    ("runtime/zerobubble.py",
+     "return end + (wire[key[1] + 1] if key[1] + 1 < S else 0.0)",
+     "return end + (wire[key[1] + 1] if key[1] + 1 < S else 1.0)"):
+        "a last-stage F's output goes nowhere: this value is read only as one more wake-up time "
+        "of a waiting rank, which finds the state it left (nothing completes then) and waits again",
+    ("runtime/zerobubble.py",
+     'return done.get(key, float("inf")) if key[1] == s else arrival(key)',
+     'return done.get(key, float("XXinfXX")) if key[1] == s else arrival(key)'):
+        "unreachable with key[1] == s: that is a last-stage B's own F, which ends when the rank "
+        "is next free, so the B runs at once and is never pending when a W is weighed",
+    ("runtime/zerobubble.py",
+     'return all(arrives("B", s, k, t) >= end for k in waiting_b[rk]) and \\',
+     'return all(arrives("XXBXX", s, k, t) >= end for k in waiting_b[rk]) and \\'): _NOT_F,
+    ("runtime/zerobubble.py", 'b_ready = [k for k in waiting_b[rk] if ready("B", s, k, t)]',
+     'b_ready = [k for k in waiting_b[rk] if ready("XXBXX", s, k, t)]'): _NOT_F,
+    ("runtime/zerobubble.py", "pick: Action | None = None", "pick: Action & None = None"):
+        "a local variable's annotation: never evaluated",
+    ("runtime/zerobubble.py", "pushes += 1", "pushes += 2"):
+        "push numbers only break ties between equal times, and still increase: the same order",
+    ("runtime/zerobubble.py", "progress += 1", "progress -= 1"): _STALL,
+    ("runtime/zerobubble.py", "progress += 1", "progress += 2"): _STALL,
+    ("runtime/buckets.py", "Launch = Callable[[int, torch.Tensor], Any]", "Launch = None"):
+        "a type alias used only in annotations (strings under `from __future__ import annotations`)",
+    ("runtime/buckets.py", "used = 0", "used = 1"):
+        "never read: the first parameter opens a bucket (`not buckets`) and resets it",
+    ("runtime/buckets.py", "used = 0", "used = None"):
+        "never read: the first parameter opens a bucket (`not buckets`) and resets it",
+    **{("runtime/buckets.py", f"{name}: {t} = field(init=False, default_factory={f})",
+        f"{name}: {t} = {new}"): why
+       for name, t, f in (("pending", "list[Any]", "list"), ("_missing", "list[int]", "list"),
+                          ("_filled", "set[str]", "set"),
+                          ("_views", "dict[str, torch.Tensor]", "dict"))
+       for new, why in ((f"field(init=True, default_factory={f})", _INIT),
+                        ("None", _INIT if name == "_views" else _STARTED))},
+    ("runtime/buckets.py", "bufs: list[torch.Tensor] = field(init=False)",
+     "bufs: list[torch.Tensor] = None"): _INIT,
+    ("runtime/buckets.py", "active: bool = field(init=False, default=False)",
+     "active: bool = field(init=True, default=False)"): _INIT,
+    ("runtime/buckets.py", "active: bool = field(init=False, default=False)",
+     "active: bool = None"): "`active` is only tested for truth: None is falsy like False",
+    ("runtime/buckets.py", "self.active = False", "self.active = None"):
+        "`active` is only tested for truth: None is falsy like False",
+    ("runtime/buckets.py",
+     'assert len(self.pending) == len(self.bufs), "every bucket must be launched"',
+     'assert len(self.pending) == len(self.bufs), "XXevery bucket must be launchedXX"'):
+        "the text of an internal invariant no correct round violates: never shown",
+    ("runtime/buckets.py", "if count > 0 and count != 1:", "if count > 1 and count != 1:"):
+        "the count is a whole number of minibatches: > 0 and != 1 is > 1",
+    ("runtime/buckets.py", "for b in bufs[1:]:", "for b in bufs[2:]:"): _CAT,
+    ("runtime/buckets.py", "out = torch.promote_types(out, b.dtype)", "out = None"): _CAT,
+    ("runtime/buckets.py", "last: int | None = None", "last: int & None = None"):
+        "a local variable's annotation: never evaluated",
+    ("runtime/schedule.py", "Rank = tuple[int, int]", "Rank = None"): _ALIAS,
+    **{("runtime/schedule.py", 'ActionKind = Literal["F", "B", "W", "U"]', new): _ALIAS
+       for new in ('ActionKind = Literal["XXFXX", "B", "W", "U"]',
+                   'ActionKind = Literal["F", "XXBXX", "W", "U"]',
+                   'ActionKind = Literal["F", "B", "XXWXX", "U"]',
+                   'ActionKind = Literal["F", "B", "W", "XXUXX"]', "ActionKind = None")},
+    ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
+    ("passes/plan.py", "model_fingerprint: str | None = None",
+     "model_fingerprint: str & None = None"): _ANNOTATION,
+}
+
+
+# Survivors of the last saved run that a test added afterwards kills, checked by applying the
+# mutant by hand (not yet rerun through this driver): (module, line, mutated line) -> the test.
+# The table's numbers stay those of the saved run; rerun with --reuse to fold these in.
+KILLED_SINCE: dict[tuple[str, str, str], str] = {}
