@@ -22,7 +22,8 @@ import argparse
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,11 @@ def fmt(m: float, s: float, digits: int = 3) -> str:
     if math.isnan(m):
         return "-"
     return f"{m:.{digits}g} ± {s:.{digits}g}" if s >= 0 else f"{m:.{digits}g}"
+
+
+def updates_cell(st: dict[str, Any]) -> str:
+    """Updates to target as the tables print it: mean ± sd (k/n seeds reached it)."""
+    return f"{fmt(*st['updates'])} ({st['reached']}/{st['seeds']})"
 
 
 # ----------------------------------------------------------------------------- throughput
@@ -287,12 +293,15 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
     lines.append("")
     # the goal
     lines.append("**The goal** (pipedream with its best mitigation within 1.1x flush's updates "
-                 "to target, S = 4 and 8). Ratios are of mean updates to target; `-`: no seed "
-                 "reached the target within the budget.")
+                 "to target, S = 4 and 8). Updates to target: mean ± sd over the seeds that "
+                 "reached it, (k/n) seeds reached it; ratios are of those means to flush's; the "
+                 "best mitigation is the one with the smallest ratio among those that reached "
+                 "the target in every seed run; `-`: no seed reached it within the budget.")
     lines.append("")
-    lines.append("| task | S | optimizer | target | flush updates | pipedream | best mitigation "
-                 "| its ratio | within 1.1x | fastest predicted time to target |")
-    lines.append("|---|---:|---|---:|---:|---:|---|---:|---|---|")
+    lines.append("| task | S | optimizer | target | flush updates | pipedream updates | ratio "
+                 "| best mitigation | its updates | its ratio | within 1.1x "
+                 "| fastest predicted time to target |")
+    lines.append("|---|---:|---|---:|---:|---:|---:|---|---:|---:|---|---|")
     goal = {}
     for t in tasks:
         for S in (4, 8):
@@ -311,8 +320,11 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
                                and stats[(t, S, v, o)]["reached"] == stats[(t, S, v, o)]["seeds"]),
                               default=(math.nan, "-"))
                 goal[(t, S, o)] = best
-                lines.append(f"| {t} | {S} | {o} | {tgt[(t, o)]:g} | {fmt(*b['updates'])} | "
+                bst = stats.get((t, S, best[1], o))
+                lines.append(f"| {t} | {S} | {o} | {tgt[(t, o)]:g} | {updates_cell(b)} | "
+                             f"{updates_cell(stats[(t, S, 'pipedream', o)])} | "
                              f"{'-' if math.isnan(pdr) else f'{pdr:.2f}x'} | {best[1]} | "
+                             f"{updates_cell(bst) if bst else '-'} | "
                              f"{'-' if math.isnan(best[0]) else f'{best[0]:.2f}x'} | "
                              f"{'yes' if best[0] <= 1.1 else 'no'} | {fastest[1]} |")
     lines.append("")
@@ -323,9 +335,9 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
                  "flush (mean ± sd over seeds; 'within spread': auto's mean <= the better one's "
                  "mean + its sd).")
     lines.append("")
-    lines.append("| task | S | optimizer | picks (seeds) | auto ms | better of pipedream/flush ms "
-                 "| within spread |")
-    lines.append("|---|---:|---|---|---:|---:|---|")
+    lines.append("| task | S | optimizer | picks (seeds) | picks reaching the target | auto ms "
+                 "| better of pipedream/flush ms | within spread |")
+    lines.append("|---|---:|---|---|---:|---:|---:|---|")
     auto_ok = [0, 0]
     for t in tasks:
         for S in (2, 4, 8):
@@ -347,8 +359,9 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
                 ok = bt is not None and am <= bt["time_ms"][0] + bt["time_ms"][1]
                 auto_ok[0] += ok
                 auto_ok[1] += 1
+                hit = sum(map(math.isfinite, times))
                 lines.append(f"| {t} | {S} | {o} | {', '.join(p or '?' for p in picks)} | "
-                             f"{fmt(am, asd)} | {fmt(*bt['time_ms']) if bt else '-'} | "
+                             f"{hit}/{len(times)} | {fmt(am, asd)} | {fmt(*bt['time_ms']) if bt else '-'} | "
                              f"{'yes' if ok else 'no'} |")
     lines.append("")
     lines.append(f"auto within the seed spread of the better of pipedream and flush: "
@@ -387,7 +400,7 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
                         continue
                     mark = "*" if st["fallback"] else ""
                     div = f" ({st['diverged']} diverged)" if st["diverged"] else ""
-                    cells += [f"{fmt(*st['updates'])} ({st['reached']}/{st['seeds']}){mark}",
+                    cells += [f"{updates_cell(st)}{mark}",
                               fmt(*st["final"]) + div, fmt(*st["time_ms"])]
                 lines.append(f"| {v} | " + " | ".join(cells) + " |")
     lines.append("")
@@ -412,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the section here, not BENCHMARKS.md")
     p.add_argument("--figure", default=str(ROOT / "docs/figures/statistical-efficiency.png"))
     p.add_argument("--minutes", default="?", help="how long the sweep took (for the text)")
+    p.add_argument("--sweep", action="append", default=None,
+                   help="a bench.ablation.run command line that filled --results (repeatable; "
+                        "default: the plain sweep)")
+    p.add_argument("--date", default=None, help="when the sweep ran (default: today, UTC)")
     a = p.parse_args(argv)
     data = load(a.results)
     body, extra = markdown(data, a.results, a.pilot, "docs/figures/statistical-efficiency.png")
@@ -420,15 +437,29 @@ def main(argv: list[str] | None = None) -> int:
     figure(data, extra["stats"], tasks, opts, Path(a.figure))
     figure(data, extra["stats"], tasks, opts,
            Path(a.figure).with_name(Path(a.figure).stem + "-time.png"), key="time_ms")
-    runs = sum(len(v) for k, v in data.items() if k[2] not in SAME_AS_FLUSH and
-               not any(r.get("fallback") for r in v))
+    trained = [v for k, v in data.items() if k[2] not in SAME_AS_FLUSH and
+               not any(r.get("fallback") for r in v)]
+    runs = sum(map(len, trained))
+    by_seeds = Counter(len(v) for v in trained)
+    seeds = sorted({r["seed"] for v in trained for r in v})
+    sweeps = a.sweep or [".venv/bin/python -m bench.ablation.run"]
+    date = a.date or datetime.now(timezone.utc).strftime("%Y-%m-%d")
     head = (f"### Statistical efficiency: schedules, mitigations and auto\n\n"
-            f"Command: `.venv/bin/python -m bench.ablation.run` (the sweep, {a.minutes} on the "
-            f"shared 2-core machine, 2 workers under `nice`) then `.venv/bin/python -m "
-            f"bench.ablation.report`; {runs} training runs on fxpipe's reference executor, "
-            f"results in `{a.results}`. Setup: bench/ablation/tasks.py, train.py and the "
+            f"Measured {date}. Commands (the sweep, {a.minutes} on the shared 2-core machine, "
+            f"2 workers under `nice`; a configuration already in the results file is skipped, so "
+            f"each command adds seeds to the cells it names): "
+            + "; ".join(f"`{c}`" for c in sweeps)
+            + f"; then `.venv/bin/python -m bench.ablation.report --results {a.results}`. "
+            f"{runs} training runs on fxpipe's reference executor, seeds "
+            f"{', '.join(map(str, seeds))}; of the {len(trained)} trained cells (task, S, "
+            f"variant, optimizer), "
+            + ", ".join(f"{n} have {k} seed{'s' if k > 1 else ''}"
+                        for k, n in sorted(by_seeds.items(), reverse=True))
+            + f". Results in `{a.results}`. Setup: bench/ablation/tasks.py, train.py and the "
             f"report's module doc (targets, predicted time). SGD's lr is scaled by (1 - momentum) "
-            f"so every momentum has the same effective step; AdamW has weight decay 0.01.\n")
+            f"so every momentum has the same effective step; AdamW has weight decay 0.01. "
+            f"A statistic over fewer than 3 seeds (the `(k/n)` counts say how many) is no "
+            f"statistical claim.\n")
     publish("statistical-efficiency", head + "\n" + body, a.out)
     Path(a.results).with_suffix(".summary.json").write_text(json.dumps(
         {"targets": {f"{t}|{o}": v for (t, o), v in extra["targets"].items()},
