@@ -17,11 +17,13 @@ from .errors import RuntimeConfigError
 from .replan import Proposal, StageTimes, measure, propose
 
 
-def measured_stage_times(trainer: Any) -> list[StageTimes]:
-    """Per stage, the mean over its replicas and over the recorded segments of the measured
-    forward and backward per minibatch and optimizer step per update."""
+def measured_stage_times(trainer: Any, skip: int = 0) -> list[StageTimes]:
+    """Per stage, the mean over its replicas and over the recorded segments (but the first
+    ``skip``: warm-up) of the measured forward and backward per minibatch and optimizer step per
+    update."""
     mine: list[tuple[int, StageTimes]] = []
-    segments = [events for events, _ in trainer.timelines]
+    segments = [events for events, _ in trainer.timelines[skip:]] or [
+        events for events, _ in trainer.timelines[-1:]]
     if segments:
         per = [measure(events) for events in segments]
         avg = StageTimes(*(sum(getattr(p, f) for p in per) / len(per)
