@@ -41,7 +41,8 @@ re-assembles one).
 **Layout.** This module is the loop (construction, data exchange, ``fit``, evaluation); its
 mixins hold the rest: :mod:`.trainer_schedule` (the schedule and the segments of an epoch),
 :mod:`.trainer_checkpoint` (save and resume), :mod:`.trainer_results` (write-back, gathering,
-timelines); :mod:`.trainer_backends` carries segments out on the executors.
+timelines, metrics); :mod:`.trainer_backends` carries segments out on the executors;
+:mod:`.trainer_switch` re-plans in place (``replan="auto"``).
 """
 from __future__ import annotations
 

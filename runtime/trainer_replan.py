@@ -4,8 +4,9 @@ timelines and ask :func:`.replan.propose` whether another plan would be faster.
 A COLLECTIVE under the distributed executor (every rank calls it, between segments: after
 ``fit`` or from an ``on_checkpoint`` hook): each rank measures its own stage replica from its
 timelines (``timeline=True``) and the ranks exchange the numbers, so every rank gets the same
-proposal. Carrying a proposal out is not automatic: checkpoint, then resume under the proposed
-plan (:mod:`.repartition`), e.g. by restarting an elastic job.
+proposal. ``trainer(replan="auto")`` calls it at a segment boundary and carries an adopted
+proposal out in place (:mod:`.trainer_switch`); by hand, checkpoint and resume under the
+proposed plan (:mod:`.repartition`).
 """
 from __future__ import annotations
 

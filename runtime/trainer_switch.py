@@ -115,6 +115,8 @@ class Replanner:
         self.profile = compiled.profile
         self.records: list[ReplanRecord] = []
         self._segments: list[float] = []  # s per minibatch of each segment under self.plan
+        # every segment of the run: (plans adopted before it, seconds per minibatch)
+        self.segment_times: list[tuple[int, float]] = []
 
     def bind(self, trainer: Any) -> Replanner:
         """Check the trainer can be re-planned (called when it is built)."""
@@ -136,6 +138,7 @@ class Replanner:
         """Called by ``fit`` on every rank after each segment (drained); returns the data
         stream to continue with (a new one after a switch)."""
         self._segments.append(dt / max(n, 1))
+        self.segment_times.append((sum(r.adopted for r in self.records), dt / max(n, 1)))
         if self.records and self.records[-1].adopted \
                 and self.records[-1].measured_after_s is None:
             rec = self.records[-1]
