@@ -15,6 +15,7 @@ timeline). Oracles:
 """
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -271,3 +272,39 @@ def test_torchrun_replans_in_place(mode: str, right: tuple[Profile, Plan],
         torch.testing.assert_close(got[0]["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
     assert [h["loss"] for h in got[0]["history"]] == pytest.approx(
         [h["loss"] for h in plain], rel=1e-5)
+
+
+def test_checkpoints_after_a_switch_resume(right: tuple[Profile, Plan],
+                                           wrong: tuple[Profile, Plan], tmp_path: Path) -> None:
+    """With a checkpoint dir the state travels through ``<dir>/.replan-*`` (removed after the
+    switch); the checkpoints written after the switch carry the NEW plan's layout: the run
+    crashes after its 2nd checkpoint (minibatch 8, after the switch at 4) and a fresh trainer
+    of the WRONG plan resumes from it, reaching the uninterrupted run's weights and losses."""
+    true, _ = right
+    bad, bad_plan = wrong
+    seen: list[tuple[int, int]] = []
+
+    def crash(epoch: int, pos: int) -> None:
+        seen.append((epoch, pos))
+        if len(seen) == 2:
+            assert not list(tmp_path.glob(".replan*"))  # the transfer folder is gone
+            raise Crash(f"after {epoch}, {pos}")
+    t = compiled(bad_plan, bad).trainer(**options(
+        replan="auto", replan_measure=perfect_timer(true), checkpoint_dir=str(tmp_path),
+        checkpoint_every=M, on_checkpoint=crash))
+    with pytest.raises(Crash):
+        t.fit(data(), epochs=2)
+    assert t.replanner.records[0].adopted and seen == [(0, M), (0, 2 * M)]
+    manifest = json.loads((tmp_path / "e0000-m0000008" / "manifest.json").read_text())
+    weights = lambda stages: [[n for n, _ in st.gm.named_parameters()]  # noqa: E731
+                              for st in stages]
+    assert [manifest["layout"][str(k)]["weights"] for k in range(len(t.stages))] == weights(
+        t.stages) != weights(compiled(bad_plan, bad).stage_specs)  # the new plan's layout
+    r = compiled(bad_plan, bad).trainer(**options(checkpoint_dir=str(tmp_path)))
+    resumed = r.fit(data(), epochs=2, resume=True)
+    u = compiled(bad_plan, bad).trainer(**options())
+    plain = u.fit(data(), epochs=2)
+    got = r.state_dict()
+    for name, w in u.state_dict().items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    assert [h["loss"] for h in resumed] == pytest.approx([h["loss"] for h in plain], rel=1e-5)
