@@ -15,6 +15,8 @@ What moves, per new stage:
 * LR-scheduler state: the counters of the old stages the new stage's parameters come from (they
   must agree, as they do whenever every stage updates once per batch), with per-group lists
   (``base_lrs``, ``_last_lr``) mapped group by group;
+* float32 master weights (low-precision parameters, :mod:`.master`), by name, and the fp16 loss
+  scaler's state (one for every stage);
 * the data position, history and partial epoch sums live in the manifest and need no mapping.
 
 What cannot resume raises :class:`~.checkpoint.CheckpointError`: a different model (names or
@@ -50,7 +52,8 @@ def stage_layout(stages: Sequence[StageSpec]) -> dict[str, dict[str, list[str]]]
 def optimizer_names(opt: torch.optim.Optimizer | None, latest: dict[str, torch.Tensor]
                     ) -> list[str] | None:
     """The name of each index of ``opt.state_dict()`` (indices count the parameters of every
-    group in order, as torch packs them)."""
+    group in order, as torch packs them). ``latest``: the tensors the optimizer steps, by name
+    (a low-precision weight's float32 master under the weight's name)."""
     if opt is None:
         return None
     by_id = {id(t): n for n, t in latest.items()}
@@ -138,10 +141,12 @@ class Repartition:
 
     def state_for(self, stage: int, latest: dict[str, torch.Tensor],
                   buffers: dict[str, torch.Tensor], opt: torch.optim.Optimizer | None,
-                  scheduler: Any | None) -> dict[str, Any]:
+                  scheduler: Any | None,
+                  masters: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """Stage ``stage``'s state in the shape :func:`.checkpoint.load_stage` returns, for a
         stage replica with these weights, buffers, optimizer and LR scheduler (their structure,
-        not their values, decides what is built)."""
+        not their values, decides what is built); ``masters``: the float32 masters the
+        optimizer steps in place of low-precision weights (:mod:`.master`), by name."""
         out: dict[str, Any] = {"weights": {}, "buffers": {}}
         for kind, dst in (("weights", latest), ("buffers", buffers)):
             for n, t in dst.items():
@@ -152,9 +157,24 @@ class Repartition:
                         f"{tuple(t.shape)} in stage {stage}",
                         "the checkpoint was made for a different model")
                 out[kind][n] = src
-        out["optimizer"], sources, olds = self._optimizer(stage, latest, opt)
+        out["optimizer"], sources, olds = self._optimizer(stage, {**latest, **(masters or {})},
+                                                          opt)
         out["lr_scheduler"] = self._scheduler(stage, scheduler, opt, sources, olds)
+        out["masters"] = self._masters(latest)
+        # one scaler state for all stages (fp16 runs take one global skip decision per update)
+        out["loss_scaler"] = self._old(0).state.get("loss_scaler")
         return out
+
+    def _masters(self, latest: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The float32 master weights (runtime/master.py) of this stage's parameters, by name,
+        from the old stage that held each; None when the run kept none."""
+        out: dict[str, torch.Tensor] = {}
+        for n in latest:
+            (s, old), _ = self._find("weights", n)
+            m = (self._old(s).state.get("masters") or {}).get(old)
+            if m is not None:
+                out[n] = m
+        return out or None
 
     def _optimizer(self, stage: int, latest: dict[str, torch.Tensor],
                    opt: torch.optim.Optimizer | None

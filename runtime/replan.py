@@ -9,9 +9,11 @@ partition on the rescaled profile (:func:`fxpipe.passes.partition.plan_for`), re
 (:func:`fxpipe.passes.partition.partition`) and proposes the new plan when it is predicted
 faster by more than a threshold.
 
-Carrying a proposal out (moving layers, optimizer state and stash between ranks at a drained
-segment boundary) is not built here; a proposal can be carried out today by checkpointing and
-resuming under the new plan (:mod:`.repartition`).
+Carrying a proposal out is not done here: :mod:`.trainer_switch` switches a running trainer
+to the proposed plan at a drained segment boundary (``trainer(replan="auto")``), and any
+proposal can also be carried out by checkpointing and resuming under it (:mod:`.repartition`).
+``workers`` restricts the re-solve to the workers a running job has (its processes are fixed):
+a proposal that uses fewer is completed by :func:`use_all_workers`.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class Proposal:
     gain: float
     adopt: bool
     factors: tuple[tuple[float, float, float], ...]  # per stage: forward, backward, update
+    profile: Profile | None = None  # the rescaled profile both plans are costed on
 
     def summary(self) -> str:
         return (f"re-plan: replicas {self.current.replicas} -> {self.proposed.replicas}, "
@@ -116,19 +119,43 @@ def rescale(profile: Profile, plan: Plan, measured: Sequence[StageTimes]
     return replace(profile, nodes=tuple(nodes)), tuple(factors)
 
 
+def use_all_workers(profile: Profile, cluster: Cluster, plan: Plan, workers: int, *,
+                    sync: str = "allreduce") -> Plan:
+    """``plan`` on exactly ``workers`` workers: when the solver used fewer (more replicas did not
+    pay), the spare workers join the one stage where they cost least (each stage tried, costed
+    with :func:`plan_for`), because a running job cannot hand processes back."""
+    spare = workers - sum(plan.replicas)
+    if spare <= 0:
+        return plan
+    starts = stage_starts(profile, plan)
+    options = [plan_for(profile, cluster, starts, [r + spare * (i == s) for i, r in
+                                                   enumerate(plan.replicas)], sync=sync)
+               for s in range(len(plan.replicas))]
+    return min(options, key=lambda p: p.time_per_minibatch)
+
+
 def propose(profile: Profile, plan: Plan, measured: Sequence[StageTimes], cluster: Cluster, *,
-            threshold: float = 0.05, sync: str = "allreduce") -> Proposal:
+            threshold: float = 0.05, sync: str = "allreduce",
+            workers: int | None = None) -> Proposal:
     """Rescale ``profile`` to ``measured`` (one :class:`StageTimes` per stage, e.g. the mean of
-    :func:`measure` over its replicas), cost the current partition and re-solve on it."""
+    :func:`measure` over its replicas), cost the current partition and re-solve on it.
+    ``workers``: re-solve for exactly that many workers (a running job's; see the module doc)."""
     if not threshold >= 0:
         raise ConfigError(f"threshold={threshold!r}", "a non-negative fraction, e.g. 0.05")
     scaled, factors = rescale(profile, plan, measured)
+    if workers is not None:
+        cluster = Cluster.from_dict({**cluster.to_dict(), "workers": workers,
+                                     "workers_per_machine": 1 if workers % max(
+                                         cluster.workers_per_machine, 1) else
+                                     cluster.workers_per_machine})
     current = plan_for(scaled, cluster, stage_starts(profile, plan), plan.replicas, sync=sync)
     proposed = partition(scaled, cluster, sync=sync)
+    if workers is not None:
+        proposed = use_all_workers(scaled, cluster, proposed, workers, sync=sync)
     gain = current.time_per_minibatch / proposed.time_per_minibatch - 1.0
     moved = (stage_starts(scaled, proposed), proposed.replicas) != (
         stage_starts(profile, plan), plan.replicas)
     adopt = moved and gain > threshold
-    out = Proposal(current, proposed, gain, adopt, factors)
+    out = Proposal(current, proposed, gain, adopt, factors, scaled)
     log.info("%s", out.summary())
     return out

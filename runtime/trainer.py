@@ -41,7 +41,8 @@ re-assembles one).
 **Layout.** This module is the loop (construction, data exchange, ``fit``, evaluation); its
 mixins hold the rest: :mod:`.trainer_schedule` (the schedule and the segments of an epoch),
 :mod:`.trainer_checkpoint` (save and resume), :mod:`.trainer_results` (write-back, gathering,
-timelines); :mod:`.trainer_backends` carries segments out on the executors.
+timelines, metrics); :mod:`.trainer_backends` carries segments out on the executors;
+:mod:`.trainer_switch` re-plans in place (``replan="auto"``).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ from .trainer_checkpoint import CheckpointMixin
 from .trainer_progress import Progress
 from .trainer_results import ResultsMixin
 from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin
+from .trainer_switch import Replanner, make_replanner
 from .wire import make_wire_plan
 
 __all__ = ["DEFAULT_SEGMENT", "FIRST_SEGMENT", "History", "LR_INTERVALS", "Trainer",
@@ -116,7 +118,9 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
     bool per stage) recomputes
     activations in the backward; ``metrics_path``/``metrics_every``/``tensorboard_dir`` write
     metrics (:mod:`fxpipe.runtime.metrics`); ``prefetch`` reads that many minibatches ahead in a
-    thread (:mod:`fxpipe.runtime.prefetch`).
+    thread (:mod:`fxpipe.runtime.prefetch`). ``replan`` (made by ``CompiledModel.trainer(
+    replan="auto", replan_threshold=0.05)``): switch to a re-solved plan at a segment boundary
+    when the measured stage times predict it faster (:mod:`fxpipe.runtime.trainer_switch`).
     """
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
@@ -139,7 +143,8 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
                  metrics_path: str | None = None, metrics_every: int = 1,
                  tensorboard_dir: str | None = None, prefetch: int = 0,
                  master_weights: bool | None = None,
-                 loss_scaler: Mapping[str, Any] | None = None) -> None:
+                 loss_scaler: Mapping[str, Any] | None = None,
+                 replan: Replanner | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
@@ -203,6 +208,7 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
                                               device=device, options=self.options,
                                               **mitigated)
         self.idle = isinstance(self.backend, IdleBackend)
+        self.replanner = replan.bind(self) if replan is not None else None  # trainer_switch
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
         self.lr_interval = lr_scheduler_interval
         self.schedulers = {r: lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
@@ -320,6 +326,9 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
                         break
                     if self.checkpoint_every and pos % self.checkpoint_every == 0:
                         self._checkpoint(epoch, pos, acc)
+                    if self.replanner is not None:  # may switch plans here (trainer_switch)
+                        it = self.replanner.after_segment(self, it, train_loader, epoch, pos, n,
+                                                          dt)
             finally:
                 it.close()
                 bar.close()
@@ -338,26 +347,6 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
             if self.checkpoint_dir is not None:
                 self._checkpoint(epoch + 1, 0, [0.0, 0.0, 0.0, 0.0])
         self._write_back()
-
-    def _busy(self) -> list[float]:
-        """This rank's busy seconds per stage since the last call (mean over a stage's
-        replicas once summed over the ranks)."""
-        busy = [0.0] * len(self.stages)
-        for r, w in self.local.items():
-            busy[r[0]] += (w.busy_s - self._busy_seen.get(r, 0.0)) / self.replicas[r[0]]
-            self._busy_seen[r] = w.busy_s
-        return busy
-
-    def _record(self, epoch: int, n: int, got: list[float], dt: float) -> None:
-        """One segment into the metrics log (:mod:`fxpipe.runtime.metrics`); ``got``: the
-        segment's summed [loss sum, losses, busy seconds per stage...]; rank 0 writes."""
-        busy = got[2:]
-        updates = sum(a.kind == "U" for a in self._schedule(n).actions[(0, 0)])
-        first = self.local.get((0, 0))
-        opt = first.stash.optimizer if first is not None else None
-        lr = float(opt.param_groups[0]["lr"]) if opt is not None else None
-        self.metrics.segment(epoch=epoch, updates=updates, loss_sum=got[0], losses=got[1],
-                             minibatches=n, samples=self._samples, time_s=dt, busy=busy, lr=lr)
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
         """Mean loss (and top-1 accuracy for classification) of the latest weights, computed on
@@ -399,6 +388,9 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
     auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
             **dict(kwargs.pop("auto_options", None) or {})}
+    replan = make_replanner(compiled, kwargs)  # replan="auto": issue 13 (trainer_switch)
+    if replan is not None:
+        replan.kwargs.update(loss_fn=loss_fn, auto_options=auto)
     return Trainer(compiled.stage_specs, compiled.plan.replicas, loss_fn,
                    fingerprint=compiled.plan.model_fingerprint, state_keys=keys,
-                   auto_options=auto, **kwargs)
+                   auto_options=auto, replan=replan, **kwargs)

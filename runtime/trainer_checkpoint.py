@@ -49,7 +49,8 @@ class CheckpointMixin:
                 "masters": w.stash.masters.state(),  # float32 masters (runtime/master.py)
                 "loss_scaler": w.scaler.state_dict() if w.scaler is not None else None,
                 "optimizer": opt.state_dict() if opt is not None else None,
-                "optimizer_names": optimizer_names(opt, w.stash.latest),
+                "optimizer_names": optimizer_names(
+                    opt, {**w.stash.latest, **w.stash.masters.master}),
                 "lr_scheduler": sch.state_dict() if sch is not None else None,
                 "position": [epoch, pos]}
 
@@ -109,7 +110,7 @@ class CheckpointMixin:
             for rank, w in self.local.items():
                 self._load_stage(rank, w, source.state_for(
                     rank[0], w.stash.latest, w.buffers, w.stash.optimizer,
-                    self.schedulers.get(rank)))
+                    self.schedulers.get(rank), w.stash.masters.master))
         self.history = [dict(h) for h in m.get("history", [])]
         log.info("resumed from %s (epoch %d, minibatch %d)", found.folder, found.epoch,
                  found.minibatch)

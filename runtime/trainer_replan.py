@@ -4,8 +4,9 @@ timelines and ask :func:`.replan.propose` whether another plan would be faster.
 A COLLECTIVE under the distributed executor (every rank calls it, between segments: after
 ``fit`` or from an ``on_checkpoint`` hook): each rank measures its own stage replica from its
 timelines (``timeline=True``) and the ranks exchange the numbers, so every rank gets the same
-proposal. Carrying a proposal out is not automatic: checkpoint, then resume under the proposed
-plan (:mod:`.repartition`), e.g. by restarting an elastic job.
+proposal. ``trainer(replan="auto")`` calls it at a segment boundary and carries an adopted
+proposal out in place (:mod:`.trainer_switch`); by hand, checkpoint and resume under the
+proposed plan (:mod:`.repartition`).
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from .errors import RuntimeConfigError
 from .replan import Proposal, StageTimes, measure, propose
 
 
-def measured_stage_times(trainer: Any) -> list[StageTimes]:
-    """Per stage, the mean over its replicas and over the recorded segments of the measured
-    forward and backward per minibatch and optimizer step per update."""
+def measured_stage_times(trainer: Any, skip: int = 0) -> list[StageTimes]:
+    """Per stage, the mean over its replicas and over the recorded segments (but the first
+    ``skip``: warm-up) of the measured forward and backward per minibatch and optimizer step per
+    update."""
     mine: list[tuple[int, StageTimes]] = []
-    segments = [events for events, _ in trainer.timelines]
+    segments = [events for events, _ in trainer.timelines[skip:]] or [
+        events for events, _ in trainer.timelines[-1:]]
     if segments:
         per = [measure(events) for events in segments]
         avg = StageTimes(*(sum(getattr(p, f) for p in per) / len(per)

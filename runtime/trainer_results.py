@@ -23,6 +23,10 @@ class ResultsMixin:
     backend: Any
     idle: bool
     state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None
+    replicas: list[int]
+    metrics: Any
+    _busy_seen: dict[tuple[int, int], float]
+    _schedule: Any
 
     def _write_back(self) -> None:
         """Copy the trained weights into this process's stage GraphModules (the user's own
@@ -35,6 +39,26 @@ class ResultsMixin:
                     src = w.stash.latest.get(n, w.buffers.get(n))
                     if src is not None:
                         t.copy_(src)
+
+    def _busy(self) -> list[float]:
+        """This rank's busy seconds per stage since the last call (mean over a stage's
+        replicas once summed over the ranks)."""
+        busy = [0.0] * len(self.stages)
+        for r, w in self.local.items():
+            busy[r[0]] += (w.busy_s - self._busy_seen.get(r, 0.0)) / self.replicas[r[0]]
+            self._busy_seen[r] = w.busy_s
+        return busy
+
+    def _record(self, epoch: int, n: int, got: list[float], dt: float) -> None:
+        """One segment into the metrics log (:mod:`fxpipe.runtime.metrics`); ``got``: the
+        segment's summed [loss sum, losses, busy seconds per stage...]; rank 0 writes."""
+        busy = got[2:]
+        updates = sum(a.kind == "U" for a in self._schedule(n).actions[(0, 0)])
+        first = self.local.get((0, 0))
+        opt = first.stash.optimizer if first is not None else None
+        lr = float(opt.param_groups[0]["lr"]) if opt is not None else None
+        self.metrics.segment(epoch=epoch, updates=updates, loss_sum=got[0], losses=got[1],
+                             minibatches=n, samples=self._samples, time_s=dt, busy=busy, lr=lr)
 
     @property
     def timelines(self) -> list[tuple[list[TimelineEvent], list[TimelineEvent]]]:

@@ -110,3 +110,28 @@ def test_torchrun_ranks_measure_their_stages_and_agree_on_one_proposal(tmp_path)
         for k in range(2):  # forward, backward
             mean = sum(o[k] for o in own) / len(own)
             assert g["factors"][s][k] == pytest.approx(mean / g["predicted"][s][k], rel=1e-9)
+
+
+def test_a_running_job_keeps_all_its_workers() -> None:
+    """Two nodes with 100 MB of parameters each on 3 workers at 1 Gbps: replicating a stage
+    costs an all-reduce of 100 MB, far more than the 1 + 3 ms of compute, so the solver uses 2
+    workers ([1 | 1]). A running job cannot hand its third process back: use_all_workers (and
+    propose(workers=3)) adds it to a stage; both replicated stages pay the same all-reduce, and
+    stage 0 has less compute to share, so by hand the spare joins stage 0: replicas [2, 1],
+    the cut unchanged."""
+    from fxpipe.passes.partition import partition
+    from fxpipe.runtime.replan import stage_starts, use_all_workers
+
+    nodes = (ProfileNode("n0", "call_function", "f", MS, MS, 4.0, 1e8, inputs=()),
+             ProfileNode("n1", "call_function", "f", 3 * MS, 3 * MS, 4.0, 1e8, inputs=("n0",)))
+    profile = Profile(nodes, batch_size=1)
+    cluster = Cluster(workers=3, bandwidth="1Gbps")
+    best = partition(profile, cluster)
+    assert best.replicas == [1, 1]
+    full = use_all_workers(profile, cluster, best, 3)
+    assert full.replicas == [2, 1] and stage_starts(profile, full) == [0, 1]
+    assert full.time_per_minibatch > best.time_per_minibatch  # the price of keeping them
+    got = propose(profile, best, [StageTimes(MS, MS, 0.0), StageTimes(3 * MS, 3 * MS, 0.0)],
+                  cluster, workers=3)
+    assert sum(got.proposed.replicas) == 3 and got.current.replicas == [1, 1]
+    assert not got.adopt  # keeping the 2-worker plan beats any 3-worker one: nothing to gain
