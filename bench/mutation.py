@@ -56,6 +56,7 @@ PHASES = ("tracing", "costmodel", "passes", "codegen", "runtime")
 
 _T = "tests/passes/"
 _LITERAL, _BRUTE = _T + "test_cost_model_literal.py", _T + "test_solver_bruteforce.py"
+_RC = _T + "test_recompute.py"  # the recompute model and search (brute force, seeded caps)
 _RUNTIME = ["tests/runtime/test_runtime_stale_oracles.py", "tests/runtime/test_runtime_reference.py",
             "tests/runtime/test_runtime_tied.py", "tests/runtime/test_runtime_staleness.py"]
 _R = "tests/runtime/"
@@ -73,22 +74,25 @@ _NO_PROCESSES = ["--deselect", _ZB + "::test_distributed_equals_reference_and_mi
 SUITES: dict[str, list[str]] = {
     "passes/cuts.py": [_T + "test_cuts.py", _LITERAL,
                        _BRUTE + "::test_partition_matches_brute_force"],
-    "passes/exact_stages.py": [_LITERAL, _T + "test_feasibility.py", _BRUTE],
-    "passes/feasibility.py": [_LITERAL, _BRUTE, _T + "test_feasibility.py"],
-    "passes/solver.py": [_LITERAL, _T + "test_solver.py", _BRUTE, _T + "test_feasibility.py"],
+    "passes/exact_stages.py": [_LITERAL, _T + "test_feasibility.py", _BRUTE, _RC],
+    "passes/feasibility.py": [_LITERAL, _BRUTE, _T + "test_feasibility.py", _RC],
+    "passes/recompute.py": [_RC, _T + "test_feasibility.py"],
+    "passes/solver.py": [_LITERAL, _T + "test_solver.py", _BRUTE, _T + "test_feasibility.py",
+                         _RC],
     "passes/partition.py": [_LITERAL, _T + "test_partition.py", _T + "test_partition_update.py",
                             _T + "test_plan.py", _T + "test_cuts.py",
                             _T + "test_solver_vs_pipedream_dp.py",
-                            _BRUTE + "::test_partition_matches_brute_force"],
+                            _BRUTE + "::test_partition_matches_brute_force", _RC],
     "passes/plan.py": [_T + "test_plan.py", _T + "test_partition.py",
-                       _T + "test_partition_update.py"],
+                       _T + "test_partition_update.py", _RC],
     "passes/reference_dp.py": [_T + "test_solver_vs_pipedream_dp.py", _LITERAL,
                                _T + "test_partition_update.py"],
     "runtime/schedule.py": ["tests/runtime/test_schedule.py", _ZB, _R + "test_runtime_schedules.py",
                             *_RUNTIME, *_NO_PROCESSES],
     "runtime/zerobubble.py": [_ZB, "tests/runtime/test_schedule.py",
                               _R + "test_runtime_reference.py", *_NO_PROCESSES],
-    "runtime/stash.py": ["tests/runtime/test_runtime_stash.py", *_RUNTIME],
+    "runtime/stash.py": ["tests/runtime/test_runtime_stash.py", *_RUNTIME,
+                         _R + "test_runtime_master_weights.py"],
     # the in-process tests of the layout, hooks, rounds and means; the end-to-end cases spawn a
     # world of processes (a minute each on 2 cores) and are left out
     "runtime/buckets.py": [_OVERLAP, _ZB + "::test_buckets_launch_after_the_last_w_of_a_round",
