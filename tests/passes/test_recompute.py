@@ -81,11 +81,14 @@ def test_a_cap_only_recomputation_meets() -> None:
     prof, cl = cap_case(), Cluster(workers=2, bandwidth=BW, memory=400)
     with pytest.raises(InfeasiblePlanError) as ei:
         partition(prof, cl)
-    assert "needs 610 B (610 bytes)" in ei.value.message
-    assert "recompute='auto'" in ei.value.hint
+    assert ei.value.message.endswith("needs 610 B (610 bytes) per worker")
+    assert ei.value.hint == ("use more workers or devices with more memory, a smaller batch, "
+                             "recompute='auto' (activation recomputation), or "
+                             "optimizer_state_factor matching your optimizer")
     with pytest.raises(InfeasiblePlanError) as ei:
         partition(prof, cl, recompute="always")
-    assert "with recompute='always'" in ei.value.message
+    assert ei.value.message.endswith(" per worker with recompute='always'")
+    assert "recompute=" not in ei.value.hint
     plan = partition(prof, cl, recompute="auto")
     assert [s.nodes for s in plan.stages] == [("x", "l1"), ("l2",)]
     assert plan.recompute == [True, False]
@@ -101,7 +104,9 @@ def test_a_cap_only_recomputation_meets() -> None:
 def test_summary_and_json_round_trip(tmp_path) -> None:
     plan = partition(cap_case(), Cluster(workers=2, bandwidth=BW, memory=400), recompute="auto")
     text = plan.summary()
-    assert "recompute" in text.splitlines()[0]
+    assert text.splitlines()[0].endswith(f" {'memory':>10} {'recompute':>10}")
+    assert ("(recompute = the extra forward of activation recomputation, included in compute; "
+            "such a stage keeps only its inputs per minibatch in flight)") in text
     # stage 0 recomputes (its extra forward: 1 s); stage 1 does not
     assert text.splitlines()[2].endswith("330 B        1 s")
     assert text.splitlines()[3].endswith("310 B         no")
@@ -121,10 +126,24 @@ def test_summary_and_json_round_trip(tmp_path) -> None:
 
 
 def test_bad_options_are_refused() -> None:
-    with pytest.raises(ConfigError, match="unknown recompute='sometimes'"):
+    with pytest.raises(ConfigError) as ei:
         partition(tiny(), Cluster(workers=2), recompute="sometimes")
-    with pytest.raises(ConfigError, match="one bool per stage"):
+    assert (ei.value.message, ei.value.hint) == (
+        "unknown recompute='sometimes'", "use one of never, always, auto (auto: recompute "
+        "activations in the stages where it makes the plan fit in memory or faster)")
+    with pytest.raises(ConfigError) as ei:
         plan_for(tiny(), Cluster(workers=2), [0, 2], [1, 1], recompute=[True])
+    assert (ei.value.message, ei.value.hint) == (
+        "recompute=[True] for 2 stages", "pass one bool per stage, or None (no recomputation)")
+
+
+def test_a_stage_plan_made_without_the_fields_does_not_recompute() -> None:
+    """StagePlan's defaults (what a plan saved before recomputation loads with)."""
+    from fxpipe.passes.plan import StagePlan
+    st = StagePlan(index=0, nodes=("x",), replicas=1, compute_s=1.0, sync_s=0.0,
+                   stage_time_s=1.0, input_bytes=0.0, comm_s=0.0, parameter_bytes=0.0,
+                   activation_bytes=0.0, memory_bytes=0.0, in_flight=1)
+    assert (st.update_s, st.recompute, st.recompute_s) == (0.0, False, 0.0)
 
 
 # ------------------------------------------------------------------ brute force
