@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -348,7 +348,7 @@ def fewest_stages(inst: _Inst, tau: float) -> Stages | None:
     prev = [0] * (m + 1)
     changed = list(range(m))  # layer 1 builds on the empty prefix at every budget
     layers: list[list[tuple[str, int, int]]] = []
-    for s in range(1, m + 1):
+    for _ in range(m):
         cand = prev[:]
         cch: list[tuple[str, int, int]] = [("s", 0, 0)] * (m + 1)
         for kp in changed:
@@ -374,24 +374,33 @@ def fewest_stages(inst: _Inst, tau: float) -> Stages | None:
                 cur[k], cch[k] = cur[k - 1], ("k", 0, 0)
         layers.append(cch)
         if cur[m] >= n:
-            out: Stages = []
-            x, k, si = n, m, s
-            while x > 0:
-                kind, r, a = layers[si - 1][k]
-                if kind == "k":
-                    k -= 1
-                elif kind == "s":
-                    si -= 1
-                else:
-                    if a < x:
-                        out.append((a, r))
-                        x = a
-                    si -= 1
-                    k -= r
-            out.reverse()
-            return out
+            return backtrack_layers(layers, n, m)
         changed = [k for k in range(m + 1) if cur[k] != prev[k]]
         if not changed:
             return None
         prev = cur
     return None
+
+
+def backtrack_layers(layers: Sequence[Sequence[tuple[Any, ...]]], n: int, m: int
+                     ) -> list[Any]:
+    """The cover the layered recurrence found (its last layer reaches ``n`` with budget ``m``):
+    walk back through each layer's choices, ``("r", r, a, *extra)`` (a stage from ``a`` on
+    ``r`` replicas, carrying ``extra``, e.g. its recompute flag), ``("k", ...)`` (the budget
+    below) and ``("s", ...)`` (the layer below); one ``(a, r, *extra)`` per stage, in order."""
+    out: list[Any] = []
+    x, k, si = n, m, len(layers)
+    while x > 0:
+        kind, r, a, *extra = layers[si - 1][k]
+        if kind == "k":
+            k -= 1
+        elif kind == "s":
+            si -= 1
+        else:
+            if a < x:
+                out.append((a, r, *extra))
+                x = a
+            si -= 1
+            k -= r
+    out.reverse()
+    return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .feasibility import _BIG, INF, _Inst, _v
+from .feasibility import _BIG, INF, _Inst, _v, backtrack_layers
 
 Flagged = list[tuple[int, int, bool]]  # (start, replicas, recompute) per stage
 
@@ -143,22 +143,7 @@ def fewest_stages_rc(inst: _Inst, tau: float) -> Flagged | None:
                 cur[k], cch[k] = cur[k - 1], ("k", 0, 0, False)
         layers.append(cch)
         if cur[m] >= n:
-            out: Flagged = []
-            x_end, k, si = n, m, len(layers)
-            while x_end > 0:
-                kind, r, a, f = layers[si - 1][k]
-                if kind == "k":
-                    k -= 1
-                elif kind == "s":
-                    si -= 1
-                else:
-                    if a < x_end:
-                        out.append((a, r, f))
-                        x_end = a
-                    si -= 1
-                    k -= r
-            out.reverse()
-            return out
+            return backtrack_layers(layers, n, m)
         changed = [k for k in range(m + 1) if cur[k] != prev[k]]
         if not changed:
             return None
