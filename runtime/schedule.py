@@ -265,9 +265,9 @@ def make_schedule(kind: str, replicas: list[int], num_minibatches: int, *,
     if kind.startswith("zb-"):
         from . import zerobubble
 
+        zb = [zerobubble.best_batch_orders(kind, replicas, range(b * m, min(n, (b + 1) * m)),
+                                           wins, costs, comm) for b in range(math.ceil(n / m))]
         wins = zerobubble.limits(kind, wins)
-        zb = [zerobubble.batch_orders(replicas, range(b * m, min(n, (b + 1) * m)), wins, costs,
-                                      comm) for b in range(math.ceil(n / m))]
     acts: dict[Rank, tuple[Action, ...]] = {}
     for s, r in enumerate(replicas):
         for j in range(r):

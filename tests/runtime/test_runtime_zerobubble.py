@@ -11,6 +11,7 @@ from rt_spawn import Job, run_jobs
 from rt_tied import TiedLM, ce, plain_sgd_groups, sgd_m, token_batches
 
 from fxpipe.errors import ConfigError
+from fxpipe.runtime import zerobubble
 from fxpipe.runtime.buckets import last_backwards
 from fxpipe.runtime.plansim import peak_in_flight
 from fxpipe.runtime.reference import ReferenceExecutor
@@ -116,6 +117,87 @@ def test_unbalanced_stages_place_the_ws_by_their_costs() -> None:
     fl = simulate(make_schedule("1f1b-flush", [1, 1, 1], m, microbatches=m), fwd, bwd)
     assert zb.makespan < fl.makespan
     assert zb.makespan <= 9 * m + 2 * 1 + 2 * 1  # the slow stage's work + the others' F, B ahead
+
+
+def _makespan(kind: str, replicas: list[int], m: int, costs, comm) -> float:
+    """fxpipe's event simulator (not the scheduler's own cost model) on ``costs``."""
+    fwd, bwd = [c[0] for c in costs], [c[1] + c[2] for c in costs]
+    wf = [c[2] / (c[1] + c[2]) for c in costs]
+    sched = make_schedule(kind, replicas, m, microbatches=m,
+                          **({"costs": costs, "comm": comm} if kind.startswith("zb") else {}))
+    return simulate(sched, fwd, bwd, comm_time=comm[1:], weight_fraction=wf).makespan
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_zero_bubble_kinds_are_never_slower_than_1f1b(seed: int) -> None:
+    """ZB-H1 holds 1F1B's memory, so 1F1B's own order (W right after B) is one of its orders:
+    on the costs it was built for it must never lose to ``1f1b-flush``. The greedy alone did,
+    on unbalanced stages (e.g. the first case below: 51 against 45.5). Random 2-4 stage
+    pipelines, replicas 1-2, costs in {0.5, 1, 2}, with and without transfer times."""
+    import random
+
+    rng = random.Random(seed)
+    cases = [([1, 1, 1], 9, [(2.0, 0.5, 2.0), (1.0, 2.0, 0.5), (1.0, 2.0, 0.5)], [0.0] * 3)]
+    for _ in range(25):
+        S = rng.randint(2, 4)
+        replicas = [rng.choice([1, 1, 2]) for _ in range(S)]
+        m = rng.choice([1, 2, 3]) * sum(replicas)
+        costs = [tuple(rng.choice([0.5, 1.0, 2.0]) for _ in range(3)) for _ in range(S)]
+        comm = [0.0] + [rng.choice([0.0, 0.0, 0.5]) for _ in range(S - 1)]
+        cases.append((replicas, m, costs, comm))
+    for replicas, m, costs, comm in cases[0 if seed == 0 else 1:]:
+        fused = _makespan("1f1b-flush", replicas, m, costs, comm)
+        for kind in ("zb-h1", "zb-h2"):
+            assert _makespan(kind, replicas, m, costs, comm) <= fused + 1e-9, \
+                (kind, replicas, m, costs, comm)
+
+
+def test_greedy_that_loses_to_1f1b_is_replaced_by_1f1b() -> None:
+    """Three stages, stage 0 with a long W: the greedy's W's delay stage 0's B's; 1F1B's order
+    (W after B) is kept instead, as its split schedule."""
+    costs = [(2.0, 0.5, 2.0), (1.0, 2.0, 0.5), (1.0, 2.0, 0.5)]
+    mbs, wins = range(9), [3, 2, 1]
+    greedy = zerobubble.batch_orders([1, 1, 1], mbs, wins, costs)
+    plain = zerobubble.one_f_one_b_orders([1, 1, 1], mbs, wins)
+    assert zerobubble.batch_makespan([1, 1, 1], greedy, costs) > \
+        zerobubble.batch_makespan([1, 1, 1], plain, costs)
+    assert zerobubble.best_batch_orders("zb-h1", [1, 1, 1], mbs, wins, costs) == plain
+    assert " ".join(map(str, plain[(1, 0)])) == \
+        "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 F4 B3 W3 F5 B4 W4 F6 B5 W5 F7 B6 W6 F8 B7 W7 B8 W8"
+
+
+def test_batch_makespan_by_hand() -> None:
+    """Two stages, costs (F, B, W) = (1, 2, 3) and (2, 1, 1), a transfer of 0.5 each way:
+    F0 0-1, F0' 1.5-3.5, B0' 3.5-4.5, W0' 4.5-5.5, B0 5-7, W0 7-10: ends at 10; orders that
+    wait on each other never end (inf)."""
+    costs = [(1.0, 2.0, 3.0), (2.0, 1.0, 1.0)]
+    one = {(0, 0): [Action("F", 0), Action("B", 0), Action("W", 0)],
+           (1, 0): [Action("F", 0), Action("B", 0), Action("W", 0)]}
+    assert zerobubble.batch_makespan([1, 1], one, costs, [0.0, 0.5]) == 10.0
+    stuck = {(0, 0): [Action("B", 0), Action("F", 0)], (1, 0): [Action("F", 0), Action("B", 0)]}
+    assert zerobubble.batch_makespan([1, 1], stuck, costs) == float("inf")
+
+
+def test_greedy_ties_go_to_the_rank_due_first() -> None:
+    """Ranks due at the same time run in the order they became due. By hand, S = 2, m = 3,
+    costs (1, 1, 2) and (1, 1, 0), zb-h1 windows [2, 1]: at t = 2 stage 0 waits (its B0 needs
+    stage 1's B0, not yet scheduled) and is queued behind stage 1, which starts B0 (2-3); at
+    t = 3 stage 1 (due first) runs W0 (0 s) then F1, stage 0 runs B0 (3-4); at t = 4 stage 0 is
+    due before stage 1, sees no B1 scheduled, and runs W0 (4-6): a W that fits what it knows;
+    then B1 (arrived at 5) 6-7, F2 7-8, W1 8-10 (stage 1's B2 is not scheduled yet), B2, W2."""
+    costs = [(1.0, 1.0, 2.0), (1.0, 1.0, 0.0)]
+    got = zerobubble.batch_orders([1, 1], range(3), [2, 1], costs)
+    assert {rk: " ".join(map(str, a)) for rk, a in got.items()} == {
+        (0, 0): "F0 F1 B0 W0 B1 F2 W1 B2 W2", (1, 0): "F0 B0 W0 F1 B1 W1 F2 B2 W2"}
+
+
+def test_zero_cost_forwards_do_not_stall_the_greedy() -> None:
+    """Stages whose forward costs nothing (a reshape): everything becomes ready at once; by
+    hand F 0-1, 1-1, 1-1, B 1-2, 2-3, 3-4, W of stage 0 4-5 (the others' W fit earlier)."""
+    costs = [(1.0, 1.0, 1.0), (0.0, 1.0, 1.0), (0.0, 1.0, 1.0)]
+    got = zerobubble.batch_orders([1, 1, 1], range(1), [3, 2, 1], costs)
+    assert all(" ".join(map(str, a)) == "F0 B0 W0" for a in got.values())
+    assert zerobubble.batch_makespan([1, 1, 1], got, costs) == 5.0
 
 
 def test_w_rules_are_validated() -> None:
