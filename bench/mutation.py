@@ -87,8 +87,8 @@ SUITES: dict[str, list[str]] = {
                        _T + "test_partition_update.py", _RC],
     "passes/reference_dp.py": [_T + "test_solver_vs_pipedream_dp.py", _LITERAL,
                                _T + "test_partition_update.py"],
-    "runtime/schedule.py": ["tests/runtime/test_schedule.py", _ZB, _R + "test_runtime_schedules.py",
-                            *_RUNTIME, *_NO_PROCESSES],
+    # test_runtime_schedules.py is all process groups (its module fixture spawns every case)
+    "runtime/schedule.py": ["tests/runtime/test_schedule.py", _ZB, *_RUNTIME, *_NO_PROCESSES],
     "runtime/zerobubble.py": [_ZB, "tests/runtime/test_schedule.py",
                               _R + "test_runtime_reference.py", *_NO_PROCESSES],
     "runtime/stash.py": ["tests/runtime/test_runtime_stash.py", *_RUNTIME,
