@@ -68,7 +68,7 @@ def _check(inst: _Inst, tau: float, stages: int | None) -> tuple[list[tuple] | N
     return check_budget(inst, tau) if inst.flags == (False,) else check_budget_rc(inst, tau)
 
 
-def _solution(inst: _Inst, plan: Sequence[tuple], checks: int = 0) -> Solution:
+def _solution(inst: _Inst, plan: Sequence[tuple]) -> Solution:
     """Cost a witness ``(start, replicas[, recompute])`` per stage. Under "auto" a stage
     recomputes only where it must: dropping the flag never slows a stage, so it is dropped
     wherever the stage still fits in memory without it (the bottleneck cannot grow)."""
@@ -77,7 +77,7 @@ def _solution(inst: _Inst, plan: Sequence[tuple], checks: int = 0) -> Solution:
     if len(inst.flags) > 1 and any(flags):
         mem = inst.evaluate(starts, reps, recompute=[False] * len(plan)).memory
         flags = [f and not (inst.cap is None or mem[s] <= inst.cap) for s, f in enumerate(flags)]
-    return inst.evaluate(starts, reps, checks, recompute=flags)
+    return inst.evaluate(starts, reps, recompute=flags)  # solve() sets the checks
 
 
 def solve(compute: Sequence[float], parameters: Sequence[float], activations: Sequence[float],
@@ -132,7 +132,7 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
         assert sol.bottleneck <= tau, "feasibility check returned a plan over its bound"
         best, hi = sol, sol.bottleneck
     if stages is None and len(best.starts) > 1:
-        bound = hi * (1.0 + tie_tolerance) if tie_tolerance > 0 else hi
+        bound = hi * (1.0 + max(tie_tolerance, 0.0))
         fewer = (fewest_stages(inst, bound) if inst.flags == (False,)
                  else fewest_stages_rc(inst, bound))
         checks += 1

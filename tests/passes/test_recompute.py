@@ -364,3 +364,27 @@ def check_against_brute_force(inst) -> None:
                      if not any(fl) and len(s0) <= len(sol.starts)]
             assert all(b > sol.bottleneck * (1 - TIE) for b in plain)
 
+
+
+def test_a_stage_that_fits_the_cap_exactly_does_not_recompute() -> None:
+    """Seed 41's profile under a 600-byte cap: stage 1 of the optimum (starts 0, 2, 3) needs
+    exactly 600 bytes without recomputation (the brute force's pricing), so it fits and must
+    not recompute; stage 0 needs 442 only by recomputing."""
+    C, F, P, A, H, cb, m, al, be, ga, _ = seeded(41)
+    check_against_brute_force((C, F, P, A, H, cb, m, al, be, ga, 600.0, 1.0, "auto", None))
+    sol = solve(C, P, A, cb, m, al, be, ga, memory_cap=600.0, tie_tolerance=TIE,
+                recompute="auto", forward=F, held=H)
+    assert (sol.starts, sol.recompute, sol.memory) == ((0, 2, 3), (True, False, False),
+                                                       (442.0, 600.0, 498.0))
+
+
+def test_auto_prefers_an_equally_fast_plan_without_recomputation() -> None:
+    """fat_and_thin(4) under a 411-byte cap: the recomputing search's optimum recomputes stage
+    0 with one worker each, but replicating stage 0 instead (replicas 2, 1, 1, the same cuts)
+    is as fast with as many stages and recomputes nothing: "auto" must return that one."""
+    C, F, P, A, H, cb, m, al, be, ga, _ = fat_and_thin(4)
+    check_against_brute_force((C, F, P, A, H, cb, m, al, be, ga, 411.0, 1.0, "auto", None))
+    sol = solve(C, P, A, cb, m, al, be, ga, memory_cap=411.0, tie_tolerance=TIE,
+                recompute="auto", forward=F, held=H)
+    assert (sol.starts, sol.replicas, sol.recompute) == ((0, 1, 2), (2, 1, 1),
+                                                         (False, False, False))
