@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError, FxpipeError
-from fxpipe.runtime.schedule import (SCHEDULE_KINDS, Action, DeadlockError, Schedule,
-                                     ScheduleError, make_schedule, validate)
+from fxpipe.runtime.schedule import (SCHEDULE_KINDS, SYNCHRONOUS_KINDS, Action, DeadlockError,
+                                     Schedule, ScheduleError, make_schedule, validate)
 from fxpipe.runtime.simulate import format_grid, simulate
 
 
@@ -290,6 +290,49 @@ def test_schedules_are_immutable_and_parse_their_text() -> None:
         with pytest.raises(ConfigError, match="cannot parse action"):
             Action.parse(text)
     assert Action.parse(" U7 ") == Action("U", 7)
+
+
+def test_action_and_parse_errors_say_exactly_what_and_how() -> None:
+    with pytest.raises(ConfigError) as err:
+        Action("X", 0)  # type: ignore[arg-type]
+    assert (err.value.message, err.value.hint) == ("unknown action kind 'X'",
+                                                   "use 'F', 'B', 'W' or 'U'")
+    for text in ("X3", "XX", "F", "3F"):
+        with pytest.raises(ConfigError) as err:
+            Action.parse(text)
+        assert (err.value.message, err.value.hint) == (
+            f"cannot parse action {text!r}", "write e.g. 'F3', 'B3', 'W3' or 'U0'")
+
+
+def test_actions_and_schedules_are_values() -> None:
+    """Actions are frozen and hashable (sets of actions, dict keys); schedules hash by their
+    shape (the action table is a read-only mapping, left out of the hash), equal schedules
+    alike; a schedule needs its actions, and a hand-written one updates every minibatch
+    (group 1) unless told otherwise."""
+    import dataclasses
+
+    a = Action("F", 3, 1)
+    assert {a, Action("F", 3, 1), Action("B", 3, 1)} == {a, Action("B", 3, 1)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.kind = "B"  # type: ignore[misc]
+    one, two = (make_schedule("1f1b-flush", [1, 1], 8, microbatches=4) for _ in range(2))
+    assert one == two and hash(one) == hash(two) and len({one, two}) == 1
+    with pytest.raises(TypeError):
+        Schedule("custom", (1,), 1)  # type: ignore[call-arg]
+    hand = Schedule.from_text([1], {(0, 0): "F0 B0 U0"})
+    assert (hand.kind, hand.group, hand.noam, hand.windows) == ("custom", 1, 1, ())
+
+
+def test_synchronous_kinds_are_exactly_the_kinds_without_stale_weights() -> None:
+    """From the definition, not the list: a kind is synchronous (minibatch SGD) when every
+    forward of batch b reads the weights after exactly b updates, on every rank."""
+    sync = set()
+    for kind in SCHEDULE_KINDS:
+        m = None if kind == "pipedream" else 4
+        s = make_schedule(kind, [2, 1, 1], 16, microbatches=m)
+        if all(v == k // 4 for (_, k), v in s.forward_versions().items()):
+            sync.add(kind)
+    assert sync == set(SYNCHRONOUS_KINDS) == {"1f1b-flush", "gpipe", "zb-h1", "zb-h2"}
 
 
 def test_noam_below_the_default_shrinks_every_window() -> None:
