@@ -335,6 +335,48 @@ def test_synchronous_kinds_are_exactly_the_kinds_without_stale_weights() -> None
     assert sync == set(SYNCHRONOUS_KINDS) == {"1f1b-flush", "gpipe", "zb-h1", "zb-h2"}
 
 
+@pytest.mark.parametrize("args, message, hint", [
+    (("ring", [1], 1, {}), "unknown schedule kind 'ring'", f"use one of {SCHEDULE_KINDS}"),
+    (("pipedream", [1, 0], 1, {}), "bad replica vector [1, 0]", "give one count >= 1 per stage"),
+    (("pipedream", [1], -1, {}), "num_minibatches=-1 is negative", "use 0 or more"),
+    (("gpipe", [1], 4, {"noam": 2}), "noam=2 with kind 'gpipe'",
+     "noam must be >= 1 and does not apply to gpipe"),
+    (("pipedream", [1], 4, {"microbatches": 2}), "microbatches=2 with pipedream",
+     "pipedream updates after every minibatch; use 2bw or 1f1b-flush"),
+    (("1f1b-flush", [1], 4, {"microbatches": 0}), "microbatches=0",
+     "use at least 1 microbatch per batch"),
+])
+def test_make_schedule_errors_say_exactly_what_and_how(args, message, hint) -> None:
+    kind, replicas, n, kw = args
+    with pytest.raises(ConfigError) as err:
+        make_schedule(kind, replicas, n, **kw)
+    assert (err.value.message, err.value.hint) == (message, hint)
+
+
+def test_vertical_sync_names_itself_and_refuses_unequal_replicas_exactly() -> None:
+    assert make_schedule("pipedream", [1, 1], 4).with_vertical_sync().kind == "pipedream+vsync"
+    with pytest.raises(ConfigError) as err:
+        make_schedule("pipedream", [2, 1], 4).with_vertical_sync()
+    assert (err.value.message, err.value.hint) == (
+        "vertical sync with replicas [2, 1]", "version numbers are comparable only when every "
+        "stage has the same number of replicas")
+
+
+def test_schedule_fields_become_tuples() -> None:
+    s = Schedule("custom", [1, 1], 1, {(0, 0): [Action("F", 0)]}, windows=[2, 1])  # type: ignore
+    assert s.replicas == (1, 1) and s.windows == (2, 1) and s.actions[(0, 0)] == (Action("F", 0),)
+    assert hash(s) == hash(Schedule("custom", (1, 1), 1, {}, windows=(2, 1)))
+
+
+def test_noam_windows_of_a_replicated_input_stage_by_hand() -> None:
+    """Replicas [2, 1, 1, 1], noam 2: the input stage's 2 replicas admit 2 x 2 = 4 minibatches;
+    stage s keeps what is left after the workers upstream hold theirs, at most PipeDream's
+    ceil(workers from s on / r_s) = 3, 2, 1: stage 1 4 - 2 = 2, stage 2 4 - 3 = 1, stage 3
+    4 - 4 = 0 -> at least 1."""
+    s = make_schedule("pipedream", [2, 1, 1, 1], 8, noam=2)
+    assert (s.noam, s.windows) == (2, (2, 2, 1, 1))
+
+
 def test_noam_below_the_default_shrinks_every_window() -> None:
     """noam = 2 on 3 stages: stage 0 admits 2; stage s keeps what is left after the workers
     upstream hold theirs: ceil((2 * 1 - 1) / 1) = 1, ceil((2 - 2) / 1) = 0 -> at least 1."""
