@@ -185,6 +185,15 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
                    'ActionKind = Literal["F", "XXBXX", "W", "U"]',
                    'ActionKind = Literal["F", "B", "XXWXX", "U"]',
                    'ActionKind = Literal["F", "B", "W", "XXUXX"]', "ActionKind = None")},
+    ("runtime/schedule.py", "version: int | None = None", "version: int & None = None"):
+        _ANNOTATION,
+    ("runtime/schedule.py",
+     "pos = b_pos[n_le - 1] + 1 if n_le else (b_pos[0] if b_pos else len(acts))",
+     "pos = b_pos[n_le - 1] + 1 if n_le else (b_pos[1] if b_pos else len(acts))"):
+        "unreachable with a backward: replica j's first minibatch j < r is in group 0 both for "
+        "pipedream (groups of r) and 2bw (groups of m >= workers), so n_le >= 1 for every g",
+    ("runtime/schedule.py", "for i in range(len(acts) + 1):", "for i in range(len(acts) + 2):"):
+        "every insertion position is at most len(acts): index len(acts) + 1 finds nothing",
     ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
     ("passes/plan.py", "model_fingerprint: str | None = None",
      "model_fingerprint: str & None = None"): _ANNOTATION,
