@@ -194,6 +194,16 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "pipedream (groups of r) and 2bw (groups of m >= workers), so n_le >= 1 for every g",
     ("runtime/schedule.py", "for i in range(len(acts) + 1):", "for i in range(len(acts) + 2):"):
         "every insertion position is at most len(acts): index len(acts) + 1 finds nothing",
+    ("runtime/schedule.py", "fwd: dict[int, int | None] = {}", "fwd: dict[int, int & None] = {}"):
+        "a local variable's annotation: never evaluated",
+    ("runtime/schedule.py", "zb: list[dict[Rank, list[Action]]] = []",
+     "zb: list[dict[Rank, list[Action]]] = None"):
+        "only tested for truth (`elif zb`), where None is falsy like [], and replaced by the "
+        "zero-bubble kinds before that",
+    ("runtime/schedule.py", "wins, costs, comm) for b in range(math.ceil(n / m))]",
+     "wins, costs, comm) for b in range(math.ceil(n * m))]"):
+        "the batches past ceil(n / m) have no minibatches and are never read (the body takes "
+        "zb[b] for b < ceil(n / m)): only wasted work",
     ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
     ("passes/plan.py", "model_fingerprint: str | None = None",
      "model_fingerprint: str & None = None"): _ANNOTATION,

@@ -377,6 +377,22 @@ def test_noam_windows_of_a_replicated_input_stage_by_hand() -> None:
     assert (s.noam, s.windows) == (2, (2, 2, 1, 1))
 
 
+def test_refusals_of_generated_and_hand_written_schedules_exactly() -> None:
+    with pytest.raises(ConfigError) as err:
+        make_schedule("2bw", [1] * 6, 24, microbatches=2)
+    assert (err.value.message, err.value.hint) == (
+        "2bw cannot run replicas=[1, 1, 1, 1, 1, 1] with m=2, noam=None: F4 on stage 0 "
+        "replica 0: reads version 1 but only 0 updates happened",
+        "2bw needs microbatches >= the number of workers (6) to keep two weight versions")
+    assert make_schedule("pipedream", [1, 1], 4, microbatches=1).group == 1  # 1 is pipedream's
+    e = _refusal(Schedule.from_text([1], {(0, 0): "F0 B0 U1"}))
+    assert e.hint == "number a rank's updates 0, 1, 2, ..."
+    # minibatch 0 on the wrong replica: it exists, it belongs elsewhere
+    e = _refusal(Schedule.from_text([2], {(0, 1): "F0 B0", (0, 0): "F1 B1"}))
+    assert (e.message, e.hint) == ("F0 on stage 0 replica 1: minibatch belongs to (0, 0)",
+                                   "minibatch k runs on replica k % r of each stage")
+
+
 def test_noam_below_the_default_shrinks_every_window() -> None:
     """noam = 2 on 3 stages: stage 0 admits 2; stage s keeps what is left after the workers
     upstream hold theirs: ceil((2 * 1 - 1) / 1) = 1, ceil((2 - 2) / 1) = 0 -> at least 1."""
