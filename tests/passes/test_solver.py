@@ -226,3 +226,36 @@ def test_coefficients_in_other_units_scale_the_optimum(C, P, bottleneck, starts,
     sol = solve(C, [P] * n, [0.0] * n, [0.0] * (n - 1), 4, a, b, g)
     assert (sol.starts, sol.replicas) == (starts, replicas)
     assert sol.bottleneck == pytest.approx(k * bottleneck, rel=1e-12)
+
+
+def test_checks_reported_with_recomputation_are_the_checks_made() -> None:
+    """The same contract under recompute="auto" and "always" (the recomputing checks, and the
+    extra search for an equally fast plan without recomputation), on the recompute tests'
+    seeded profiles and the one where "auto" falls back to a plan without it."""
+    from test_recompute import fat_and_thin, seeded
+
+    cases = [(*fat_and_thin(4)[:10], 411.0, "auto")]
+    for seed in range(12):
+        C, F, P, A, H, cb, m, al, be, ga, rng = seeded(seed)
+        cases.append((C, F, P, A, H, cb, m, al, be, ga, rng.choice([None, 600.0, 900.0]),
+                      rng.choice(["auto", "always"])))
+    names = ("check_budget", "check_exact", "fewest_stages", "check_budget_rc",
+             "fewest_stages_rc")
+    fell_back = 0
+    for C, F, P, A, H, cb, m, al, be, ga, cap, mode in cases:
+        calls: list[str] = []
+        with pytest.MonkeyPatch.context() as mp:
+            for name in names:
+                def wrapped(*args, _real=getattr(solver, name), _name=name, **kw):
+                    calls.append(_name)
+                    return _real(*args, **kw)
+                mp.setattr(solver, name, wrapped)
+            try:
+                sol = solve(C, P, A, cb, m, al, be, ga, memory_cap=cap, tie_tolerance=1e-9,
+                            recompute=mode, forward=F, held=H)
+            except InfeasiblePlanError:
+                assert len(calls) == 1
+                continue
+        assert sol.checks == len(calls), (mode, calls)
+        fell_back += mode == "auto" and calls[-1] in ("fewest_stages", "check_exact")
+    assert fell_back >= 1  # the post-search for a plan without recomputation was counted
