@@ -1,0 +1,410 @@
+"""Schedules whose processes host SEVERAL stages: interleaved 1F1B and ZB-V, as data.
+
+Every other kind runs one rank ``(stage, replica)`` per process. Two synchronous kinds instead
+split the model into more stages than there are processes and place several on each:
+
+* ``interleaved-1f1b`` (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+  Clusters Using Megatron-LM", SC 2021): ``v`` chunks per process, stage s on process s % P
+  (round robin). With S = v * P stages the order is Megatron-LM's
+  (``forward_backward_pipelining_with_interleaving``): process p runs ``(P - p - 1) * 2 +
+  (v - 1) * P`` warm-up forwards, then one forward / one backward, then the cool-down
+  backwards; the k-th forward of a batch is chunk ``(k mod Pv) // P`` of microbatch
+  ``(k // Pv) * P + k mod P`` (the backwards walk the chunks in reverse). The bubble is
+  ``1 / v`` of 1F1B's. When S is not a multiple of P (a 3-stage model on 2 processes) the same
+  round-robin placement runs a greedy order (below) with fused backwards.
+* ``zb-v`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 2 chunks per process in
+  a V, process p hosting stage p and stage 2P - 1 - p, so the first and the last stage share a
+  process; every backward is split into B (input gradients) and W (weight gradients), and a
+  greedy list scheduler over PROCESSES orders them: a free process runs the oldest ready B,
+  else the deepest ready F its memory allows, else a W that delays nothing (a W goes where its
+  process would otherwise idle). With F = B = W the bubble is (nearly) gone.
+
+Both are synchronous: one update per stage at the end of every batch, every W before it, weight
+versions those of ``1f1b-flush`` (a forward reads the version of the batch), so the semantics
+are minibatch SGD's. :class:`PlacedSchedule` holds the per-rank lists (an ordinary
+:class:`Schedule`, which the reference executor runs as it is), the placement and, per process,
+ONE merged ordered list of (rank, action) that the distributed runtime walks. Messages between
+two stages of one process are local: available as soon as their producer ran. Pure Python.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from fxpipe.errors import ConfigError
+
+from .schedule import (Action, DeadlockError, Rank, Schedule, ScheduleError, _with_versions,
+                       validate)
+
+INTERLEAVED, ZBV = "interleaved-1f1b", "zb-v"
+PLACED_KINDS = (INTERLEAVED, ZBV)
+Step = tuple[Rank, Action]  # one entry of a process's merged list
+
+
+@dataclass(frozen=True)
+class PlacedSchedule:
+    """``schedule``: the per-rank lists (replicas all 1: rank (s, 0) is stage s); ``hosts[p]``:
+    the ranks process p hosts; ``order[p]``: process p's merged list, whose projection on each
+    hosted rank is exactly ``schedule.actions[rank]``."""
+
+    schedule: Schedule
+    hosts: tuple[tuple[Rank, ...], ...]
+    order: tuple[tuple[Step, ...], ...]
+
+    @property
+    def kind(self) -> str:
+        return self.schedule.kind
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.hosts)
+
+    def process_of(self, rank: Rank) -> int:
+        """The process hosting ``rank``."""
+        for p, ranks in enumerate(self.hosts):
+            if rank in ranks:
+                return p
+        raise ScheduleError(f"rank {rank} is hosted by no process", "place every stage once")
+
+    def grid(self) -> list[str]:
+        """One line per process: its merged list, each action tagged with its stage
+        (``F3@2``: forward of minibatch 3 on stage 2)."""
+        return [f"p{p}  |" + " ".join(f"{a}@{r[0]}" for r, a in steps)
+                for p, steps in enumerate(self.order)]
+
+
+def placement(kind: str, num_stages: int, num_processes: int) -> tuple[tuple[Rank, ...], ...]:
+    """Which ranks each process hosts: round robin for interleaved (stage s on process s % P),
+    the V for zb-v (process p: stages p and 2P - 1 - p)."""
+    S, P = num_stages, num_processes
+    if P < 1 or S < P:
+        raise ConfigError(f"{S} stages on {P} processes", "give at least one stage per process")
+    if kind == INTERLEAVED:
+        return tuple(tuple((s, 0) for s in range(p, S, P)) for p in range(P))
+    if kind == ZBV:
+        if S != 2 * P:
+            raise ConfigError(f"zb-v with {S} stages on {P} processes",
+                              f"zb-v places two stages per process in a V: split the model "
+                              f"into {2 * P} stages")
+        return tuple(((p, 0), (2 * P - 1 - p, 0)) for p in range(P))
+    raise ConfigError(f"{kind!r} is not a placed kind", f"use one of {PLACED_KINDS}")
+
+
+# ----------------------------------------------------------------------------- orders of a batch
+
+def megatron_order(p: int, P: int, v: int, mbs: Sequence[int]) -> list[Step]:
+    """Process p's F/B order for one batch ``mbs`` (len a multiple of P) under Megatron-LM's
+    interleaved schedule with v chunks (see the module doc): warm-up, 1F1B, cool-down."""
+    m = len(mbs)
+    total = m * v
+    if m == P:  # Megatron: with as many microbatches as processes, all forwards first
+        warm = total
+    else:
+        warm = min((P - p - 1) * 2 + (v - 1) * P, total)
+
+    def step(k: int, forward: bool) -> Step:
+        chunk = (k % (P * v)) // P
+        if not forward:
+            chunk = v - 1 - chunk
+        mb = mbs[(k // (P * v)) * P + k % P]
+        return ((chunk * P + p, 0), Action("F" if forward else "B", mb))
+
+    out = [step(k, True) for k in range(warm)]
+    for k in range(total - warm):
+        out += [step(k + warm, True), step(k, False)]
+    out += [step(k, False) for k in range(total - warm, total)]
+    return out
+
+
+def greedy_orders(hosts: Sequence[Sequence[Rank]], num_stages: int, mbs: Sequence[int],
+                  limit: int, split: bool,
+                  costs: Sequence[tuple[float, float, float]] | None = None
+                  ) -> list[list[Step]]:
+    """Every process's order for one batch by list scheduling (see the module doc): ``limit``
+    minibatch-stages in flight per process (F done, its W, or fused B, not), ``costs[s]`` = (F,
+    B, W) seconds of stage s (unit costs by default; W's cost joins B's when not ``split``).
+    Local and remote messages alike arrive when their producer ends (no wire time)."""
+    S = num_stages
+    cost = list(costs) if costs is not None else [(1.0, 1.0, 1.0)] * S
+    if len(cost) != S or any(len(c) != 3 or min(c) < 0 for c in cost):
+        raise ConfigError(f"costs={list(cost)!r} needs one (F, B, W) >= 0 per stage",
+                          "e.g. [(1.0, 1.0, 1.0)] * stages")
+    if limit < 1:
+        raise ConfigError(f"in-flight limit {limit}", "allow at least 1 in flight per process")
+    P = len(hosts)
+    done: dict[tuple[str, int, int], float] = {}
+    todo_f = {s: list(mbs) for s in range(S)}
+    wait_b: dict[int, list[int]] = {s: [] for s in range(S)}
+    wait_w: dict[int, list[int]] = {s: [] for s in range(S)}
+    in_flight = [0] * P
+    order: list[list[Step]] = [[] for _ in range(P)]
+    left = [len(h) * len(mbs) * (3 if split else 2) for h in hosts]
+    heap = [(0.0, i, p) for i, p in enumerate(p for p in range(P) if left[p])]
+    heapq.heapify(heap)
+    pushes, progress = len(heap), 0
+    stalled: dict[int, int] = {}  # process -> progress count when it last found nothing
+
+    def dep_end(kind: str, s: int, k: int) -> float:
+        if kind == "F":
+            return 0.0 if s == 0 else done.get(("F", s - 1, k), math.inf)
+        return done.get(("F", s, k) if s == S - 1 else ("B", s + 1, k), math.inf)
+
+    def dur(kind: str, s: int) -> float:
+        f, b, w = cost[s]
+        return f if kind == "F" else w if kind == "W" else (b if split else b + w)
+
+    while heap:
+        t, _, p = heapq.heappop(heap)
+        stages = [r[0] for r in hosts[p]]
+        bs = sorted((k, -s) for s in stages for k in wait_b[s] if dep_end("B", s, k) <= t)
+        fs = sorted((-s, todo_f[s][0]) for s in stages
+                    if todo_f[s] and dep_end("F", s, todo_f[s][0]) <= t)
+        pick: tuple[str, int, int] | None = None
+        if bs:
+            pick = ("B", -bs[0][1], bs[0][0])
+        elif fs and in_flight[p] < limit:
+            pick = ("F", -fs[0][0], fs[0][1])
+        else:
+            ws = sorted((k, -s) for s in stages for k in wait_w[s])
+            if ws:
+                k, s = ws[0][0], -ws[0][1]
+                soon = [dep_end("B", q, j) for q in stages for j in wait_b[q]] + \
+                    ([dep_end("F", q, todo_f[q][0]) for q in stages if todo_f[q]]
+                     if in_flight[p] < limit else [])
+                if all(e >= t + dur("W", s) for e in soon):
+                    pick = ("W", s, k)
+        if pick is None:  # idle until something this process may run can start
+            stalled[p] = progress
+            later = [e for e in done.values() if e > t] + [h[0] for h in heap if h[0] > t]
+            if later:
+                heapq.heappush(heap, (min(later), pushes, p))
+            elif any(stalled.get(h[2]) != progress for h in heap):  # others due now may help
+                heapq.heappush(heap, (t, pushes, p))
+            else:
+                raise ConfigError(f"greedy scheduling is stuck on process {p}",
+                                  "allow more minibatches in flight per process")
+            pushes += 1
+            continue
+        progress += 1
+        kind, s, k = pick
+        if kind == "F":
+            todo_f[s].pop(0)
+            wait_b[s].append(k)
+            in_flight[p] += 1
+        elif kind == "B":
+            wait_b[s].remove(k)
+            if split:
+                wait_w[s].append(k)
+            else:
+                in_flight[p] -= 1
+        else:
+            wait_w[s].remove(k)
+            in_flight[p] -= 1
+        done[(kind, s, k)] = t + dur(kind, s)
+        order[p].append(((s, 0), Action(kind, k)))  # type: ignore[arg-type]
+        left[p] -= 1
+        if left[p]:
+            heapq.heappush(heap, (t + dur(kind, s), pushes, p))
+            pushes += 1
+    return order
+
+
+# ----------------------------------------------------------------------------- the kinds
+
+def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
+                         num_stages: int | None = None, chunks: int = 2,
+                         microbatches: int | None = None, limit: int | None = None,
+                         costs: Sequence[tuple[float, float, float]] | None = None
+                         ) -> PlacedSchedule:
+    """Generate and validate ``kind`` (one of PLACED_KINDS) on ``num_processes`` processes.
+
+    ``num_stages`` defaults to ``chunks * num_processes`` (interleaved: ``chunks`` = v; zb-v:
+    always 2). ``microbatches`` (m, per update) defaults to ``num_processes`` times 2 and must be
+    a multiple of P for Megatron's order. ``limit``: minibatch-stages in flight per process for
+    the greedy orders (default 2P for zb-v: the activation memory of 1F1B, each chunk being half
+    a stage; 2P as well for the greedy interleaved). ``costs``: per stage (F, B, W) seconds.
+    """
+    P = num_processes
+    if kind not in PLACED_KINDS:
+        raise ConfigError(f"{kind!r} is not a placed kind", f"use one of {PLACED_KINDS}")
+    if not isinstance(P, int) or P < 1:
+        raise ConfigError(f"num_processes={P!r}", "use 1 or more processes")
+    if kind == ZBV and num_stages not in (None, 2 * P):
+        raise ConfigError(f"zb-v with {num_stages} stages on {P} processes",
+                          f"zb-v places two stages per process in a V: split the model into "
+                          f"{2 * P} stages")
+    if chunks < 1:
+        raise ConfigError(f"chunks={chunks}", "use at least 1 chunk per process")
+    S = num_stages if num_stages is not None else (2 if kind == ZBV else chunks) * P
+    hosts = placement(kind, S, P)
+    m = microbatches if microbatches is not None else 2 * P
+    n = num_minibatches
+    if m < 1 or n < 0:
+        raise ConfigError(f"microbatches={m}, num_minibatches={n}",
+                          "use at least 1 microbatch per batch and 0 or more minibatches")
+    megatron = kind == INTERLEAVED and S % P == 0
+    batches = [list(range(b * m, min(n, (b + 1) * m))) for b in range(math.ceil(n / m))]
+    if megatron and any(len(mbs) % P for mbs in batches):
+        bad = next(len(mbs) for mbs in batches if len(mbs) % P)
+        raise ConfigError(f"interleaved-1f1b with a batch of {bad} microbatches on {P} "
+                          "processes", f"Megatron's interleaved order needs microbatches per "
+                          f"batch (and num_minibatches) to be a multiple of the processes ({P})")
+    cap = limit if limit is not None else 2 * P
+    merged: list[list[Step]] = [[] for _ in range(P)]
+    for b, mbs in enumerate(batches):
+        if megatron:
+            parts = [megatron_order(p, P, S // P, mbs) for p in range(P)]
+        else:
+            parts = greedy_orders(hosts, S, mbs, cap, kind == ZBV, costs)
+        for p in range(P):
+            merged[p] += parts[p] + [(r, Action("U", b)) for r in hosts[p]]
+    return _stamp(kind, S, n, m, hosts, merged)
+
+
+def _stamp(kind: str, S: int, n: int, m: int, hosts: Sequence[Sequence[Rank]],
+           merged: list[list[Step]]) -> PlacedSchedule:
+    """Project the merged lists on the ranks, stamp 1f1b-flush's versions, validate."""
+    per_rank: dict[Rank, list[Action]] = {(s, 0): [] for s in range(S)}
+    for steps in merged:
+        for r, a in steps:
+            per_rank[r].append(a)
+    stamped = {r: _with_versions(acts, lambda k, u: u) for r, acts in per_rank.items()}
+    sched = Schedule(kind, (1,) * S, n, stamped, m, 1, ())
+    pos = {r: 0 for r in stamped}
+    order = []
+    for steps in merged:
+        out = []
+        for r, _ in steps:
+            out.append((r, stamped[r][pos[r]]))
+            pos[r] += 1
+        order.append(tuple(out))
+    placed = PlacedSchedule(sched, tuple(tuple(h) for h in hosts), tuple(order))
+    validate_placed(placed)
+    return placed
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate_placed(placed: PlacedSchedule) -> None:
+    """Raise :class:`ScheduleError` unless every rank's list is valid on its own (F before B
+    before W before U, versions), each stage is hosted exactly once, each process's merged list
+    projects onto its ranks' lists, and the processes can carry their lists out in order
+    (:func:`process_order`: :class:`DeadlockError` if not)."""
+    sched = placed.schedule
+    if any(r != 1 for r in sched.replicas):
+        raise ScheduleError(f"placed schedule with replicas {list(sched.replicas)}",
+                            "processes hosting several stages run unreplicated stages only")
+    validate(sched)
+    hosted = [r for h in placed.hosts for r in h]
+    if sorted(hosted) != sorted(sched.ranks):
+        raise ScheduleError(f"hosted ranks {sorted(hosted)} != {list(sched.ranks)}",
+                            "place every stage on exactly one process")
+    if len(placed.order) != len(placed.hosts):
+        raise ScheduleError(f"{len(placed.order)} merged lists for {len(placed.hosts)} processes",
+                            "give one merged list per process")
+    for p, steps in enumerate(placed.order):
+        for r in placed.hosts[p]:
+            mine = tuple(a for q, a in steps if q == r)
+            if mine != sched.actions[r]:
+                raise ScheduleError(f"process {p}: its merged list runs stage {r[0]} as "
+                                    f"{' '.join(map(str, mine))}, the stage's list is "
+                                    f"{' '.join(map(str, sched.actions[r]))}",
+                                    "merge the hosted ranks' lists without reordering them")
+        strays = sorted({q for q, _ in steps} - set(placed.hosts[p]))
+        if strays:
+            raise ScheduleError(f"process {p} runs actions of stages {strays} it does not host",
+                                "a process runs only its own stages")
+    process_order(placed)
+
+
+def process_order(placed: PlacedSchedule) -> list[tuple[int, int]]:
+    """Execute every process's merged list in order against the data dependencies (F(k) on
+    stage s needs F(k) on s - 1, B(k) needs B(k) on s + 1, or its own F(k) on the last stage, W
+    needs its B; updates need nothing: unreplicated, untied stages); a message between stages of
+    one process is there as soon as its producer ran. Return (process, index) in a valid
+    execution order, or raise :class:`DeadlockError` naming each stuck process and what it waits
+    for."""
+    S = placed.schedule.num_stages
+    ptr = [0] * placed.num_processes
+    done: set[tuple[str, int, int]] = set()
+    out: list[tuple[int, int]] = []
+
+    def need(r: Rank, a: Action) -> tuple[str, int, int] | None:
+        s = r[0]
+        if a.kind == "U":
+            return None
+        if a.kind == "F":
+            return None if s == 0 else ("F", s - 1, a.minibatch)
+        if a.kind == "W":
+            return ("B", s, a.minibatch)
+        return ("F", s, a.minibatch) if s == S - 1 else ("B", s + 1, a.minibatch)
+
+    progress = True
+    while progress:
+        progress = False
+        for p, steps in enumerate(placed.order):
+            while ptr[p] < len(steps):
+                r, a = steps[ptr[p]]
+                dep = need(r, a)
+                if dep is not None and dep not in done:
+                    break
+                done.add((a.kind, r[0], a.minibatch))
+                out.append((p, ptr[p]))
+                ptr[p] += 1
+                progress = True
+    stuck = {p: placed.order[p][i] for p, i in enumerate(ptr) if i < len(placed.order[p])}
+    if stuck:
+        parts = []
+        for p, (r, a) in sorted(stuck.items()):
+            dep = need(r, a)
+            what = f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "nothing"
+            parts.append(f"process {p} stuck at {a} of stage {r[0]} waiting for {what}")
+        raise DeadlockError("deadlock: " + "; ".join(parts),
+                            "reorder the merged lists so each process's next action can become "
+                            "ready", {r: a for r, a in stuck.values()})
+    return out
+
+
+def simulate_placed(placed: PlacedSchedule, costs: Sequence[tuple[float, float, float]],
+                    comm: float = 0.0, update: float = 0.0) -> tuple[float, list[float]]:
+    """(makespan, busy seconds per process) of ``placed``: each process runs its merged list in
+    order, an action starting when its process is free and its input is there (``comm``
+    seconds after its producer ended when the producer is on another process, at once when on
+    the same one). ``costs[s]`` = (F, B, W) of stage s; a fused backward (no W on that stage)
+    costs B + W."""
+    S = placed.schedule.num_stages
+    where = {r: p for p, h in enumerate(placed.hosts) for r in h}
+    split = {r for r, acts in placed.schedule.actions.items() if any(a.kind == "W" for a in acts)}
+    free = [0.0] * placed.num_processes
+    busy = [0.0] * placed.num_processes
+    end: dict[tuple[str, int, int], float] = {}
+    for p, i in process_order(placed):
+        r, a = placed.order[p][i]
+        s, k = r[0], a.minibatch
+        f, b, w = costs[s]
+        if a.kind == "U":
+            start, dur = free[p], update
+        else:
+            if a.kind == "F":
+                src = None if s == 0 else ("F", s - 1, k)
+            elif a.kind == "W":
+                src = ("B", s, k)
+            else:
+                src = ("F", s, k) if s == S - 1 else ("B", s + 1, k)
+            ready = 0.0
+            if src is not None:
+                ready = end[src] + (comm if where[(src[1], 0)] != p else 0.0)
+            start = max(free[p], ready)
+            dur = f if a.kind == "F" else w if a.kind == "W" else (b if r in split else b + w)
+        end[(a.kind, s, k)] = start + dur
+        free[p] = start + dur
+        busy[p] += dur
+    return max(free, default=0.0), busy
+
+
+__all__ = ["INTERLEAVED", "ZBV", "PLACED_KINDS", "PlacedSchedule", "placement", "megatron_order",
+           "greedy_orders", "make_placed_schedule", "validate_placed", "process_order",
+           "simulate_placed"]
+_ = DeadlockError  # re-exported for callers catching it from here
