@@ -57,6 +57,12 @@ class PlacedSchedule:
     def kind(self) -> str:
         return self.schedule.kind
 
+    def __reduce__(self) -> tuple:
+        """Picklable (spawned processes get it): a Schedule's read-only mapping is not."""
+        s = self.schedule
+        return (_rebuild, ((s.kind, s.replicas, s.num_minibatches, dict(s.actions), s.group,
+                            s.noam, s.windows), self.hosts, self.order))
+
     @property
     def num_processes(self) -> int:
         return len(self.hosts)
@@ -73,6 +79,10 @@ class PlacedSchedule:
         (``F3@2``: forward of minibatch 3 on stage 2)."""
         return [f"p{p}  |" + " ".join(f"{a}@{r[0]}" for r, a in steps)
                 for p, steps in enumerate(self.order)]
+
+
+def _rebuild(sched: tuple, hosts: tuple, order: tuple) -> PlacedSchedule:
+    return PlacedSchedule(Schedule(*sched), hosts, order)
 
 
 def placement(kind: str, num_stages: int, num_processes: int) -> tuple[tuple[Rank, ...], ...]:
