@@ -18,8 +18,10 @@ go:
 
 Every remote wait has Comm's timeout. Gloo only: the order argument of commplan (NCCL pairs
 messages by order, not tag) is made for one rank per process and not proven for merged lists,
-so ``device="cuda"`` is refused. Unreplicated, untied stages only (what the placed kinds make);
-tied parameters and global clipping / fp16 loss scaling are refused with a clear error.
+so ``device="cuda"`` is refused. A replicated placement (R copies of the pipeline) sums each
+stage's gradients over its replicas at ``U`` (one flat all-reduce per stage, its own group, in
+the merged order every copy shares). Tied parameters and global clipping / fp16 loss scaling
+are refused with a clear error.
 """
 from __future__ import annotations
 
@@ -143,7 +145,8 @@ class ProcessExecutor:
     def __init__(self, stages: Sequence[StageSpec], placed: PlacedSchedule, index: int,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  rank_of: dict[Rank, int], timeout_s: float, t0: float, *,
-                 device: torch.device | None = None, options: StepOptions = DEFAULT) -> None:
+                 groups: dict[Any, Any] | None = None, device: torch.device | None = None,
+                 options: StepOptions = DEFAULT) -> None:
         self.placed = placed
         self.index = index
         self.hosts = placed.hosts[index]
@@ -153,7 +156,7 @@ class ProcessExecutor:
         for r in self.hosts:
             rec = Recorder(t0, args={"stage": r[0], "replica": r[1], "rank": index})
             comm = Comm(r, rank_of, len(wire.values), timeout_s, device or torch.device("cpu"),
-                        {}, recorder=rec)
+                        groups or {}, recorder=rec)
             self.executors[r] = HostedRankExecutor(
                 stages, placed.schedule, r, loss_fn, optimizer_factory, wire, comm,
                 device=device, recorder=rec, overlap_allreduce=False, options=options,

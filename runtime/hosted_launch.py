@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 from fxpipe.codegen.split import StageSpec
 from fxpipe.errors import FxpipeError
 
-from .comm import synchronized_start
+from .comm import make_groups, synchronized_start
 from .errors import WorkerFailedError
 from .hosted import ProcessExecutor, check_hostable
 from .launch import _join, free_port
@@ -68,14 +68,16 @@ def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s
         warm_imports()  # the first optimizer's lazy import, before the timeline's zero
         t0 = synchronized_start(max(timeout_s, 60.0))
         for n, job in enumerate(jobs):
+            rank_of = {r: p for p, h in enumerate(job.placed.hosts) for r in h}
+            # every process of the world creates every job's groups (new_group is collective)
+            groups = make_groups(job.placed.schedule.replicas, rank_of, [], timeout_s)
             if index >= job.placed.num_processes:
                 dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
                 continue
-            rank_of = {r: p for p, h in enumerate(job.placed.hosts) for r in h}
             assert job.wire is not None
             ex = ProcessExecutor(job.stages, job.placed, index, job.loss_fn,
                                  job.optimizer_factory, job.wire, rank_of, timeout_s, t0,
-                                 options=job.options)
+                                 groups=groups, options=job.options)
             res = ex.run(job.batches)
             torch.save({r: v.__dict__ for r, v in res.items()}, out / f"job{n}-p{index}.pt")
         dist.destroy_process_group()
@@ -98,7 +100,7 @@ def run_placed_jobs(jobs: Sequence[PlacedJob], *, timeout_s: float = 60.0,
     for j in jobs:
         validate_placed(j.placed)
         check_hostable(j.stages, j.placed, "cpu", j.options)
-        check_schedule(j.stages, [1] * len(j.stages), j.placed.schedule, len(j.batches))
+        check_schedule(j.stages, j.placed.schedule.replicas, j.placed.schedule, len(j.batches))
         if j.wire is None:
             j.wire = make_wire_plan(j.stages, [b[0] for b in j.batches],
                                     precision=j.options.precision)
@@ -147,7 +149,8 @@ def _result(placed: PlacedSchedule, per: dict[Any, dict[str, Any]]) -> RunResult
         losses.update(r["losses"])
     ranks = sched.ranks
     return RunResult([losses[k] for k in range(sched.num_minibatches)],
-                     [per[r]["params"] for r in ranks], {r: per[r]["params"] for r in ranks},
+                     [per[(s, 0)]["params"] for s in range(sched.num_stages)],
+                     {r: per[r]["params"] for r in ranks},
                      {r: per[r]["peak_bytes"] for r in ranks},
                      {i: per[r]["timeline"] for i, r in enumerate(ranks)})
 

@@ -28,24 +28,24 @@ two stages of one process are local: available as soon as their producer ran. Pu
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
 from fxpipe.errors import ConfigError
 
+from .placed_orders import Step, greedy_orders, megatron_order
 from .schedule import (Action, DeadlockError, Rank, Schedule, ScheduleError, _with_versions,
                        validate)
 
 INTERLEAVED, ZBV = "interleaved-1f1b", "zb-v"
 PLACED_KINDS = (INTERLEAVED, ZBV)
-Step = tuple[Rank, Action]  # one entry of a process's merged list
 
 
 @dataclass(frozen=True)
 class PlacedSchedule:
-    """``schedule``: the per-rank lists (replicas all 1: rank (s, 0) is stage s); ``hosts[p]``:
+    """``schedule``: the per-rank lists (every stage replicated equally, often once);
+    ``hosts[p]``:
     the ranks process p hosts; ``order[p]``: process p's merged list, whose projection on each
     hosted rank is exactly ``schedule.actions[rank]``."""
 
@@ -102,132 +102,13 @@ def placement(kind: str, num_stages: int, num_processes: int) -> tuple[tuple[Ran
     raise ConfigError(f"{kind!r} is not a placed kind", f"use one of {PLACED_KINDS}")
 
 
-# ----------------------------------------------------------------------------- orders of a batch
-
-def megatron_order(p: int, P: int, v: int, mbs: Sequence[int]) -> list[Step]:
-    """Process p's F/B order for one batch ``mbs`` (len a multiple of P) under Megatron-LM's
-    interleaved schedule with v chunks (see the module doc): warm-up, 1F1B, cool-down."""
-    m = len(mbs)
-    total = m * v
-    if m == P:  # Megatron: with as many microbatches as processes, all forwards first
-        warm = total
-    else:
-        warm = min((P - p - 1) * 2 + (v - 1) * P, total)
-
-    def step(k: int, forward: bool) -> Step:
-        chunk = (k % (P * v)) // P
-        if not forward:
-            chunk = v - 1 - chunk
-        mb = mbs[(k // (P * v)) * P + k % P]
-        return ((chunk * P + p, 0), Action("F" if forward else "B", mb))
-
-    out = [step(k, True) for k in range(warm)]
-    for k in range(total - warm):
-        out += [step(k + warm, True), step(k, False)]
-    out += [step(k, False) for k in range(total - warm, total)]
-    return out
-
-
-def greedy_orders(hosts: Sequence[Sequence[Rank]], num_stages: int, mbs: Sequence[int],
-                  limit: int, split: bool,
-                  costs: Sequence[tuple[float, float, float]] | None = None
-                  ) -> list[list[Step]]:
-    """Every process's order for one batch by list scheduling (see the module doc): ``limit``
-    minibatch-stages in flight per process (F done, its W, or fused B, not), ``costs[s]`` = (F,
-    B, W) seconds of stage s (unit costs by default; W's cost joins B's when not ``split``).
-    Local and remote messages alike arrive when their producer ends (no wire time)."""
-    S = num_stages
-    cost = list(costs) if costs is not None else [(1.0, 1.0, 1.0)] * S
-    if len(cost) != S or any(len(c) != 3 or min(c) < 0 for c in cost):
-        raise ConfigError(f"costs={list(cost)!r} needs one (F, B, W) >= 0 per stage",
-                          "e.g. [(1.0, 1.0, 1.0)] * stages")
-    if limit < 1:
-        raise ConfigError(f"in-flight limit {limit}", "allow at least 1 in flight per process")
-    P = len(hosts)
-    done: dict[tuple[str, int, int], float] = {}
-    todo_f = {s: list(mbs) for s in range(S)}
-    wait_b: dict[int, list[int]] = {s: [] for s in range(S)}
-    wait_w: dict[int, list[int]] = {s: [] for s in range(S)}
-    in_flight = [0] * P
-    order: list[list[Step]] = [[] for _ in range(P)]
-    left = [len(h) * len(mbs) * (3 if split else 2) for h in hosts]
-    heap = [(0.0, i, p) for i, p in enumerate(p for p in range(P) if left[p])]
-    heapq.heapify(heap)
-    pushes, progress = len(heap), 0
-    stalled: dict[int, int] = {}  # process -> progress count when it last found nothing
-
-    def dep_end(kind: str, s: int, k: int) -> float:
-        if kind == "F":
-            return 0.0 if s == 0 else done.get(("F", s - 1, k), math.inf)
-        return done.get(("F", s, k) if s == S - 1 else ("B", s + 1, k), math.inf)
-
-    def dur(kind: str, s: int) -> float:
-        f, b, w = cost[s]
-        return f if kind == "F" else w if kind == "W" else (b if split else b + w)
-
-    while heap:
-        t, _, p = heapq.heappop(heap)
-        stages = [r[0] for r in hosts[p]]
-        bs = sorted((k, -s) for s in stages for k in wait_b[s] if dep_end("B", s, k) <= t)
-        fs = sorted((-s, todo_f[s][0]) for s in stages
-                    if todo_f[s] and dep_end("F", s, todo_f[s][0]) <= t)
-        pick: tuple[str, int, int] | None = None
-        if bs:
-            pick = ("B", -bs[0][1], bs[0][0])
-        elif fs and in_flight[p] < limit:
-            pick = ("F", -fs[0][0], fs[0][1])
-        else:
-            ws = sorted((k, -s) for s in stages for k in wait_w[s])
-            if ws:
-                k, s = ws[0][0], -ws[0][1]
-                soon = [dep_end("B", q, j) for q in stages for j in wait_b[q]] + \
-                    ([dep_end("F", q, todo_f[q][0]) for q in stages if todo_f[q]]
-                     if in_flight[p] < limit else [])
-                if all(e >= t + dur("W", s) for e in soon):
-                    pick = ("W", s, k)
-        if pick is None:  # idle until something this process may run can start
-            stalled[p] = progress
-            later = [e for e in done.values() if e > t] + [h[0] for h in heap if h[0] > t]
-            if later:
-                heapq.heappush(heap, (min(later), pushes, p))
-            elif any(stalled.get(h[2]) != progress for h in heap):  # others due now may help
-                heapq.heappush(heap, (t, pushes, p))
-            else:
-                raise ConfigError(f"greedy scheduling is stuck on process {p}",
-                                  "allow more minibatches in flight per process")
-            pushes += 1
-            continue
-        progress += 1
-        kind, s, k = pick
-        if kind == "F":
-            todo_f[s].pop(0)
-            wait_b[s].append(k)
-            in_flight[p] += 1
-        elif kind == "B":
-            wait_b[s].remove(k)
-            if split:
-                wait_w[s].append(k)
-            else:
-                in_flight[p] -= 1
-        else:
-            wait_w[s].remove(k)
-            in_flight[p] -= 1
-        done[(kind, s, k)] = t + dur(kind, s)
-        order[p].append(((s, 0), Action(kind, k)))  # type: ignore[arg-type]
-        left[p] -= 1
-        if left[p]:
-            heapq.heappush(heap, (t + dur(kind, s), pushes, p))
-            pushes += 1
-    return order
-
-
 # ----------------------------------------------------------------------------- the kinds
 
 def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
                          num_stages: int | None = None, chunks: int = 2,
                          microbatches: int | None = None, limit: int | None = None,
-                         costs: Sequence[tuple[float, float, float]] | None = None
-                         ) -> PlacedSchedule:
+                         costs: Sequence[tuple[float, float, float]] | None = None,
+                         replicas: int = 1) -> PlacedSchedule:
     """Generate and validate ``kind`` (one of PLACED_KINDS) on ``num_processes`` processes.
 
     ``num_stages`` defaults to ``chunks * num_processes`` (interleaved: ``chunks`` = v; zb-v:
@@ -235,8 +116,26 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
     a multiple of P for Megatron's order. ``limit``: minibatch-stages in flight per process for
     the greedy orders (default 2P for zb-v: the activation memory of 1F1B, each chunk being half
     a stage; 2P as well for the greedy interleaved). ``costs``: per stage (F, B, W) seconds.
+
+    ``replicas`` = R > 1: R copies of the whole placed pipeline (data parallelism over it,
+    ``num_processes`` processes each, so R * P in all: process ``j * P + p`` is copy j's p);
+    minibatch k goes to copy k % R (the round robin of every kind), each copy runs the order of
+    its own m / R microbatches, and each stage's R replicas all-reduce at every update.
     """
     P = num_processes
+    if not isinstance(replicas, int) or replicas < 1:
+        raise ConfigError(f"replicas={replicas!r}", "use 1 or more copies of the pipeline")
+    if replicas > 1:
+        m0 = microbatches if microbatches is not None else 2 * P * replicas
+        if m0 % replicas or num_minibatches % replicas:
+            raise ConfigError(f"{kind} with {replicas} replicas, {m0} microbatches per batch "
+                              f"and {num_minibatches} minibatches",
+                              f"both must be multiples of the replicas ({replicas}): each copy "
+                              "of the pipeline gets an equal share of every batch")
+        one = make_placed_schedule(kind, P, num_minibatches // replicas, num_stages=num_stages,
+                                   chunks=chunks, microbatches=m0 // replicas, limit=limit,
+                                   costs=costs)
+        return _replicate(one, replicas, m0)
     if kind not in PLACED_KINDS:
         raise ConfigError(f"{kind!r} is not a placed kind", f"use one of {PLACED_KINDS}")
     if not isinstance(P, int) or P < 1:
@@ -273,6 +172,24 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
     return _stamp(kind, S, n, m, hosts, merged)
 
 
+def _replicate(one: PlacedSchedule, R: int, m: int) -> PlacedSchedule:
+    """R copies of ``one`` (see make_placed_schedule): copy j's local minibatch i is global
+    minibatch i * R + j; updates keep their numbers."""
+    def glob(a: Action, j: int) -> Action:
+        return a if a.kind == "U" else Action(a.kind, a.minibatch * R + j, a.version)
+
+    sched = one.schedule
+    acts = {(s, j): tuple(glob(a, j) for a in sched.actions[(s, 0)])
+            for s in range(sched.num_stages) for j in range(R)}
+    hosts = tuple(tuple((s, j) for s, _ in h) for j in range(R) for h in one.hosts)
+    order = tuple(tuple(((s, j), glob(a, j)) for (s, _), a in steps)
+                  for j in range(R) for steps in one.order)
+    placed = PlacedSchedule(Schedule(sched.kind, (R,) * sched.num_stages,
+                                     sched.num_minibatches * R, acts, m, 1, ()), hosts, order)
+    validate_placed(placed)
+    return placed
+
+
 def _stamp(kind: str, S: int, n: int, m: int, hosts: Sequence[Sequence[Rank]],
            merged: list[list[Step]]) -> PlacedSchedule:
     """Project the merged lists on the ranks, stamp 1f1b-flush's versions, validate."""
@@ -303,9 +220,9 @@ def validate_placed(placed: PlacedSchedule) -> None:
     projects onto its ranks' lists, and the processes can carry their lists out in order
     (:func:`process_order`: :class:`DeadlockError` if not)."""
     sched = placed.schedule
-    if any(r != 1 for r in sched.replicas):
+    if len(set(sched.replicas)) > 1:
         raise ScheduleError(f"placed schedule with replicas {list(sched.replicas)}",
-                            "processes hosting several stages run unreplicated stages only")
+                            "replicate the whole pipeline: every stage the same number of times")
     validate(sched)
     hosted = [r for h in placed.hosts for r in h]
     if sorted(hosted) != sorted(sched.ranks):
@@ -314,6 +231,12 @@ def validate_placed(placed: PlacedSchedule) -> None:
     if len(placed.order) != len(placed.hosts):
         raise ScheduleError(f"{len(placed.order)} merged lists for {len(placed.hosts)} processes",
                             "give one merged list per process")
+    for p, h in enumerate(placed.hosts):
+        twice = sorted(s for s in {r[0] for r in h} if sum(r[0] == s for r in h) > 1)
+        if twice:
+            raise ScheduleError(f"process {p} hosts several replicas of stage {twice[0]}",
+                                "replicas of a stage all-reduce with each other: put them on "
+                                "different processes")
     for p, steps in enumerate(placed.order):
         for r in placed.hosts[p]:
             mine = tuple(a for q, a in steps if q == r)
@@ -332,14 +255,18 @@ def validate_placed(placed: PlacedSchedule) -> None:
 def process_order(placed: PlacedSchedule) -> list[tuple[int, int]]:
     """Execute every process's merged list in order against the data dependencies (F(k) on
     stage s needs F(k) on s - 1, B(k) needs B(k) on s + 1, or its own F(k) on the last stage, W
-    needs its B; updates need nothing: unreplicated, untied stages); a message between stages of
-    one process is there as soon as its producer ran. Return (process, index) in a valid
+    needs its B; an update needs nothing when the stage has one replica, else every replica's
+    process at that same update: one all-reduce); a message between stages of one process is
+    there as soon as its producer ran. Return (process, index) in a valid
     execution order, or raise :class:`DeadlockError` naming each stuck process and what it waits
     for."""
     S = placed.schedule.num_stages
     ptr = [0] * placed.num_processes
     done: set[tuple[str, int, int]] = set()
     out: list[tuple[int, int]] = []
+
+    where = {r: p for p, h in enumerate(placed.hosts) for r in h}
+    R = placed.schedule.replicas[0] if S else 1
 
     def need(r: Rank, a: Action) -> tuple[str, int, int] | None:
         s = r[0]
@@ -357,6 +284,17 @@ def process_order(placed: PlacedSchedule) -> list[tuple[int, int]]:
         for p, steps in enumerate(placed.order):
             while ptr[p] < len(steps):
                 r, a = steps[ptr[p]]
+                if a.kind == "U" and R > 1:  # an all-reduce: every replica's process there
+                    peers = [where[(r[0], j)] for j in range(R)]
+                    if not all(ptr[q] < len(placed.order[q]) and
+                               placed.order[q][ptr[q]] == ((r[0], j), a)
+                               for j, q in enumerate(peers)):
+                        break
+                    for q in peers:
+                        out.append((q, ptr[q]))
+                        ptr[q] += 1
+                    progress = True
+                    continue
                 dep = need(r, a)
                 if dep is not None and dep not in done:
                     break
@@ -386,7 +324,9 @@ def simulate_placed(placed: PlacedSchedule, costs: Sequence[tuple[float, float, 
     costs B + W."""
     S = placed.schedule.num_stages
     where = {r: p for p, h in enumerate(placed.hosts) for r in h}
-    split = {r for r, acts in placed.schedule.actions.items() if any(a.kind == "W" for a in acts)}
+    sched = placed.schedule
+    split = {r for r, acts in sched.actions.items() if any(a.kind == "W" for a in acts)}
+    together: dict[tuple[int, int], float] = {}  # (stage, update) -> start of its all-reduce
     free = [0.0] * placed.num_processes
     busy = [0.0] * placed.num_processes
     end: dict[tuple[str, int, int], float] = {}
@@ -394,8 +334,11 @@ def simulate_placed(placed: PlacedSchedule, costs: Sequence[tuple[float, float, 
         r, a = placed.order[p][i]
         s, k = r[0], a.minibatch
         f, b, w = costs[s]
-        if a.kind == "U":
-            start, dur = free[p], update
+        if a.kind == "U":  # the replicas' processes start it together
+            key = (s, k)
+            if key not in together:
+                together[key] = max(free[where[(s, j)]] for j in range(sched.replicas[s]))
+            start, dur = together[key], update
         else:
             if a.kind == "F":
                 src = None if s == 0 else ("F", s - 1, k)
@@ -405,7 +348,7 @@ def simulate_placed(placed: PlacedSchedule, costs: Sequence[tuple[float, float, 
                 src = ("F", s, k) if s == S - 1 else ("B", s + 1, k)
             ready = 0.0
             if src is not None:
-                ready = end[src] + (comm if where[(src[1], 0)] != p else 0.0)
+                ready = end[src] + (comm if where[sched.owner(src[1], k)] != p else 0.0)
             start = max(free[p], ready)
             dur = f if a.kind == "F" else w if a.kind == "W" else (b if r in split else b + w)
         end[(a.kind, s, k)] = start + dur

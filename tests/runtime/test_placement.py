@@ -138,3 +138,24 @@ def test_updates_come_after_every_w_of_the_batch() -> None:
         assert all(text.index(f"W{k} ") < u0 for k in range(6))
         assert sum(a.kind == "W" for a in acts) == 12
     assert isinstance(ps.order[0][0][1], Action)
+
+
+def test_replicated_placement_copies_the_pipeline() -> None:
+    """R = 2 copies of zb-v on 2 processes: process j * P + p is copy j's p; copy j runs
+    minibatches k = i * 2 + j in the order copy 0 runs i; each stage's two replicas meet at
+    every update (process_order executes the U's together)."""
+    one = make_placed_schedule("zb-v", 2, 4, microbatches=2)
+    two = make_placed_schedule("zb-v", 2, 8, microbatches=4, replicas=2)
+    assert two.hosts == (((0, 0), (3, 0)), ((1, 0), (2, 0)), ((0, 1), (3, 1)), ((1, 1), (2, 1)))
+    assert two.schedule.replicas == (2, 2, 2, 2) and two.schedule.group == 4
+    for p in range(2):
+        for j in range(2):
+            assert [(r[0], a.kind, a.minibatch if a.kind == "U" else a.minibatch * 2 + j)
+                    for r, a in one.order[p]] == \
+                [(r[0], a.kind, a.minibatch) for r, a in two.order[j * 2 + p]]
+    span, busy = simulate_placed(two, [UNIT] * 4)
+    assert (span, busy) == (simulate_placed(one, [UNIT] * 4)[0], [24.0] * 4)
+    with pytest.raises(ConfigError) as info:
+        make_placed_schedule("zb-v", 2, 8, microbatches=3, replicas=2)
+    assert info.value.message == ("zb-v with 2 replicas, 3 microbatches per batch and 8 "
+                                  "minibatches")

@@ -5,7 +5,8 @@ executor running the same per-rank lists == minibatch SGD (one step per batch on
 concatenation, computed here without fxpipe): on 2 processes x 4 stages, 3 stages round robin on
 2 processes (a value sent both to a remote stage and to a stage of its own process), a value
 consumed by two stages of the same remote process (its two gradients come back with one
-(minibatch, value) pair), and 4 processes x 8 stages."""
+(minibatch, value) pair), 4 processes x 8 stages, and two copies of a placed pipeline (4
+processes; each stage's two replicas all-reduce at every update)."""
 from __future__ import annotations
 
 import pytest
@@ -50,19 +51,22 @@ def deep_mlp(seed: int = 0, layers: int = 8, width: int = 6) -> nn.Module:
     return nn.Sequential(*mods, nn.Tanh(), nn.Linear(width, 2))
 
 
-CASES = {  # model, cuts, kind, processes, stages, minibatches, per batch
+CASES = {  # model, cuts, kind, processes, stages, minibatches, per batch[, copies]
     "interleaved-2x4": (tiny_mlp, [1, 2, 3], "interleaved-1f1b", 2, 4, 8, 4),
     "zb-v-2x4": (tiny_mlp, [1, 2, 3], "zb-v", 2, 4, 8, 4),
     "interleaved-3-on-2-skip": (SkipMLP, [2, 4], "interleaved-1f1b", 2, 3, 8, 4),
     "zb-v-two-consumers": (TwoConsumers, [2, 4, 7], "zb-v", 2, 4, 6, 3),
     "interleaved-4x8": (deep_mlp, [2, 4, 6, 8, 10, 12, 14], "interleaved-1f1b", 4, 8, 8, 8),
     "zb-v-4x8": (deep_mlp, [2, 4, 6, 8, 10, 12, 14], "zb-v", 4, 8, 8, 4),
+    "zb-v-2x4-replicated": (tiny_mlp, [1, 2, 3], "zb-v", 2, 4, 8, 4, 2),
+    "interleaved-3-on-2-replicated": (SkipMLP, [2, 4], "interleaved-1f1b", 2, 3, 8, 4, 2),
 }
 
 
 def _parts(name: str):
-    make, cuts, kind, P, S, n, m = CASES[name]
-    placed = make_placed_schedule(kind, P, n, num_stages=S, microbatches=m)
+    make, cuts, kind, P, S, n, m, *copies = CASES[name]
+    placed = make_placed_schedule(kind, P, n, num_stages=S, microbatches=m,
+                                  replicas=copies[0] if copies else 1)
     return make, cuts, placed, batches(n), m
 
 
@@ -80,7 +84,8 @@ def test_distributed_equals_reference_and_minibatch_sgd(name: str, distributed) 
     make, cuts, placed, data, m = _parts(name)
     stages = split(make(), cuts)
     assert len(stages) == placed.schedule.num_stages
-    ref = ReferenceExecutor(stages, [1] * len(stages), placed.schedule, loss_fn, sgd).run(data)
+    ref = ReferenceExecutor(stages, list(placed.schedule.replicas), placed.schedule, loss_fn,
+                            sgd).run(data)
     got = distributed[name]
     torch.testing.assert_close(got.losses, ref.losses, **TIGHT)
     for rank in ref.replica_params:
@@ -90,7 +95,8 @@ def test_distributed_equals_reference_and_minibatch_sgd(name: str, distributed) 
     for params in ref.replica_params.values():
         for n, p in params.items():
             torch.testing.assert_close(p, want[n], **TIGHT, msg=f"{name} {n}")
-    assert len(want) == sum(len(p) for p in ref.replica_params.values())
+    R = placed.schedule.replicas[0]
+    assert len(want) * R == sum(len(p) for p in ref.replica_params.values())
 
 
 def test_reference_of_a_placed_kind_equals_1f1b_flush() -> None:
@@ -121,9 +127,9 @@ def test_what_the_hosted_runtime_does_not_do_is_refused() -> None:
         check_hostable(stages, placed, "cpu", StepOptions(clip_grad_norm=1.0))
     with pytest.raises(RuntimeConfigError, match="3 stages for a zb-v schedule of 2"):
         check_hostable(split(tiny_mlp(), [1, 2]), placed, "cpu", StepOptions())
-    # a replicated plan: stages hosted together are unreplicated (refused as data)
+    # two replicas of a stage on one process would all-reduce with themselves
     sched = Schedule.from_text([2], {(0, 0): "F0 B0 U0", (0, 1): "F1 B1 U0"}, kind="zb-v")
-    with pytest.raises(ScheduleError, match="replicas \\[2\\]"):
+    with pytest.raises(ScheduleError, match="process 0 hosts several replicas of stage 0"):
         validate_placed(PlacedSchedule(sched, (((0, 0), (0, 1)),),
                                        (tuple(((0, j), a) for j in (0, 1)
                                               for a in sched.actions[(0, j)]),)))
