@@ -16,8 +16,9 @@ split the model into more stages than there are processes and place several on e
   a V, process p hosting stage p and stage 2P - 1 - p, so the first and the last stage share a
   process; every backward is split into B (input gradients) and W (weight gradients), and a
   greedy list scheduler over PROCESSES orders them: a free process runs the oldest ready B,
-  else the deepest ready F its memory allows, else a W that delays nothing (a W goes where its
-  process would otherwise idle). With F = B = W the bubble is (nearly) gone.
+  else the deepest ready F (a new minibatch only while fewer than P are admitted), else a W
+  that delays nothing (a W goes where its process would otherwise idle). With F = B = W the
+  bubble is only the last process's start-up.
 
 Both are synchronous: one update per stage at the end of every batch, every W before it, weight
 versions those of ``1f1b-flush`` (a forward reads the version of the batch), so the semantics
@@ -108,14 +109,17 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
                          num_stages: int | None = None, chunks: int = 2,
                          microbatches: int | None = None, limit: int | None = None,
                          costs: Sequence[tuple[float, float, float]] | None = None,
+                         comm: Sequence[float] | None = None,
                          replicas: int = 1) -> PlacedSchedule:
     """Generate and validate ``kind`` (one of PLACED_KINDS) on ``num_processes`` processes.
 
     ``num_stages`` defaults to ``chunks * num_processes`` (interleaved: ``chunks`` = v; zb-v:
     always 2). ``microbatches`` (m, per update) defaults to ``num_processes`` times 2 and must be
-    a multiple of P for Megatron's order. ``limit``: minibatch-stages in flight per process for
-    the greedy orders (default 2P for zb-v: the activation memory of 1F1B, each chunk being half
-    a stage; 2P as well for the greedy interleaved). ``costs``: per stage (F, B, W) seconds.
+    a multiple of P for Megatron's order. ``limit``: minibatches admitted per process at once
+    for the greedy orders (default P: under zb-v at most 2P chunk activations, 1F1B's memory
+    since a chunk is half a stage; see :func:`greedy_orders`). ``costs``: per stage (F, B, W)
+    seconds and
+    ``comm`` per cut (into stage s) seconds, which the greedy orders place W's by.
 
     ``replicas`` = R > 1: R copies of the whole placed pipeline (data parallelism over it,
     ``num_processes`` processes each, so R * P in all: process ``j * P + p`` is copy j's p);
@@ -134,7 +138,7 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
                               "of the pipeline gets an equal share of every batch")
         one = make_placed_schedule(kind, P, num_minibatches // replicas, num_stages=num_stages,
                                    chunks=chunks, microbatches=m0 // replicas, limit=limit,
-                                   costs=costs)
+                                   costs=costs, comm=comm)
         return _replicate(one, replicas, m0)
     if kind not in PLACED_KINDS:
         raise ConfigError(f"{kind!r} is not a placed kind", f"use one of {PLACED_KINDS}")
@@ -160,13 +164,13 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
         raise ConfigError(f"interleaved-1f1b with a batch of {bad} microbatches on {P} "
                           "processes", f"Megatron's interleaved order needs microbatches per "
                           f"batch (and num_minibatches) to be a multiple of the processes ({P})")
-    cap = limit if limit is not None else 2 * P
+    cap = limit if limit is not None else P
     merged: list[list[Step]] = [[] for _ in range(P)]
     for b, mbs in enumerate(batches):
         if megatron:
             parts = [megatron_order(p, P, S // P, mbs) for p in range(P)]
         else:
-            parts = greedy_orders(hosts, S, mbs, cap, kind == ZBV, costs)
+            parts = greedy_orders(hosts, S, mbs, cap, kind == ZBV, costs, comm)
         for p in range(P):
             merged[p] += parts[p] + [(r, Action("U", b)) for r in hosts[p]]
     return _stamp(kind, S, n, m, hosts, merged)
@@ -315,49 +319,67 @@ def process_order(placed: PlacedSchedule) -> list[tuple[int, int]]:
     return out
 
 
-def simulate_placed(placed: PlacedSchedule, costs: Sequence[tuple[float, float, float]],
-                    comm: float = 0.0, update: float = 0.0) -> tuple[float, list[float]]:
-    """(makespan, busy seconds per process) of ``placed``: each process runs its merged list in
-    order, an action starting when its process is free and its input is there (``comm``
-    seconds after its producer ended when the producer is on another process, at once when on
-    the same one). ``costs[s]`` = (F, B, W) of stage s; a fused backward (no W on that stage)
-    costs B + W."""
-    S = placed.schedule.num_stages
-    where = {r: p for p, h in enumerate(placed.hosts) for r in h}
+def timed_placed(placed: PlacedSchedule, costs: Sequence[tuple[float, float, float]],
+                 comm: float | Sequence[float] = 0.0, update: float | Sequence[float] = 0.0
+                 ) -> dict[tuple[int, int], tuple[float, float]]:
+    """(process, index) -> (start, end) of every step of ``placed``: each process runs its
+    merged list in order, an action starting when its process is free and its input is there
+    (``comm[s]`` seconds after its producer ended for a message across the cut into stage s,
+    activations and gradients alike, when the producer is on another process; at once when on
+    the same one). ``costs[s]`` = (F, B, W) of stage s (a fused backward costs B + W);
+    ``update[s]``: an update of stage s, its replicas' processes starting it together."""
     sched = placed.schedule
+    S = sched.num_stages
+    wire = [float(comm)] * S if isinstance(comm, (int, float)) else [float(c) for c in comm]
+    upd = [float(update)] * S if isinstance(update, (int, float)) else [float(u) for u in update]
+    if len(costs) != S or len(wire) != S or len(upd) != S:
+        raise ConfigError(f"{len(costs)} costs, {len(wire)} comm and {len(upd)} update times "
+                          f"for {S} stages", "give one of each per stage")
+    where = {r: p for p, h in enumerate(placed.hosts) for r in h}
     split = {r for r, acts in sched.actions.items() if any(a.kind == "W" for a in acts)}
     together: dict[tuple[int, int], float] = {}  # (stage, update) -> start of its all-reduce
     free = [0.0] * placed.num_processes
-    busy = [0.0] * placed.num_processes
     end: dict[tuple[str, int, int], float] = {}
+    out: dict[tuple[int, int], tuple[float, float]] = {}
     for p, i in process_order(placed):
         r, a = placed.order[p][i]
         s, k = r[0], a.minibatch
         f, b, w = costs[s]
-        if a.kind == "U":  # the replicas' processes start it together
+        if a.kind == "U":
             key = (s, k)
             if key not in together:
                 together[key] = max(free[where[(s, j)]] for j in range(sched.replicas[s]))
-            start, dur = together[key], update
+            start, dur = together[key], upd[s]
         else:
             if a.kind == "F":
-                src = None if s == 0 else ("F", s - 1, k)
+                src, cut = (None, 0) if s == 0 else (("F", s - 1, k), s)
             elif a.kind == "W":
-                src = ("B", s, k)
+                src, cut = ("B", s, k), 0
             else:
-                src = ("F", s, k) if s == S - 1 else ("B", s + 1, k)
+                src, cut = (("F", s, k), 0) if s == S - 1 else (("B", s + 1, k), s + 1)
             ready = 0.0
             if src is not None:
-                ready = end[src] + (comm if where[sched.owner(src[1], k)] != p else 0.0)
+                ready = end[src] + (wire[cut] if where[sched.owner(src[1], k)] != p else 0.0)
             start = max(free[p], ready)
             dur = f if a.kind == "F" else w if a.kind == "W" else (b if r in split else b + w)
         end[(a.kind, s, k)] = start + dur
         free[p] = start + dur
-        busy[p] += dur
-    return max(free, default=0.0), busy
+        out[(p, i)] = (start, start + dur)
+    return out
+
+
+def simulate_placed(placed: PlacedSchedule, costs: Sequence[tuple[float, float, float]],
+                    comm: float | Sequence[float] = 0.0, update: float | Sequence[float] = 0.0
+                    ) -> tuple[float, list[float]]:
+    """(makespan, busy seconds per process) of ``placed`` (see :func:`timed_placed`)."""
+    times = timed_placed(placed, costs, comm, update)
+    busy = [0.0] * placed.num_processes
+    for (p, _), (t0, t1) in times.items():
+        busy[p] += t1 - t0
+    return max((t1 for _, t1 in times.values()), default=0.0), busy
 
 
 __all__ = ["INTERLEAVED", "ZBV", "PLACED_KINDS", "PlacedSchedule", "placement", "megatron_order",
            "greedy_orders", "make_placed_schedule", "validate_placed", "process_order",
-           "simulate_placed"]
+           "timed_placed", "simulate_placed"]
 _ = DeadlockError  # re-exported for callers catching it from here

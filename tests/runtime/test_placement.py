@@ -3,6 +3,8 @@ derived by hand, the bubble they leave under unit costs, validation and refusals
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError
 from fxpipe.runtime.placement import (PlacedSchedule, make_placed_schedule, placement,
@@ -55,25 +57,42 @@ def test_interleaved_bubble_is_one_over_v_of_1f1b(P: int, v: int, per: int) -> N
     assert flat.makespan - 3 * v * m == 3 * v * (P - 1)
 
 
-@pytest.mark.parametrize("P,per", [(2, 1), (2, 2), (3, 2), (4, 2), (4, 4)])
+def _peak_chunks(ps: PlacedSchedule) -> int:
+    """Most chunk activations a process holds at once (F done, its W not)."""
+    peak = 0
+    for steps in ps.order:
+        held = 0
+        for _, a in steps:
+            held += (a.kind == "F") - (a.kind == "W")
+            peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("P,per", [(2, 1), (2, 2), (3, 2), (4, 2), (4, 4), (8, 2)])
 def test_zb_v_leaves_only_the_last_process_start_up(P: int, per: int) -> None:
     """F = B = W = 1: each process does 6m of work; process P - 1 hosts stages P - 1 and P and
     cannot start before minibatch 0 went through P - 1 stages, so 6m + P - 1 is the least
-    makespan; the greedy V reaches it (1F1B over the same 2P stages, fused: 6m + 6(P-1))."""
+    makespan. With 2P minibatches admitted per process the greedy V reaches it; with the
+    default P (at most 2P chunk activations held: 1F1B's memory, a chunk being half a stage)
+    it stays within twice that start-up, far below interleaved 1F1B's on the same stages."""
     m = per * P
-    ps = make_placed_schedule("zb-v", P, m, microbatches=m)
+    ps = make_placed_schedule("zb-v", P, m, microbatches=m, limit=2 * P)
     assert ps.hosts == tuple(((p, 0), (2 * P - 1 - p, 0)) for p in range(P))
     span, busy = simulate_placed(ps, [UNIT] * (2 * P))
     assert busy == [6.0 * m] * P
     assert span == 6 * m + P - 1
+    lean = make_placed_schedule("zb-v", P, m, microbatches=m)
+    assert _peak_chunks(lean) <= 2 * P
+    span, _ = simulate_placed(lean, [UNIT] * (2 * P))
+    assert 6 * m + P - 1 <= span <= 6 * m + 2 * (P - 1)
     inter = make_placed_schedule("interleaved-1f1b", P, m, chunks=2, microbatches=m)
     assert span < simulate_placed(inter, [UNIT] * (2 * P))[0]
 
 
 def test_zb_v_two_processes_by_hand() -> None:
     """P = 2, m = 2, F = B = W = 1 (stages 0, 3 on process 0; 1, 2 on process 1), from the
-    rules (oldest ready B, else the deepest ready F within 2P = 4 in flight, else a W that
-    delays nothing). t0: p0 F0@0. t1: p0 F1@0, p1 F0@1. t2: p1 F0@2 (deeper than F1@1). t3: p0
+    rules (oldest ready B, else the deepest ready F, a new minibatch only while fewer than P =
+    2 are admitted, else a W that delays nothing). t0: p0 F0@0. t1: p0 F1@0, p1 F0@1. t2: p1 F0@2 (deeper than F1@1). t3: p0
     F0@3 (F0@2 ended), p1 F1@1. t4: p0 B0@3, p1 F1@2. t5: p0 F1@3 (F1@2 ended at 5, ready: F
     before W), p1 B0@2. t6: p0 B1@3, p1 B0@1. t7: p0 B0@0, p1 B1@2. t8: p0 W0@3 (B1@1 ends at
     9: a W fits), p1 B1@1. t9: p0 B1@0, p1 W0@2 ... then the W's."""
@@ -159,3 +178,23 @@ def test_replicated_placement_copies_the_pipeline() -> None:
         make_placed_schedule("zb-v", 2, 8, microbatches=3, replicas=2)
     assert info.value.message == ("zb-v with 2 replicas, 3 microbatches per batch and 8 "
                                   "minibatches")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_costs_and_message_times_give_a_valid_placed_schedule(data) -> None:
+    """The greedy never gets stuck and always yields merged lists the processes can carry out:
+    any process count, stage costs (zero ones included), message times and admission limit."""
+    kind = data.draw(st.sampled_from(["zb-v", "interleaved-1f1b"]))
+    P = data.draw(st.integers(1, 4))
+    S = 2 * P if kind == "zb-v" else data.draw(st.integers(P, 3 * P))
+    cost = st.floats(0.0, 3.0, allow_nan=False)
+    costs = [data.draw(st.tuples(cost, cost, cost)) for _ in range(S)]
+    comm = [data.draw(cost) for _ in range(S)]
+    m = P * data.draw(st.integers(1, 3))
+    limit = data.draw(st.integers(1, 2 * P))
+    ps = make_placed_schedule(kind, P, 2 * m, num_stages=S, microbatches=m, limit=limit,
+                              costs=costs, comm=comm)
+    validate_placed(ps)
+    span, busy = simulate_placed(ps, costs, comm)
+    assert span >= max(busy) - 1e-9
