@@ -61,6 +61,7 @@ from .errors import RuntimeConfigError
 from .metrics import MetricsLog
 from .param_names import wrap_factory
 from .schedule import Schedule
+from .placement import PLACED_KINDS
 from .schedule_spec import AUTO, parse_schedule
 from .stage import LossFn, StageReplica, check_stages
 from .staleness import own_delays
@@ -186,7 +187,14 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         self.state_keys = dict(state_keys) if state_keys is not None else None
         self.history: History = []
         self._wire_cache: dict[Any, Any] = {}
-        kind = "1f1b-flush" if spec.kind == AUTO else spec.kind  # auto: until fit() chooses
+        if spec.kind in PLACED_KINDS and executor != "reference":
+            raise RuntimeConfigError(f"schedule {spec.kind!r} with executor={executor!r}",
+                                     "the Trainer's distributed backend runs one stage per "
+                                     "process; train a placed kind with executor='reference' "
+                                     "(same numbers), or on processes with "
+                                     "fxpipe.runtime.hosted_launch.run_placed")
+        # auto: 1f1b-flush until fit() chooses; the placed kinds have 1f1b-flush's semantics
+        kind = "1f1b-flush" if spec.kind in (AUTO,) + PLACED_KINDS else spec.kind
         empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in
                          ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
         mitigated = dict(mitigation=spec.mitigation, delays=own_delays(
