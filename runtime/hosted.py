@@ -36,7 +36,7 @@ from .buckets import last_backwards
 from .comm import Comm, _Pending
 from .commplan import FORWARD, Issuer, Msg
 from .errors import RuntimeConfigError
-from .executor import RankExecutor, RankResult
+from .executor import RankExecutor, RankResult, _inject
 from .placement import PlacedSchedule
 from .reference import Batch
 from .schedule import Action, Rank, split_ranks
@@ -146,8 +146,9 @@ class ProcessExecutor:
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  rank_of: dict[Rank, int], timeout_s: float, t0: float, *,
                  groups: dict[Any, Any] | None = None, device: torch.device | None = None,
-                 options: StepOptions = DEFAULT) -> None:
+                 options: StepOptions = DEFAULT, fault: tuple[str, int] | None = None) -> None:
         self.placed = placed
+        self.fault = fault  # tests: ("die" | "hang", index in the merged list)
         self.index = index
         self.hosts = placed.hosts[index]
         self.mailbox: dict[MailKey, torch.Tensor] = {}
@@ -178,8 +179,10 @@ class ProcessExecutor:
             issuers[r].start()
         self.mailbox.clear()
         pos = {r: 0 for r in self.hosts}
-        for r, a in self.placed.order[self.index]:
+        for step, (r, a) in enumerate(self.placed.order[self.index]):
             ex, i = self.executors[r], pos[r]
+            if self.fault is not None and step == self.fault[1]:
+                _inject(self.fault[0], ex.comm.who, a)
             pos[r] += 1
             self._step(ex, a, i, plans[r], batches, losses[r])
             for m in plans[r].sends[i]:

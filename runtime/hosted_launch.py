@@ -50,6 +50,8 @@ class PlacedJob:
     batches: list[Batch]
     options: StepOptions = DEFAULT
     wire: WirePlan | None = field(default=None)
+    faults: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """Tests: process index -> ("die" | "hang", index in its merged list)."""
 
 
 def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s: float,
@@ -77,7 +79,8 @@ def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s
             assert job.wire is not None
             ex = ProcessExecutor(job.stages, job.placed, index, job.loss_fn,
                                  job.optimizer_factory, job.wire, rank_of, timeout_s, t0,
-                                 groups=groups, options=job.options)
+                                 groups=groups, options=job.options,
+                                 fault=job.faults.get(index))
             res = ex.run(job.batches)
             torch.save({r: v.__dict__ for r, v in res.items()}, out / f"job{n}-p{index}.pt")
         dist.destroy_process_group()
@@ -159,11 +162,15 @@ def run_placed(stages: Sequence[StageSpec], placed: PlacedSchedule, loss_fn: Los
                optimizer_factory: OptimizerFactory, batches: Sequence[Batch], *,
                timeout_s: float = 60.0, join_timeout_s: float | None = None,
                device: str = "cpu", options: StepOptions = DEFAULT,
+               faults: dict[int, tuple[str, int]] | None = None,
                log_level: int = logging.WARNING) -> RunResult:
     """Train ``stages`` on ``batches`` under ``placed`` with one gloo process per process of the
     placement; same result type (and, to rounding, numbers) as the reference executor running
-    ``placed.schedule``. ``timeout_s`` bounds every wait."""
+    ``placed.schedule``. ``timeout_s`` bounds every wait; a process that dies or hangs makes
+    the others fail with a :class:`~fxpipe.runtime.errors.PeerError` naming it, and this call
+    raise :class:`WorkerFailedError` (``faults``, tests: process -> ("die" | "hang", step))."""
     check_hostable(stages, placed, device, options)
     return run_placed_jobs([PlacedJob(list(stages), placed, loss_fn, optimizer_factory,
-                                      list(batches), options)], timeout_s=timeout_s,
+                                      list(batches), options, faults=dict(faults or {}))],
+                           timeout_s=timeout_s,
                            join_timeout_s=join_timeout_s, log_level=log_level)[0]

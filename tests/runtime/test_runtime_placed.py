@@ -162,3 +162,27 @@ def test_tags_between_two_processes_are_unique_when_two_hosted_stages_share_a_va
                 seen[key] = f"{r} {m}"
                 shared += m.name == "tanh" and m.direction == 1
     assert shared == 2 * 6  # two consumers' gradients of h1 per minibatch, 6 minibatches
+
+
+def test_run_distributed_runs_a_placed_schedule_and_a_dead_process_is_named() -> None:
+    """run_distributed hands a PlacedSchedule to the hosted runtime (same numbers as the
+    reference); then process 1 dies at its 5th step: process 0 times out on a receive from a
+    stage process 1 hosts and says so, and the launcher reports both."""
+    from fxpipe.runtime.errors import WorkerFailedError
+    from fxpipe.runtime.launch import run_distributed
+
+    make, cuts, placed, data, _ = _parts("zb-v-2x4")
+    stages = split(make(), cuts)
+    got = run_distributed(stages, [1] * 4, placed, loss_fn, sgd, data, timeout_s=20.0,
+                          join_timeout_s=120.0)
+    ref = ReferenceExecutor(stages, [1] * 4, placed.schedule, loss_fn, sgd).run(data)
+    torch.testing.assert_close(got.losses, ref.losses, **TIGHT)
+    with pytest.raises(RuntimeConfigError, match="no fault injection"):
+        run_distributed(stages, [1] * 4, placed, loss_fn, sgd, data, faults={1: ("die", 4)})
+    from fxpipe.runtime.hosted_launch import run_placed
+    with pytest.raises(WorkerFailedError) as info:
+        run_placed(split(make(), cuts), placed, loss_fn, sgd, data, timeout_s=4.0,
+                   join_timeout_s=90.0, faults={1: ("die", 4)})
+    assert info.value.exitcodes[1] == 17 and info.value.exitcodes[0] == 1
+    assert "process 0: stage" in info.value.errors[0]
+    assert "(rank 1)" in info.value.errors[0] and "failed (timeout 4 s)" in info.value.errors[0]
