@@ -71,7 +71,7 @@ from .trainer_backends import DistributedBackend, IdleBackend, ReferenceBackend,
 from .trainer_checkpoint import CheckpointMixin
 from .trainer_progress import Progress
 from .trainer_results import ResultsMixin
-from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin
+from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin, check_placed_executor
 from .trainer_switch import Replanner, make_replanner
 from .wire import make_wire_plan
 
@@ -187,12 +187,7 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         self.state_keys = dict(state_keys) if state_keys is not None else None
         self.history: History = []
         self._wire_cache: dict[Any, Any] = {}
-        if spec.kind in PLACED_KINDS and executor != "reference":
-            raise RuntimeConfigError(f"schedule {spec.kind!r} with executor={executor!r}",
-                                     "the Trainer's distributed backend runs one stage per "
-                                     "process; train a placed kind with executor='reference' "
-                                     "(same numbers), or on processes with "
-                                     "fxpipe.runtime.hosted_launch.run_placed")
+        check_placed_executor(spec.kind, executor)
         # auto: 1f1b-flush until fit() chooses; the placed kinds have 1f1b-flush's semantics
         kind = "1f1b-flush" if spec.kind in (AUTO,) + PLACED_KINDS else spec.kind
         empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in

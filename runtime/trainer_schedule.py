@@ -32,6 +32,16 @@ pipedream), so a boundary never cuts a batch in two."""
 FIRST_SEGMENT = 8
 
 
+def check_placed_executor(kind: str, executor: str) -> None:
+    """The Trainer's distributed backend runs one stage per process: a placed kind (several
+    per process) trains with the reference executor there (the same numbers)."""
+    if kind in PLACED_KINDS and executor != "reference":
+        raise RuntimeConfigError(f"schedule {kind!r} with executor={executor!r}",
+                                 "the Trainer's distributed backend runs one stage per process; "
+                                 "train a placed kind with executor='reference' (same numbers), "
+                                 "or on processes with fxpipe.runtime.hosted_launch.run_placed")
+
+
 class ScheduleMixin:
     """Schedule and segment methods of the Trainer (it provides the attributes declared here)."""
 
