@@ -92,8 +92,8 @@ def test_zb_v_leaves_only_the_last_process_start_up(P: int, per: int) -> None:
 def test_zb_v_two_processes_by_hand() -> None:
     """P = 2, m = 2, F = B = W = 1 (stages 0, 3 on process 0; 1, 2 on process 1), from the
     rules (oldest ready B, else the deepest ready F, a new minibatch only while fewer than P =
-    2 are admitted, else a W that delays nothing). t0: p0 F0@0. t1: p0 F1@0, p1 F0@1. t2: p1 F0@2 (deeper than F1@1). t3: p0
-    F0@3 (F0@2 ended), p1 F1@1. t4: p0 B0@3, p1 F1@2. t5: p0 F1@3 (F1@2 ended at 5, ready: F
+    2 are admitted, else a W that delays nothing). t0: p0 F0@0. t1: p0 F1@0, p1 F0@1. t2: p1
+    F0@2 (deeper than F1@1), p0 idle. t3: p0 F0@3 (F0@2 ended), p1 F1@1. t4: p0 B0@3, p1 F1@2. t5: p0 F1@3 (F1@2 ended at 5, ready: F
     before W), p1 B0@2. t6: p0 B1@3, p1 B0@1. t7: p0 B0@0, p1 B1@2. t8: p0 W0@3 (B1@1 ends at
     9: a W fits), p1 B1@1. t9: p0 B1@0, p1 W0@2 ... then the W's."""
     ps = make_placed_schedule("zb-v", 2, 2, microbatches=2)
