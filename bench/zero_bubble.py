@@ -110,7 +110,11 @@ def main() -> None:
     md = ["## Synchronous without the bubble: simulated throughput at the same samples per update",
           "", "`.venv/bin/python bench/zero_bubble.py` — throughput of each synchronous schedule "
           "relative to `pipedream` (1.00 = as fast), 8 stages on 8 workers, 10 Gbps; see the "
-          "script's docstring for the method.", ""]
+          "script's docstring for the method. `interleaved-1f1b` and `zb-v` run the planner's "
+          "16-stage straight plan, 2 stages per worker (round robin / the V): that plan balances "
+          "STAGES, not workers, so where a few indivisible nodes dominate (GPT-2 here: stages 0, "
+          "1, 2 and 15 carry nearly all the work) the V puts two heavy stages (0 and 15) on one "
+          "worker; a placement-aware partition is not done yet.", ""]
     ms = (8, 16, 32)
     md += table("GPT-2 124M, 32 x 1024 tokens per update, V100", {m: gpt(32 // m)
                                                                    for m in (1, *ms)}, v100, ms)

@@ -46,11 +46,13 @@ def virtual_cluster(cluster: Cluster, v: int) -> Cluster:
 
 def simulate_placed_plan(plan: Plan, profile: Profile | None = None, *, schedule: str,
                          minibatches: int = 200, latency_s: float | None = None,
-                         microbatches: int | None = None, chunks: int = 2) -> PlanSimulation:
+                         microbatches: int | None = None, chunks: int = 2,
+                         limit: int | None = None) -> PlanSimulation:
     """Event-simulate ``plan`` under the placed ``schedule`` (see the module doc). Every stage
     must have the same replicas R (copies of the whole placed pipeline). ``microbatches`` per
     update default to twice the processes (a multiple of the processes, as Megatron's order
-    needs); ``minibatches`` is rounded up to whole batches."""
+    needs); ``minibatches`` is rounded up to whole batches. ``limit``: minibatches admitted per
+    process by the greedy orders (default P: 1F1B's activation memory)."""
     v = stages_per_process(schedule, chunks)
     reps = list(plan.replicas)
     if len(set(reps)) > 1:
@@ -73,7 +75,7 @@ def simulate_placed_plan(plan: Plan, profile: Profile | None = None, *, schedule
     bw = cut_bandwidth(cluster)
     wire = [c.input_bytes / bw + latency for c in costs]
     placed = make_placed_schedule(schedule, P, n, num_stages=S, chunks=v, microbatches=m,
-                                  replicas=R, costs=fbw, comm=wire)
+                                  replicas=R, costs=fbw, comm=wire, limit=limit)
     times = timed_placed(placed, fbw, wire, [c.update_s for c in costs])
     where = {r: p for p, h in enumerate(placed.hosts) for r in h}
     events: dict[int, list[TimelineEvent]] = {p: [] for p in range(placed.num_processes)}

@@ -46,6 +46,12 @@ def test_simulate_plan_prices_the_placement() -> None:
     assert sim.schedule == "zb-v" and sim.minibatches == 64
     assert len(sim.events) == 4 and sim.rank_names[0] == "process 0 (stages 0, 7)"
     assert max(sim.in_flight) <= 4 and all(0 < u <= 0.5 for u in sim.utilisation)
+    wide = simulate_plan(plan, prof, schedule="zb-v", minibatches=64, microbatches=16)
+    assert max(wide.in_flight) == 4  # P admitted per process: 1F1B's memory
+    from fxpipe.runtime.placed_sim import simulate_placed_plan
+    more = simulate_placed_plan(plan, prof, schedule="zb-v", minibatches=64, microbatches=16,
+                                limit=8)
+    assert max(more.in_flight) > 4
     inter = simulate_plan(plan, prof, schedule="interleaved-1f1b", minibatches=64)
     assert inter.steady_state_period == pytest.approx(57 / 8)
     assert inter.rank_names[1] == "process 1 (stages 1, 5)"
