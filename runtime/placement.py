@@ -253,7 +253,24 @@ def validate_placed(placed: PlacedSchedule) -> None:
         if strays:
             raise ScheduleError(f"process {p} runs actions of stages {strays} it does not host",
                                 "a process runs only its own stages")
+    _check_flush(sched)
     process_order(placed)
+
+
+def _check_flush(sched: Schedule) -> None:
+    """Minibatch SGD: batch b's gradients (every B and W of minibatches b*m .. b*m + m - 1) are
+    all in before U<b>, and no minibatch of a later batch runs before it (versions are
+    1f1b-flush's: a forward of batch b reads version b)."""
+    m = sched.group
+    for r, acts in sched.actions.items():
+        updates = 0
+        for a in acts:
+            if a.kind == "U":
+                updates += 1
+            elif a.minibatch // m != updates:
+                raise ScheduleError(f"{a} on stage {r[0]} replica {r[1]} after {updates} updates: "
+                                    f"minibatch {a.minibatch} belongs to batch {a.minibatch // m}",
+                                    "a flushing schedule runs batch b between U<b-1> and U<b>")
 
 
 def process_order(placed: PlacedSchedule) -> list[tuple[int, int]]:
