@@ -11,14 +11,15 @@ go:
   there after its action, the consumer takes it when its action runs (the merged order, checked
   by :func:`~fxpipe.runtime.placement.process_order`, guarantees it is there: no wire, no wait,
   never a send to oneself);
-* to any other process through :class:`~fxpipe.runtime.comm.Comm`, posted by each rank's
-  :class:`~fxpipe.runtime.commplan.Issuer` in the rank's own global order, as alone. The tag
-  also names the consumer stage, because two stages of one process can exchange the same
-  (minibatch, value) with the same peer process (a skip connection consumed by both).
+* to any other process through :class:`~fxpipe.runtime.comm.Comm`, every hosted rank's messages
+  issued by ONE :class:`~fxpipe.runtime.hosted_plan.ProcessIssuer` in the process-level global
+  order (:mod:`fxpipe.runtime.hosted_plan`: per-rank orders interleaved in one process break
+  NCCL's order matching). The tag also names the consumer stage, because two stages of one
+  process can exchange the same (minibatch, value) with the same peer process.
 
-Every remote wait has Comm's timeout. Gloo only: the order argument of commplan (NCCL pairs
-messages by order, not tag) is made for one rank per process and not proven for merged lists,
-so ``device="cuda"`` is refused. A replicated placement (R copies of the pipeline) sums each
+Every remote wait has Comm's timeout. The recorded host calls pass commplan's NCCL checker
+(tests), but the launcher starts gloo processes only and nothing here ran on a GPU, so
+``device="cuda"`` is refused. A replicated placement (R copies of the pipeline) sums each
 stage's gradients over its replicas at ``U`` (one flat all-reduce per stage, its own group, in
 the merged order every copy shares). Tied parameters and global clipping / fp16 loss scaling
 are refused with a clear error.
@@ -34,8 +35,9 @@ from fxpipe.codegen.split import StageSpec
 
 from .buckets import last_backwards
 from .comm import Comm, _Pending
-from .commplan import FORWARD, Issuer, Msg
+from .commplan import FORWARD, Msg
 from .errors import RuntimeConfigError
+from .hosted_plan import ProcessIssuer, process_ops, rank_plans
 from .executor import RankExecutor, RankResult, _inject
 from .placement import PlacedSchedule
 from .reference import Batch
@@ -68,8 +70,9 @@ def check_hostable(stages: Sequence[StageSpec], placed: PlacedSchedule, device: 
                                  "split the model into as many stages as the schedule places")
     if device != "cpu":
         raise RuntimeConfigError(f"{placed.kind} on device {device!r}",
-                                 "processes hosting several stages run on gloo (cpu) only: "
-                                 "their message order is not proven NCCL-safe")
+                                 "processes hosting several stages run on gloo (cpu) only: the "
+                                 "hosted launcher has no NCCL path yet (its message order "
+                                 "passes the NCCL checker)")
     tied = tied_parameters(stages)
     if tied:
         raise RuntimeConfigError(f"{placed.kind} with parameters tied across stages "
@@ -122,10 +125,10 @@ class HostedRankExecutor(RankExecutor):
         self.comm.send(t, m.peer, self._tag(m), m.describe(), self.wire.spec(m.name, m.minibatch))
 
     def _received(self, msgs: Sequence[Msg]) -> dict[Msg, torch.Tensor]:
-        self._issuer.require(msgs, self._inbox)
+        self._issuer.require([m for m in msgs if m.peer not in self.local], self._inbox)
         out: dict[Msg, torch.Tensor] = {}
         for m in msgs:
-            pend = self._inbox.pop(m)
+            pend = LOCAL if m.peer in self.local else self._inbox.pop(m)
             if pend is LOCAL:
                 key = self._key(m)
                 if key not in self.mailbox:
@@ -139,6 +142,16 @@ class HostedRankExecutor(RankExecutor):
         return out
 
 
+class _Require:
+    """What a hosted rank's ``_received`` calls: the process issuer's check, for rank r."""
+
+    def __init__(self, issuer: ProcessIssuer, r: Rank) -> None:
+        self.issuer, self.r = issuer, r
+
+    def require(self, msgs: Sequence[Msg], posted: Any) -> None:
+        self.issuer.require(self.r, msgs)
+
+
 class ProcessExecutor:
     """Carry out process ``index``'s merged list of ``placed`` (see the module doc)."""
 
@@ -146,8 +159,10 @@ class ProcessExecutor:
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  rank_of: dict[Rank, int], timeout_s: float, t0: float, *,
                  groups: dict[Any, Any] | None = None, device: torch.device | None = None,
-                 options: StepOptions = DEFAULT, fault: tuple[str, int] | None = None) -> None:
+                 options: StepOptions = DEFAULT, fault: tuple[str, int] | None = None,
+                 record_comm: bool = False) -> None:
         self.placed = placed
+        self.log: list[tuple] | None = [] if record_comm else None
         self.fault = fault  # tests: ("die" | "hang", index in the merged list)
         self.index = index
         self.hosts = placed.hosts[index]
@@ -157,7 +172,9 @@ class ProcessExecutor:
         for r in self.hosts:
             rec = Recorder(t0, args={"stage": r[0], "replica": r[1], "rank": index})
             comm = Comm(r, rank_of, len(wire.values), timeout_s, device or torch.device("cpu"),
-                        groups or {}, recorder=rec)
+                        groups or {}, recorder=rec, record=record_comm)
+            if self.log is not None:  # one log per process: its host calls in call order
+                comm.log = self.log
             self.executors[r] = HostedRankExecutor(
                 stages, placed.schedule, r, loss_fn, optimizer_factory, wire, comm,
                 device=device, recorder=rec, overlap_allreduce=False, options=options,
@@ -167,17 +184,23 @@ class ProcessExecutor:
         """Walk the merged list; then wait for every send and for all processes to finish."""
         sched = self.placed.schedule
         split = split_ranks(sched)
-        plans, issuers, losses = {}, {}, {r: {} for r in self.hosts}
+        losses: dict[Rank, dict[int, torch.Tensor]] = {r: {} for r in self.hosts}
+        first = next(iter(self.executors.values()))
+        plans = rank_plans(self.placed, first.links,
+                           {n: i for i, n in enumerate(first.wire.values)}, first._grad_ok,
+                           self.hosts)
+        issuer = ProcessIssuer(process_ops(self.placed, plans, self.index),
+                               lambda r, m: self.executors[r]._post_recv(m),
+                               lambda r, m: self.executors[r]._post_send(m))
         for r, ex in self.executors.items():
             ex._delay = 0
             ex._configure(sched.kind)
-            plans[r] = plan = ex.plan(sched)
             ex._final_b = last_backwards([a.kind for a in sched.actions[r]])
             ex._inbox.clear()
             ex._split = r in split
-            issuers[r] = ex._issuer = Issuer(plan, ex._post_recv, ex._post_send)
-            issuers[r].start()
+            ex._issuer = _Require(issuer, r)  # type: ignore[assignment]
         self.mailbox.clear()
+        issuer.start()
         pos = {r: 0 for r in self.hosts}
         for step, (r, a) in enumerate(self.placed.order[self.index]):
             ex, i = self.executors[r], pos[r]
@@ -186,9 +209,12 @@ class ProcessExecutor:
             pos[r] += 1
             self._step(ex, a, i, plans[r], batches, losses[r])
             for m in plans[r].sends[i]:
-                issuers[r].send(m)
-        for r, ex in self.executors.items():
-            assert issuers[r].done and not ex._inbox, "every planned message was posted and used"
+                if m.peer in ex.local:
+                    ex._post_send(m)  # the mailbox
+                else:
+                    issuer.send(r, m)
+        assert issuer.done and not any(ex._inbox for ex in self.executors.values()), \
+            "every planned message was posted and used"
         if self.mailbox:
             raise RuntimeError(f"process {self.index}: undelivered local messages "
                                f"{sorted(self.mailbox)} (a bug in the plan)")
@@ -201,7 +227,8 @@ class ProcessExecutor:
             values = torch.stack([losses[r][k] for k in keys]).tolist() if keys else []
             out[r] = RankResult(dict(zip(keys, map(float, values))),
                                 {n: t.detach().cpu() for n, t in ex.replica.parameters().items()},
-                                ex.replica.stash.peak_bytes, ex._take_timeline())
+                                ex.replica.stash.peak_bytes, ex._take_timeline(),
+                                comm_log=None if self.log is None else list(self.log))
         return out
 
     @staticmethod

@@ -52,6 +52,7 @@ class PlacedJob:
     wire: WirePlan | None = field(default=None)
     faults: dict[int, tuple[str, int]] = field(default_factory=dict)
     """Tests: process index -> ("die" | "hang", index in its merged list)."""
+    record_comm: bool = False  # keep every process's host calls (commplan.check_logs)
 
 
 def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s: float,
@@ -80,7 +81,7 @@ def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s
             ex = ProcessExecutor(job.stages, job.placed, index, job.loss_fn,
                                  job.optimizer_factory, job.wire, rank_of, timeout_s, t0,
                                  groups=groups, options=job.options,
-                                 fault=job.faults.get(index))
+                                 fault=job.faults.get(index), record_comm=job.record_comm)
             res = ex.run(job.batches)
             torch.save({r: v.__dict__ for r, v in res.items()}, out / f"job{n}-p{index}.pt")
         dist.destroy_process_group()
@@ -151,11 +152,13 @@ def _result(placed: PlacedSchedule, per: dict[Any, dict[str, Any]]) -> RunResult
     for r in per.values():
         losses.update(r["losses"])
     ranks = sched.ranks
+    logs = {p: per[h[0]]["comm_log"] for p, h in enumerate(placed.hosts)
+            if per[h[0]].get("comm_log") is not None}  # comm_logs: by PROCESS
     return RunResult([losses[k] for k in range(sched.num_minibatches)],
                      [per[(s, 0)]["params"] for s in range(sched.num_stages)],
                      {r: per[r]["params"] for r in ranks},
                      {r: per[r]["peak_bytes"] for r in ranks},
-                     {i: per[r]["timeline"] for i, r in enumerate(ranks)})
+                     {i: per[r]["timeline"] for i, r in enumerate(ranks)}, {}, logs)
 
 
 def run_placed(stages: Sequence[StageSpec], placed: PlacedSchedule, loss_fn: LossFn,

@@ -15,6 +15,7 @@ import torch.nn as nn
 from rt_helpers import SkipMLP, batches, loss_fn, sgd, split, tiny_mlp
 from rt_tied import TiedLM, plain_sgd_groups
 
+from fxpipe.runtime.commplan import check_logs
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.hosted import check_hostable
 from fxpipe.runtime.hosted_launch import PlacedJob, run_placed_jobs
@@ -75,7 +76,8 @@ def distributed() -> dict[str, object]:
     jobs = []
     for name in CASES:
         make, cuts, placed, data, _ = _parts(name)
-        jobs.append(PlacedJob(split(make(), cuts), placed, loss_fn, sgd, data))
+        jobs.append(PlacedJob(split(make(), cuts), placed, loss_fn, sgd, data,
+                              record_comm=True))
     return dict(zip(CASES, run_placed_jobs(jobs, timeout_s=30.0, join_timeout_s=300.0)))
 
 
@@ -97,6 +99,9 @@ def test_distributed_equals_reference_and_minibatch_sgd(name: str, distributed) 
             torch.testing.assert_close(p, want[n], **TIGHT, msg=f"{name} {n}")
     R = placed.schedule.replicas[0]
     assert len(want) * R == sum(len(p) for p in ref.replica_params.values())
+    # every process's real host calls, replayed under NCCL's rules (one stream per process)
+    assert sorted(got.comm_logs) == list(range(placed.num_processes))
+    assert check_logs(got.comm_logs) > 0
 
 
 def test_reference_of_a_placed_kind_equals_1f1b_flush() -> None:
