@@ -165,15 +165,18 @@ def run_placed(stages: Sequence[StageSpec], placed: PlacedSchedule, loss_fn: Los
                optimizer_factory: OptimizerFactory, batches: Sequence[Batch], *,
                timeout_s: float = 60.0, join_timeout_s: float | None = None,
                device: str = "cpu", options: StepOptions = DEFAULT,
-               faults: dict[int, tuple[str, int]] | None = None,
+               faults: dict[int, tuple[str, int]] | None = None, record_comm: bool = False,
                log_level: int = logging.WARNING) -> RunResult:
     """Train ``stages`` on ``batches`` under ``placed`` with one gloo process per process of the
     placement; same result type (and, to rounding, numbers) as the reference executor running
     ``placed.schedule``. ``timeout_s`` bounds every wait; a process that dies or hangs makes
     the others fail with a :class:`~fxpipe.runtime.errors.PeerError` naming it, and this call
-    raise :class:`WorkerFailedError` (``faults``, tests: process -> ("die" | "hang", step))."""
+    raise :class:`WorkerFailedError` (``faults``, tests: process -> ("die" | "hang", step)).
+    ``record_comm``: every process's host calls in ``RunResult.comm_logs`` (by process), for
+    :func:`fxpipe.runtime.commplan.check_logs`."""
     check_hostable(stages, placed, device, options)
     return run_placed_jobs([PlacedJob(list(stages), placed, loss_fn, optimizer_factory,
-                                      list(batches), options, faults=dict(faults or {}))],
+                                      list(batches), options, faults=dict(faults or {}),
+                                      record_comm=record_comm)],
                            timeout_s=timeout_s,
                            join_timeout_s=join_timeout_s, log_level=log_level)[0]

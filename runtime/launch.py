@@ -61,19 +61,19 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
 
     A :class:`~fxpipe.runtime.placement.PlacedSchedule` (``interleaved-1f1b``, ``zb-v``: several
     stages per process) runs on its processes instead (:func:`~fxpipe.runtime.hosted_launch.
-    run_placed`: gloo only; no vertical sync, faults or communication logs).
+    run_placed`: gloo only; no vertical sync; ``comm_logs`` by process).
     """
     if isinstance(schedule, PlacedSchedule):
-        if vertical_sync or faults or record_comm or tuple(replicas) != schedule.schedule.replicas:
+        if vertical_sync or tuple(replicas) != schedule.schedule.replicas:
             raise RuntimeConfigError(f"{schedule.kind} with vertical_sync={vertical_sync}, "
-                                     f"faults={faults}, record_comm={record_comm}, replicas "
-                                     f"{list(replicas)}", "a placed schedule runs synchronously "
-                                     "with its own replicas and no fault injection or comm logs")
+                                     f"replicas {list(replicas)}", "a placed schedule runs "
+                                     "synchronously, with its own replicas "
+                                     f"{list(schedule.schedule.replicas)}")
         from .hosted_launch import run_placed
 
         return run_placed(stages, schedule, loss_fn, optimizer_factory, batches,
                           timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device,
-                          log_level=log_level)
+                          faults=faults, record_comm=record_comm, log_level=log_level)
     sched = schedule.with_vertical_sync() if vertical_sync else schedule
     check_schedule(stages, replicas, sched, len(batches))
     world = len(sched.ranks)

@@ -182,12 +182,11 @@ def test_run_distributed_runs_a_placed_schedule_and_a_dead_process_is_named() ->
                           join_timeout_s=120.0)
     ref = ReferenceExecutor(stages, [1] * 4, placed.schedule, loss_fn, sgd).run(data)
     torch.testing.assert_close(got.losses, ref.losses, **TIGHT)
-    with pytest.raises(RuntimeConfigError, match="no fault injection"):
-        run_distributed(stages, [1] * 4, placed, loss_fn, sgd, data, faults={1: ("die", 4)})
-    from fxpipe.runtime.hosted_launch import run_placed
+    with pytest.raises(RuntimeConfigError, match="with its own replicas \\[1, 1, 1, 1\\]"):
+        run_distributed(stages, [2] * 4, placed, loss_fn, sgd, data)
     with pytest.raises(WorkerFailedError) as info:
-        run_placed(split(make(), cuts), placed, loss_fn, sgd, data, timeout_s=4.0,
-                   join_timeout_s=90.0, faults={1: ("die", 4)})
+        run_distributed(split(make(), cuts), [1] * 4, placed, loss_fn, sgd, data, timeout_s=4.0,
+                        join_timeout_s=90.0, faults={1: ("die", 4)})
     assert info.value.exitcodes[1] == 17 and info.value.exitcodes[0] == 1
     assert "process 0: stage" in info.value.errors[0]
     assert "(rank 1)" in info.value.errors[0] and "failed (timeout 4 s)" in info.value.errors[0]
