@@ -16,6 +16,8 @@ update, SGD lr 0.01 momentum 0.9) from the same weights:
 
 * fxpipe ``1f1b-flush``, ``zb-h1``, ``zb-h2`` (S stages, one update per m microbatches, the W's
   placed as the trainer places them: unit costs) and ``pipedream`` (one update per microbatch);
+  fxpipe's own ``interleaved-1f1b`` and ``zb-v`` on the 2S-stage split, 2 stages per rank
+  (``fxpipe.runtime.hosted``, unit costs);
 * torch ``Schedule1F1B`` on the same S stages, and ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble`` (2 stages per rank, round robin) and
   ``ScheduleZBVZeroBubble`` (2 per rank, V placement) on fxpipe's 2S-stage split
@@ -46,13 +48,15 @@ from _report import publish  # noqa: E402
 
 import fxpipe  # noqa: E402
 from fxpipe.runtime.launch import free_port, run_distributed  # noqa: E402
+from fxpipe.runtime.placement import make_placed_schedule  # noqa: E402
 from fxpipe.runtime.schedule import make_schedule  # noqa: E402
 
 log = logging.getLogger("sync_measured")
 SECTION = "sync-measured"
 LR = 0.01
 WIDTH = 512
-FX_KINDS = ("1f1b-flush", "zb-h1", "zb-h2", "pipedream")
+FX_KINDS = ("1f1b-flush", "zb-h1", "zb-h2", "pipedream", "interleaved-1f1b", "zb-v")
+PLACED = ("interleaved-1f1b", "zb-v")  # fxpipe's own 2-stages-per-rank kinds, on the 2S split
 TORCH_KINDS = (("Schedule1F1B", 1, "loop"), ("ScheduleInterleaved1F1B", 2, "loop"),
                ("ScheduleInterleavedZeroBubble", 2, "loop"), ("ScheduleZBVZeroBubble", 2, "v"))
 
@@ -80,10 +84,16 @@ def split(net: nn.Module, example: torch.Tensor, stages: int) -> Any:
 
 
 def fx_run(specs: list, kind: str, m: int, updates: int, pool: list) -> dict[str, Any]:
-    ranks = len(specs)
+    """One fxpipe run; the placed kinds get the 2S-stage split and run 2 stages per rank
+    (timeline index 0 is then stage 0, on rank 0)."""
     n = updates * m
-    sched = make_schedule(kind, [1] * ranks, n, microbatches=None if kind == "pipedream" else m)
-    res = run_distributed(specs, [1] * ranks, sched, rc.cross_entropy, rc.sgd_factory(LR),
+    if kind in PLACED:
+        sched: Any = make_placed_schedule(kind, len(specs) // 2, n, num_stages=len(specs),
+                                          microbatches=m)
+    else:
+        sched = make_schedule(kind, [1] * len(specs), n,
+                              microbatches=None if kind == "pipedream" else m)
+    res = run_distributed(specs, [1] * len(specs), sched, rc.cross_entropy, rc.sgd_factory(LR),
                           rc.cycle(pool, n), timeout_s=180.0)
     done = rc.fxpipe_done_at(res.timeline, rank=0)  # one entry per update
     return {"done_at": done, "per_update": 1 if kind == "pipedream" else m,
@@ -187,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         for k, v in torch_runs(cases, ranks, pool, m, args.updates).items():
                             got[f"torch {k}"] = v
                     else:
-                        got[f"fxpipe {what}"] = fx_run(plain.stage_specs, what, m, args.updates,
-                                                       pool)
+                        specs = double.stage_specs if what in PLACED else plain.stage_specs
+                        got[f"fxpipe {what}"] = fx_run(specs, what, m, args.updates, pool)
                 for name, r in got.items():
                     samples = r["per_update"] * args.batch
                     warm = args.warmup * (m if r["per_update"] == 1 else 1)

@@ -19,7 +19,9 @@ from typing import Any
 from fxpipe.errors import ConfigError
 
 log = logging.getLogger("fxpipe")
-SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2")
+SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2", "interleaved-1f1b",
+             "zb-v")
+PLACED = ("interleaved-1f1b", "zb-v")  # several stages per process: fxpipe.runtime.placement
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -42,6 +44,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="which plan to simulate: the planner's optimum, or the fastest simulated "
                    "of its candidates (as fxpipe plan --choose)")
     p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
+    p.add_argument("--chunks", type=int, default=2,
+                   help="interleaved-1f1b: stages per worker (the plan gets chunks x workers "
+                   "stages, placed round robin; zb-v always 2, in a V)")
     p.add_argument("--minibatches", type=int, default=200)
     p.add_argument("--microbatches", type=int, default=None,
                    help="minibatches per update of the synchronous schedules (default: workers)")
@@ -83,9 +88,17 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
     else:
         from fxpipe.api import choose_plan
 
-        plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
-                           straight=args.straight, choose=args.choose,
-                           schedule=args.schedule, recompute=args.recompute)
+        if args.schedule in PLACED:  # v x workers stages, v per worker (fxpipe.runtime.placed_sim)
+            from fxpipe.runtime.placed_sim import stages_per_process, virtual_cluster
+
+            v = stages_per_process(args.schedule, args.chunks)
+            plan = choose_plan(profile, virtual_cluster(cluster, v), sync=args.sync,
+                               stages=v * (args.stages or cluster.workers), straight=True,
+                               choose="planner", recompute=args.recompute)
+        else:
+            plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
+                               straight=args.straight, choose=args.choose,
+                               schedule=args.schedule, recompute=args.recompute)
     return profile, plan
 
 
@@ -106,7 +119,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan = replace(plan, staleness=plan_staleness(plan.replicas))
     duplex = not args.half_duplex
     sim = simulate_plan(plan, profile, schedule=args.schedule, minibatches=args.minibatches,
-                        latency_s=args.latency, duplex=duplex, microbatches=args.microbatches)
+                        latency_s=args.latency, duplex=duplex, microbatches=args.microbatches,
+                        chunks=args.chunks)
     # the baseline runs long enough for whole rounds of all its replicas (200 minibatches are 3
     # rounds of 64, where start-up would still dominate)
     bsp = simulate_plan(data_parallel_plan(profile, cluster, sync=plan.sync), profile,

@@ -31,9 +31,10 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from .errors import RuntimeConfigError
+from .placement import PLACED_KINDS
 from .schedule import SYNCHRONOUS_KINDS
 
-GLOBAL_KINDS = SYNCHRONOUS_KINDS  # every kind that flushes: one batch per update everywhere
+GLOBAL_KINDS = SYNCHRONOUS_KINDS + PLACED_KINDS  # every kind that flushes: one batch per update
 GROUP = "clip"
 """Name of the process-group key of the global-norm all-reduce (every rank of the pipeline)."""
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s

@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 
 from fxpipe.codegen.split import StageSpec
 
-from .errors import WorkerFailedError
+from .errors import RuntimeConfigError, WorkerFailedError
+from .placement import PlacedSchedule
 from .worker import WorkerConfig, worker_main
 from .reference import Batch, RunResult, check_schedule
 from .schedule import Schedule
@@ -37,7 +38,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int], schedule: Schedule,
+def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
+                    schedule: Schedule | PlacedSchedule,
                     loss_fn: LossFn, optimizer_factory: OptimizerFactory,
                     batches: Sequence[Batch], *, stashing: bool = True,
                     vertical_sync: bool = False, timeout_s: float = 60.0, device: str = "cpu",
@@ -56,7 +58,22 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int], schedu
     ``device``: "cpu" (gloo), or "cuda" (NCCL; rank i on GPU i, see fxpipe.runtime.device).
     ``record_comm``: return every rank's communication log in ``RunResult.comm_logs`` (for
     :func:`fxpipe.runtime.commplan.check_logs`).
+
+    A :class:`~fxpipe.runtime.placement.PlacedSchedule` (``interleaved-1f1b``, ``zb-v``: several
+    stages per process) runs on its processes instead (:func:`~fxpipe.runtime.hosted_launch.
+    run_placed`: gloo only; no vertical sync; ``comm_logs`` by process).
     """
+    if isinstance(schedule, PlacedSchedule):
+        if vertical_sync or tuple(replicas) != schedule.schedule.replicas:
+            raise RuntimeConfigError(f"{schedule.kind} with vertical_sync={vertical_sync}, "
+                                     f"replicas {list(replicas)}", "a placed schedule runs "
+                                     "synchronously, with its own replicas "
+                                     f"{list(schedule.schedule.replicas)}")
+        from .hosted_launch import run_placed
+
+        return run_placed(stages, schedule, loss_fn, optimizer_factory, batches,
+                          timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device,
+                          faults=faults, record_comm=record_comm, log_level=log_level)
     sched = schedule.with_vertical_sync() if vertical_sync else schedule
     check_schedule(stages, replicas, sched, len(batches))
     world = len(sched.ranks)

@@ -28,6 +28,7 @@ from fxpipe.errors import ConfigError, InfeasiblePlanError
 from fxpipe.passes.partition import partition, plan_for
 from fxpipe.passes.plan import Plan
 
+from .placement import PLACED_KINDS
 from .plansim import PlanSimulation, minibatches_for, simulate_plan
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class SimulatedChoice:
         for c in self.candidates:
             mark = (" <- chosen" if c.replicas == tuple(self.plan.replicas)
                     and c.schedule == self.schedule else "")
-            lines.append(f"  {'-'.join(map(str, c.replicas)):>24}  {c.schedule:<11} planner "
+            lines.append(f"  {'-'.join(map(str, c.replicas)):>24}  {c.schedule:<16} planner "
                          f"{c.planner_s * 1e3:9.3f} ms  simulated {c.simulated_s * 1e3:9.3f} ms"
                          f"{mark}")
         return "\n".join(lines)
@@ -104,13 +105,22 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                     continue
     seen: set[tuple] = set()
     sims: list[tuple[Plan, str, PlanSimulation]] = []
+    one_per_process = [k for k in schedules if k not in PLACED_KINDS]
     for p in plans:
         key = (tuple(_starts(profile, p)), tuple(p.replicas))
         if key not in seen:
             seen.add(key)
             n = minibatches_for(p.replicas, floor=minibatches)
             sims.extend((p, k, simulate_plan(p, profile, schedule=k, minibatches=n))
-                        for k in schedules)
+                        for k in one_per_process)
+    for k in schedules:
+        if k in PLACED_KINDS:
+            sims.extend(_placed_candidates(profile, cluster, k, stages, kw, recompute,
+                                           minibatches))
+    if not sims:
+        raise InfeasiblePlanError(f"no plan for the schedules {list(schedules)}",
+                                  "the placed kinds need a straight plan of v x workers stages; "
+                                  "add a one-stage-per-process kind such as 1f1b-flush")
     cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period, k)
                   for p, k, s in sims)
     fastest = min(s.steady_state_period for _, _, s in sims)
@@ -121,6 +131,24 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
              "%s: %.4g s simulated)", plan.replicas, kind, sim.steady_state_period,
              best.replicas, sims[0][2].steady_state_period)
     return SimulatedChoice(plan, sim, cands, kind)
+
+
+def _placed_candidates(profile: Profile, cluster: Cluster, kind: str, stages: int | None,
+                       kw: dict, recompute: str, minibatches: int
+                       ) -> list[tuple[Plan, str, PlanSimulation]]:
+    """A placed kind's candidate: the planner's straight plan of v x P stages on the virtual
+    cluster of v x workers (P: ``stages``, else every worker), simulated on P processes;
+    none when the model has too few cut points or it does not fit in memory."""
+    from .placed_sim import stages_per_process, virtual_cluster
+
+    v = stages_per_process(kind)
+    try:
+        p = partition(profile, virtual_cluster(cluster, v), straight=True,
+                      stages=v * (stages or cluster.workers), recompute=recompute, **kw)
+    except (InfeasiblePlanError, ConfigError) as err:
+        log.info("no %s candidate: %s", kind, err)
+        return []
+    return [(p, kind, simulate_plan(p, profile, schedule=kind, minibatches=minibatches))]
 
 
 def _starts(profile: Profile, plan: Plan) -> list[int]:

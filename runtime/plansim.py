@@ -54,6 +54,7 @@ from fxpipe.passes.partition import coefficients
 from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.units import format_bytes, format_seconds
 
+from .placement import PLACED_KINDS
 from .schedule import SYNCHRONOUS_KINDS, Action, Rank, make_schedule, sync_sets, tie_delay
 from .timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
 
@@ -243,7 +244,7 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
                   duplex: bool = True, noam: int | None = None,
                   tied: Sequence[TiedSync] | None = None,
                   tied_delay: int | None = None,
-                  microbatches: int | None = None) -> PlanSimulation:
+                  microbatches: int | None = None, chunks: int = 2) -> PlanSimulation:
     """Event-simulate ``plan``'s schedule under the cost model (see the module doc).
 
     ``latency_s`` overrides the cluster's per-message latency; ``noam`` the input stage's
@@ -252,7 +253,15 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     A split backward (zero-bubble kinds) costs half the backward for B and half for W; the
     zero-bubble kinds place their W's by the plan's own stage costs.
     ``tied``: shared parameters (default: found in ``profile``); ``tied_delay``: rounds by which
-    their sum lags (default: the runtime's, ``schedule.tie_delay``)."""
+    their sum lags (default: the runtime's, ``schedule.tie_delay``). The placed kinds
+    (``interleaved-1f1b`` with ``chunks`` stages per process, ``zb-v``) put several of the
+    plan's stages on one process: :func:`fxpipe.runtime.placed_sim.simulate_placed_plan`."""
+    if schedule in PLACED_KINDS:
+        from .placed_sim import simulate_placed_plan
+
+        return simulate_placed_plan(plan, profile, schedule=schedule, minibatches=minibatches,
+                                    latency_s=latency_s, microbatches=microbatches,
+                                    chunks=chunks)
     if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
         raise ConfigError(f"minibatches must be a positive integer, got {minibatches!r}")
     cluster = Cluster.from_dict(dict(plan.cluster))

@@ -3,6 +3,8 @@
     "pipedream"                     PipeDream's asynchronous 1F1B with weight stashing
     "pipedream+predict+lr_scale"    the same with mitigations (fxpipe.runtime.mitigation)
     "1f1b-flush", "gpipe", "2bw"    the other kinds (fxpipe.runtime.schedule)
+    "interleaved-1f1b", "zb-v"      several stages per process (fxpipe.runtime.placement;
+                                    the Trainer runs them with executor="reference")
     "auto"                          chosen per run (fxpipe.runtime.auto)
 
 Kept apart from the trainer so the spelling is parsed, validated and printed in one place.
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 from .errors import RuntimeConfigError
 from .mitigation import MITIGATIONS, Mitigation
+from .placement import PLACED_KINDS
 from .schedule import SCHEDULE_KINDS
 
 AUTO = "auto"
@@ -41,9 +44,10 @@ def parse_schedule(spec: str) -> ScheduleSpec:
                                  "LocalSGD runs on the reference executor only: "
                                  "fxpipe.runtime.localsgd_executor.LocalSGDExecutor with "
                                  "fxpipe.runtime.localsgd.make_localsgd_schedule")
-    if kind not in SCHEDULE_KINDS + (AUTO,):
+    if kind not in SCHEDULE_KINDS + PLACED_KINDS + (AUTO,):
         raise RuntimeConfigError(f"unknown schedule {spec!r}",
-                                 f"use 'auto', one of {SCHEDULE_KINDS}, or 'pipedream+<mitigation>'"
+                                 f"use 'auto', one of {SCHEDULE_KINDS + PLACED_KINDS}, or "
+                                 "'pipedream+<mitigation>'"
                                  f" with mitigations {', '.join(MITIGATIONS)}")
     mitigation = Mitigation.parse(rest) if rest else None
     if mitigation is not None and kind != "pipedream":

@@ -61,6 +61,7 @@ from .errors import RuntimeConfigError
 from .metrics import MetricsLog
 from .param_names import wrap_factory
 from .schedule import Schedule
+from .placement import PLACED_KINDS
 from .schedule_spec import AUTO, parse_schedule
 from .stage import LossFn, StageReplica, check_stages
 from .staleness import own_delays
@@ -70,7 +71,7 @@ from .trainer_backends import DistributedBackend, IdleBackend, ReferenceBackend,
 from .trainer_checkpoint import CheckpointMixin
 from .trainer_progress import Progress
 from .trainer_results import ResultsMixin
-from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin
+from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin, check_placed_executor
 from .trainer_switch import Replanner, make_replanner
 from .wire import make_wire_plan
 
@@ -186,7 +187,9 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         self.state_keys = dict(state_keys) if state_keys is not None else None
         self.history: History = []
         self._wire_cache: dict[Any, Any] = {}
-        kind = "1f1b-flush" if spec.kind == AUTO else spec.kind  # auto: until fit() chooses
+        check_placed_executor(spec.kind, executor)
+        # auto: 1f1b-flush until fit() chooses; the placed kinds have 1f1b-flush's semantics
+        kind = "1f1b-flush" if spec.kind in (AUTO,) + PLACED_KINDS else spec.kind
         empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in
                          ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
         mitigated = dict(mitigation=spec.mitigation, delays=own_delays(

@@ -15,6 +15,7 @@ import torch
 
 from .errors import RuntimeConfigError
 from .reference import check_schedule
+from .placement import PLACED_KINDS, make_placed_schedule
 from .schedule import Schedule, make_schedule
 from .schedule_spec import AUTO, parse_schedule
 from .stage import StageReplica, tied_parameters
@@ -29,6 +30,16 @@ even from a slow loader; boundaries depend only on the position, so a resume rep
 are rounded up to whole update groups (m minibatches for the batched kinds, lcm(replicas) for
 pipedream), so a boundary never cuts a batch in two."""
 FIRST_SEGMENT = 8
+
+
+def check_placed_executor(kind: str, executor: str) -> None:
+    """The Trainer's distributed backend runs one stage per process: a placed kind (several
+    per process) trains with the reference executor there (the same numbers)."""
+    if kind in PLACED_KINDS and executor != "reference":
+        raise RuntimeConfigError(f"schedule {kind!r} with executor={executor!r}",
+                                 "the Trainer's distributed backend runs one stage per process; "
+                                 "train a placed kind with executor='reference' (same numbers), "
+                                 "or on processes with fxpipe.runtime.hosted_launch.run_placed")
 
 
 class ScheduleMixin:
@@ -110,12 +121,29 @@ class ScheduleMixin:
         every full segment of every epoch has the same one. Checked against the stages too
         (tied weights need one update cadence on every stage holding them)."""
         sched = self._schedules.get(n)
-        if sched is None:
+        if sched is None and self.kind in PLACED_KINDS:
+            sched = self._placed(n)
+        elif sched is None:
             sched = make_schedule(self.kind, self.replicas, n, microbatches=self.microbatches)
             sched = sched.with_vertical_sync() if self.vertical_sync else sched
             check_schedule(self.stages, self.replicas, sched)
             self._schedules[n] = sched
         return sched
+
+    def _placed(self, n: int) -> Schedule:
+        """A placed kind's per-stage lists (the reference executor runs them; their order is
+        the placement's, see :mod:`fxpipe.runtime.placement`): zb-v on S / 2 processes,
+        interleaved-1f1b with 2 stages per process (round robin); equal replicas: copies of the
+        whole placed pipeline."""
+        if len(set(self.replicas)) > 1:
+            raise RuntimeConfigError(f"schedule {self.kind!r} with replicas {self.replicas}",
+                                     "the placed kinds replicate the whole pipeline: give every "
+                                     "stage the same number of replicas")
+        S, R = len(self.replicas), self.replicas[0]
+        placed = make_placed_schedule(self.kind, math.ceil(S / 2), n, num_stages=S,
+                                      microbatches=self.microbatches or sum(self.replicas),
+                                      replicas=R)
+        return placed.schedule
 
     def _segment_at(self, pos: int) -> int:
         """Minibatches in the segment starting at epoch position ``pos`` (see DEFAULT_SEGMENT)."""

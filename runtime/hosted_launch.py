@@ -1,0 +1,182 @@
+"""Launch placed schedules (interleaved-1f1b, zb-v) on local processes: one per PROCESS of the
+placement, each hosting several stages (:mod:`fxpipe.runtime.hosted`).
+
+Same policy as :mod:`fxpipe.runtime.launch`: spawn, one result (or error) file per process in a
+temporary folder, children always joined and terminated past the deadline. Several jobs may run
+one after another in one spawned world (``run_placed_jobs``: the tests pay the process start
+once); a process index beyond a job's placement sits that job out, joining only its barrier.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fxpipe.codegen.split import StageSpec
+from fxpipe.errors import FxpipeError
+
+from .comm import make_groups, synchronized_start
+from .errors import WorkerFailedError
+from .hosted import ProcessExecutor, check_hostable
+from .launch import _join, free_port
+from .placement import PlacedSchedule, validate_placed
+from .reference import Batch, RunResult, check_schedule
+from .stage import LossFn
+from .stash import OptimizerFactory
+from .step_options import DEFAULT, StepOptions
+from .wire import WirePlan, make_wire_plan
+from .worker import warm_imports
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PlacedJob:
+    """One run of a placed schedule (pickled to every spawned process)."""
+
+    stages: list[StageSpec]
+    placed: PlacedSchedule
+    loss_fn: LossFn
+    optimizer_factory: OptimizerFactory
+    batches: list[Batch]
+    options: StepOptions = DEFAULT
+    wire: WirePlan | None = field(default=None)
+    faults: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """Tests: process index -> ("die" | "hang", index in its merged list)."""
+    record_comm: bool = False  # keep every process's host calls (commplan.check_logs)
+
+
+def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s: float,
+            log_level: int) -> None:
+    """Process ``index``: join the world, run every job (its part of it), save the results."""
+    torch.set_num_threads(1)
+    logging.basicConfig(level=log_level,
+                        format=f"%(asctime)s [process {index}] %(name)s %(levelname)s: "
+                               "%(message)s")
+    out = Path(outdir)
+    world = max(j.placed.num_processes for j in jobs)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index,
+                                world_size=world,
+                                timeout=timedelta(seconds=max(timeout_s, 60.0)))
+        warm_imports()  # the first optimizer's lazy import, before the timeline's zero
+        t0 = synchronized_start(max(timeout_s, 60.0))
+        for n, job in enumerate(jobs):
+            rank_of = {r: p for p, h in enumerate(job.placed.hosts) for r in h}
+            # every process of the world creates every job's groups (new_group is collective)
+            groups = make_groups(job.placed.schedule.replicas, rank_of, [], timeout_s)
+            if index >= job.placed.num_processes:
+                dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+                continue
+            assert job.wire is not None
+            ex = ProcessExecutor(job.stages, job.placed, index, job.loss_fn,
+                                 job.optimizer_factory, job.wire, rank_of, timeout_s, t0,
+                                 groups=groups, options=job.options,
+                                 fault=job.faults.get(index), record_comm=job.record_comm)
+            res = ex.run(job.batches)
+            torch.save({r: v.__dict__ for r, v in res.items()}, out / f"job{n}-p{index}.pt")
+        dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 - every failure must end the process non-zero
+        text = (f"process {index}: {err}" if isinstance(err, FxpipeError)
+                else f"process {index}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
+        log.error("%s", text)
+        (out / f"p{index}.err").write_text(text)
+        logging.shutdown()
+        os._exit(1)
+
+
+def run_placed_jobs(jobs: Sequence[PlacedJob], *, timeout_s: float = 60.0,
+                    join_timeout_s: float | None = None,
+                    log_level: int = logging.WARNING) -> list[RunResult]:
+    """Run ``jobs`` one after another in one world of spawned gloo processes (as many as the
+    largest placement); each job's :class:`RunResult` as :func:`run_placed` returns it. Raises
+    :class:`WorkerFailedError` naming every failed process."""
+    jobs = list(jobs)
+    for j in jobs:
+        validate_placed(j.placed)
+        check_hostable(j.stages, j.placed, "cpu", j.options)
+        check_schedule(j.stages, j.placed.schedule.replicas, j.placed.schedule, len(j.batches))
+        if j.wire is None:
+            j.wire = make_wire_plan(j.stages, [b[0] for b in j.batches],
+                                    precision=j.options.precision)
+    world = max(j.placed.num_processes for j in jobs)
+    with tempfile.TemporaryDirectory(prefix="fxpipe-placed-") as outdir:
+        ctx = mp.get_context("spawn")
+        args = (jobs, outdir, free_port(), timeout_s, log_level)
+        procs = [ctx.Process(target=_worker, args=(i,) + args, name=f"fxpipe-process{i}",
+                             daemon=True) for i in range(world)]
+        try:
+            for p in procs:
+                p.start()
+            _join(procs, timeout_s, join_timeout_s)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    log.error("terminating %s (pid %s)", p.name, p.pid)
+                    p.terminate()
+                    p.join(5)
+                    if p.is_alive():
+                        p.kill()
+                        p.join(5)
+        out = Path(outdir)
+        codes = {i: p.exitcode for i, p in enumerate(procs)}
+        if any(c != 0 for c in codes.values()):
+            errors = {i: (out / f"p{i}.err").read_text() for i in codes
+                      if (out / f"p{i}.err").exists()}
+            lines = [f"process {i}: exit code {c}" + (f": {errors[i]}" if i in errors else "")
+                     for i, c in codes.items() if c != 0]
+            raise WorkerFailedError("distributed run failed:\n" + "\n".join(lines),
+                                    "the first failing process's message names the peer that "
+                                    "died or hung", codes, errors)
+        results = []
+        for n, job in enumerate(jobs):
+            per: dict[Any, dict[str, Any]] = {}
+            for p in range(job.placed.num_processes):
+                per.update(torch.load(out / f"job{n}-p{p}.pt", weights_only=False))
+            results.append(_result(job.placed, per))
+    return results
+
+
+def _result(placed: PlacedSchedule, per: dict[Any, dict[str, Any]]) -> RunResult:
+    sched = placed.schedule
+    losses: dict[int, float] = {}
+    for r in per.values():
+        losses.update(r["losses"])
+    ranks = sched.ranks
+    logs = {p: per[h[0]]["comm_log"] for p, h in enumerate(placed.hosts)
+            if per[h[0]].get("comm_log") is not None}  # comm_logs: by PROCESS
+    return RunResult([losses[k] for k in range(sched.num_minibatches)],
+                     [per[(s, 0)]["params"] for s in range(sched.num_stages)],
+                     {r: per[r]["params"] for r in ranks},
+                     {r: per[r]["peak_bytes"] for r in ranks},
+                     {i: per[r]["timeline"] for i, r in enumerate(ranks)}, {}, logs)
+
+
+def run_placed(stages: Sequence[StageSpec], placed: PlacedSchedule, loss_fn: LossFn,
+               optimizer_factory: OptimizerFactory, batches: Sequence[Batch], *,
+               timeout_s: float = 60.0, join_timeout_s: float | None = None,
+               device: str = "cpu", options: StepOptions = DEFAULT,
+               faults: dict[int, tuple[str, int]] | None = None, record_comm: bool = False,
+               log_level: int = logging.WARNING) -> RunResult:
+    """Train ``stages`` on ``batches`` under ``placed`` with one gloo process per process of the
+    placement; same result type (and, to rounding, numbers) as the reference executor running
+    ``placed.schedule``. ``timeout_s`` bounds every wait; a process that dies or hangs makes
+    the others fail with a :class:`~fxpipe.runtime.errors.PeerError` naming it, and this call
+    raise :class:`WorkerFailedError` (``faults``, tests: process -> ("die" | "hang", step)).
+    ``record_comm``: every process's host calls in ``RunResult.comm_logs`` (by process), for
+    :func:`fxpipe.runtime.commplan.check_logs`."""
+    check_hostable(stages, placed, device, options)
+    return run_placed_jobs([PlacedJob(list(stages), placed, loss_fn, optimizer_factory,
+                                      list(batches), options, faults=dict(faults or {}),
+                                      record_comm=record_comm)],
+                           timeout_s=timeout_s,
+                           join_timeout_s=join_timeout_s, log_level=log_level)[0]

@@ -1,0 +1,217 @@
+"""Processes hosting several stages (interleaved-1f1b, zb-v): literal per-process orders
+derived by hand, the bubble they leave under unit costs, validation and refusals."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxpipe.errors import ConfigError
+from fxpipe.runtime.placement import (PlacedSchedule, make_placed_schedule, placement,
+                                      process_order, simulate_placed, validate_placed)
+from fxpipe.runtime.schedule import Action, DeadlockError, ScheduleError, make_schedule
+from fxpipe.runtime.simulate import simulate
+
+UNIT = (1.0, 1.0, 1.0)
+
+
+def test_interleaved_two_processes_two_chunks_four_microbatches_by_hand() -> None:
+    """Megatron-LM's interleaved order, derived by hand from its definition (P = 2, v = 2, m =
+    4; stage s on process s % 2). The k-th forward of a process is chunk (k mod 4) // 2 of
+    microbatch (k // 4) * 2 + k mod 2: F0 F1 on chunk 0, F0 F1 on chunk 1, F2 F3 on chunk 0,
+    F2 F3 on chunk 1; backwards walk the chunks in reverse (B0 B1 on chunk 1, B0 B1 on chunk
+    0, ...). Warm-up forwards: (P - p - 1) * 2 + (v - 1) * P = 4 on process 0, 2 on process 1;
+    then forward k + warm-up / backward k pairs; then the remaining backwards."""
+    ps = make_placed_schedule("interleaved-1f1b", 2, 4, chunks=2, microbatches=4)
+    assert ps.hosts == (((0, 0), (2, 0)), ((1, 0), (3, 0)))
+    assert ps.grid() == [
+        "p0  |F0@0 F1@0 F0@2 F1@2 F2@0 B0@2 F3@0 B1@2 F2@2 B0@0 F3@2 B1@0 B2@2 B3@2 B2@0 B3@0 "
+        "U0@0 U0@2",
+        "p1  |F0@1 F1@1 F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1 B1@1 F2@3 B2@3 F3@3 B3@3 B2@1 B3@1 "
+        "U0@1 U0@3"]
+    # the per-rank lists are the projections, with 1f1b-flush's versions (all read version 0)
+    assert " ".join(map(str, ps.schedule.actions[(2, 0)])) == "F0 F1 B0 B1 F2 F3 B2 B3 U0"
+    assert {a.version for acts in ps.schedule.actions.values() for a in acts} == {0, 1}
+
+
+def test_interleaved_second_batch_reads_the_first_update() -> None:
+    ps = make_placed_schedule("interleaved-1f1b", 2, 8, chunks=2, microbatches=4)
+    acts = ps.schedule.actions[(1, 0)]
+    assert [(str(a), a.version) for a in acts if a.minibatch == 5 and a.kind != "U"] == \
+        [("F5", 1), ("B5", 1)]
+    assert [str(a) for a in acts if a.kind == "U"] == ["U0", "U1"]
+
+
+@pytest.mark.parametrize("P,v,per", [(2, 2, 1), (2, 2, 2), (4, 2, 2), (2, 3, 2), (4, 4, 1)])
+def test_interleaved_bubble_is_one_over_v_of_1f1b(P: int, v: int, per: int) -> None:
+    """Chunk costs F = 1, B = 2: a process does 3vm of work; 1F1B on P stages each v times
+    bigger has the bubble 3v(P - 1) (its makespan (m + P - 1) * 3v); interleaved's is 3(P - 1),
+    1/v of it (Narayanan et al. 2021, eq. for t_pb)."""
+    m = per * P
+    ps = make_placed_schedule("interleaved-1f1b", P, m, chunks=v, microbatches=m)
+    span, busy = simulate_placed(ps, [(1.0, 2.0, 0.0)] * (v * P))
+    assert busy == [3.0 * v * m] * P
+    assert span - 3 * v * m == 3 * (P - 1)
+    flat = simulate(make_schedule("1f1b-flush", [1] * P, m, microbatches=m), [1.0 * v] * P,
+                    [2.0 * v] * P)
+    assert flat.makespan - 3 * v * m == 3 * v * (P - 1)
+
+
+def _peak_chunks(ps: PlacedSchedule) -> int:
+    """Most chunk activations a process holds at once (F done, its W not)."""
+    peak = 0
+    for steps in ps.order:
+        held = 0
+        for _, a in steps:
+            held += (a.kind == "F") - (a.kind == "W")
+            peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("P,per", [(2, 1), (2, 2), (3, 2), (4, 2), (4, 4), (8, 2)])
+def test_zb_v_leaves_only_the_last_process_start_up(P: int, per: int) -> None:
+    """F = B = W = 1: each process does 6m of work; process P - 1 hosts stages P - 1 and P and
+    cannot start before minibatch 0 went through P - 1 stages, so 6m + P - 1 is the least
+    makespan. With 2P minibatches admitted per process the greedy V reaches it; with the
+    default P (at most 2P chunk activations held: 1F1B's memory, a chunk being half a stage)
+    it stays within twice that start-up, far below interleaved 1F1B's on the same stages."""
+    m = per * P
+    ps = make_placed_schedule("zb-v", P, m, microbatches=m, limit=2 * P)
+    assert ps.hosts == tuple(((p, 0), (2 * P - 1 - p, 0)) for p in range(P))
+    span, busy = simulate_placed(ps, [UNIT] * (2 * P))
+    assert busy == [6.0 * m] * P
+    assert span == 6 * m + P - 1
+    lean = make_placed_schedule("zb-v", P, m, microbatches=m)
+    assert _peak_chunks(lean) <= 2 * P
+    span, _ = simulate_placed(lean, [UNIT] * (2 * P))
+    assert 6 * m + P - 1 <= span <= 6 * m + 2 * (P - 1)
+    inter = make_placed_schedule("interleaved-1f1b", P, m, chunks=2, microbatches=m)
+    assert span < simulate_placed(inter, [UNIT] * (2 * P))[0]
+
+
+def test_zb_v_two_processes_by_hand() -> None:
+    """P = 2, m = 2, F = B = W = 1 (stages 0, 3 on process 0; 1, 2 on process 1), from the
+    rules (oldest ready B, else the deepest ready F, a new minibatch only while fewer than P =
+    2 are admitted, else a W that delays nothing). t0: p0 F0@0. t1: p0 F1@0, p1 F0@1. t2: p1
+    F0@2 (deeper than F1@1), p0 idle. t3: p0 F0@3 (F0@2 ended), p1 F1@1. t4: p0 B0@3, p1 F1@2. t5: p0 F1@3 (F1@2 ended at 5, ready: F
+    before W), p1 B0@2. t6: p0 B1@3, p1 B0@1. t7: p0 B0@0, p1 B1@2. t8: p0 W0@3 (B1@1 ends at
+    9: a W fits), p1 B1@1. t9: p0 B1@0, p1 W0@2 ... then the W's."""
+    ps = make_placed_schedule("zb-v", 2, 2, microbatches=2)
+    assert ps.grid() == [
+        "p0  |F0@0 F1@0 F0@3 B0@3 F1@3 B1@3 B0@0 W0@3 B1@0 W0@0 W1@3 W1@0 U0@0 U0@3",
+        "p1  |F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 B1@2 B1@1 W0@2 W0@1 W1@2 W1@1 U0@1 U0@2"]
+    assert simulate_placed(ps, [UNIT] * 4)[0] == 13.0
+
+
+def test_interleaved_round_robin_on_three_stages() -> None:
+    """S = 3 on P = 2: stages 0, 2 on process 0, stage 1 on process 1 (a greedy order with
+    fused backwards, since Megatron's needs S = vP); valid, and one update per stage."""
+    ps = make_placed_schedule("interleaved-1f1b", 2, 8, num_stages=3, microbatches=4)
+    assert ps.hosts == (((0, 0), (2, 0)), ((1, 0),))
+    assert {r: sum(a.kind == "U" for a in acts) for r, acts in ps.schedule.actions.items()} == \
+        {(0, 0): 2, (1, 0): 2, (2, 0): 2}
+    assert not any(a.kind == "W" for acts in ps.schedule.actions.values() for a in acts)
+    assert len(process_order(ps)) == sum(len(o) for o in ps.order)
+
+
+def test_refusals_say_what_to_do() -> None:
+    with pytest.raises(ConfigError) as info:
+        make_placed_schedule("interleaved-1f1b", 2, 6, chunks=2, microbatches=3)
+    assert info.value.message == ("interleaved-1f1b with a batch of 3 microbatches on 2 "
+                                  "processes")
+    assert "multiple of the processes (2)" in (info.value.hint or "")
+    with pytest.raises(ConfigError) as info:
+        make_placed_schedule("zb-v", 2, 4, num_stages=3)
+    assert info.value.message == "zb-v with 3 stages on 2 processes"
+    assert "into 4 stages" in (info.value.hint or "")
+    with pytest.raises(ConfigError, match="1 stages on 2 processes"):
+        placement("interleaved-1f1b", 1, 2)
+    with pytest.raises(ConfigError, match="'zb-h9' is not a placed kind"):
+        make_placed_schedule("zb-h9", 2, 4)
+
+
+def test_a_merged_order_that_deadlocks_is_caught() -> None:
+    """A merged list that reorders a stage's own list is refused; two stages of one process
+    merged in an order that waits on itself is a deadlock."""
+    ps = make_placed_schedule("interleaved-1f1b", 2, 2, chunks=1, microbatches=2)
+    order = list(ps.order)
+    steps = list(order[1])  # process 1 (stage 1, the last): F0 B0 F1 B1 U0
+    order[1] = tuple([steps[1], steps[0]] + steps[2:])
+    bad = PlacedSchedule(ps.schedule, ps.hosts, tuple(order))
+    with pytest.raises(ScheduleError, match="merged list runs stage 1"):
+        validate_placed(bad)
+    # two stages on one process in the wrong order: F0 of stage 1 before F0 of stage 0
+    one = make_placed_schedule("interleaved-1f1b", 1, 1, chunks=2, microbatches=1)
+    steps = list(one.order[0])
+    swapped = (steps[1], steps[0]) + tuple(steps[2:])
+    with pytest.raises(DeadlockError, match="process 0 stuck at F0 of stage 1 waiting for F0 "
+                                            "on stage 0"):
+        validate_placed(PlacedSchedule(one.schedule, one.hosts, (swapped,)))
+
+
+def test_updates_come_after_every_w_of_the_batch() -> None:
+    ps = make_placed_schedule("zb-v", 3, 12, microbatches=6)
+    for acts in ps.schedule.actions.values():
+        text = " ".join(map(str, acts))
+        u0 = text.index("U0")
+        assert all(text.index(f"W{k} ") < u0 for k in range(6))
+        assert sum(a.kind == "W" for a in acts) == 12
+    assert isinstance(ps.order[0][0][1], Action)
+
+
+def test_replicated_placement_copies_the_pipeline() -> None:
+    """R = 2 copies of zb-v on 2 processes: process j * P + p is copy j's p; copy j runs
+    minibatches k = i * 2 + j in the order copy 0 runs i; each stage's two replicas meet at
+    every update (process_order executes the U's together)."""
+    one = make_placed_schedule("zb-v", 2, 4, microbatches=2)
+    two = make_placed_schedule("zb-v", 2, 8, microbatches=4, replicas=2)
+    assert two.hosts == (((0, 0), (3, 0)), ((1, 0), (2, 0)), ((0, 1), (3, 1)), ((1, 1), (2, 1)))
+    assert two.schedule.replicas == (2, 2, 2, 2) and two.schedule.group == 4
+    for p in range(2):
+        for j in range(2):
+            assert [(r[0], a.kind, a.minibatch if a.kind == "U" else a.minibatch * 2 + j)
+                    for r, a in one.order[p]] == \
+                [(r[0], a.kind, a.minibatch) for r, a in two.order[j * 2 + p]]
+    span, busy = simulate_placed(two, [UNIT] * 4)
+    assert (span, busy) == (simulate_placed(one, [UNIT] * 4)[0], [24.0] * 4)
+    with pytest.raises(ConfigError) as info:
+        make_placed_schedule("zb-v", 2, 8, microbatches=3, replicas=2)
+    assert info.value.message == ("zb-v with 2 replicas, 3 microbatches per batch and 8 "
+                                  "minibatches")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_costs_and_message_times_give_a_valid_placed_schedule(data) -> None:
+    """The greedy never gets stuck and always yields merged lists the processes can carry out:
+    any process count, stage costs (zero ones included), message times and admission limit."""
+    kind = data.draw(st.sampled_from(["zb-v", "interleaved-1f1b"]))
+    P = data.draw(st.integers(1, 4))
+    S = 2 * P if kind == "zb-v" else data.draw(st.integers(P, 3 * P))
+    cost = st.floats(0.0, 3.0, allow_nan=False)
+    costs = [data.draw(st.tuples(cost, cost, cost)) for _ in range(S)]
+    comm = [data.draw(cost) for _ in range(S)]
+    m = P * data.draw(st.integers(1, 3))
+    limit = data.draw(st.integers(1, 2 * P))
+    ps = make_placed_schedule(kind, P, 2 * m, num_stages=S, microbatches=m, limit=limit,
+                              costs=costs, comm=comm)
+    validate_placed(ps)
+    span, busy = simulate_placed(ps, costs, comm)
+    assert span >= max(busy) - 1e-9
+
+
+def test_a_w_after_its_batch_update_is_refused() -> None:
+    """Moving W3 of stage 0 behind U0 would apply batch 0 without minibatch 3's weight
+    gradients: not minibatch SGD, refused (the per-rank rules alone accept it)."""
+    ps = make_placed_schedule("zb-v", 1, 8, microbatches=4)
+    steps = list(ps.order[0])
+    i = next(i for i, (r, a) in enumerate(steps) if r == (0, 0) and str(a) == "W3")
+    u = next(i for i, (r, a) in enumerate(steps) if r == (0, 0) and str(a) == "U0")
+    moved = steps[:i] + steps[i + 1:u + 1] + [steps[i]] + steps[u + 1:]
+    acts = dict(ps.schedule.actions)
+    acts[(0, 0)] = tuple(a for r, a in moved if r == (0, 0))
+    sched = type(ps.schedule)(ps.kind, ps.schedule.replicas, 8, acts, 4)
+    from fxpipe.runtime.schedule import validate
+    validate(sched)
+    with pytest.raises(ScheduleError, match="W3 on stage 0 replica 0 after 1 updates"):
+        validate_placed(PlacedSchedule(sched, ps.hosts, (tuple(moved),)))
