@@ -160,7 +160,9 @@ def worker(work: Path, run: str, after: int = 1) -> int:
                 # item 3: the running plan's prediction on the profile it was started from,
                 # and the plan running after the decision on the rescaled profile
                 "predict_original": predicted_s(plan, profile),
-                "predict_rescaled": predicted_s(running, r.proposal.profile)})
+                "predict_rescaled": predicted_s(running, r.proposal.profile),
+                # in sample: the plan that was measured, on the profile rescaled to it
+                "predict_measured": predicted_s(r.proposal.current, r.proposal.profile)})
         spans = [[g["plan"], (max(e[3] for e in g["events"]) - min(e[2] for e in g["events"]))
                   / g["n"]] for g in segments]  # rank 0's first to last event, per minibatch
         (work / f"{run}.json").write_text(json.dumps({
@@ -205,11 +207,12 @@ def launch(work: Path, run: str, procs: int, after: int = 1, cluster: Any = None
     return json.loads((work / f"{run}.json").read_text())
 
 
-def throughput(segments: list[list[float]], plan: int) -> float:
+def throughput(segments: list[list[float]], plan: int, average: Any = statistics.mean
+               ) -> float:
     """Samples per second over the segments of plan generation ``plan``, its first one left
     out (warm-up)."""
     times = [s for g, s in segments if g == plan][1:]
-    return B / statistics.mean(times)
+    return B / average(times)
 
 
 def measured_s(segments: list[list[float]], plan: int, skip: int) -> float:
@@ -236,6 +239,10 @@ def repeats(work: Path, procs: int, n: int, after: int, cluster: Any = None
                "wrong": throughput(got["wrong"]["segments"], 0),
                "before": B / got["replan"]["segments"][0][1],
                "after": (throughput(got["replan"]["segments"], 1) if rec["adopted"] else None),
+               "median": {"right": throughput(got["right"]["segments"], 0, statistics.median),
+                          "wrong": throughput(got["wrong"]["segments"], 0, statistics.median),
+                          "after": (throughput(got["replan"]["segments"], 1, statistics.median)
+                                    if rec["adopted"] else None)},
                "rec": rec, "loss": {r: got[r]["loss"] for r in got},
                "predict": {}}
         for run in runs:  # item 3: predicted vs measured s per minibatch, before and after
@@ -247,7 +254,10 @@ def repeats(work: Path, procs: int, n: int, after: int, cluster: Any = None
                 "measured_before": measured_s(segs, 0, 1 if len(
                     [s for g, s in segs if g == 0]) > 1 else 0),
                 "measured_after": measured_s(segs, gen, 1 if gen else after),
-                "span_after": measured_s(got[run]["spans"], gen, 1 if gen else after)}
+                "span_after": measured_s(got[run]["spans"], gen, 1 if gen else after),
+                "measured": r0["predict_measured"],
+                "measured_in_sample": statistics.mean(
+                    [t for g, t in segs if g == 0][(1 if after > 1 else 0):after])}
         rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -316,6 +326,13 @@ def results_table(rows: list[dict[str, Any]]) -> list[str]:
                   f"re-plan adopted in {len(ok)} of {len(rows)} repeats."]
     lines.append(f"wrong / right over {len(rows)} repeats: mean {statistics.mean(ww):.2f}, "
                  f"min {min(ww):.2f}, max {max(ww):.2f}.")
+    if "median" in rows[0]:  # the same ratios from each run's median segment (load spikes)
+        om = [r["median"]["after"] / r["median"]["right"] for r in rows
+              if r["median"]["after"] is not None]
+        wm = [r["median"]["wrong"] / r["median"]["right"] for r in rows]
+        lines.append(f"From each run's median segment instead of its mean: after / right mean "
+                     f"{statistics.mean(om):.2f} [{min(om):.2f}-{max(om):.2f}], wrong / right "
+                     f"mean {statistics.mean(wm):.2f} [{min(wm):.2f}-{max(wm):.2f}].")
     for run in ("right", "wrong"):  # the noise floor: one plan, run after run
         xs = [r[run] for r in rows]
         lines.append(f"`{run}` alone across repeats: {min(xs):.0f}-{max(xs):.0f} samples/s "
@@ -349,6 +366,18 @@ def prediction_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{cell([p['rescaled']['planner'] / p['measured_after'] - 1 for p in ps])} | "
             f"**{cell([p['rescaled']['sim'] / p['measured_after'] - 1 for p in ps])}** | "
             f"{ms(sa)} | {cell([p['rescaled']['sim'] / p['span_after'] - 1 for p in ps])} |")
+    lines += ["", "In sample (the plan that was measured, on the profile rescaled to that "
+              "measurement, against the same segments' measured time): the cost model's own "
+              "error once the compute is right, without the run's later drift:", "",
+              "| run | measured ms/minibatch (measured segments) | planner | simulated |",
+              "|---|---|---|---|"]
+    for run in ("right", "wrong", "replan"):
+        ps = [r["predict"][run] for r in rows]
+        mi = [p["measured_in_sample"] for p in ps]
+        lines.append(
+            f"| {run} | {ms(mi)} | "
+            f"{cell([p['measured']['planner'] / p['measured_in_sample'] - 1 for p in ps])} | "
+            f"{cell([p['measured']['sim'] / p['measured_in_sample'] - 1 for p in ps])} |")
     return lines
 
 
