@@ -394,8 +394,9 @@ def cluster_main(a: argparse.Namespace, work: Path) -> int:
                          prefix="fxprp") as c:
         rows = repeats(work, a.hosts, a.repeats, a.after, c)
     wall, load1 = time.monotonic() - t0, os.getloadavg()
-    figs = plot_timelines(work, ROOT / "docs" / "figures", f"replan-timeline-{a.mbit:g}mbit",
-                          B)
+    suffix = "" if a.after == 2 else f"-after{a.after}"
+    figs = plot_timelines(work, ROOT / "docs" / "figures",
+                          f"replan-timeline-{a.mbit:g}mbit{suffix}", B)
     cmd = (f"sudo .venv/bin/python bench/replan.py --hosts {a.hosts} --mbit {a.mbit:g} "
            f"--layers {L} --after {a.after} --repeats {a.repeats}")
     lines = [f"## Re-planning in place on an emulated cluster: {a.hosts} hosts, "
@@ -420,7 +421,8 @@ def cluster_main(a: argparse.Namespace, work: Path) -> int:
              "Predicted / measured - 1: mean [min, max] over the repeats. *Before*: the plan "
              "the run started with, on the profile it started from, against its measured "
              "seconds per minibatch (the wrong plan's profile for `wrong` and `replan`; for "
-             "`replan` the one segment before the switch, warm-up included). *After*: the plan "
+             "`replan` its segments before the switch but the first; with `--after 1` its one "
+             "segment, warm-up included). *After*: the plan "
              "running after the decision (the new plan for `replan`, the kept plan for the "
              "others) on the profile rescaled from the measurement, against its segments after "
              "the decision (but the new plan's first). *Planner*: `Plan.time_per_minibatch`, "
@@ -428,9 +430,11 @@ def cluster_main(a: argparse.Namespace, work: Path) -> int:
              "`simulate_plan(schedule=\"1f1b-flush\")` of one segment (fill and drain of every "
              "update included).", "", *prediction_table(rows), "",
              "Per-rank timelines of the last repeat (one row per rank; forward, backward, "
-             "optimizer step, waits; white = idle):", ""]
+             "optimizer step, waits; white = idle; after the re-plan and for the `right` and "
+             "`wrong` runs the segment of median length):", ""]
     lines += [f"![{name}](docs/figures/{path.name})" for name, path in figs]
-    publish("replan-cluster", "\n".join(lines), a.out)
+    # one section per measurement window (--after 1 measures the warm-up segment)
+    publish("replan-cluster" + suffix, "\n".join(lines), a.out)
     (work / "rows.json").write_text(json.dumps(rows))
     return 0
 

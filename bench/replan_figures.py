@@ -4,9 +4,9 @@ Why pictures: a re-plan is justified by idle time, and idle time is what a table
 throughputs hides. Each rank's runtime timeline (``fxpipe.runtime.timeline``: forward,
 backward, optimizer, send postings, receive waits, all-reduce, idle) of one segment is drawn as
 coloured bars on a common clock (the ranks run on one machine, so their ``perf_counter`` agree);
-white is idle. The figures: the ``replan`` run's last segment under the wrong plan (what the
-re-plan measured), its second segment under the new plan, and the ``right`` run's segment at
-the same position, all on one time scale.
+white is idle. The panels: the ``replan`` run's last segment under the wrong plan (what the
+re-plan measured), its segment of median length under the new plan, and the ``right`` and
+``wrong`` runs' segments of median length, all on one time scale.
 """
 from __future__ import annotations
 
@@ -35,6 +35,16 @@ def segment(ranks: dict[int, list[dict[str, Any]]], index: int
     t0 = min(e[2] for es in evs.values() for e in es)
     return ({r: [[c, n, s - t0, e - t0] for c, n, s, e in es] for r, es in evs.items()},
             {r: segs[index]["stage"] for r, segs in ranks.items()})
+
+
+def typical(ranks: dict[int, list[dict[str, Any]]], candidates: list[int]) -> int:
+    """Of the segments ``candidates``, the one of median length (a single segment on a shared
+    machine may hold a stall of tens of ms that is not the plan's)."""
+    def span(i: int) -> float:
+        evs = [e for segs in ranks.values() for e in segs[i]["events"]]
+        return max(e[3] for e in evs) - min(e[2] for e in evs)
+    ordered = sorted(candidates, key=span)
+    return ordered[len(ordered) // 2]
 
 
 def draw(ax: Any, evs: dict[int, list[list[Any]]], stages: dict[int, list[int]], title: str,
@@ -66,19 +76,23 @@ def plot_timelines(work: Path, out_dir: Path, stem: str, batch: int
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    rp, right = load(work, "replan"), load(work, "right")
+    rp, right, wrong = load(work, "replan"), load(work, "right"), load(work, "wrong")
     if not rp or not right:
         return []
     segs = rp[0]
     last_old = max(i for i, s in enumerate(segs) if s["plan"] == 0)
-    new = [i for i, s in enumerate(segs) if s["plan"] == 1]
+    new = [i for i, s in enumerate(segs) if s["plan"] == 1][1:]  # the new plan's first warms up
     panels = [(f"replan run, segment {last_old}: the wrong plan (what the re-plan measured)",
                *segment(rp, last_old))]
-    if len(new) > 1:
-        panels.append((f"replan run, segment {new[1]}: after the re-plan (new plan)",
-                       *segment(rp, new[1])))
-    k = new[1] if len(new) > 1 else last_old
+    if new:
+        k = typical(rp, new)
+        panels.append((f"replan run, segment {k}: after the re-plan (new plan)",
+                       *segment(rp, k)))
+    k = typical(right, list(range(2, len(right[0]))))
     panels.append((f"right run, segment {k}: the right plan", *segment(right, k)))
+    if wrong:
+        k = typical(wrong, list(range(2, len(wrong[0]))))
+        panels.append((f"wrong run, segment {k}: the wrong plan kept", *segment(wrong, k)))
     xmax = max(e[3] for _, evs, _ in panels for es in evs.values() for e in es) * 1e3
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 1.3 + 1.1 * sum(
         len(p[1]) for p in panels) / len(panels) * len(panels)), sharex=True)
