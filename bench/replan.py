@@ -416,7 +416,9 @@ def cluster_main(a: argparse.Namespace, work: Path) -> int:
              f"its first {a.after} segment(s) from its ranks' timelines; `right` and `wrong` "
              "run with `replan=\"auto\"` and an unreachable threshold (they measure and decide "
              "too, and keep their plan). Throughput in samples/s over each plan's segments but "
-             "its first (warm-up).", "", *results_table(rows), "",
+             "its first (warm-up). Discussion and picture: "
+             "[docs/cluster-experiment.md](docs/cluster-experiment.md#re-planning-from-a-wrong-"
+             "profile-issue-13).", "", *results_table(rows), "",
              "### Prediction against measurement, before and after the re-plan (item 3)", "",
              "Predicted / measured - 1: mean [min, max] over the repeats. *Before*: the plan "
              "the run started with, on the profile it started from, against its measured "
