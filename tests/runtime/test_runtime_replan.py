@@ -165,13 +165,15 @@ def test_the_first_update_of_the_first_segment_is_warm_up() -> None:
 
 
 def test_a_trainer_measures_its_first_segment_after_its_warm_up() -> None:
-    """measured_stage_times on a 1-stage trainer with two recorded segments: skip=0 uses the
-    first segment after its first update plus all of the second; skip=1 only the second."""
+    """measured_stage_times on a 1-stage trainer with two recorded segments of two updates:
+    skip=0 uses the first segment after its first update (1, 2, 0.5) and all of the second
+    (means 4, 5, 2): (2.5, 3.5, 1.25); skip=1 only the second, whole."""
     u0, t = _update(0, 0.0, 10.0, 30.0, 5.0, [0, 1])
     u1, _ = _update(1, t, 1.0, 2.0, 0.5, [2, 3])
-    seg2, _ = _update(2, 0.0, 3.0, 4.0, 1.5, [4, 5])
-    trainer = SimpleNamespace(timelines=[(u0 + u1, []), (seg2, [])], local={(0, 0): None},
+    u2, t = _update(2, 0.0, 3.0, 4.0, 1.5, [4, 5])
+    u3, _ = _update(3, t, 5.0, 6.0, 2.5, [6, 7])
+    trainer = SimpleNamespace(timelines=[(u0 + u1, []), (u2 + u3, [])], local={(0, 0): None},
                               stages=[None],
                               backend=SimpleNamespace(exchange=lambda mine, what: [mine]))
-    assert measured_stage_times(trainer, skip=0) == [StageTimes(2.0, 3.0, 1.0)]
-    assert measured_stage_times(trainer, skip=1) == [StageTimes(3.0, 4.0, 1.5)]
+    assert measured_stage_times(trainer, skip=0) == [StageTimes(2.5, 3.5, 1.25)]
+    assert measured_stage_times(trainer, skip=1) == [StageTimes(4.0, 5.0, 2.0)]
