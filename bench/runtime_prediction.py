@@ -15,7 +15,12 @@ N minibatches of each, interleaved and repeated, and the runtime's own timeline 
   time / wall time over the middle half of the rank's forward/backward events) and where the
   rest of that window went;
 * measured compute per minibatch per stage (median forward+backward, and the optimizer step)
-  against the plan's ``compute_s`` (forward+backward from the profile).
+  against the plan's ``compute_s`` (forward+backward from the profile);
+* after re-planning (issue 13, item 3): the profile rescaled stage by stage to the forward,
+  backward and optimizer times measured over minibatches --warmup..N/2-1
+  (``fxpipe.runtime.replan.rescale``, what ``trainer(replan="auto")`` does after its first
+  segments), the running plan costed on it (``plan_for``), against the time per minibatch
+  measured over the second half (N/2..N-1): a prediction for time it has not seen.
 """
 from __future__ import annotations
 
@@ -34,7 +39,10 @@ import runtime_common as rc  # noqa: E402
 from _report import publish  # noqa: E402
 
 import fxpipe  # noqa: E402
+from fxpipe.passes.partition import plan_for  # noqa: E402
 from fxpipe.runtime.launch import run_distributed  # noqa: E402
+from fxpipe.runtime.replan import measure as replan_measure  # noqa: E402
+from fxpipe.runtime.replan import rescale, stage_starts  # noqa: E402
 from fxpipe.runtime.schedule import make_schedule  # noqa: E402
 from fxpipe.runtime.timeline import busy_fraction  # noqa: E402
 
@@ -64,7 +72,23 @@ def per_mb(evs, cat: str, skip: int) -> float:
     return statistics.median(ds) if ds else 0.0
 
 
-def measure(specs, replicas, batches, warmup: int) -> dict:
+def rescaled_prediction(c, timeline, lo: int, hi: int) -> float:
+    """The running plan's time per minibatch on ``c``'s profile rescaled to the stage times
+    measured over minibatches (and updates) ``lo..hi-1`` of ``timeline`` (one rank per stage)."""
+    times = []
+    for r in range(len(c.plan.stages)):
+        evs = [e for e in timeline[r]
+               if lo <= e.args.get("update" if e.category == "optimizer" else "minibatch",
+                                   -1) < hi]
+        times.append(replan_measure(evs))
+    scaled, _ = rescale(c.profile, c.plan, times)
+    return plan_for(scaled, fxpipe.Cluster.from_dict(dict(c.plan.cluster)),
+                    stage_starts(c.profile, c.plan), c.plan.replicas,
+                    sync=c.plan.sync).time_per_minibatch
+
+
+def measure(c, batches, warmup: int) -> dict:
+    specs, replicas = c.stage_specs, c.plan.replicas
     sched = make_schedule("pipedream", replicas, len(batches))
     res = run_distributed(specs, replicas, sched, rc.cross_entropy, rc.sgd, batches, timeout_s=120.0)
     done = rc.fxpipe_done_at(res.timeline, rank=0)
@@ -77,7 +101,10 @@ def measure(specs, replicas, batches, warmup: int) -> dict:
                         fb=per_mb(evs, "forward", warmup) + per_mb(evs, "backward", warmup),
                         opt=statistics.median(sum(e.duration for e in g) for g in
                                               list(rc.fxpipe_updates(evs).values())[warmup:]))
-    return dict(tpm=tpm, ranks=ranks)
+    half = len(batches) // 2
+    tpm2 = (done[-1] - done[half]) / (len(done) - 1 - half)
+    return dict(tpm=tpm, ranks=ranks, tpm2=tpm2,
+                rescaled=rescaled_prediction(c, res.timeline, warmup, half))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for stages in ((1, 2) if rnd % 2 == 0 else (2, 1)):
             c = plans[stages]
-            m = measure(c.stage_specs, [1] * stages, batches, args.warmup)
+            m = measure(c, batches, args.warmup)
             got[stages].append(m)
             log.info("round %d, %d stage(s): %.2f ms/minibatch (predicted %.2f), busy %s", rnd,
                      stages, m["tpm"] * 1e3, c.plan.time_per_minibatch * 1e3,
@@ -113,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     def s(xs, fmt="{:.2f}"):
         return rc.spread(xs, fmt)
 
-    rows, stage_rows = [], []
+    rows, stage_rows, after_rows = [], [], []
     for stages in (1, 2):
         plan = plans[stages].plan
         pred = plan.time_per_minibatch
@@ -121,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         err = [(x / pred - 1) * 100 for x in meas]
         rows.append(f"| {stages} | {plan.replicas} | {pred * 1e3:.2f} | {s([x * 1e3 for x in meas])} | "
                     f"**{s(err, '{:+.0f}')}%** |")
+        m2 = [m["tpm2"] for m in got[stages]]
+        resc = [m["rescaled"] for m in got[stages]]
+        after_rows.append(
+            f"| {stages} | {pred * 1e3:.2f} | {s([x * 1e3 for x in resc])} | "
+            f"{s([x * 1e3 for x in m2])} | {s([(x / pred - 1) * 100 for x in m2], '{:+.0f}')}% | "
+            f"**{s([(x / p - 1) * 100 for x, p in zip(m2, resc)], '{:+.0f}')}%** |")
         for r in range(stages):
             st = plan.stages[r]
             runs = [m["ranks"][r] for m in got[stages]]
@@ -157,6 +190,18 @@ def main(argv: list[str] | None = None) -> int:
         "busy fraction | forward % | backward % | optimizer % | recv wait % | send % | idle % |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *stage_rows,
+        "",
+        "After re-planning (issue 13, item 3): the profile rescaled stage by stage to the "
+        f"forward, backward and optimizer times measured over minibatches {args.warmup}.."
+        f"{args.minibatches // 2 - 1} of the same run (`fxpipe.runtime.replan.rescale`, what "
+        "`trainer(replan=\"auto\")` re-plans from), the running plan costed on it "
+        "(`plan_for`), against the time per minibatch measured over minibatches "
+        f"{args.minibatches // 2}..N-1 (error = measured / predicted - 1, as above):",
+        "",
+        "| stages | predicted ms (profile) | predicted ms (rescaled) | measured ms, 2nd half | "
+        "error before | error after re-plan |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *after_rows,
         "",
         "Cells: median [min-max] over the rounds.",
     ])

@@ -15,15 +15,17 @@ from typing import Any
 from fxpipe.costmodel import Cluster
 
 from .errors import RuntimeConfigError
-from .replan import Proposal, StageTimes, measure, propose
+from .replan import Proposal, StageTimes, after_first_update, measure, propose
 
 
 def measured_stage_times(trainer: Any, skip: int = 0) -> list[StageTimes]:
     """Per stage, the mean over its replicas and over the recorded segments (but the first
     ``skip``: warm-up) of the measured forward and backward per minibatch and optimizer step per
-    update."""
+    update. The trainer's first segment, when it is measured (``skip=0``), counts only after
+    its first update (:func:`.replan.after_first_update`: the warm-up)."""
     mine: list[tuple[int, StageTimes]] = []
-    segments = [events for events, _ in trainer.timelines[skip:]] or [
+    segments = [after_first_update(events) if i == 0 else events
+                for i, (events, _) in enumerate(trainer.timelines) if i >= skip] or [
         events for events, _ in trainer.timelines[-1:]]
     if segments:
         per = [measure(events) for events in segments]

@@ -2,13 +2,16 @@
 partitions are worked out by hand."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from fxpipe.costmodel import Cluster, Profile, ProfileNode
 from fxpipe.errors import ConfigError
 from fxpipe.passes.partition import plan_for
-from fxpipe.runtime.replan import StageTimes, measure, propose, rescale
+from fxpipe.runtime.replan import StageTimes, after_first_update, measure, propose, rescale
 from fxpipe.runtime.timeline import TimelineEvent
+from fxpipe.runtime.trainer_replan import measured_stage_times
 
 MS = 1e-3
 
@@ -135,3 +138,42 @@ def test_a_running_job_keeps_all_its_workers() -> None:
                   cluster, workers=3)
     assert sum(got.proposed.replicas) == 3 and got.current.replicas == [1, 1]
     assert not got.adopt  # keeping the 2-worker plan beats any 3-worker one: nothing to gain
+
+
+def _update(k: int, t: float, f: float, b: float, u: float, mbs: list[int]) -> tuple[
+        list[TimelineEvent], float]:
+    """One flushed update ``k`` from time ``t``: F then B of each minibatch, then U."""
+    out = []
+    for m in mbs:
+        out.append(TimelineEvent("forward", f"F{m}", t, t + f, {"minibatch": m}))
+        out.append(TimelineEvent("backward", f"B{m}", t + f, t + f + b, {"minibatch": m}))
+        t += f + b
+    out.append(TimelineEvent("optimizer", f"U{k}", t, t + u, {"update": k}))
+    return out, t + u
+
+
+def test_the_first_update_of_the_first_segment_is_warm_up() -> None:
+    """Update 0: F 10, B 30, U 5 per minibatch (first use); update 1: F 1, B 2, U 0.5. The
+    rank's times count from the end of U0: exactly update 1's; a segment of one update keeps
+    everything (nothing else to measure)."""
+    u0, t = _update(0, 0.0, 10.0, 30.0, 5.0, [0, 1])
+    u1, _ = _update(1, t, 1.0, 2.0, 0.5, [2, 3])
+    assert measure(after_first_update(u0 + u1)) == StageTimes(1.0, 2.0, 0.5)
+    assert measure(u0 + u1) == StageTimes(5.5, 16.0, 2.75)  # the mean the warm-up inflates
+    assert after_first_update(u0) == u0
+    assert after_first_update(u0[:2]) == u0[:2]  # no update recorded
+
+
+def test_a_trainer_measures_its_first_segment_after_its_warm_up() -> None:
+    """measured_stage_times on a 1-stage trainer with two recorded segments of two updates:
+    skip=0 uses the first segment after its first update (1, 2, 0.5) and all of the second
+    (means 4, 5, 2): (2.5, 3.5, 1.25); skip=1 only the second, whole."""
+    u0, t = _update(0, 0.0, 10.0, 30.0, 5.0, [0, 1])
+    u1, _ = _update(1, t, 1.0, 2.0, 0.5, [2, 3])
+    u2, t = _update(2, 0.0, 3.0, 4.0, 1.5, [4, 5])
+    u3, _ = _update(3, t, 5.0, 6.0, 2.5, [6, 7])
+    trainer = SimpleNamespace(timelines=[(u0 + u1, []), (u2 + u3, [])], local={(0, 0): None},
+                              stages=[None],
+                              backend=SimpleNamespace(exchange=lambda mine, what: [mine]))
+    assert measured_stage_times(trainer, skip=0) == [StageTimes(2.5, 3.5, 1.25)]
+    assert measured_stage_times(trainer, skip=1) == [StageTimes(4.0, 5.0, 2.0)]
