@@ -70,6 +70,11 @@ def _deselect(path: str, *tests: str) -> list[str]:
 
 _NO_PROCESSES = ["--deselect", _ZB + "::test_distributed_equals_reference_and_minibatch_sgd",
                  "--deselect", _R + "test_runtime_schedules.py::test_distributed_equals_reference"]
+_PLACED = [_R + "test_placement.py", _R + "test_hosted_plan.py", _R + "test_placed_sim.py",
+           _R + "test_runtime_trainer_placed.py", _R + "test_runtime_placed.py",
+           *_deselect(_R + "test_runtime_placed.py",
+                      "test_distributed_equals_reference_and_minibatch_sgd",
+                      "test_run_distributed_runs_a_placed_schedule_and_a_dead_process_is_named")]
 # module -> the tests that exercise it, cheapest and most specific first (-x: order is speed)
 SUITES: dict[str, list[str]] = {
     "passes/cuts.py": [_T + "test_cuts.py", _LITERAL,
@@ -93,6 +98,11 @@ SUITES: dict[str, list[str]] = {
                               _R + "test_runtime_reference.py", *_NO_PROCESSES],
     "runtime/stash.py": ["tests/runtime/test_runtime_stash.py", *_RUNTIME,
                          _R + "test_runtime_master_weights.py"],
+    # placement as data (interleaved-1f1b, zb-v): the literal tables, the simulator, the NCCL
+    # order checker and the reference executor; the spawned worlds of test_runtime_placed.py
+    # are left out
+    "runtime/placement.py": _PLACED,
+    "runtime/placed_orders.py": _PLACED,
     # the in-process tests of the layout, hooks, rounds and means; the end-to-end cases spawn a
     # world of processes (a minute each on 2 cores) and are left out
     "runtime/buckets.py": [_OVERLAP, _ZB + "::test_buckets_launch_after_the_last_w_of_a_round",
