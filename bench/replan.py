@@ -284,15 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.hosts:
         return cluster_main(a, work)
     info = plans(a.procs, work)
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
     rows = repeats(work, a.procs, a.repeats, a.after)
     from _report import publish
 
-    wall = time.monotonic() - t0
+    wall, load1 = time.monotonic() - t0, os.getloadavg()[0]
     lines = ["## Re-planning in place from a wrong profile (issue 13)", "",
              f"Command: `.venv/bin/python bench/replan.py --procs {a.procs} --repeats "
-             f"{a.repeats}` ({a.procs} local gloo ranks, 1 thread each, this machine shared with "
-             f"other jobs: `uptime` load ~10 on 2 cores; {wall:.0f} s). MLP {L}x Linear({D},{D}) "
+             f"{a.repeats}` ({a.procs} local gloo ranks, 1 thread each, on {os.cpu_count()} cores: "
+             f"`uptime` load {load0:.1f} at the start, {load1:.1f} at the end; {wall:.0f} s). MLP {L}x Linear({D},{D}) "
              f"+ head, batch {B}, 1f1b-flush, {MICRO} microbatches per update, segments of "
              f"{SEGMENT} minibatches, {MINIBATCHES} minibatches.", "",
              f"Right plan (profile measured here): node starts {info['starts']['right']}; wrong "
@@ -324,14 +324,19 @@ def results_table(rows: list[dict[str, Any]]) -> list[str]:
         lines += ["", f"**after / right** over {len(ok)} adopted repeat(s): mean "
                   f"{statistics.mean(ok):.2f}, min {min(ok):.2f}, max {max(ok):.2f}; "
                   f"re-plan adopted in {len(ok)} of {len(rows)} repeats."]
+    else:
+        gains = [r["rec"]["gain"] for r in rows]
+        lines += ["", f"**The re-plan was adopted in none of the {len(rows)} repeats**: predicted "
+                  f"gains {min(gains):+.1%} to {max(gains):+.1%}, below the 5% threshold."]
     lines.append(f"wrong / right over {len(rows)} repeats: mean {statistics.mean(ww):.2f}, "
                  f"min {min(ww):.2f}, max {max(ww):.2f}.")
     if "median" in rows[0]:  # the same ratios from each run's median segment (load spikes)
         om = [r["median"]["after"] / r["median"]["right"] for r in rows
               if r["median"]["after"] is not None]
         wm = [r["median"]["wrong"] / r["median"]["right"] for r in rows]
-        lines.append(f"From each run's median segment instead of its mean: after / right mean "
-                     f"{statistics.mean(om):.2f} [{min(om):.2f}-{max(om):.2f}], wrong / right "
+        after = (f"after / right mean {statistics.mean(om):.2f} [{min(om):.2f}-{max(om):.2f}], "
+                 if om else "")
+        lines.append(f"From each run's median segment instead of its mean: {after}wrong / right "
                      f"mean {statistics.mean(wm):.2f} [{min(wm):.2f}-{max(wm):.2f}].")
     for run in ("right", "wrong"):  # the noise floor: one plan, run after run
         xs = [r[run] for r in rows]
