@@ -23,6 +23,11 @@ the tests check it equals one. Only the flushing schedules (``1f1b-flush``, ``gp
 supported: their training is the same computation under every plan, and at a boundary no
 stashed weight version is alive. Pipedream's and 2BW's depends on the plan (weight delays).
 
+After a switch the new plan is measured in turn (``replan_after`` segments after its first, a
+warm-up) and re-planned from its own stages, until a decision keeps the plan or ``replan_max``
+decisions (default 3) are made: one factor per stage cannot tell which nodes of a stage the
+profile got wrong, and the next plan's different cuts narrow it down.
+
 Logged (and kept in :attr:`Replanner.records`): old and new plan, predicted gain, and the
 measured time per minibatch before and after (the gain measured once ``replan_after`` segments
 of the new plan have run).
@@ -99,7 +104,7 @@ class Replanner:
     one (tests pass a perfect timer)."""
 
     def __init__(self, compiled: Any, kwargs: dict[str, Any], *, mode: str = "auto",
-                 threshold: float = 0.05, after: int = 1,
+                 threshold: float = 0.05, after: int = 1, max: int = 3,
                  measure: Measure | None = None) -> None:
         if mode not in REPLAN_MODES:
             raise RuntimeConfigError(f"replan={mode!r}", f"use one of {REPLAN_MODES} or None")
@@ -109,8 +114,12 @@ class Replanner:
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
             raise RuntimeConfigError(f"replan_after={after!r}",
                                      "a positive number of segments to measure first")
+        if isinstance(max, bool) or not isinstance(max, int) or max < 1:
+            raise RuntimeConfigError(f"replan_max={max!r}",
+                                     "a positive number of decisions (1: decide once)")
         self.compiled, self.kwargs = compiled, dict(kwargs)
         self.threshold, self.after, self.measure = threshold, after, measure
+        self.max_decisions = max
         self.plan: Plan = compiled.plan
         self.profile = compiled.profile
         self.records: list[ReplanRecord] = []
@@ -148,10 +157,16 @@ class Replanner:
                 log.info("re-plan measured: %.4g -> %.4g ms per minibatch (%+.1f%%; predicted "
                          "%+.1f%%)", rec.measured_before_s * 1e3, rec.measured_after_s * 1e3,
                          100 * (rec.measured_gain or 0.0), 100 * rec.proposal.gain)
-        if self.records or len(self._segments) < self.after:
+        if self.records and (not self.records[-1].adopted
+                             or len(self.records) >= self.max_decisions):
+            return it  # the plan stopped moving, or the decisions are used up
+        # after a switch the new plan's first segment warms up: it is measured but not used
+        warm = 1 if self.records else 0
+        if len(self._segments) < self.after + warm:
             return it
         measured = (list(self.measure(trainer)) if self.measure is not None
-                    else measured_stage_times(trainer, skip=1 if self.after > 1 else 0))
+                    else measured_stage_times(trainer,
+                                              skip=1 if self.after > 1 or warm else 0))
         cluster = Cluster.from_dict(dict(self.plan.cluster))
         proposal = propose(self.profile, self.plan, measured, cluster,
                            threshold=self.threshold, sync=self.plan.sync,
@@ -270,7 +285,7 @@ def make_replanner(compiled: Any, kwargs: dict[str, Any]) -> Replanner | None:
     """Pop the ``replan*`` options of ``CompiledModel.trainer(**kwargs)``; a Replanner when
     ``replan`` is set (the distributed executor then records timelines to measure from)."""
     mode = kwargs.pop("replan", None)
-    opts = {k: kwargs.pop(f"replan_{k}") for k in ("threshold", "after", "measure")
+    opts = {k: kwargs.pop(f"replan_{k}") for k in ("threshold", "after", "max", "measure")
             if f"replan_{k}" in kwargs}
     if mode is None:
         if opts:
