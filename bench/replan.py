@@ -19,7 +19,8 @@ one thread each), 1f1b-flush:
 * ``wrong``: the wrong plan, kept (the cost of believing the wrong profile);
 * ``replan``: the wrong plan with ``replan="auto"``: after the first segment every rank
   measures its stage from its timeline, the ranks agree on a re-solved plan and switch to it
-  in place (``fxpipe.runtime.trainer_switch``).
+  in place (``fxpipe.runtime.trainer_switch``). One decision (``replan_max=1``): the
+  experiment measures the FIRST re-plan (the trainer's default re-plans again after a switch).
 
 Every run records timelines (so the three pay the same) and the seconds per minibatch of every
 segment; throughput excludes the first segment of each plan (warm-up). Results go to
@@ -127,7 +128,7 @@ def worker(work: Path, run: str, after: int = 1) -> int:
     c.profile = profile  # what this run believes
     t = c.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
                   schedule="1f1b-flush", microbatches=MICRO, segment=SEGMENT, progress=False,
-                  timeout_s=120, replan="auto", replan_after=after,
+                  timeout_s=120, replan="auto", replan_after=after, replan_max=1,
                   replan_threshold=0.05 if run == "replan" else 1e9)
     segments: list[dict[str, Any]] = []  # this rank's timeline of every segment, for pictures
     hook = t.replanner.after_segment
