@@ -175,8 +175,8 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
             # the update is already inside compute_s (node compute_s includes it); this is the
             # same alpha C split, reported on its own
             update_s=alpha[r - 1] * sum(nd.update_s for nd in profile.nodes[a:e]),
-            recompute=bool(sol.recompute[s]) if sol.recompute else False,
-            recompute_s=sol.recompute_times[s] if sol.recompute_times else 0.0))
+            # evaluate() sets one flag and one time per stage, whatever the mode
+            recompute=bool(sol.recompute[s]), recompute_s=sol.recompute_times[s]))
         if a > 0:
             log.debug("stage %d receives %s", s, ", ".join(crossing[a]))
     stage_of = {nm: s for s, sp in enumerate(stage_plans) for nm in sp.nodes}

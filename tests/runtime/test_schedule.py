@@ -133,21 +133,24 @@ def test_action_text() -> None:
 
 def test_validate_rejects_missing_backward() -> None:
     s = Schedule.from_text([1, 1], {(0, 0): "F0 F1 B0", (1, 0): "F0 B0 F1 B1"})
-    with pytest.raises(ScheduleError, match="minibatch 1 on stage 0 replica 0 lacks"):
-        validate(s)
+    e = _refusal(s)
+    assert (e.message, e.hint) == ("forward of minibatch 1 on stage 0 replica 0 lacks its "
+                                   "backward", "add B<k> after F<k>")
 
 
 def test_validate_rejects_backward_before_forward() -> None:
-    s = Schedule.from_text([1], {(0, 0): "B0 F0"})
-    with pytest.raises(ScheduleError, match="backward before its forward"):
-        validate(s)
+    e = _refusal(Schedule.from_text([1], {(0, 0): "B0 F0"}))
+    assert (e.message, e.hint) == ("B0 on stage 0 replica 0: backward before its forward",
+                                   "put F<k> before B<k> on the same rank")
 
 
 def test_validate_rejects_wrong_replica_and_missing_minibatch() -> None:
-    with pytest.raises(ScheduleError, match="belongs to"):
-        validate(Schedule.from_text([2], {(0, 0): "F1 B1", (0, 1): "F0 B0"}))
-    with pytest.raises(ScheduleError, match="never runs on stage 1"):
-        validate(Schedule.from_text([1, 1], {(0, 0): "F0 F1 B0 B1", (1, 0): "F0 B0"}))
+    e = _refusal(Schedule.from_text([2], {(0, 0): "F1 B1", (0, 1): "F0 B0"}))
+    assert (e.message, e.hint) == ("F1 on stage 0 replica 0: minibatch belongs to (0, 1)",
+                                   "minibatch k runs on replica k % r of each stage")
+    e = _refusal(Schedule.from_text([1, 1], {(0, 0): "F0 F1 B0 B1", (1, 0): "F0 B0"}))
+    assert (e.message, e.hint) == ("minibatch 1 never runs on stage 1",
+                                   "every minibatch must go through every stage")
 
 
 def test_validate_detects_deadlock_and_names_ranks() -> None:
@@ -165,10 +168,12 @@ def test_validate_checks_stashed_versions_and_update_collectives() -> None:
     s = Schedule("custom", (1,), 2, {(0, 0): (Action("F", 0, 0), Action("B", 0, 0),
                                              Action("U", 0, 1), Action("F", 1, 1),
                                              Action("B", 1, 0))})
-    with pytest.raises(ScheduleError, match="forward used 1"):
-        validate(s)
-    with pytest.raises(ScheduleError, match="different numbers of updates"):
-        validate(Schedule.from_text([2], {(0, 0): "F0 B0 U0", (0, 1): "F1 B1"}))
+    e = _refusal(s)
+    assert (e.message, e.hint) == ("B1 on stage 0 replica 0: uses version 0, its forward used 1",
+                                   "stash the forward's weights")
+    e = _refusal(Schedule.from_text([2], {(0, 0): "F0 B0 U0", (0, 1): "F1 B1"}))
+    assert (e.message, e.hint) == ("replicas of stage 0 make different numbers of updates "
+                                   "[0, 1]", "replicas all-reduce every update together")
 
 
 # --------------------------------------------------------------------------- simulate
@@ -237,7 +242,8 @@ def test_validate_names_each_broken_rule() -> None:
     assert e.message == "schedule ranks [(0, 0)] != [(0, 0), (1, 0)]"
     assert e.hint == "give exactly one action list per (stage, replica)"
     e = _refusal(Schedule.from_text([1], {(0, 0): "F0 B0 U1"}))
-    assert e.message == "U1 on stage 0 replica 0: expected update U0"
+    assert (e.message, e.hint) == ("U1 on stage 0 replica 0: expected update U0",
+                                   "number a rank's updates 0, 1, 2, ...")
     e = _refusal(Schedule("custom", (1,), 1, {(0, 0): (Action("F", 0), Action("B", 0),
                                                       Action("U", 0, 2))}))
     assert e.message == "U0 on stage 0 replica 0: expected update U0"  # U0 makes version 1
@@ -245,11 +251,15 @@ def test_validate_names_each_broken_rule() -> None:
     assert e.message == "F1 on stage 0 replica 0: minibatch out of range"
     assert e.hint == "minibatch k runs on replica k % r of each stage"
     e = _refusal(Schedule.from_text([1], {(0, 0): "F0 F0 B0"}))
-    assert e.message == "F0 on stage 0 replica 0: forward repeated"
+    assert (e.message, e.hint) == ("F0 on stage 0 replica 0: forward repeated",
+                                   "forward each minibatch once")
     e = _refusal(Schedule.from_text([1], {(0, 0): "F0 B0 B0"}))
-    assert e.message == "B0 on stage 0 replica 0: backward repeated"
+    assert (e.message, e.hint) == ("B0 on stage 0 replica 0: backward repeated",
+                                   "one backward per forward")
     e = _refusal(Schedule("custom", (1,), 1, {(0, 0): (Action("F", 0, 1), Action("B", 0, 1))}))
-    assert e.message == "F0 on stage 0 replica 0: reads version 1 but only 0 updates happened"
+    assert (e.message, e.hint) == (
+        "F0 on stage 0 replica 0: reads version 1 but only 0 updates happened",
+        "a forward can only use versions already produced")
     e = _refusal(Schedule("custom", (1,), 1, {(0, 0): (Action("F", 0, -1), Action("B", 0, -1))}))
     assert "reads version -1" in e.message
     # versions may be left out (hand-written tables), and a U may carry the version it makes
