@@ -61,7 +61,8 @@ def greedy_orders(hosts: Sequence[Sequence[Rank]], num_stages: int, mbs: Sequenc
                           "e.g. [(1.0, 1.0, 1.0)] * stages")
     wire = list(comm) if comm is not None else [0.0] * S
     if len(wire) != S or min(wire, default=0.0) < 0:
-        raise ConfigError(f"comm={wire!r} needs one time >= 0 per stage (the cut into it)")
+        raise ConfigError(f"comm={wire!r} needs one time >= 0 per stage (the cut into it)",
+                          "e.g. [0.0] * stages")
     where = {r[0]: p for p, h in enumerate(hosts) for r in h}
     if limit < 1:
         raise ConfigError(f"in-flight limit {limit}", "allow at least 1 in flight per process")

@@ -2,11 +2,14 @@
 derived by hand, the bubble they leave under unit costs, validation and refusals."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError
+from fxpipe.runtime.placed_orders import greedy_orders
 from fxpipe.runtime.placement import (PlacedSchedule, make_placed_schedule, placement,
                                       process_order, simulate_placed, validate_placed)
 from fxpipe.runtime.schedule import Action, DeadlockError, ScheduleError, make_schedule
@@ -215,3 +218,74 @@ def test_a_w_after_its_batch_update_is_refused() -> None:
     validate(sched)
     with pytest.raises(ScheduleError, match="W3 on stage 0 replica 0 after 1 updates"):
         validate_placed(PlacedSchedule(sched, ps.hosts, (tuple(moved),)))
+
+
+def _refused(f) -> tuple[str, str | None]:
+    with pytest.raises((ConfigError, ScheduleError)) as info:
+        f()
+    return info.value.message, info.value.hint
+
+
+def test_every_refusal_names_the_value_and_what_to_do() -> None:
+    """Each bad argument of the placement and of the greedy orders, with its exact message and
+    hint (a wrong hint is a wrong instruction to the user)."""
+    V, KINDS = "zb-v", "use one of ('interleaved-1f1b', 'zb-v')"
+    split = "zb-v places two stages per process in a V: split the model into 4 stages"
+    assert _refused(lambda: placement("interleaved-1f1b", 4, 0)) == (
+        "4 stages on 0 processes", "give at least one stage per process")
+    assert _refused(lambda: placement(V, 3, 2)) == ("zb-v with 3 stages on 2 processes", split)
+    assert _refused(lambda: placement("zb-h1", 4, 2)) == ("'zb-h1' is not a placed kind", KINDS)
+    for bad in (0, "2"):
+        assert _refused(lambda: make_placed_schedule(V, 2, 4, replicas=bad)) == (
+            f"replicas={bad!r}", "use 1 or more copies of the pipeline")
+    share = ("both must be multiples of the replicas (2): each copy of the pipeline gets an "
+             "equal share of every batch")
+    assert _refused(lambda: make_placed_schedule(V, 2, 5, replicas=2, microbatches=6)) == (
+        "zb-v with 2 replicas, 6 microbatches per batch and 5 minibatches", share)
+    assert _refused(lambda: make_placed_schedule(V, 2, 6, replicas=2, microbatches=5)) == (
+        "zb-v with 2 replicas, 5 microbatches per batch and 6 minibatches", share)
+    assert _refused(lambda: make_placed_schedule(V, 0, 4)) == (
+        "num_processes=0", "use 1 or more processes")
+    assert _refused(lambda: make_placed_schedule("interleaved-1f1b", 2, 4, chunks=0)) == (
+        "chunks=0", "use at least 1 chunk per process")
+    counts = "use at least 1 microbatch per batch and 0 or more minibatches"
+    assert _refused(lambda: make_placed_schedule(V, 2, 4, microbatches=0)) == (
+        "microbatches=0, num_minibatches=4", counts)
+    assert _refused(lambda: make_placed_schedule(V, 2, -1)) == (
+        "microbatches=4, num_minibatches=-1", counts)
+    hosts, mbs = (((0, 0), (3, 0)), ((1, 0), (2, 0))), [0, 1]
+    assert _refused(lambda: greedy_orders(hosts, 4, mbs, 0, True)) == (
+        "in-flight limit 0", "allow at least 1 in flight per process")
+    for costs in ([UNIT] * 3, [(1.0, 1.0, -1.0)] * 4):
+        assert _refused(lambda: greedy_orders(hosts, 4, mbs, 2, True, costs=costs)) == (
+            f"costs={costs!r} needs one (F, B, W) >= 0 per stage",
+            "e.g. [(1.0, 1.0, 1.0)] * stages")
+    for comm in ([0.0] * 3, [0.0, -1.0, 0.0, 0.0]):
+        assert _refused(lambda: greedy_orders(hosts, 4, mbs, 2, True, comm=comm)) == (
+            f"comm={comm!r} needs one time >= 0 per stage (the cut into it)",
+            "e.g. [0.0] * stages")
+
+
+def test_validate_placed_refuses_each_broken_rule() -> None:
+    """A valid interleaved schedule (stages 0, 2 on process 0; 1, 3 on process 1) broken one rule
+    at a time."""
+    ok = make_placed_schedule("interleaved-1f1b", 2, 4)
+    assert ok.hosts == (((0, 0), (2, 0)), ((1, 0), (3, 0)))
+    assert _refused(lambda: validate_placed(replace(ok, hosts=(ok.hosts[0], ok.hosts[1][:1])))
+                    ) == ("hosted ranks [(0, 0), (1, 0), (2, 0)] != [(0, 0), (1, 0), (2, 0), "
+                          "(3, 0)]", "place every stage on exactly one process")
+    assert _refused(lambda: validate_placed(replace(ok, order=ok.order[:1]))) == (
+        "1 merged lists for 2 processes", "give one merged list per process")
+    backwards = (ok.order[0], tuple(reversed(ok.order[1])))
+    assert _refused(lambda: validate_placed(replace(ok, order=backwards))) == (
+        "process 1: its merged list runs stage 1 as U0 B3 B2 B1 F3 B0 F2 F1 F0, the stage's "
+        "list is F0 F1 F2 B0 F3 B1 B2 B3 U0",
+        "merge the hosted ranks' lists without reordering them")
+    stray = (ok.order[0] + ok.order[1][:1], ok.order[1])
+    assert _refused(lambda: validate_placed(replace(ok, order=stray))) == (
+        "process 0 runs actions of stages [(1, 0)] it does not host",
+        "a process runs only its own stages")
+    assert _refused(lambda: ok.process_of((9, 0))) == (
+        "rank (9, 0) is hosted by no process", "place every stage once")
+    assert _refused(lambda: simulate_placed(ok, [UNIT] * 3)) == (
+        "3 costs, 4 comm and 4 update times for 4 stages", "give one of each per stage")
