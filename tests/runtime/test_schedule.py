@@ -253,6 +253,10 @@ def test_validate_names_each_broken_rule() -> None:
     e = _refusal(Schedule.from_text([1], {(0, 0): "F0 F0 B0"}))
     assert (e.message, e.hint) == ("F0 on stage 0 replica 0: forward repeated",
                                    "forward each minibatch once")
+    e = _refusal(Schedule.from_text([1], {(0, 0): "F0 F1 B0 W0 B1"}))
+    assert (e.message, e.hint) == ("backward of minibatch 1 on stage 0 replica 0 has no W, but "
+                                   "others on that rank do",
+                                   "a rank splits every backward into B and W, or none")
     e = _refusal(Schedule.from_text([1], {(0, 0): "F0 B0 B0"}))
     assert (e.message, e.hint) == ("B0 on stage 0 replica 0: backward repeated",
                                    "one backward per forward")
