@@ -1,6 +1,6 @@
 """Turn the ablation's results into BENCHMARKS.md's ``statistical-efficiency`` section + figures.
 
-    .venv/bin/python -m bench.ablation.report [--results /tmp/fxpipe-ablation/results.jsonl]
+    .venv/bin/python -m bench.ablation.report [--results bench/ablation/results.jsonl]
 
 * **Target** per task and optimizer: what 1f1b-flush reaches, mean over seeds at S = 2, after 60%
   of the budget (accuracy rounded down, loss rounded up to 0.01), so the synchronous baseline

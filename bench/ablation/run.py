@@ -4,7 +4,8 @@
     .venv/bin/python -m bench.ablation.run --tasks mlp --depths 2 --seeds 1 --updates 30  # smoke
 
 Each configuration trains on fxpipe's reference executor (see bench/ablation/train.py) and
-appends one JSON line to ``--out`` (default /tmp/fxpipe-ablation/results.jsonl); configurations
+appends one JSON line to ``--out`` (default bench/ablation/results.jsonl, in the repository:
+commit it with the report, so the published section can be regenerated); configurations
 already there are skipped, so an interrupted run resumes. ``--workers`` processes run in
 parallel (one torch thread each). ``python -m bench.ablation.report`` turns the results into
 the BENCHMARKS.md section and the figure.
@@ -24,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-DEFAULT_OUT = "/tmp/fxpipe-ablation/results.jsonl"
+# in the repository, not /tmp: a sweep's results outlive its machine (a lost /tmp took the
+# data behind a published report once)
+DEFAULT_OUT = str(Path(__file__).resolve().parent / "results.jsonl")
 SAME_AT_EVERY_DEPTH = ("1f1b-flush", "2bw")
 TRAINED = ("1f1b-flush", "2bw", "pipedream", "pipedream-nostash", "pipedream+vsync", "localsgd",
            "pipedream+lr_scale", "pipedream+predict", "pipedream+dc", "pipedream+momentum",
