@@ -20,8 +20,9 @@ from fxpipe.errors import ConfigError
 from fxpipe.passes.plan import Plan
 
 from .placement import INTERLEAVED, PLACED_KINDS, ZBV, make_placed_schedule, timed_placed
-from .plansim import (PlanSimulation, _busy, _split_backward, _steady_window, cut_bandwidth,
-                      peak_in_flight, stage_costs)
+from .plansim import PlanSimulation, cut_bandwidth, stage_costs
+from .plansim_events import split_backward
+from .sim_measure import busy_between, peak_in_flight, steady_window
 from .timeline import TimelineEvent
 
 
@@ -71,7 +72,7 @@ def simulate_placed_plan(plan: Plan, profile: Profile | None = None, *, schedule
     cluster = Cluster.from_dict(dict(plan.cluster))
     latency = cluster.latency if latency_s is None else float(latency_s)
     costs = stage_costs(plan, profile)
-    fbw = [(c.forward_s, *_split_backward(c)) for c in costs]
+    fbw = [(c.forward_s, *split_backward(c)) for c in costs]
     bw = cut_bandwidth(cluster)
     wire = [c.input_bytes / bw + latency for c in costs]
     placed = make_placed_schedule(schedule, P, n, num_stages=S, chunks=v, microbatches=m,
@@ -97,12 +98,12 @@ def simulate_placed_plan(plan: Plan, profile: Profile | None = None, *, schedule
         if a.kind == "B" and s > 0 and where[placed.schedule.owner(s - 1, k)] != p:
             cut_bytes += costs[s].input_bytes
     makespan = max((t1 for _, t1 in times.values()), default=0.0)
-    period, lo, hi = _steady_window((R,) * S, "1f1b-flush", m, done, makespan)
+    period, lo, hi = steady_window((R,) * S, "1f1b-flush", m, done, makespan)
     updates = math.ceil(n / m)
     return PlanSimulation(
         plan=plan, schedule=schedule, minibatches=n, costs=tuple(costs), makespan=makespan,
         steady_state_period=period,
-        utilisation=tuple(_busy(by_stage[s], lo, hi) for s in range(S)),
+        utilisation=tuple(busy_between(by_stage[s], lo, hi) for s in range(S)),
         activation_bytes_per_minibatch=cut_bytes / n,
         sync_bytes_per_minibatch=sum(c.sync_bytes for c in costs) * updates / n,
         events={p: tuple(evs) for p, evs in events.items()},

@@ -39,8 +39,6 @@ writer, so predicted and measured traces open side by side in ui.perfetto.dev.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -55,20 +53,18 @@ from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.units import format_bytes, format_seconds
 
 from .placement import PLACED_KINDS
-from .schedule import SYNCHRONOUS_KINDS, Action, Rank, make_schedule, sync_sets, tie_delay
+from .plansim_events import EventLoop, StageCosts, TiedSync, split_backward
+from .schedule import make_schedule, tie_delay
+from .sim_measure import busy_between, peak_in_flight, steady_state
 from .timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
+
+__all__ = ["PlanSimulation", "StageCosts", "TiedSync", "cut_bandwidth", "data_parallel_plan",
+           "minibatches_for", "peak_in_flight", "simulate_plan", "stage_costs", "steady_state",
+           "tied_from_profile"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FORWARD_FRACTION = 1.0 / 3.0  # backward ~ 2x forward when no profile says otherwise
-
-
-@dataclass(frozen=True)
-class TiedSync:
-    """Parameters shared by ``stages`` (``nbytes`` of them), summed at every update."""
-
-    stages: tuple[int, ...]
-    nbytes: float
 
 
 def tied_from_profile(plan: Plan, profile: Profile) -> list[TiedSync]:
@@ -93,19 +89,6 @@ def tied_from_profile(plan: Plan, profile: Profile) -> list[TiedSync]:
             key = tuple(sorted(stages))
             by_set[key] = by_set.get(key, 0.0) + owner[p][1]
     return [TiedSync(k, v) for k, v in sorted(by_set.items())]
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    """What one replica of a stage costs in the simulation (seconds per minibatch / update)."""
-
-    forward_s: float
-    backward_s: float
-    update_s: float
-    parameter_bytes: float
-    input_bytes: float
-    sync_bytes: float  # bytes sent on the wire by all replicas together per update
-    recompute_s: float = 0.0  # the forward a recomputing stage repeats, inside backward_s
 
 
 @dataclass(frozen=True)
@@ -220,12 +203,6 @@ def stage_costs(plan: Plan, profile: Profile | None = None) -> list[StageCosts]:
     return out
 
 
-def _split_backward(c: StageCosts) -> tuple[float, float]:
-    """(B, W) of a split backward: half each, the recomputed forward in B (it needs it first)."""
-    half = (c.backward_s - c.recompute_s) / 2
-    return half + c.recompute_s, half
-
-
 def minibatches_for(replicas: list[int], floor: int = 200, cap: int = 2000) -> int:
     """Enough minibatches to measure a plan's steady state: several whole round-robin rounds
     (8 x lcm(replicas)), at least ``floor``, at most ``cap`` (beyond it the steady state is
@@ -269,7 +246,7 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     if not (latency >= 0 and math.isfinite(latency)):
         raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
     costs = stage_costs(plan, profile)
-    fbw = [(c.forward_s, *_split_backward(c)) for c in costs]
+    fbw = [(c.forward_s, *split_backward(c)) for c in costs]
     bandwidth = cut_bandwidth(cluster)
     wire = [c.input_bytes / bandwidth + latency for c in costs]
     sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam,
@@ -278,12 +255,12 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
     if tied is None:
         tied = tied_from_profile(plan, profile) if profile is not None else []
     delay = tie_delay(sched, [t.stages for t in tied]) if tied_delay is None else tied_delay
-    sim = _Sim(sched, costs, bandwidth, latency, duplex, tied, delay)
+    sim = EventLoop(sched, costs, bandwidth, latency, duplex, tied, delay)
     sim.run()
     period, lo, hi = steady_state(sched, sim.done, sim.makespan)
     util = []
     for s, r in enumerate(sched.replicas):
-        fr = [_busy(sim.events[sim.gid[(s, j)]], lo, hi) for j in range(r)]
+        fr = [busy_between(sim.events[sim.gid[(s, j)]], lo, hi) for j in range(r)]
         util.append(sum(fr) / r)
     n = minibatches
     log.info("simulated replicas %s: %.4g s/minibatch (plan %.4g s)", plan.replicas, period,
@@ -296,205 +273,6 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
         activation_bytes_per_minibatch=sim.cut_bytes / n, sync_bytes_per_minibatch=sim.sync_bytes / n,
         events={g: tuple(sorted(evs, key=lambda e: (e.start, e.end))) for g, evs in sim.events.items()},
         rank_names={g: f"stage {s} replica {j}" for (s, j), g in sim.gid.items()})
-
-
-class _Sim:
-    """The event loop. Ranks run their action lists in order; a rank whose next action lacks its
-    input waits; transfers reserve link ports first come first served (requests are made in
-    time order, so reserving at request time is FIFO)."""
-
-    def __init__(self, sched: Any, costs: list[StageCosts], bandwidth: float, latency: float,
-                 duplex: bool, tied: Sequence[TiedSync] = (), delay: int = 0) -> None:
-        self.sched, self.costs, self.bw, self.lat, self.duplex = sched, costs, bandwidth, latency, duplex
-        # tied weights: stage -> its component (stages updating together or with a lag), the
-        # bytes it all-reduces per update, and the lag in rounds
-        self.comp = {s: c for c in sync_sets([t.stages for t in tied]) for s in c}
-        self.tied_bytes = {s: sum(t.nbytes for t in tied if s in t.stages)
-                           for s in range(sched.num_stages)}
-        self.delay = delay
-        self.u_left: dict[tuple[int, int], int] = {}  # (stage, update) -> replicas not done
-        self.u_done: set[tuple[int, int]] = set()
-        self.S = sched.num_stages
-        self.split = {rank for rank, acts in sched.actions.items()
-                      if any(a.kind == "W" for a in acts)}  # B and W: half the backward each
-        self.gid: dict[Rank, int] = {rank: i for i, rank in enumerate(sched.ranks)}
-        self.ptr = {rank: 0 for rank in sched.ranks}
-        self.events: dict[int, list[TimelineEvent]] = {g: [] for g in self.gid.values()}
-        self.arrived: set[tuple[str, int, int]] = set()
-        self.waiting: dict[tuple[str, int, int], list[Rank]] = {}
-        self.barrier: dict[tuple[int, int], int] = {}
-        self.port_free: dict[tuple[str, int], float] = {}
-        self.done = [0.0] * sched.num_minibatches
-        self.heap: list[tuple[float, int, str, Any]] = []
-        self.seq = 0
-        self.makespan = 0.0
-        self.cut_bytes = 0.0
-        self.sync_bytes = 0.0
-
-    def push(self, t: float, kind: str, data: Any) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, data))
-
-    def run(self) -> None:
-        for rank in self.sched.ranks:
-            self.advance(rank, 0.0)
-        while self.heap:
-            t, _, kind, data = heapq.heappop(self.heap)
-            self.makespan = max(self.makespan, t)
-            if kind == "end":
-                rank, a = data
-                self.finished(rank, a, t)
-                self.advance(rank, t)
-            else:  # "arrive"
-                self.arrived.add(data)
-                for rank in self.waiting.pop(data, []):
-                    self.advance(rank, t)
-        stuck = {r: p for r, p in self.ptr.items() if p < len(self.sched.actions[r])}
-        if stuck:  # make_schedule validated the schedule, so this is a simulator bug
-            raise RuntimeError(f"plan simulation stalled at {stuck}")
-
-    def record(self, rank: Rank, cat: str, name: str, start: float, end: float, **args: Any) -> None:
-        self.events[self.gid[rank]].append(
-            TimelineEvent(cat, name, start, end, {"stage": rank[0], "replica": rank[1], **args}))
-
-    def advance(self, rank: Rank, now: float) -> None:
-        """Start ``rank``'s next action if it can run now (the rank is idle when called)."""
-        acts = self.sched.actions[rank]
-        if self.ptr[rank] >= len(acts):
-            return
-        a: Action = acts[self.ptr[rank]]
-        s, c = rank[0], self.costs[rank[0]]
-        if a.kind == "U":
-            i, comp = a.minibatch, self.comp.get(s, (s,))
-            if self.delay > 0 and i >= self.delay:  # lagged tied sum: wait for round i - d
-                for t in comp:
-                    need = ("U", t, i - self.delay)
-                    if t != s and (t, i - self.delay) not in self.u_done:
-                        if rank not in self.waiting.get(need, []):
-                            self.waiting.setdefault(need, []).append(rank)
-                        return
-            group = comp if self.delay == 0 else (s,)
-            key = (group[0], i)
-            self.barrier[key] = self.barrier.get(key, 0) + 1
-            if self.barrier[key] < sum(self.sched.replicas[t] for t in group):
-                return  # the last rank to arrive starts the all-reduce for everyone
-            holders = sum(self.sched.replicas[t] for t in comp)
-            for t in group:
-                ct = self.costs[t]
-                self.sync_bytes += ct.sync_bytes
-                ring = 2.0 * (holders - 1) / holders * self.tied_bytes[t] if holders > 1 else 0.0
-                self.sync_bytes += ring * self.sched.replicas[t]
-                dur = ct.update_s + (ring / self.bw if self.delay == 0 else 0.0)
-                for j in range(self.sched.replicas[t]):
-                    peer = (t, j)
-                    self.ptr[peer] += 1
-                    if dur > 0:
-                        self.record(peer, "allreduce", str(a), now, now + dur, update=i)
-                    self.push(now + dur, "end", (peer, a))
-            return
-        k = a.minibatch
-        need = (("A", s, k) if a.kind == "F" and s > 0 else
-                ("G", s, k) if a.kind == "B" and s < self.S - 1 else None)
-        if need is not None and need not in self.arrived:
-            self.waiting.setdefault(need, []).append(rank)
-            return
-        dur = (c.forward_s if a.kind == "F" else c.backward_s if rank not in self.split
-               else _split_backward(c)[0 if a.kind == "B" else 1])
-        self.ptr[rank] += 1
-        self.record(rank, "forward" if a.kind == "F" else "backward", str(a), now, now + dur,
-                    minibatch=k)
-        self.push(now + dur, "end", (rank, a))
-
-    def finished(self, rank: Rank, a: Action, t: float) -> None:
-        s, k = rank[0], a.minibatch
-        if a.kind == "U":  # the stage's update k is done once every replica's is
-            left = self.u_left.get((s, k), self.sched.replicas[s]) - 1
-            self.u_left[(s, k)] = left
-            if left == 0:
-                self.u_done.add((s, k))
-                for waiter in self.waiting.pop(("U", s, k), []):
-                    self.advance(waiter, t)
-            return
-        if a.kind == "W":
-            self.done[k] = max(self.done[k], t)
-        elif a.kind == "F" and s < self.S - 1:
-            self.send(rank, self.sched.owner(s + 1, k), self.costs[s + 1].input_bytes,
-                      ("A", s + 1, k), f"act F{k}", t)
-        elif a.kind == "B":
-            if s > 0:
-                self.send(rank, self.sched.owner(s - 1, k), self.costs[s].input_bytes,
-                          ("G", s - 1, k), f"grad B{k}", t)
-            else:
-                self.done[k] = max(self.done[k], t)
-
-    def send(self, src: Rank, dst: Rank, nbytes: float, key: tuple[str, int, int], name: str,
-             ready: float) -> None:
-        """Reserve the sender's egress and the receiver's ingress port; deliver after latency."""
-        out = ("out" if self.duplex else "port", self.gid[src])
-        inn = ("in" if self.duplex else "port", self.gid[dst])
-        start = max(ready, self.port_free.get(out, 0.0), self.port_free.get(inn, 0.0))
-        end = start + nbytes / self.bw
-        self.port_free[out] = self.port_free[inn] = end
-        self.cut_bytes += nbytes
-        self.record(src, "send", name, start, end, bytes=nbytes, to=self.gid[dst])
-        self.push(end + self.lat, "arrive", key)
-
-
-def steady_state(sched: Any, done: list[float], makespan: float) -> tuple[float, float, float]:
-    """(seconds per minibatch once the pipeline is full, window start, window end) of a run of
-    ``sched`` in which minibatch k's last backward ended at ``done[k]``: the simulator's measure,
-    public so that a MEASURED run (the runtime's timeline) is reduced the same way."""
-    if len(done) != sched.num_minibatches:
-        raise ConfigError(f"{len(done)} completion times for {sched.num_minibatches} minibatches")
-    return _steady_window(sched.replicas, sched.kind, sched.group, done, makespan, sched.windows)
-
-
-def _steady_window(replicas: tuple[int, ...], kind: str, group: int, done: list[float],
-                   makespan: float, windows: tuple[int, ...] = ()) -> tuple[float, float, float]:
-    """(period, window start, window end): slope of round completion times over the middle half
-    of the rounds (lcm(replicas) minibatches; whole batches for flushing kinds), as in
-    runtime.simulate, so start-up and drain do not count."""
-    n = len(done)
-    g = math.lcm(*replicas)
-    if kind in SYNCHRONOUS_KINDS:
-        g = math.lcm(g, group)
-    rounds = [max(done[k:k + g]) for k in range(0, n - g + 1, g)]
-    if len(rounds) < 4:  # lcm(replicas) too large for whole rounds: slope of the running max
-        run = list(itertools.accumulate(done, max))
-        lo_k, hi_k = n // 4, n - 1 - n // 4
-        if hi_k <= lo_k:
-            return makespan / n, 0.0, makespan
-        return (run[hi_k] - run[lo_k]) / (hi_k - lo_k), run[lo_k], run[hi_k]
-    lo, hi = len(rounds) // 4, len(rounds) - 1 - len(rounds) // 4
-    if hi <= lo:
-        lo, hi = 0, len(rounds) - 1
-    # 1F1B with w in flight may repeat only every w rounds: measure whole repetitions if we can
-    rep = math.lcm(*windows) if windows else 1
-    if hi - lo >= rep:
-        hi = lo + (hi - lo) // rep * rep
-    return (rounds[hi] - rounds[lo]) / ((hi - lo) * g), rounds[lo], rounds[hi]
-
-
-def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most minibatches a rank's list holds activations for at once: from F until B, or until
-    W where the backward is split (what a zero-bubble schedule's memory depends on)."""
-    split = any(a.kind == "W" for a in actions)
-    held = peak = 0
-    for a in actions:
-        if a.kind == "F":
-            held += 1
-            peak = max(peak, held)
-        elif a.kind == ("W" if split else "B"):
-            held -= 1
-    return peak
-
-
-def _busy(events: list[TimelineEvent], lo: float, hi: float) -> float:
-    if hi <= lo:
-        return 0.0
-    busy = sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for e in events
-               if e.category in ("forward", "backward"))
-    return min(1.0, busy / (hi - lo))
 
 
 def data_parallel_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
