@@ -253,6 +253,17 @@ def test_validate_names_each_broken_rule() -> None:
     e = _refusal(Schedule.from_text([1], {(0, 0): "F0 F0 B0"}))
     assert (e.message, e.hint) == ("F0 on stage 0 replica 0: forward repeated",
                                    "forward each minibatch once")
+    e = _refusal(Schedule.from_text([1, 1], {(0, 0): "F0 B0 W0", (1, 0): "F0 W0 B0"}))
+    assert (e.message, e.hint) == ("W0 on stage 1 replica 0: weight gradients before the "
+                                   "backward's input part",
+                                   "put B<k> before W<k> on the same rank")
+    e = _refusal(Schedule.from_text([1], {(0, 0): "F0 B0 W0 W0"}))
+    assert (e.message, e.hint) == ("W0 on stage 0 replica 0: weight gradients repeated",
+                                   "one W per B")
+    e = _refusal(Schedule("custom", (1,), 1, {(0, 0): (Action("F", 0, 0), Action("B", 0, 0),
+                                                      Action("W", 0, 1))}))
+    assert (e.message, e.hint) == ("W0 on stage 0 replica 0: uses version 1, its forward used 0",
+                                   "stash the forward's weights")
     e = _refusal(Schedule.from_text([1], {(0, 0): "F0 F1 B0 W0 B1"}))
     assert (e.message, e.hint) == ("backward of minibatch 1 on stage 0 replica 0 has no W, but "
                                    "others on that rank do",
