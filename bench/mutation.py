@@ -5,6 +5,7 @@ Run from the repository root (takes tens of minutes on 2 cores; one module at a 
     nice -n 10 .venv/bin/python -m bench.mutation                      # every module below
     nice -n 10 .venv/bin/python -m bench.mutation runtime/stash.py     # some of them
     nice -n 10 .venv/bin/python -m bench.mutation --reuse passes/plan.py  # after new tests
+    nice -n 10 .venv/bin/python -m bench.mutation --survivors runtime/schedule.py  # only them
     .venv/bin/python -m bench.mutation --report                        # publish saved results
 
 ``--reuse`` reruns only what a saved run did not kill (its survivors and the mutants of changed
@@ -265,6 +266,17 @@ def _saved_source(module: str, d: dict) -> str | None:
     return src if ok else None
 
 
+def _previous_survivors(module: str) -> set[Key]:
+    """The keys (``_keys``) of every mutant a saved run of ``module`` let survive."""
+    path = OUT / (module.replace("/", "_") + ".json")
+    if not path.exists():
+        return set()
+    d = json.loads(path.read_text())
+    source = _saved_source(module, d)
+    return set() if source is None else {
+        k for k, m in zip(_keys(source, d["mutants"]), d["mutants"]) if m["status"] == "survived"}
+
+
 def _previously_killed(module: str) -> set[Key]:
     """The keys (``_keys``) of every mutant a saved run of ``module`` killed."""
     path = OUT / (module.replace("/", "_") + ".json")
@@ -285,12 +297,16 @@ def _previously_killed(module: str) -> set[Key]:
 
 
 def test_module(module: str, repo: Path, site: Path, reuse: bool = False,
-                save: Callable[[dict], None] = lambda _: None) -> dict:
+                save: Callable[[dict], None] = lambda _: None,
+                survivors_only: bool = False) -> dict:
     """Run every mutant of ``module``; ``save`` gets the results after each one (the mutants
     not run yet as ``untested``), so a run stopped part way keeps what it measured and a
     ``--reuse`` run picks up from there."""
     tests = SUITES[module]
-    known = _previously_killed(module) if reuse else set()
+    known = _previously_killed(module) if reuse or survivors_only else set()
+    # --survivors: rerun only what the saved run let survive (after new tests); the rest of
+    # what it did not run stays untested
+    again = _previous_survivors(module) if survivors_only else None
     target = repo / module
     original = target.read_text()
     log = repo.parent / "pytest.log"
@@ -316,6 +332,9 @@ def test_module(module: str, repo: Path, site: Path, reuse: bool = False,
             if key in known:  # the same edit of the same line in the same context, killed before
                 m.status = "killed (earlier run)"
                 results.append(m)
+                continue
+            if again is not None and key not in again:
+                results.append(m)  # untested: not a survivor of the saved run
                 continue
             target.write_text(source)
             rc, m.seconds = run_tests(repo, site, tests, timeout, log)
@@ -409,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="incremental: a mutant identical (same edit, same line, same neighbours) to one the "
                          "saved run killed is counted killed without running; the rest run")
+    ap.add_argument("--survivors", action="store_true",
+                    help="rerun only the saved run's survivors (after new tests); what it did "
+                         "not run stays untested")
     ap.add_argument("--out", help="write the report here instead of BENCHMARKS.md")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -434,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(res, indent=1))
                 tmp.replace(path)
-            save(test_module(module, repo, site, args.reuse, save))
+            save(test_module(module, repo, site, args.reuse, save, args.survivors))
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
     return 0
