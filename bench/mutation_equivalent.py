@@ -204,6 +204,16 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "wins, costs, comm) for b in range(math.ceil(n * m))]"):
         "the batches past ceil(n / m) have no minibatches and are never read (the body takes "
         "zb[b] for b < ceil(n / m)): only wasted work",
+    ("passes/solver.py", "None, optimizer_state_factor, False, mode, forward, held)",
+     "None, optimizer_state_factor, True, mode, forward, held)"):
+        "evaluate() costs the replicas it is given; `straight` only narrows the replica counts "
+        "the searches try (`inst.rs`, `cut_values`), which evaluate never reads",
+    ("runtime/schedule.py", 'if a.kind == "W":  # its own B, earlier in the same list',
+     'if a.kind == "XXWXX":  # its own B, earlier in the same list'):
+        "a W follows its own B in its rank's list and lists run in order, so the B (and what the "
+        "fallthrough asks for, F or B of the same minibatch, which that B needed) is done first",
+    ("runtime/schedule.py", "progress = False", "progress = None"):
+        "only tested for truth (`while progress`) and set True on progress; None is falsy too",
     ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
     ("passes/plan.py", "model_fingerprint: str | None = None",
      "model_fingerprint: str & None = None"): _ANNOTATION,

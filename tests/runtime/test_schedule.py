@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError, FxpipeError
 from fxpipe.runtime.schedule import (SCHEDULE_KINDS, SYNCHRONOUS_KINDS, Action, DeadlockError,
-                                     Schedule, ScheduleError, make_schedule, validate)
+                                     Schedule, ScheduleError, execution_order, make_schedule,
+                                     validate)
 from fxpipe.runtime.simulate import format_grid, simulate
 
 
@@ -473,3 +474,33 @@ def test_idle_replica_still_joins_every_update() -> None:
     b = make_schedule("2bw", [1, 1], 6, microbatches=2)
     assert [a.version for a in b.actions[(1, 0)] if a.kind == "F"] == [0, 0, 0, 0, 1, 1]
     assert make_schedule("pipedream", [1], 0).actions == {(0, 0): ()}
+
+
+def test_execution_order_of_tied_updates_by_their_definition() -> None:
+    """Stages 0 and 1 share tied weights (one sync set). delay 0: their U<i> are one all-reduce,
+    so they run together (adjacent in the order); delay d > 0: U<i> of one stage waits for U<i-d>
+    of the other (it applies round i-d's sum). The d = 1 lag binds here: without it (as at d = 2)
+    stage 1 reaches U1 before stage 0's U0."""
+    sched = make_schedule("pipedream", [1, 1], 4)
+    pos = {}
+    for d in (0, 1, 2):
+        order = execution_order(sched, sync=[[0, 1]], delay=d)
+        pos[d] = {(r[0], sched.actions[r][i].minibatch): n for n, (r, i) in enumerate(order)
+                  if sched.actions[r][i].kind == "U"}
+        for i in range(4):
+            if d == 0:
+                assert abs(pos[d][(0, i)] - pos[d][(1, i)]) == 1
+            for s, t in ((0, 1), (1, 0)):
+                if d > 0 and i - d >= 0:
+                    assert pos[d][(s, i)] > pos[d][(t, i - d)], (d, s, i)
+    assert pos[1][(1, 1)] > pos[1][(0, 0)] and pos[2][(1, 1)] < pos[2][(0, 0)]
+
+
+def test_a_tied_stage_without_the_update_is_a_deadlock() -> None:
+    """Stage 0 reaches U0, its tied partner (delay 0) has finished its list without one: a
+    deadlock naming the update, not an index error."""
+    s = Schedule.from_text([1, 1], {(0, 0): "F0 B0 U0", (1, 0): "F0 B0"})
+    with pytest.raises(DeadlockError) as info:
+        execution_order(s, sync=[[0, 1]])
+    assert info.value.message == ("deadlock: stage 0 replica 0 stuck at U0 waiting for all "
+                                  "replicas of stage 0 (and tied stages) at U0")
