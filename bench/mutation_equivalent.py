@@ -212,6 +212,12 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      'if a.kind == "XXWXX":  # its own B, earlier in the same list'):
         "a W follows its own B in its rank's list and lists run in order, so the B (and what the "
         "fallthrough asks for, F or B of the same minibatch, which that B needed) is done first",
+    ("runtime/schedule.py", 'else f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "nothing")',
+     'else f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "XXnothingXX")'):
+        "unreachable: only a forward on stage 0 has no dependency, and it never waits (U is "
+        "the branch before)",
+    ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
+     "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):
         "only tested for truth (`while progress`) and set True on progress; None is falsy too",
     ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from fxpipe.errors import ConfigError, FxpipeError
 from fxpipe.runtime.schedule import (SCHEDULE_KINDS, SYNCHRONOUS_KINDS, Action, DeadlockError,
                                      Schedule, ScheduleError, execution_order, make_schedule,
-                                     validate)
+                                     sync_sets, validate)
 from fxpipe.runtime.simulate import format_grid, simulate
 
 
@@ -504,3 +504,17 @@ def test_a_tied_stage_without_the_update_is_a_deadlock() -> None:
         execution_order(s, sync=[[0, 1]])
     assert info.value.message == ("deadlock: stage 0 replica 0 stuck at U0 waiting for all "
                                   "replicas of stage 0 (and tied stages) at U0")
+    s = Schedule.from_text([1, 1], {(0, 0): "F0 B0", (1, 0): "F0 B0 U0"})
+    with pytest.raises(DeadlockError) as info:
+        execution_order(s, sync=[[0, 1]])
+    assert info.value.message == ("deadlock: stage 1 replica 0 stuck at U0 waiting for all "
+                                  "replicas of stage 1 (and tied stages) at U0")
+
+
+def test_sync_sets_are_the_connected_components_by_hand() -> None:
+    """Tied parameters chain stages: sets sharing a stage merge, disjoint ones stay apart, each
+    component sorted, the components in sorted order."""
+    assert sync_sets([[0, 3], [1, 2], [3, 5], [2, 4]]) == [(0, 3, 5), (1, 2, 4)]
+    assert sync_sets([[0, 1], [2, 3], [1, 2]]) == [(0, 1, 2, 3)]  # the last set joins two
+    assert sync_sets([[0, 1], [1, 2]]) == [(0, 1, 2)]
+    assert sync_sets([[4, 1]]) == [(1, 4)] and sync_sets([]) == []
