@@ -336,6 +336,10 @@ def test_module(module: str, repo: Path, site: Path, reuse: bool = False,
             if again is not None and key not in again:
                 results.append(m)  # untested: not a survivor of the saved run
                 continue
+            if again is not None and _why(module, asdict(m)):
+                m.status = "survived"  # argued equivalent: no test can kill it, not rerun
+                results.append(m)
+                continue
             target.write_text(source)
             rc, m.seconds = run_tests(repo, site, tests, timeout, log)
             m.status = "survived" if rc == 0 else "killed"
@@ -429,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="incremental: a mutant identical (same edit, same line, same neighbours) to one the "
                          "saved run killed is counted killed without running; the rest run")
     ap.add_argument("--survivors", action="store_true",
-                    help="rerun only the saved run's survivors (after new tests); what it did "
-                         "not run stays untested")
+                    help="rerun only the saved run's survivors not argued equivalent (after new "
+                         "tests); what it did not run stays untested")
     ap.add_argument("--out", help="write the report here instead of BENCHMARKS.md")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
