@@ -216,6 +216,13 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      'else f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "XXnothingXX")'):
         "unreachable: only a forward on stage 0 has no dependency, and it never waits (U is "
         "the branch before)",
+    ("passes/exact_stages.py", "zero = np.zeros(n + 1, dtype=bool)",
+     "zero = np.zeros(n + 2, dtype=bool)"):
+        _UNREAD + " (row 0 is read at indices < n: the [:n] slice and the walk back's starts)",
+    ("passes/exact_stages.py",
+     "E = [[zero] * (m + 1)]  # E[s][k]: ends coverable by exactly s stages within budget k",
+     "E = [[zero] * (m + 2)]  # E[s][k]: ends coverable by exactly s stages within budget k"):
+        _UNREAD + " (row 0 is read at budgets k - r <= m - 1)",
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):
