@@ -223,6 +223,26 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "E = [[zero] * (m + 1)]  # E[s][k]: ends coverable by exactly s stages within budget k",
      "E = [[zero] * (m + 2)]  # E[s][k]: ends coverable by exactly s stages within budget k"):
         _UNREAD + " (row 0 is read at budgets k - r <= m - 1)",
+    ("passes/exact_stages.py", "for s in range(1, stages + 1):",
+     "for s in range(1, stages + 2):"):
+        "one more row E[stages + 1] is computed and never read (the answer is E[stages][m], the "
+        "walk back reads rows <= stages)",
+    ("passes/exact_stages.py", "for k in range(1, m + 1):", "for k in range(1, m + 2):"):
+        "each row gets an entry for budget m + 1, read only by later such entries, never by the "
+        "answer E[stages][m] or the walk back (budgets <= m)",
+    ("passes/exact_stages.py", "acc = row[k - 1].copy()", "acc = row[k - 2].copy()"):
+        "at k = 1 row[-1] is row[0]; for k >= 2 the k-th step regains row[k - 1]: with a worker "
+        "more every prefix set E[s-1][k-r] is a superset and each stage's in-flight count "
+        "ceil((m - k + r) / r) no larger, so every end reached at k - 1 is reached at k",
+    ("passes/exact_stages.py", "break", "continue"):
+        "inst.rs is ascending: once r > k every later r is too, and `continue` skips them all",
+    ("passes/exact_stages.py", "keep = e > starts", "keep = e >= starts"):
+        "a start with e == start adds +1 and -1 at the same index of diff: nothing",
+    ("passes/exact_stages.py", "keep = e > starts", "keep = None"):
+        "indexing with None keeps every start (an extra axis np.add.at accepts); the starts with "
+        "e == start add +1 and -1 at the same index: the same as `e > starts`",
+    ("passes/exact_stages.py", "diff = np.zeros(n + 2, dtype=np.int64)",
+     "diff = np.zeros(n + 3, dtype=np.int64)"): _UNREAD + " (the cumsum is sliced [: n + 1])",
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):

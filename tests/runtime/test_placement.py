@@ -289,3 +289,20 @@ def test_validate_placed_refuses_each_broken_rule() -> None:
         "rank (9, 0) is hosted by no process", "place every stage once")
     assert _refused(lambda: simulate_placed(ok, [UNIT] * 3)) == (
         "3 costs, 4 comm and 4 update times for 4 stages", "give one of each per stage")
+
+
+def test_a_placed_schedule_is_a_frozen_picklable_value() -> None:
+    """Spawned processes receive it pickled (its Schedule's read-only mapping is not picklable
+    as such, hence __reduce__): the round trip gives an equal value; it cannot be changed."""
+    import dataclasses
+    import pickle
+
+    for placed in (make_placed_schedule("zb-v", 2, 8),
+                   make_placed_schedule("interleaved-1f1b", 2, 4, replicas=2, microbatches=4)):
+        back = pickle.loads(pickle.dumps(placed))
+        assert back == placed and back.kind == placed.kind
+        assert back.schedule.actions == placed.schedule.actions
+        assert (back.schedule.group, back.schedule.noam, back.schedule.windows) == (
+            placed.schedule.group, placed.schedule.noam, placed.schedule.windows)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            placed.hosts = ()  # type: ignore[misc]
