@@ -306,3 +306,31 @@ def test_a_placed_schedule_is_a_frozen_picklable_value() -> None:
             placed.schedule.group, placed.schedule.noam, placed.schedule.windows)
         with pytest.raises(dataclasses.FrozenInstanceError):
             placed.hosts = ()  # type: ignore[misc]
+
+
+def test_defaults_and_the_remaining_refusals_exact() -> None:
+    """m defaults to 2P microbatches per batch (2 P R with R copies); updates are never delayed
+    (noam 1); 0 minibatches is an empty schedule, not an error; the remaining refusals by
+    their exact text."""
+    one, two = make_placed_schedule("zb-v", 2, 8), make_placed_schedule("zb-v", 2, 16, replicas=2)
+    assert (one.schedule.group, one.schedule.noam) == (4, 1)
+    assert (two.schedule.group, two.schedule.noam, two.num_processes) == (8, 1, 4)
+    empty = make_placed_schedule("zb-v", 2, 0)
+    assert empty.schedule.num_minibatches == 0 and all(not o for o in empty.order)
+    assert _refused(lambda: make_placed_schedule("zb-h9", 2, 4)) == (
+        "'zb-h9' is not a placed kind", "use one of ('interleaved-1f1b', 'zb-v')")
+    assert _refused(lambda: make_placed_schedule("interleaved-1f1b", 2, 6, microbatches=3)) == (
+        "interleaved-1f1b with a batch of 3 microbatches on 2 processes",
+        "Megatron's interleaved order needs microbatches per batch (and num_minibatches) to be "
+        "a multiple of the processes (2)")
+    ok = make_placed_schedule("interleaved-1f1b", 2, 6, num_stages=3, microbatches=2)
+    uneven = make_schedule("1f1b-flush", [1, 2, 1], 6)
+    assert _refused(lambda: validate_placed(replace(ok, schedule=uneven))) == (
+        "placed schedule with replicas [1, 2, 1]",
+        "replicate the whole pipeline: every stage the same number of times")
+    h = two.hosts  # copy j's process p is j * 2 + p; put both replicas of stage 3 on process 0
+    assert h == (((0, 0), (3, 0)), ((1, 0), (2, 0)), ((0, 1), (3, 1)), ((1, 1), (2, 1)))
+    both = (((3, 1), (3, 0)), h[1], ((0, 1), (0, 0)), h[3])
+    assert _refused(lambda: validate_placed(replace(two, hosts=both))) == (
+        "process 0 hosts several replicas of stage 3",
+        "replicas of a stage all-reduce with each other: put them on different processes")
