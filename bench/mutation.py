@@ -355,7 +355,7 @@ def test_module(module: str, repo: Path, site: Path, reuse: bool = False,
 
 
 # --------------------------------------------------------------------------- reporting
-from .mutation_equivalent import EQUIVALENT, KILLED_SINCE  # noqa: E402  (the argued survivors)
+from .mutation_equivalent import EQUIVALENT, EQUIVALENT_AT, KILLED_SINCE  # noqa: E402  (the argued survivors)
 
 
 def report() -> str:
@@ -422,7 +422,9 @@ def report() -> str:
 
 
 def _why(module: str, m: dict) -> str | None:
-    return EQUIVALENT.get((module, m["line"], m["diff"].splitlines()[-1][2:]))
+    new = m["diff"].splitlines()[-1][2:]
+    return (EQUIVALENT.get((module, m["line"], new))
+            or EQUIVALENT_AT.get((module, m["line_number"], m["line"], new)))
 
 
 def main(argv: list[str] | None = None) -> int:
