@@ -25,6 +25,12 @@ _ALIAS = ("a type alias used only in annotations (strings under `from __future__
           "annotations`, or a local variable's, never evaluated)")
 _PATH = ("search path only: which exact checks the bisection makes, not where it ends (the same "
          "plan); only the reported `checks` may differ")
+_NO_REACH = ("returned only when no start reaches `need` = best + 1, and the one caller "
+             "(check_budget_rc) takes a result only if `e > best`: any value below best + 1 "
+             "and any (start, flag) with it are ignored alike")
+_PREFILTER = ("a pruning filter only: a weaker one lets through starts that cannot reach `need`; "
+              "reach_many is exact (time and memory), so they reach less than need = best + 1, "
+              "and the caller takes a result only if `e > best`")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("passes/cuts.py", "if j > last[i]:", "if j >= last[i]:"):
         "when j == last[i] it stores the same j again",
@@ -241,6 +247,16 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "e == start add +1 and -1 at the same index: the same as `e > starts`",
     ("passes/exact_stages.py", "diff = np.zeros(n + 2, dtype=np.int64)",
      "diff = np.zeros(n + 3, dtype=np.int64)"): _UNREAD + " (the cumsum is sliced [: n + 1])",
+    ("passes/recompute.py", "best, arg = -1, (0, False)", "best, arg = -2, (0, False)"):
+        _NO_REACH,
+    ("passes/recompute.py", "best, arg = -1, (0, False)", "best, arg = -1, (1, False)"):
+        _NO_REACH,
+    ("passes/recompute.py", "best, arg = -1, (0, False)", "best, arg = -1, (0, True)"):
+        _NO_REACH,
+    ("passes/recompute.py", "ok &= inst.mem_many(v, starts, ends, x) <= inst.cap",
+     "ok = inst.mem_many(v, starts, ends, x) <= inst.cap"): _PREFILTER,
+    ("passes/recompute.py", "ok &= inst.mem_many(v, starts, ends, x) <= inst.cap",
+     "ok |= inst.mem_many(v, starts, ends, x) <= inst.cap"): _PREFILTER,
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):
