@@ -104,7 +104,7 @@ class Replanner:
     one (tests pass a perfect timer)."""
 
     def __init__(self, compiled: Any, kwargs: dict[str, Any], *, mode: str = "auto",
-                 threshold: float = 0.05, after: int = 1, max: int = 3,
+                 threshold: float = 0.05, after: int = 1, max_decisions: int = 3,
                  measure: Measure | None = None) -> None:
         if mode not in REPLAN_MODES:
             raise RuntimeConfigError(f"replan={mode!r}", f"use one of {REPLAN_MODES} or None")
@@ -114,12 +114,13 @@ class Replanner:
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
             raise RuntimeConfigError(f"replan_after={after!r}",
                                      "a positive number of segments to measure first")
-        if isinstance(max, bool) or not isinstance(max, int) or max < 1:
-            raise RuntimeConfigError(f"replan_max={max!r}",
+        if (isinstance(max_decisions, bool) or not isinstance(max_decisions, int)
+                or max_decisions < 1):
+            raise RuntimeConfigError(f"replan_max={max_decisions!r}",
                                      "a positive number of decisions (1: decide once)")
         self.compiled, self.kwargs = compiled, dict(kwargs)
         self.threshold, self.after, self.measure = threshold, after, measure
-        self.max_decisions = max
+        self.max_decisions = max_decisions
         self.plan: Plan = compiled.plan
         self.profile = compiled.profile
         self.records: list[ReplanRecord] = []
@@ -292,6 +293,8 @@ def make_replanner(compiled: Any, kwargs: dict[str, Any]) -> Replanner | None:
             raise RuntimeConfigError(f"replan options {sorted(opts)} without replan=",
                                      "pass replan='auto'")
         return None
+    if "max" in opts:
+        opts["max_decisions"] = opts.pop("max")
     if kwargs.get("executor", "distributed") == "distributed" and "measure" not in opts:
         kwargs["timeline"] = True
     return Replanner(compiled, kwargs, mode=mode, **opts)
