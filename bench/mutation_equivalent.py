@@ -25,6 +25,10 @@ _ALIAS = ("a type alias used only in annotations (strings under `from __future__
           "annotations`, or a local variable's, never evaluated)")
 _PATH = ("search path only: which exact checks the bisection makes, not where it ends (the same "
          "plan); only the reported `checks` may differ")
+_ALL_FIELDS = ("a default no Solution uses: feasibility's evaluate() passes every field "
+               "(positionally) and solve() copies one")
+_INDEX0 = ("index 0 (r = 0 replicas) is never read: replica counts run 1..workers, as for "
+           "gamma's index 0")
 _NO_REACH = ("returned only when no start reaches `need` = best + 1, and the one caller "
              "(check_budget_rc) takes a result only if `e > best`: any value below best + 1 "
              "and any (start, flag) with it are ignored alike")
@@ -257,6 +261,26 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "ok = inst.mem_many(v, starts, ends, x) <= inst.cap"): _PREFILTER,
     ("passes/recompute.py", "ok &= inst.mem_many(v, starts, ends, x) <= inst.cap",
      "ok |= inst.mem_many(v, starts, ends, x) <= inst.cap"): _PREFILTER,
+    ("passes/feasibility.py",
+     "checks: int = 0                    # feasibility checks the search used (diagnostics)",
+     "checks: int = 1                    # feasibility checks the search used (diagnostics)"):
+        _ALL_FIELDS,
+    ("passes/feasibility.py",
+     "checks: int = 0                    # feasibility checks the search used (diagnostics)",
+     "checks: int = None                    # feasibility checks the search used (diagnostics)"):
+        _ALL_FIELDS,
+    ("passes/feasibility.py",
+     "recompute: tuple[bool, ...] = ()   # per stage: activation recomputation (() = none)",
+     "recompute: tuple[bool, ...] = None   # per stage: activation recomputation (() = none)"):
+        _ALL_FIELDS,
+    ("passes/feasibility.py",
+     "recompute_times: tuple[float, ...] = ()  # alpha[r] * F_s where recomputing, else 0",
+     "recompute_times: tuple[float, ...] = None  # alpha[r] * F_s where recomputing, else 0"):
+        _ALL_FIELDS,
+    ("passes/feasibility.py", "self.alpha = [0.0] + [float(x) for x in alpha[:workers]]",
+     "self.alpha = [1.0] + [float(x) for x in alpha[:workers]]"): _INDEX0,
+    ("passes/feasibility.py", "self.beta = [0.0] + [float(x) for x in beta[:workers]]",
+     "self.beta = [1.0] + [float(x) for x in beta[:workers]]"): _INDEX0,
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):
