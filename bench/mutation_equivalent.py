@@ -244,6 +244,10 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "at k = 1 row[-1] is row[0]; for k >= 2 the k-th step regains row[k - 1]: with a worker "
         "more every prefix set E[s-1][k-r] is a superset and each stage's in-flight count "
         "ceil((m - k + r) / r) no larger, so every end reached at k - 1 is reached at k",
+    ("passes/exact_stages.py", "while k > 1 and E[s][k - 1][x]:",
+     "while k >= 1 and E[s][k - 1][x]:"):
+        "at k = 1 it reads E[s][0], which is all False for every s >= 1 (row = [np.zeros(...)]): "
+        "the loop stops there either way",
     ("passes/exact_stages.py", "keep = e > starts", "keep = e >= starts"):
         "a start with e == start adds +1 and -1 at the same index of diff: nothing",
     ("passes/exact_stages.py", "keep = e > starts", "keep = None"):
