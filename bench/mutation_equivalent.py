@@ -285,6 +285,10 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "self.alpha = [1.0] + [float(x) for x in alpha[:workers]]"): _INDEX0,
     ("passes/feasibility.py", "self.beta = [0.0] + [float(x) for x in beta[:workers]]",
      "self.beta = [1.0] + [float(x) for x in beta[:workers]]"): _INDEX0,
+    ("passes/feasibility.py",
+     "self.gamma = [1.0] + [float(x) for x in gamma[:workers]]  # index 0 unused",
+     "self.gamma = [2.0] + [float(x) for x in gamma[:workers]]  # index 0 unused"):
+        "row 0 of cutm (r = 0) is never read: `ok[r, ...]` and `cutm[self.rs]` take r >= 1",
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):

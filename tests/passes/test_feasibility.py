@@ -228,6 +228,12 @@ def test_bad_instances_are_refused() -> None:
         _Inst([1.0], [1.0], [1.0], [], 0, a, b, g, None, 1.0, False)
     with pytest.raises(ValueError, match=coeff):
         _Inst([1.0], [1.0], [1.0], [], 3, a, b, g, None, 1.0, False)
+    with pytest.raises(ValueError, match=r"^recompute must be one of \('never', 'always', "
+                                         r"'auto'\), got 'sometimes'$"):
+        _Inst([1.0], [1.0], [1.0], [], 2, a, b, g, None, 1.0, False, "sometimes")
+    for forward in (None, [1.0, 1.0]):  # missing, or not one per node
+        with pytest.raises(ValueError, match=r"^recompute needs forward times for the N nodes$"):
+            _Inst([1.0], [1.0], [1.0], [], 2, a, b, g, None, 1.0, False, "auto", forward)
     sol = make([1.0], [1.0], [1.0], [], Net(2, 1.0, 1.0)).evaluate([0], [2])
     with pytest.raises(dataclasses.FrozenInstanceError):
         sol.bottleneck = 0.0  # type: ignore[misc]
