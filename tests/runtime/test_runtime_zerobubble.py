@@ -176,6 +176,8 @@ def test_batch_makespan_by_hand() -> None:
     assert zerobubble.batch_makespan([1, 1], one, costs, [0.0, 0.5]) == 10.0
     stuck = {(0, 0): [Action("B", 0), Action("F", 0)], (1, 0): [Action("F", 0), Action("B", 0)]}
     assert zerobubble.batch_makespan([1, 1], stuck, costs) == float("inf")
+    # default: unit costs, no transfer time: F0 0-1, F0' 1-2, B0' 2-3, W0' 3-4, B0 3-4, W0 4-5
+    assert zerobubble.batch_makespan([1, 1], one) == 5.0
 
 
 def test_greedy_ties_go_to_the_rank_due_first() -> None:
