@@ -289,6 +289,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "self.gamma = [1.0] + [float(x) for x in gamma[:workers]]  # index 0 unused",
      "self.gamma = [2.0] + [float(x) for x in gamma[:workers]]  # index 0 unused"):
         "row 0 of cutm (r = 0) is never read: `ok[r, ...]` and `cutm[self.rs]` take r >= 1",
+    ("runtime/zerobubble.py", "moved = False", "moved = None"):
+        "only tested for truth (`while moved`) and set True on progress; None is falsy too",
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):
