@@ -29,6 +29,9 @@ _ALL_FIELDS = ("a default no Solution uses: feasibility's evaluate() passes ever
                "(positionally) and solve() copies one")
 _INDEX0 = ("index 0 (r = 0 replicas) is never read: replica counts run 1..workers, as for "
            "gamma's index 0")
+_PROGRESS = ("`progress` is only compared with values it had before (`stalled` starts empty): "
+             "any start and any step that keeps its successive values distinct give the same "
+             "comparisons")
 _NO_REACH = ("returned only when no start reaches `need` = best + 1, and the one caller "
              "(check_budget_rc) takes a result only if `e > best`: any value below best + 1 "
              "and any (start, flag) with it are ignored alike")
@@ -291,6 +294,18 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
         "row 0 of cutm (r = 0) is never read: `ok[r, ...]` and `cutm[self.rs]` take r >= 1",
     ("runtime/zerobubble.py", "moved = False", "moved = None"):
         "only tested for truth (`while moved`) and set True on progress; None is falsy too",
+    ("runtime/placed_orders.py",
+     "heap = [(0.0, i, p) for i, p in enumerate(p for p in range(P) if left[p])]",
+     "heap = [(1.0, i, p) for i, p in enumerate(p for p in range(P) if left[p])]"):
+        "every time shifts by 1 s (stage 0's F, ready at 0, is ready at any t >= 1 too) and only "
+        "the order is returned, which compares times with each other (exact for the tests' "
+        "integer and dyadic costs; only float rounding could differ)",
+    ("runtime/placed_orders.py", "pushes, progress = len(heap), 0",
+     "pushes, progress = len(heap), 1"): _PROGRESS,
+    ("runtime/placed_orders.py", "progress += 1", "progress -= 1"): _PROGRESS,
+    ("runtime/placed_orders.py", "progress += 1", "progress += 2"): _PROGRESS,
+    ("runtime/placed_orders.py", "pushes += 1", "pushes += 2"):
+        "push numbers only break ties between equal times, and still increase: the same order",
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):
