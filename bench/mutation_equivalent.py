@@ -306,6 +306,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("runtime/placed_orders.py", "progress += 1", "progress += 2"): _PROGRESS,
     ("runtime/placed_orders.py", "pushes += 1", "pushes += 2"):
         "push numbers only break ties between equal times, and still increase: the same order",
+    ("runtime/placed_orders.py", "pick: tuple[str, int, int] | None = None",
+     "pick: tuple[str, int, int] & None = None"): "a local variable's annotation: never evaluated",
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
     ("runtime/schedule.py", "progress = False", "progress = None"):
