@@ -266,32 +266,37 @@ def _saved_source(module: str, d: dict) -> str | None:
     return src if ok else None
 
 
-def _previous_survivors(module: str) -> set[Key]:
-    """The keys (``_keys``) of every mutant a saved run of ``module`` let survive."""
+def _saved(module: str) -> tuple[dict, list[tuple[Key, dict]]] | None:
+    """A saved run of ``module`` and its mutants keyed by ``_keys`` (None: no saved run, or
+    its source is unknown)."""
     path = OUT / (module.replace("/", "_") + ".json")
     if not path.exists():
-        return set()
-    d = json.loads(path.read_text())
-    source = _saved_source(module, d)
-    return set() if source is None else {
-        k for k, m in zip(_keys(source, d["mutants"]), d["mutants"]) if m["status"] == "survived"}
-
-
-def _previously_killed(module: str) -> set[Key]:
-    """The keys (``_keys``) of every mutant a saved run of ``module`` killed."""
-    path = OUT / (module.replace("/", "_") + ".json")
-    if not path.exists():
-        return set()
+        return None
     d = json.loads(path.read_text())
     source = _saved_source(module, d)
     if source is None:
         print(f"{module}: the saved run's source is unknown; nothing is reused", flush=True)
+        return None
+    return d, list(zip(_keys(source, d["mutants"]), d["mutants"]))
+
+
+def _previous_survivors(module: str) -> set[Key]:
+    """The keys (``_keys``) of every mutant a saved run of ``module`` let survive."""
+    saved = _saved(module)
+    return set() if saved is None else {k for k, m in saved[1] if m["status"] == "survived"}
+
+
+def _previously_killed(module: str) -> set[Key]:
+    """The keys (``_keys``) of every mutant a saved run of ``module`` killed."""
+    saved = _saved(module)
+    if saved is None:
         return set()
+    d, keyed = saved
     # Runs saved before the source was carried kills over by line text and edit alone, which
     # confuses identical lines: such a carried kill of a repeated line is not trusted (rerun).
     twice = {x for x, c in Counter((m["line"], m["diff"]) for m in d["mutants"]).items()
              if c > 1} if "source" not in d else set()
-    return {k for k, m in zip(_keys(source, d["mutants"]), d["mutants"])
+    return {k for k, m in keyed
             if m["status"].startswith("killed") and not (m["status"] == "killed (earlier run)"
                                                          and (m["line"], m["diff"]) in twice)}
 

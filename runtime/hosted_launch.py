@@ -9,9 +9,7 @@ once); a process index beyond a job's placement sits that job out, joining only 
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -22,19 +20,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fxpipe.codegen.split import StageSpec
-from fxpipe.errors import FxpipeError
 
 from .comm import make_groups, synchronized_start
 from .errors import WorkerFailedError
 from .hosted import ProcessExecutor, check_hostable
-from .launch import _join, free_port
+from .launch import free_port, run_children
 from .placement import PlacedSchedule, validate_placed
 from .reference import Batch, RunResult, check_schedule
 from .stage import LossFn
 from .stash import OptimizerFactory
 from .step_options import DEFAULT, StepOptions
 from .wire import WirePlan, make_wire_plan
-from .worker import warm_imports
+from .worker import fail_child, warm_imports
 
 log = logging.getLogger(__name__)
 
@@ -86,12 +83,7 @@ def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s
             torch.save({r: v.__dict__ for r, v in res.items()}, out / f"job{n}-p{index}.pt")
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 - every failure must end the process non-zero
-        text = (f"process {index}: {err}" if isinstance(err, FxpipeError)
-                else f"process {index}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
-        log.error("%s", text)
-        (out / f"p{index}.err").write_text(text)
-        logging.shutdown()
-        os._exit(1)
+        fail_child(out / f"p{index}.err", f"process {index}", err)
 
 
 def run_placed_jobs(jobs: Sequence[PlacedJob], *, timeout_s: float = 60.0,
@@ -114,19 +106,7 @@ def run_placed_jobs(jobs: Sequence[PlacedJob], *, timeout_s: float = 60.0,
         args = (jobs, outdir, free_port(), timeout_s, log_level)
         procs = [ctx.Process(target=_worker, args=(i,) + args, name=f"fxpipe-process{i}",
                              daemon=True) for i in range(world)]
-        try:
-            for p in procs:
-                p.start()
-            _join(procs, timeout_s, join_timeout_s)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    log.error("terminating %s (pid %s)", p.name, p.pid)
-                    p.terminate()
-                    p.join(5)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
+        run_children(procs, timeout_s, join_timeout_s)
         out = Path(outdir)
         codes = {i: p.exitcode for i, p in enumerate(procs)}
         if any(c != 0 for c in codes.values()):

@@ -87,19 +87,7 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=worker_main, args=(i, cfg), name=f"fxpipe-rank{i}",
                              daemon=True) for i in range(world)]
-        try:
-            for p in procs:
-                p.start()
-            _join(procs, timeout_s, join_timeout_s)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    log.error("terminating %s (pid %s)", p.name, p.pid)
-                    p.terminate()
-                    p.join(5)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
+        run_children(procs, timeout_s, join_timeout_s)
         codes = {i: p.exitcode for i, p in enumerate(procs)}
         out = Path(outdir)
         errors = {i: (out / f"rank{i}.err").read_text() for i in range(world)
@@ -123,6 +111,24 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
                      {i: r.get("background", []) for i, r in enumerate(results)},
                      {i: r["comm_log"] for i, r in enumerate(results)
                       if r.get("comm_log") is not None})
+
+
+def run_children(procs: list[Any], timeout_s: float, join_timeout_s: float | None) -> None:
+    """Start the child processes, wait for them (:func:`_join`), and terminate, then kill, any
+    still alive, so no child outlives the call (run_distributed's and run_placed's launch)."""
+    try:
+        for p in procs:
+            p.start()
+        _join(procs, timeout_s, join_timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                log.error("terminating %s (pid %s)", p.name, p.pid)
+                p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
 
 
 def _join(procs: list[Any], timeout_s: float, join_timeout_s: float | None) -> None:

@@ -151,10 +151,15 @@ def worker_main(index: int, cfg: WorkerConfig) -> None:
 
 def fail(out: Path, index: int, me: Rank, err: BaseException) -> None:
     """Log ``err``, write it to ``rank<i>.err`` for the launcher, and exit non-zero at once."""
-    name = rank_name(me, index)
+    fail_child(out / f"rank{index}.err", rank_name(me, index), err)
+
+
+def fail_child(err_file: Path, name: str, err: BaseException) -> None:
+    """Log ``err`` as ``name``'s, write it to ``err_file`` for the launcher (an fxpipe error
+    as its message, anything else with its traceback), and exit non-zero at once."""
     text = (f"{name}: {err}" if isinstance(err, FxpipeError)
             else f"{name}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
     log.error("%s", text)
-    (out / f"rank{index}.err").write_text(text)
+    err_file.write_text(text)
     logging.shutdown()
     os._exit(1)
