@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.ablation.run                        # the published run (hours)
     .venv/bin/python -m bench.ablation.run --tasks mlp --depths 2 --seeds 1 --updates 30  # smoke
+    .venv/bin/python -m bench.ablation.run --first-seed 3 --variants 1f1b-flush,pipedream  # seeds 3-5
 
 Each configuration trains on fxpipe's reference executor (see bench/ablation/train.py) and
 appends one JSON line to ``--out`` (default bench/ablation/results.jsonl, in the repository:
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--variants", default=",".join(TRAINED))
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds first-seed .. first-seed + seeds - 1 (held-out seeds: 3)")
     p.add_argument("--updates", type=int, default=None, help="override every task's budget")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=DEFAULT_OUT)
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists():
         done = {json.loads(line)["key"] for line in out.read_text().splitlines() if line.strip()}
     jobs = [(t, int(S), v, o, seed, a.updates)  # seeds outermost: complete tables early
-            for seed in range(a.seeds) for t in a.tasks.split(",")
+            for seed in range(a.first_seed, a.first_seed + a.seeds) for t in a.tasks.split(",")
             for S in a.depths.split(",") for o in a.optimizers.split(",")
             for v in a.variants.split(",")
             if f"{t}|{S}|{v}|{o}|{seed}" not in done]
