@@ -4,6 +4,9 @@ written out, so that every timing rule (when an input is there, how long each ki
 where a W fits, which process looks first at a tie) decides some step."""
 from __future__ import annotations
 
+import pytest
+
+from fxpipe.errors import ConfigError
 from fxpipe.runtime.placed_orders import Step, greedy_orders
 from fxpipe.runtime.placement import placement
 
@@ -114,3 +117,16 @@ def test_an_idle_process_looks_again_when_something_can_change() -> None:
     assert _grid(order) == [
         "F0@0 F1@0 F0@3 B0@3 W0@3 F1@3 B0@0 B1@3 W0@0 B1@0 W1@3 W1@0",
         "F0@1 F0@2 F1@1 F1@2 B0@2 B0@1 W0@2 W0@1 B1@2 B1@1 W1@2 W1@1"]
+
+
+@pytest.mark.timeout(10)  # the stuck check is what ends the loop: without it this never returns
+def test_work_no_process_can_ever_run_is_refused_not_waited_for() -> None:
+    """One stage hosted by three processes (placement never does this; greedy_orders takes any
+    hosts): each counts its F0 and fused B0 as its own work, p0 (first to look) runs both (F0
+    0 to 1, B0 1 to 3), p1 and p2 idle at 0, 1 and 3. At 3 nothing ends or arrives later: p1
+    looks again at once since p2, due at 3 too, has not yet looked in this state; p2 then finds
+    p1 stalled in the very same state: nothing can change, refused on process 2."""
+    with pytest.raises(ConfigError) as info:
+        greedy_orders((((0, 0),), ((0, 0),), ((0, 0),)), 1, [0], 1, False)
+    assert info.value.message == "greedy scheduling is stuck on process 2"
+    assert info.value.hint == "allow more minibatches in flight per process"
