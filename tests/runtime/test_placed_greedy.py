@@ -103,15 +103,15 @@ def test_an_idle_process_looks_again_when_something_can_change() -> None:
         0 s W delays nothing); idle
     5   F1@3 (to 6)                          B0@2, B0@1, W0@2, W0@1; then nothing: B1@2
                                              waits for B1@3
-    6   B0@0 (older than B1@3)               (queued at 5, before p0's next turn) still
-                                             nothing; p0 is due at 6 too and no end or
-                                             arrival is due after 6, so p1 looks again at 6
+    6   B0@0 (older than B1@3)               still nothing (B1@3 not yet scheduled); p0
+                                             is due at 6 again and no end or arrival is
+                                             due after 6, so p1 looks again at 6
     6   B1@3                                 B1@2 (B1@3 just ended)
     6   W0@0 (B1@0 waits for B1@1)           B1@1
     6   B1@0, W1@3, W1@0                     W1@2, W1@1
 
-    B0@0, on stage 0, sends nothing: no wake-up at 6 + 1 = 7, so p0 runs B1@0 at 6, before
-    W1@3."""
+    B0@0, on stage 0, sends nothing: were 6 + 1 = 7 taken for an arrival, p1 would wait for
+    it, B1@2 and B1@1 would run at 7 and p0 would fill 6 with W0@0 and W1@3 before B1@0."""
     order = greedy_orders(ZBV2, 4, [0, 1], 2, True, [(1.0, 0.0, 0.0)] * 4,
                           [1.0, 0.0, 0.0, 0.0])
     assert _grid(order) == [

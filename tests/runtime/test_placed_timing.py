@@ -4,12 +4,13 @@ time on every cut, so that each timing rule (which producer, which cut, same pro
 which duration) shows in the numbers."""
 from __future__ import annotations
 
-from fxpipe.runtime.placement import make_placed_schedule, simulate_placed, timed_placed
+from fxpipe.runtime.placement import (PlacedSchedule, make_placed_schedule, simulate_placed,
+                                      timed_placed)
 
 COSTS = [(2.0, 3.0, 1.0)] * 4  # F = 2, B = 3 (input gradients), W = 1 on each stage
 
 
-def _zb_v_one_minibatch():  # -> PlacedSchedule
+def _zb_v_one_minibatch() -> PlacedSchedule:
     """zb-v on 2 processes, one minibatch: stages 0, 3 on process 0 and 1, 2 on process 1.
     The greedy order with unit costs (oldest ready B, else deepest ready F, else a W that
     delays nothing): t0 p0 F0@0; t1 p1 F0@1; t2 p1 F0@2; t3 p0 F0@3; t4 p0 B0@3; t5 p1 B0@2,
