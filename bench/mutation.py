@@ -71,7 +71,8 @@ def _deselect(path: str, *tests: str) -> list[str]:
 
 _NO_PROCESSES = ["--deselect", _ZB + "::test_distributed_equals_reference_and_minibatch_sgd",
                  "--deselect", _R + "test_runtime_schedules.py::test_distributed_equals_reference"]
-_PLACED = [_R + "test_placement.py", _R + "test_hosted_plan.py", _R + "test_placed_sim.py",
+_PLACED = [_R + "test_placement.py", _R + "test_placed_checks.py", _R + "test_hosted_plan.py",
+           _R + "test_placed_timing.py", _R + "test_placed_greedy.py", _R + "test_placed_sim.py",
            _R + "test_runtime_trainer_placed.py", _R + "test_runtime_placed.py",
            *_deselect(_R + "test_runtime_placed.py",
                       "test_distributed_equals_reference_and_minibatch_sgd",

@@ -35,6 +35,10 @@ _PROGRESS = ("`progress` is only compared with values it had before (`stalled` s
 _NO_REACH = ("returned only when no start reaches `need` = best + 1, and the one caller "
              "(check_budget_rc) takes a result only if `e > best`: any value below best + 1 "
              "and any (start, flag) with it are ignored alike")
+_DEP_END_B = ("dep_end() tests only kind == \"F\" and treats every other kind as a B (its "
+              "input: B on s + 1, or F on the last stage), so another name for B gives the same time")
+_OWN_RANK = ("this input is made by the action's own rank (its B for a W, its F for the last "
+             "stage's B), so on its own process: the comm term is never added and cut never read")
 _PREFILTER = ("a pruning filter only: a weaker one lets through starts that cannot reach `need`; "
               "reach_many is exact (time and memory), so they reach less than need = best + 1, "
               "and the caller takes a result only if `e > best`")
@@ -310,6 +314,48 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
      "pick: tuple[str, int, int] & None = None"): "a local variable's annotation: never evaluated",
     ("runtime/placed_orders.py", "Step = tuple[Rank, Action]  # one entry of a process's merged list",
      "Step = None  # one entry of a process's merged list"): _ALIAS,
+    ("runtime/placed_orders.py", "if len(wire) != S or min(wire, default=0.0) < 0:",
+     "if len(wire) != S or min(wire, default=1.0) < 0:"):
+        "the default is used only for an empty wire, i.e. S = 0 (len(wire) == S is checked "
+        "first), and neither 0.0 nor 1.0 is < 0: the same acceptance",
+    ("runtime/placed_orders.py",
+     "bs = sorted((k, -s) for s in stages for k in wait_b[s] if dep_end(\"B\", s, k) <= t)",
+     "bs = sorted((k, -s) for s in stages for k in wait_b[s] if dep_end(\"XXBXX\", s, k) <= t)"):
+        _DEP_END_B,
+    ("runtime/placed_orders.py",
+     "soon = [dep_end(\"B\", q, j) for q in stages for j in wait_b[q]] + \\",
+     "soon = [dep_end(\"XXBXX\", q, j) for q in stages for j in wait_b[q]] + \\"): _DEP_END_B,
+    ("runtime/placement.py", "R = placed.schedule.replicas[0] if S else 1",
+     "R = placed.schedule.replicas[0] if S else 2"):
+        "R is read only at an update step; S = 0 only in a hand-built PlacedSchedule (placement() "
+        "needs S >= P >= 1), whose schedule has no rank for a step to be on: validate_placed "
+        "refuses any step there before process_order (hosted ranks must be the schedule's: none)",
+    ("runtime/placement.py", "progress = False", "progress = None"):
+        "only tested for truth (`while progress`) and set True on progress; None is falsy too",
+    ("runtime/placement.py",
+     "if a.kind == \"U\" and R > 1:  # an all-reduce: every replica's process there",
+     "if a.kind == \"U\" and R >= 1:  # an all-reduce: every replica's process there"):
+        "with R = 1 the all-reduce branch runs the update alone as the plain path does: its one "
+        "peer where[(s, 0)] is this process, whose next step is this one, so (p, ptr[p]) is "
+        "appended and ptr moves on; the plain path's extra done entry (\"U\", s, b) is never "
+        "asked for (need() returns F or B keys only)",
+    ("runtime/placement.py", "src, cut = (None, 0) if s == 0 else ((\"F\", s - 1, k), s)",
+     "src, cut = (None, 1) if s == 0 else ((\"F\", s - 1, k), s)"):
+        "cut is read only when src is not None, and stage 0's F has src None",
+    ("runtime/placement.py", "elif a.kind == \"W\":", "elif a.kind == \"XXWXX\":"):
+        "a W then takes its B's input time as its own: ready is at most that B's start, the B "
+        "(same rank, so same process) runs before the W (process_order: W needs B) and free[p] "
+        "only grows, so the W still starts at free[p]; its duration and end key read a.kind",
+    ("runtime/placement.py", "src, cut = (\"B\", s, k), 0", "src, cut = (\"B\", s, k), 1"):
+        _OWN_RANK,
+    ("runtime/placement.py",
+     "src, cut = ((\"F\", s, k), 0) if s == S - 1 else ((\"B\", s + 1, k), s + 1)",
+     "src, cut = ((\"F\", s, k), 1) if s == S - 1 else ((\"B\", s + 1, k), s + 1)"):
+        _OWN_RANK,
+    ("runtime/placement.py", "_ = DeadlockError  # re-exported for callers catching it from here",
+     "_ = None  # re-exported for callers catching it from here"):
+        "`_` is a throwaway name nothing reads; DeadlockError stays bound in the module by its "
+        "import from .schedule, so `from fxpipe.runtime.placement import DeadlockError` works",
     ("runtime/schedule.py", "progress = False", "progress = None"):
         "only tested for truth (`while progress`) and set True on progress; None is falsy too",
     ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
@@ -321,7 +367,198 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
 # Survivors of the last saved run that a test added afterwards kills, checked by applying the
 # mutant by hand (not yet rerun through this driver): (module, line, mutated line) -> the test.
 # The table's numbers stay those of the saved run; rerun with --reuse to fold these in.
-KILLED_SINCE: dict[tuple[str, str, str], str] = {}
+_CHECKS, _TIMING, _GREEDY = (f"tests/runtime/test_placed_{f}.py::"
+                             for f in ("checks", "timing", "greedy"))
+KILLED_SINCE: dict[tuple[str, str, str], str] = {
+    ('runtime/placement.py',
+     'bad = next(len(mbs) for mbs in batches if len(mbs) % P)',
+     'bad = next(len(mbs) for mbs in batches if len(mbs) / P)'):
+        _CHECKS + 'test_megatron_refusal_names_the_first_batch_that_is_not_a_multiple',
+    ('runtime/placement.py',
+     'raise ScheduleError(f"{a} on stage {r[0]} replica {r[1]} after {updates} updates: "',
+     'raise ScheduleError(f"{a} on stage {r[1]} replica {r[1]} after {updates} updates: "'):
+        _CHECKS + 'test_flush_refusal_names_stage_replica_and_batch_exactly',
+    ('runtime/placement.py',
+     'raise ScheduleError(f"{a} on stage {r[0]} replica {r[1]} after {updates} updates: "',
+     'raise ScheduleError(f"XX{a} on stage {r[0]} replica {r[1]} after {updates} updates: XX"'):
+        _CHECKS + 'test_flush_refusal_names_stage_replica_and_batch_exactly',
+    ('runtime/placement.py',
+     'f"minibatch {a.minibatch} belongs to batch {a.minibatch // m}",',
+     'f"minibatch {a.minibatch} belongs to batch {a.minibatch / m}",'):
+        _CHECKS + 'test_flush_refusal_names_stage_replica_and_batch_exactly',
+    ('runtime/placement.py',
+     'f"minibatch {a.minibatch} belongs to batch {a.minibatch // m}",',
+     'f"XXminibatch {a.minibatch} belongs to batch {a.minibatch // m}XX",'):
+        _CHECKS + 'test_flush_refusal_names_stage_replica_and_batch_exactly',
+    ('runtime/placement.py',
+     '"a flushing schedule runs batch b between U<b-1> and U<b>")',
+     '"XXa flushing schedule runs batch b between U<b-1> and U<b>XX")'):
+        _CHECKS + 'test_flush_refusal_names_stage_replica_and_batch_exactly',
+    ('runtime/placement.py',
+     'if a.kind == "U":',
+     'if a.kind == "XXUXX":'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     'if a.kind == "W":',
+     'if a.kind == "XXWXX":'):
+        _CHECKS + 'test_a_w_before_its_b_waits_for_that_b',
+    ('runtime/placement.py',
+     'if a.kind == "U" and R > 1:  # an all-reduce: every replica\'s process there',
+     'if a.kind == "XXUXX" and R > 1:  # an all-reduce: every replica\'s process there'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     'if a.kind == "U" and R > 1:  # an all-reduce: every replica\'s process there',
+     'if a.kind == "U" and R > 2:  # an all-reduce: every replica\'s process there'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     'peers = [where[(r[0], j)] for j in range(R)]',
+     'peers = [where[(r[1], j)] for j in range(R)]'):
+        _CHECKS + 'test_an_all_reduce_meets_the_processes_of_its_own_stage',
+    ('runtime/placement.py',
+     'if not all(ptr[q] < len(placed.order[q]) and',
+     'if not all(ptr[q] <= len(placed.order[q]) and'):
+        _CHECKS + 'test_a_peer_whose_list_ended_leaves_the_all_reduce_stuck',
+    ('runtime/placement.py',
+     'continue',
+     'break'):
+        _CHECKS + 'test_process_order_runs_each_list_on_and_meets_at_all_reduces',
+    ('runtime/placement.py',
+     'what = f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "nothing"',
+     'what = f"{dep[0]}{dep[2]} on stage {dep[2]}" if dep else "nothing"'):
+        _CHECKS + 'test_a_deadlock_names_the_minibatch_and_the_stage_it_waits_on',
+    ('runtime/placement.py',
+     'what = f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "nothing"',
+     'what = f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "XXnothingXX"'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     'parts.append(f"process {p} stuck at {a} of stage {r[0]} waiting for {what}")',
+     'parts.append(f"XXprocess {p} stuck at {a} of stage {r[0]} waiting for {what}XX")'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     'raise DeadlockError("deadlock: " + "; ".join(parts),',
+     'raise DeadlockError("XXdeadlock: XX" + "; ".join(parts),'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     'raise DeadlockError("deadlock: " + "; ".join(parts),',
+     'raise DeadlockError("deadlock: " + "XX; XX".join(parts),'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     '"reorder the merged lists so each process\'s next action can become "',
+     '"XXreorder the merged lists so each process\'s next action can become XX"'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     '"ready", {r: a for r, a in stuck.values()})',
+     '"XXreadyXX", {r: a for r, a in stuck.values()})'):
+        _CHECKS + 'test_an_all_reduce_that_never_meets_is_a_deadlock_waiting_for_nothing',
+    ('runtime/placement.py',
+     'comm: float | Sequence[float] = 0.0, update: float | Sequence[float] = 0.0',
+     'comm: float | Sequence[float] = 1.0, update: float | Sequence[float] = 0.0'):
+        _TIMING + 'test_timed_placed_defaults_no_message_time_and_instant_updates',
+    ('runtime/placement.py',
+     'comm: float | Sequence[float] = 0.0, update: float | Sequence[float] = 0.0',
+     'comm: float | Sequence[float] = 0.0, update: float | Sequence[float] = 1.0'):
+        _TIMING + 'test_timed_placed_defaults_no_message_time_and_instant_updates',
+    ('runtime/placement.py',
+     'src, cut = (("F", s, k), 0) if s == S - 1 else (("B", s + 1, k), s + 1)',
+     'src, cut = (("F", s, k), 0) if s == S - 1 else (("B", s + 1, k), s - 1)'):
+        _TIMING + 'test_timed_placed_by_hand_with_a_message_time_per_cut',
+    ('runtime/placement.py',
+     'ready = end[src] + (wire[cut] if where[sched.owner(src[1], k)] != p else 0.0)',
+     'ready = end[src] - (wire[cut] if where[sched.owner(src[1], k)] != p else 0.0)'):
+        _TIMING + 'test_timed_placed_by_hand_with_a_message_time_per_cut',
+    ('runtime/placement.py',
+     'ready = end[src] + (wire[cut] if where[sched.owner(src[1], k)] != p else 0.0)',
+     'ready = end[src] + (wire[cut] if where[sched.owner(src[1], k)] == p else 0.0)'):
+        _TIMING + 'test_timed_placed_by_hand_with_a_message_time_per_cut',
+    ('runtime/placement.py',
+     'dur = f if a.kind == "F" else w if a.kind == "W" else (b if r in split else b + w)',
+     'dur = f if a.kind != "F" else w if a.kind == "W" else (b if r in split else b + w)'):
+        _TIMING + 'test_timed_placed_by_hand_with_a_message_time_per_cut',
+    ('runtime/placement.py',
+     'dur = f if a.kind == "F" else w if a.kind == "W" else (b if r in split else b + w)',
+     'dur = f if a.kind == "F" else w if a.kind == "XXWXX" else (b if r in split else b + w)'):
+        _TIMING + 'test_timed_placed_by_hand_with_a_message_time_per_cut',
+    ('runtime/placement.py',
+     'return max((t1 for _, t1 in times.values()), default=0.0), busy',
+     'return max((t1 for _, t1 in times.values()), default=1.0), busy'):
+        _TIMING + 'test_simulating_no_minibatches_takes_no_time',
+    ('runtime/placed_orders.py',
+     'return done.get(("F", s - 1, k), math.inf) + \\',
+     'return done.get(("F", s - 1, k), math.inf) - \\'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     '(wire[s] if where[s - 1] != where[s] else 0.0)',
+     '(wire[s] if where[s - 1] == where[s] else 0.0)'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     '(wire[s + 1] if where[s + 1] != where[s] else 0.0)',
+     '(wire[s + 1] if where[s + 1] == where[s] else 0.0)'):
+        _GREEDY + 'test_one_process_never_waits_for_itself',
+    ('runtime/placed_orders.py',
+     'return f if kind == "F" else w if kind == "W" else (b if split else b + w)',
+     'return f if kind != "F" else w if kind == "W" else (b if split else b + w)'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     'return f if kind == "F" else w if kind == "W" else (b if split else b + w)',
+     'return f if kind == "XXFXX" else w if kind == "W" else (b if split else b + w)'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     'return f if kind == "F" else w if kind == "W" else (b if split else b + w)',
+     'return f if kind == "F" else w if kind != "W" else (b if split else b + w)'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     'return f if kind == "F" else w if kind == "W" else (b if split else b + w)',
+     'return f if kind == "F" else w if kind == "XXWXX" else (b if split else b + w)'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     'return f if kind == "F" else w if kind == "W" else (b if split else b + w)',
+     'return f if kind == "F" else w if kind == "W" else (b if split else b - w)'):
+        _GREEDY + 'test_interleaved_three_stages_fused_backwards_by_hand',
+    ('runtime/placed_orders.py',
+     '[dep_end("F", q, todo_f[q][0]) for q in allowed]',
+     '[dep_end("XXFXX", q, todo_f[q][0]) for q in allowed]'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     'if all(e >= t + dur("W", s) for e in soon):',
+     'if all(e >= t - dur("W", s) for e in soon):'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     'if all(e >= t + dur("W", s) for e in soon):',
+     'if all(e >= t + dur("XXWXX", s) for e in soon):'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     'stalled[p] = (progress, t)',
+     'stalled[p] = None'):
+        _GREEDY + 'test_work_no_process_can_ever_run_is_refused_not_waited_for',
+    ('runtime/placed_orders.py',
+     'raise ConfigError(f"greedy scheduling is stuck on process {p}",',
+     'raise ConfigError(f"XXgreedy scheduling is stuck on process {p}XX",'):
+        _GREEDY + 'test_work_no_process_can_ever_run_is_refused_not_waited_for',
+    ('runtime/placed_orders.py',
+     '"allow more minibatches in flight per process")',
+     '"XXallow more minibatches in flight per processXX")'):
+        _GREEDY + 'test_work_no_process_can_ever_run_is_refused_not_waited_for',
+    ('runtime/placed_orders.py',
+     'in_flight[p] -= s == first[p]',
+     'in_flight[p] = s == first[p]'):
+        _GREEDY + 'test_a_fused_backward_on_the_first_stage_ends_an_admission',
+    ('runtime/placed_orders.py',
+     'elif kind == "B" and s > 0:',
+     'elif kind == "B" and s >= 0:'):
+        _GREEDY + 'test_an_idle_process_looks_again_when_something_can_change',
+    ('runtime/placed_orders.py',
+     'elif kind == "B" and s > 0:',
+     'elif kind == "B" or s > 0:'):
+        _GREEDY + 'test_an_idle_process_looks_again_when_something_can_change',
+    ('runtime/placed_orders.py',
+     'pushes += 1',
+     'pushes = 1'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ('runtime/placed_orders.py',
+     'pushes += 1',
+     'pushes -= 1'):
+        _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+}
 
 
 # Arguments for a line whose text repeats in the module with another meaning (a bare `break`),
