@@ -321,7 +321,46 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
 # Survivors of the last saved run that a test added afterwards kills, checked by applying the
 # mutant by hand (not yet rerun through this driver): (module, line, mutated line) -> the test.
 # The table's numbers stay those of the saved run; rerun with --reuse to fold these in.
-KILLED_SINCE: dict[tuple[str, str, str], str] = {}
+_WITNESS = "tests/passes/test_feasibility_witness.py::"
+_STARTS = "for a in np.flatnonzero(E[s - 1][k - r][:x] & la_ok[r, :x]).tolist()"
+KILLED_SINCE: dict[tuple[str, str, str], str] = {
+    ("passes/exact_stages.py", "np.add.at(diff, e[keep] + 1, -1)",
+     "np.add.at(diff, e[keep] + 1, -2)"):
+        _WITNESS + "test_exact_two_starts_with_different_reaches",
+    ("passes/exact_stages.py", "while k > 1 and E[s][k - 1][x]:",
+     "while k > 1 and E[s][k - 2][x]:"):
+        _WITNESS + "test_exact_walk_back_uses_the_least_budget",
+    ("passes/exact_stages.py", _STARTS + "[::-1]:", _STARTS + "[::+1]:"):
+        _WITNESS + "test_exact_walk_back_takes_the_latest_start",
+    ("passes/exact_stages.py", _STARTS + "[::-1]:", _STARTS + "[::-2]:"):
+        _WITNESS + "test_exact_walk_back_tries_every_start_when_memory_is_not_monotone",
+    ("passes/exact_stages.py", "or inst.mem(v, a, x, f) <= inst.cap):",
+     "or inst.mem(v, a, x, f) < inst.cap):"):
+        _WITNESS + "test_exact_memory_equal_to_the_cap_fits",
+    ("passes/recompute.py", "ok = inst.time_many(r, starts, ends, x) <= tau",
+     "ok = inst.time_many(r, starts, ends, x) < tau"):
+        _WITNESS + "test_rc_time_equal_to_tau_fits",
+    ("passes/recompute.py", "if int(e[i]) > best:",
+     "if int(e[i]) >= best:"):
+        _WITNESS + "test_rc_auto_prefers_no_recomputation_when_it_reaches_as_far",
+    ("passes/recompute.py", "t = t[inst.mem_many(v, starts, ends, x) <= inst.cap]",
+     "t = t[inst.mem_many(v, starts, ends, x) < inst.cap]"):
+        _WITNESS + "test_rc_skip_counts_a_stage_whose_memory_equals_the_cap",
+    ("passes/recompute.py", "ok = inst.cutm <= min(tau, _BIG)",
+     "ok = inst.cutm < min(tau, _BIG)"):
+        _WITNESS + "test_rc_fewest_stages_allows_a_cut_whose_cost_equals_tau",
+    # line 136 (line 130's `continue`, never reached, is argued below)
+    ("passes/recompute.py", "continue", "break"):
+        _WITNESS + "test_rc_fewest_stages_keeps_the_first_witness_of_a_budget",
+    ("passes/recompute.py", "if cur[k - 1] > cur[k]:",
+     "if cur[k - 1] >= cur[k]:"):
+        _WITNESS + "test_rc_fewest_stages_takes_the_budget_s_own_stage_on_a_tie",
+    # lines 67, 69 and 71 (the `break`s of lines 33 and 60 are argued below)
+    ("passes/exact_stages.py", "break", "continue"):
+        _WITNESS + "test_exact_auto_does_not_recompute_a_stage_that_fits_without (67), "
+        "test_exact_walk_back_takes_the_latest_start (69), "
+        "test_exact_walk_back_takes_the_fewest_replicas (71)",
+}
 
 
 # Arguments for a line whose text repeats in the module with another meaning (a bare `break`),
