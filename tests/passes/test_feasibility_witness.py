@@ -140,3 +140,14 @@ def test_rc_fewest_stages_takes_the_budget_s_own_stage_on_a_tie() -> None:
     one replica (3 s), budget 2 with two (3/2 s); equal reach, so budget 2 keeps its own
     two-replica stage rather than falling back to budget 1's."""
     assert fewest_stages_rc(inst([3.0], 2, "always"), 3.0) == [(0, 2, True)]
+
+
+def test_rc_budget_that_reaches_no_further_keeps_the_cover_below() -> None:
+    """Nodes (P, A) = (1, 0), (0, 2), 4 workers, "always" (F = 0), 1 byte into node 1, cap 3,
+    tau = 10 (time never binds). Recomputing memory (1 + v) P + v (cut + H) + A:
+    stage [0, 1) needs 1 + v, stage [1, 2) needs v + 2, [0, 2) needs 3 + v (over at any v).
+    R(1): [0, 1) at v = 4 needs 5: 0. R(2): one replica (v = 3) needs 4, two (v = 2) 3: 1.
+    R(3) = 1 (from 1 at v = 2 needs 4), reached no further than R(2): its cover is R(2)'s.
+    R(4): [1, 2) at v = 1 needs 3: the end. So stage 0 is budget 2's two-replica stage."""
+    i = inst([1.0, 1.0], 4, "always", P=[1.0, 0.0], A=[0.0, 2.0], cb=[1.0], cap=3.0)
+    assert check_budget_rc(i, 10.0)[0] == [(0, 2, True), (1, 1, True)]
