@@ -58,6 +58,7 @@ PHASES = ("tracing", "costmodel", "passes", "codegen", "runtime")
 _T = "tests/passes/"
 _LITERAL, _BRUTE = _T + "test_cost_model_literal.py", _T + "test_solver_bruteforce.py"
 _RC = _T + "test_recompute.py"  # the recompute model and search (brute force, seeded caps)
+_WITNESS = _T + "test_feasibility_witness.py"  # exact bounds and witnesses of the checks (fast)
 _RUNTIME = ["tests/runtime/test_runtime_stale_oracles.py", "tests/runtime/test_runtime_reference.py",
             "tests/runtime/test_runtime_tied.py", "tests/runtime/test_runtime_staleness.py"]
 _R = "tests/runtime/"
@@ -81,9 +82,9 @@ _PLACED = [_R + "test_placement.py", _R + "test_placed_checks.py", _R + "test_ho
 SUITES: dict[str, list[str]] = {
     "passes/cuts.py": [_T + "test_cuts.py", _LITERAL,
                        _BRUTE + "::test_partition_matches_brute_force"],
-    "passes/exact_stages.py": [_LITERAL, _T + "test_feasibility.py", _BRUTE, _RC],
+    "passes/exact_stages.py": [_WITNESS, _LITERAL, _T + "test_feasibility.py", _BRUTE, _RC],
     "passes/feasibility.py": [_LITERAL, _BRUTE, _T + "test_feasibility.py", _RC],
-    "passes/recompute.py": [_RC, _T + "test_feasibility.py"],
+    "passes/recompute.py": [_WITNESS, _RC, _T + "test_feasibility.py"],
     "passes/solver.py": [_LITERAL, _T + "test_solver.py", _BRUTE, _T + "test_feasibility.py",
                          _RC],
     "passes/partition.py": [_LITERAL, _T + "test_partition.py", _T + "test_partition_update.py",

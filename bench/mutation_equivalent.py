@@ -42,6 +42,30 @@ _OWN_RANK = ("this input is made by the action's own rank (its B for a W, its F 
 _PREFILTER = ("a pruning filter only: a weaker one lets through starts that cannot reach `need`; "
               "reach_many is exact (time and memory), so they reach less than need = best + 1, "
               "and the caller takes a result only if `e > best`")
+_WITNESS_EXISTS = ("x is in E[s][k] and not in E[s][k - 1], so some r <= k, start in E[s-1][k-r] "
+                   "and flag reach x: the same IEEE expressions then accept [a, x), and `found` is "
+                   "a tuple whenever it is read")
+_NO_S = ("backtrack_layers never reads an \"s\" entry: it starts at budget m of the last layer "
+         "(changed there: prev[m] < n <= cur[m]); an \"r\" step goes to budget kp = k - r of the "
+         "layer below, which was in `changed`, i.e. changed in that layer (an \"r\" or \"k\" "
+         "entry; layer 1's step ends the walk at start 0); a \"k\" step to k - 1 of its own layer, "
+         "raised there (cur[k-1] > cur[k] >= prev[k] >= prev[k-1])")
+_K_FIELDS = ("backtrack_layers reads only the kind of a \"k\" entry (it lowers k): its fields "
+             "are unused")
+_NEVER_LOWER = ("never runs: the r pass leaves cur nondecreasing (prev is, by induction over "
+                "layers). An unchanged cur[k-1] = prev[k-1] <= prev[k]; one that a stage (kp, r) set "
+                "(kp + r = k - 1) is matched at budget k by (kp + 1, r), from the same or more starts "
+                "at an in-flight count no larger: in this layer if kp + 1 changed, else in the last "
+                "layer where it did (layer 1 tries every kp; the same prev[kp + 1]), a reach prev[k] "
+                "keeps (a budget already at >= n is skipped, and is >= cur[k-1] anyway)")
+_PREV_BELOW_N = ("never true: prev (the layer before) is nondecreasing and that layer returned "
+                 "when cur[m] >= n, so every prev[kp] < n (reaches are <= n)")
+_NEED = ("_best_reach returns -1 or an end >= need = best + 1 (best >= 0): `e >= best` holds "
+         "exactly when `e > best` does")
+_COLUMN_N = ("column n of cutm is never read: the checks slice ok[r, :x_end + 1] with "
+             "x_end <= n - 1 and la_ok[r, :n] / [:x] with x <= n, cut_values takes [1:n], and "
+             "_LastAllowed answers x >= n before its row, whose prefix maximum at x < n ignores "
+             "index n")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("passes/cuts.py", "if j > last[i]:", "if j >= last[i]:"):
         "when j == last[i] it stores the same j again",
@@ -361,6 +385,101 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("passes/plan.py", "batch_size: int | None = None", "batch_size: int & None = None"): _ANNOTATION,
     ("passes/plan.py", "model_fingerprint: str | None = None",
      "model_fingerprint: str & None = None"): _ANNOTATION,
+    ("passes/exact_stages.py", "while k > 1 and E[s][k - 1][x]:",
+     "while k > 2 and E[s][k - 1][x]:"):
+        ("only s = 1 can stop at k = 2 (E[s][1] is empty for s >= 2: s stages need s workers); its "
+         "start is 0 either way and r = 1, tried first, fits there too (in flight m - 1, not m): "
+         "only its flag can change, True -> False under \"auto\", where the stage fits without it "
+         "at the plan's own count (<= m - 1: the later stages use <= m - 2 workers), so "
+         "solve()'s _solution drops the original's True: the same plan"),
+    ("passes/exact_stages.py", "found = None",
+     'found = ""'):
+        _WITNESS_EXISTS + " (\"\" is falsy like None for `if found`)",
+    ("passes/exact_stages.py", 'assert found is not None, "exact-stage reconstruction lost its witness"',
+     'assert found is not None, "XXexact-stage reconstruction lost its witnessXX"'):
+        "the text of an internal invariant no walk violates: " + _WITNESS_EXISTS,
+    ("passes/exact_stages.py", "x, k = found[0], k - found[1]",
+     "x, k = found[0], k - found[2]"):
+        ("k drops by the flag (0 or 1) instead of r >= 1, so no further: the next step's while "
+         "loop still lowers it to the least budget covering the new x (E grows with k), which "
+         "is <= k - r since the start came from E[s-1][k-r]; after the last step k is not read"),
+    ("passes/recompute.py", "Flagged = list[tuple[int, int, bool]]  # (start, replicas, recompute) per stage",
+     "Flagged = None  # (start, replicas, recompute) per stage"):
+        _ALIAS,
+    ("passes/recompute.py", "R = [0] * (m + 1)",
+     "R = [0] * (m + 2)"):
+        _UNREAD + " (R is read at budgets <= m)",
+    ("passes/recompute.py", "ch: list[tuple[int, int, bool] | None] = [None] * (m + 1)",
+     "ch: list[tuple[int, int, bool] & None] = [None] * (m + 1)"):
+        "a local variable's annotation: never evaluated",
+    ("passes/recompute.py", "ch: list[tuple[int, int, bool] | None] = [None] * (m + 1)",
+     "ch: list[tuple[int, int, bool] | None] = [None] * (m + 2)"):
+        _UNREAD + " (_rebuild reads budgets <= m)",
+    ("passes/recompute.py", "starts = _starts(ok, r, min(R[k - r], n - 1))",
+     "starts = _starts(ok, r, min(R[k - r], n + 1))"):
+        ("R[k - r] < n here (the loop returns as soon as some R(k) >= n): the min is R[k - r] "
+         "either way"),
+    ("passes/recompute.py", "if e > best:",
+     "if e >= best:"):
+        _NEED,
+    ("passes/recompute.py", "prev = [0] * (m + 1)",
+     "prev = [0] * (m + 2)"):
+        _UNREAD + " (budgets kp in `changed` and kp + r are <= m)",
+    ("passes/recompute.py", 'cch: list[tuple[str, int, int, bool]] = [("s", 0, 0, False)] * (m + 1)',
+     'cch: list[tuple[str, int, int, bool]] = [("XXsXX", 0, 0, False)] * (m + 1)'):
+        _NO_S,
+    ("passes/recompute.py", 'cch: list[tuple[str, int, int, bool]] = [("s", 0, 0, False)] * (m + 1)',
+     'cch: list[tuple[str, int, int, bool]] = [("s", 1, 0, False)] * (m + 1)'):
+        _NO_S,
+    ("passes/recompute.py", 'cch: list[tuple[str, int, int, bool]] = [("s", 0, 0, False)] * (m + 1)',
+     'cch: list[tuple[str, int, int, bool]] = [("s", 0, 1, False)] * (m + 1)'):
+        _NO_S,
+    ("passes/recompute.py", 'cch: list[tuple[str, int, int, bool]] = [("s", 0, 0, False)] * (m + 1)',
+     'cch: list[tuple[str, int, int, bool]] = [("s", 0, 0, True)] * (m + 1)'):
+        _NO_S,
+    ("passes/recompute.py", 'cch: list[tuple[str, int, int, bool]] = [("s", 0, 0, False)] * (m + 1)',
+     'cch: list[tuple[str, int, int, bool]] = [("s", 0, 0, False)] * (m + 2)'):
+        _UNREAD + " (backtrack_layers reads budgets <= m)",
+    ("passes/recompute.py", "if prev[kp] >= n:",
+     "if prev[kp] > n:"):
+        _PREV_BELOW_N,
+    ("passes/recompute.py", "starts = _starts(ok, r, min(prev[kp], n - 1))",
+     "starts = _starts(ok, r, min(prev[kp], n + 1))"):
+        "prev[kp] < n here (the line above skips prev[kp] >= n): the min is prev[kp] either way",
+    ("passes/recompute.py", "if e > cur[k]:",
+     "if e >= cur[k]:"):
+        ("_best_reach returns -1 or an end >= need = cur[k] + 1 (cur[k] >= 0): `e >= cur[k]` "
+         "holds exactly when `e > cur[k]` does"),
+    ("passes/recompute.py", 'cur[k], cch[k] = e, ("r", r, a, x)',
+     'cur[k], cch[k] = e, ("XXrXX", r, a, x)'):
+        "backtrack_layers tells entries apart only by \"k\" and \"s\": any other kind is a stage",
+    ("passes/recompute.py", 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0, False)',
+     'cur[k], cch[k] = cur[k + 1], ("k", 0, 0, False)'):
+        _NEVER_LOWER,
+    ("passes/recompute.py", 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0, False)',
+     'cur[k], cch[k] = cur[k - 2], ("k", 0, 0, False)'):
+        _NEVER_LOWER,
+    ("passes/recompute.py", 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0, False)',
+     'cur[k], cch[k] = cur[k - 1], ("XXkXX", 0, 0, False)'):
+        _NEVER_LOWER,
+    ("passes/recompute.py", 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0, False)',
+     "cur[k], cch[k] = None"):
+        _NEVER_LOWER,
+    ("passes/recompute.py", 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0, False)',
+     'cur[k], cch[k] = cur[k - 1], ("k", 1, 0, False)'):
+        _K_FIELDS,
+    ("passes/recompute.py", 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0, False)',
+     'cur[k], cch[k] = cur[k - 1], ("k", 0, 1, False)'):
+        _K_FIELDS,
+    ("passes/recompute.py", 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0, False)',
+     'cur[k], cch[k] = cur[k - 1], ("k", 0, 0, True)'):
+        _K_FIELDS,
+    ("passes/feasibility.py", "self.cutm[:, n] = 0.0",
+     "self.cutm[:, n] = 1.0"):
+        _COLUMN_N,
+    ("passes/feasibility.py", "self.cutm[:, n] = 0.0",
+     "self.cutm[:, n] = None"):
+        _COLUMN_N,
 }
 
 
@@ -369,6 +488,8 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
 # The table's numbers stay those of the saved run; rerun with --reuse to fold these in.
 _CHECKS, _TIMING, _GREEDY = (f"tests/runtime/test_placed_{f}.py::"
                              for f in ("checks", "timing", "greedy"))
+_WITNESS = "tests/passes/test_feasibility_witness.py::"
+_STARTS = "for a in np.flatnonzero(E[s - 1][k - r][:x] & la_ok[r, :x]).tolist()"
 KILLED_SINCE: dict[tuple[str, str, str], str] = {
     ('runtime/placement.py',
      'bad = next(len(mbs) for mbs in batches if len(mbs) % P)',
@@ -558,6 +679,44 @@ KILLED_SINCE: dict[tuple[str, str, str], str] = {
      'pushes += 1',
      'pushes -= 1'):
         _GREEDY + 'test_zb_v_with_slow_f_and_w_and_a_slow_cut_by_hand',
+    ("passes/exact_stages.py", "np.add.at(diff, e[keep] + 1, -1)",
+     "np.add.at(diff, e[keep] + 1, -2)"):
+        _WITNESS + "test_exact_two_starts_with_different_reaches",
+    ("passes/exact_stages.py", "while k > 1 and E[s][k - 1][x]:",
+     "while k > 1 and E[s][k - 2][x]:"):
+        _WITNESS + "test_exact_walk_back_uses_the_least_budget",
+    ("passes/exact_stages.py", _STARTS + "[::-1]:", _STARTS + "[::+1]:"):
+        _WITNESS + "test_exact_walk_back_takes_the_latest_start",
+    ("passes/exact_stages.py", _STARTS + "[::-1]:", _STARTS + "[::-2]:"):
+        _WITNESS + "test_exact_walk_back_tries_every_start_when_memory_is_not_monotone",
+    ("passes/exact_stages.py", "or inst.mem(v, a, x, f) <= inst.cap):",
+     "or inst.mem(v, a, x, f) < inst.cap):"):
+        _WITNESS + "test_exact_memory_equal_to_the_cap_fits",
+    ("passes/recompute.py", "ok = inst.time_many(r, starts, ends, x) <= tau",
+     "ok = inst.time_many(r, starts, ends, x) < tau"):
+        _WITNESS + "test_rc_time_equal_to_tau_fits",
+    ("passes/recompute.py", "if int(e[i]) > best:",
+     "if int(e[i]) >= best:"):
+        _WITNESS + "test_rc_auto_prefers_no_recomputation_when_it_reaches_as_far",
+    ("passes/recompute.py", "t = t[inst.mem_many(v, starts, ends, x) <= inst.cap]",
+     "t = t[inst.mem_many(v, starts, ends, x) < inst.cap]"):
+        _WITNESS + "test_rc_skip_counts_a_stage_whose_memory_equals_the_cap",
+    ("passes/recompute.py", "ok = inst.cutm <= min(tau, _BIG)",
+     "ok = inst.cutm < min(tau, _BIG)"):
+        _WITNESS + "test_rc_fewest_stages_allows_a_cut_whose_cost_equals_tau",
+    ("passes/recompute.py", "best, bc = R[k - 1], None", "best, bc = R[k - 2], None"):
+        _WITNESS + "test_rc_budget_that_reaches_no_further_keeps_the_cover_below",
+    # line 136 (line 130's `continue`, never reached, is argued below)
+    ("passes/recompute.py", "continue", "break"):
+        _WITNESS + "test_rc_fewest_stages_keeps_the_first_witness_of_a_budget",
+    ("passes/recompute.py", "if cur[k - 1] > cur[k]:",
+     "if cur[k - 1] >= cur[k]:"):
+        _WITNESS + "test_rc_fewest_stages_takes_the_budget_s_own_stage_on_a_tie",
+    # lines 67, 69 and 71 (the `break`s of lines 33 and 60 are argued below)
+    ("passes/exact_stages.py", "break", "continue"):
+        _WITNESS + "test_exact_auto_does_not_recompute_a_stage_that_fits_without (67), "
+        "test_exact_walk_back_takes_the_latest_start (69), "
+        "test_exact_walk_back_takes_the_fewest_replicas (71)",
 }
 
 
@@ -569,4 +728,16 @@ _ASCENDING = "inst.rs is ascending: once r > k every later r is too, and `contin
 EQUIVALENT_AT: dict[tuple[str, int, str, str], str] = {
     ("passes/exact_stages.py", 33, "break", "continue"): _ASCENDING,
     ("passes/exact_stages.py", 60, "break", "continue"): _ASCENDING,
+    ("passes/recompute.py", 82, "break", "continue"): _ASCENDING,
+    ("passes/recompute.py", 94, "break", "continue"): _ASCENDING,
+    ("passes/recompute.py", 134, "break", "continue"):
+        "inst.rs is ascending: once kp + r > m every later r's budget is too, and `continue` "
+        "skips them all",
+    ("passes/recompute.py", 130, "continue", "break"):
+        "unreachable: the `if` above is " + _PREV_BELOW_N,
+    # line 78 has the same text in check_budget_rc
+    ("passes/recompute.py", 141, "for k in range(1, m + 1):", "for k in range(2, m + 1):"):
+        "cur[0] is 0 in every layer (only budgets kp + r >= 1 are set): k = 1 never takes cur[0]",
+    ("passes/recompute.py", 141, "for k in range(1, m + 1):", "for k in range(1, m - 1):"):
+        "the body it would skip " + _NEVER_LOWER,
 }
