@@ -14,7 +14,9 @@
   with S microbatches per update; mitigations at pipedream's cost, their element-wise extra
   work not modelled; LocalSGD by formula, see :func:`localsgd_period`).
 * **auto**: fxpipe.runtime.auto's own decision rule applied per seed to the first
-  ``--pilot`` updates of every candidate's training losses, with the same simulated periods.
+  ``--pilot`` updates of every candidate's training losses, with the same simulated periods;
+  then again on held-out seeds (``--heldout``, default 3, 4, 5: auto's candidates run with
+  ``bench.ablation.run --first-seed 3``), scored against targets the held-out runs did not set.
 """
 from __future__ import annotations
 
@@ -41,14 +43,16 @@ AUTO_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream") 
 SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # flush's updates exactly: its statistics
 
 
-def load(path: str) -> dict[tuple[str, int, str, str], list[dict[str, Any]]]:
-    """(task, S, variant, opt) -> records (one per seed), with gpipe = flush's statistics and
-    flush/2bw at S > 2 falling back to S = 2 where not run (marked ``fallback``)."""
+def load(path: str, seeds: set[int] | None = None
+         ) -> dict[tuple[str, int, str, str], list[dict[str, Any]]]:
+    """(task, S, variant, opt) -> records (one per seed, only ``seeds`` if given), with gpipe =
+    flush's statistics and flush/2bw at S > 2 falling back to S = 2 where not run (marked
+    ``fallback``)."""
     runs: dict[tuple[str, int, str, str], dict[int, dict[str, Any]]] = defaultdict(dict)
     for line in Path(path).read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            if "error" not in r:
+            if "error" not in r and (seeds is None or r["seed"] in seeds):
                 runs[(r["task"], r["S"], r["variant"], r["opt"])][r["seed"]] = r
     out: dict[tuple[str, int, str, str], list[dict[str, Any]]] = {}
     tasks = {k[0] for k in runs}
@@ -212,6 +216,44 @@ def auto_picks(data: dict, t: str, S: int, o: str, per: dict[str, float], pilot:
     return picks
 
 
+def auto_table(data: dict, stats: dict, tasks: list[str], opts: list[str],
+               per: dict[tuple[str, int], dict[str, float]], pilot: int
+               ) -> tuple[list[str], list[int]]:
+    """The auto table's rows (each seed's pick, its predicted time to target against the better
+    of pipedream and flush over the same seeds) and [rows within the spread, rows]."""
+    lines: list[str] = []
+    lines.append("| task | S | optimizer | picks (seeds) | picks reaching the target | auto ms "
+                 "| better of pipedream/flush ms | within spread |")
+    lines.append("|---|---:|---|---|---:|---:|---:|---|")
+    auto_ok = [0, 0]
+    for t in tasks:
+        for S in (2, 4, 8):
+            for o in opts:
+                if (t, S, "1f1b-flush", o) not in stats or (t, S, "pipedream", o) not in data:
+                    continue  # auto's rival was not run here: nothing to compare
+                picks = auto_picks(data, t, S, o, per[(t, S)], pilot)
+                times = []
+                for i, v in enumerate(picks):
+                    st = stats.get((t, S, v, o)) if v else None
+                    u = st["per_seed"][i] if st and i < len(st["per_seed"]) else None
+                    times.append(math.inf if u is None else u * per[(t, S)][v] * 1e3)
+                am = statistics.fmean(times) if times else math.nan
+                asd = statistics.stdev(times) if len(times) > 1 and all(map(math.isfinite, times)) else 0
+                two = [stats[(t, S, v, o)] for v in ("pipedream", "1f1b-flush")
+                       if (t, S, v, o) in stats and stats[(t, S, v, o)]["reached"] ==
+                       stats[(t, S, v, o)]["seeds"]]
+                bt = min(two, key=lambda s: s["time_ms"][0]) if two else None
+                ok = bt is not None and am <= bt["time_ms"][0] + bt["time_ms"][1]
+                auto_ok[0] += ok
+                auto_ok[1] += 1
+                hit = sum(map(math.isfinite, times))
+                lines.append(f"| {t} | {S} | {o} | {', '.join(p or '?' for p in picks)} | "
+                             f"{hit}/{len(times)} | {fmt(am, asd)} | {fmt(*bt['time_ms']) if bt else '-'} | "
+                             f"{'yes' if ok else 'no'} |")
+    lines.append("")
+    return lines, auto_ok
+
+
 # ----------------------------------------------------------------------------- output
 
 def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Path,
@@ -267,7 +309,8 @@ def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Pat
     plt.close(fig)
 
 
-def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, dict]:
+def markdown(data: dict, results: str, pilot: int, fig_rel: str,
+             held: dict | None = None) -> tuple[str, dict]:
     from fxpipe.runtime.staleness import format_table, staleness_table
 
     from .tasks import make_task
@@ -276,11 +319,12 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
     opts = [o for o in ("sgd0", "sgd0.5", "sgd0.9", "adamw") if any(k[3] == o for k in data)]
     tgt = targets(data, tasks, opts)
     per = {(t, S): periods(t, S)[0] for t in tasks for S in (2, 4, 8)}
-    stats: dict[tuple[str, int, str, str], dict[str, Any]] = {}
-    for (t, S, v, o), recs in data.items():
-        if (t, o) in tgt:
-            stats[(t, S, v, o)] = row_stats(recs, tgt[(t, o)], make_task(t).higher_is_better,
-                                            per[(t, S)][v])
+    def all_stats(runs: dict) -> dict[tuple[str, int, str, str], dict[str, Any]]:
+        return {(t, S, v, o): row_stats(recs, tgt[(t, o)], make_task(t).higher_is_better,
+                                        per[(t, S)][v])
+                for (t, S, v, o), recs in runs.items() if (t, o) in tgt}
+
+    stats = all_stats(data)
     lines: list[str] = []
     lines.append("**Staleness** (`fxpipe.runtime.staleness`, also in `plan.summary()`): own "
                  "updates / global block updates, steady state, straight S = 4 pipeline:")
@@ -335,38 +379,23 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str) -> tuple[str, d
                  "flush (mean ± sd over seeds; 'within spread': auto's mean <= the better one's "
                  "mean + its sd).")
     lines.append("")
-    lines.append("| task | S | optimizer | picks (seeds) | picks reaching the target | auto ms "
-                 "| better of pipedream/flush ms | within spread |")
-    lines.append("|---|---:|---|---|---:|---:|---:|---|")
-    auto_ok = [0, 0]
-    for t in tasks:
-        for S in (2, 4, 8):
-            for o in opts:
-                if (t, S, "1f1b-flush", o) not in stats or (t, S, "pipedream", o) not in data:
-                    continue  # auto's rival was not run here: nothing to compare
-                picks = auto_picks(data, t, S, o, per[(t, S)], pilot)
-                times = []
-                for i, v in enumerate(picks):
-                    st = stats.get((t, S, v, o)) if v else None
-                    u = st["per_seed"][i] if st and i < len(st["per_seed"]) else None
-                    times.append(math.inf if u is None else u * per[(t, S)][v] * 1e3)
-                am = statistics.fmean(times) if times else math.nan
-                asd = statistics.stdev(times) if len(times) > 1 and all(map(math.isfinite, times)) else 0
-                two = [stats[(t, S, v, o)] for v in ("pipedream", "1f1b-flush")
-                       if (t, S, v, o) in stats and stats[(t, S, v, o)]["reached"] ==
-                       stats[(t, S, v, o)]["seeds"]]
-                bt = min(two, key=lambda s: s["time_ms"][0]) if two else None
-                ok = bt is not None and am <= bt["time_ms"][0] + bt["time_ms"][1]
-                auto_ok[0] += ok
-                auto_ok[1] += 1
-                hit = sum(map(math.isfinite, times))
-                lines.append(f"| {t} | {S} | {o} | {', '.join(p or '?' for p in picks)} | "
-                             f"{hit}/{len(times)} | {fmt(am, asd)} | {fmt(*bt['time_ms']) if bt else '-'} | "
-                             f"{'yes' if ok else 'no'} |")
-    lines.append("")
+    table, auto_ok = auto_table(data, stats, tasks, opts, per, pilot)
+    lines += table
     lines.append(f"auto within the seed spread of the better of pipedream and flush: "
                  f"**{auto_ok[0]} of {auto_ok[1]}** rows.")
     lines.append("")
+    if held:
+        hs = sorted({r["seed"] for v in held.values() for r in v})
+        lines.append(f"**auto on held-out seeds** ({', '.join(map(str, hs))}: auto's candidates "
+                     "only, run after the rule was fixed; targets from the seeds above, so "
+                     "these runs do not move them): the same replay, against the better of "
+                     "pipedream and flush over the same held-out seeds.")
+        lines.append("")
+        table, held_ok = auto_table(held, all_stats(held), tasks, opts, per, pilot)
+        lines += table
+        lines.append(f"auto within the seed spread on held-out seeds: **{held_ok[0]} of "
+                     f"{held_ok[1]}** rows.")
+        lines.append("")
     lines.append(f"![updates to target relative to flush]({fig_rel})")
     lines.append("")
     lines.append(f"![predicted time to target relative to flush]"
@@ -429,9 +458,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="a bench.ablation.run command line that filled --results (repeatable; "
                         "default: the plain sweep)")
     p.add_argument("--date", default=None, help="when the sweep ran (default: today, UTC)")
+    p.add_argument("--seeds", default="0,1,2",
+                   help="the seeds of every table but the held-out one (comma-separated)")
+    p.add_argument("--heldout", default="3,4,5",
+                   help="seeds for the held-out auto table ('' for none; absent ones are skipped)")
     a = p.parse_args(argv)
-    data = load(a.results)
-    body, extra = markdown(data, a.results, a.pilot, "docs/figures/statistical-efficiency.png")
+    data = load(a.results, {int(x) for x in a.seeds.split(",")})
+    held = load(a.results, {int(x) for x in a.heldout.split(",") if x}) if a.heldout else None
+    body, extra = markdown(data, a.results, a.pilot, "docs/figures/statistical-efficiency.png",
+                           held)
     tasks = sorted({k[0] for k in data})
     opts = [o for o in ("sgd0", "sgd0.5", "sgd0.9", "adamw") if any(k[3] == o for k in data)]
     figure(data, extra["stats"], tasks, opts, Path(a.figure))
