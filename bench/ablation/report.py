@@ -463,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout", default="3,4,5",
                    help="seeds for the held-out auto table ('' for none; absent ones are skipped)")
     a = p.parse_args(argv)
+    shown = (str(Path(a.results).resolve().relative_to(ROOT))
+             if Path(a.results).resolve().is_relative_to(ROOT) else a.results)
     data = load(a.results, {int(x) for x in a.seeds.split(",")})
     held = load(a.results, {int(x) for x in a.heldout.split(",") if x}) if a.heldout else None
     body, extra = markdown(data, a.results, a.pilot, "docs/figures/statistical-efficiency.png",
@@ -480,17 +482,17 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = a.sweep or [".venv/bin/python -m bench.ablation.run"]
     date = a.date or datetime.now(timezone.utc).strftime("%Y-%m-%d")
     head = (f"### Statistical efficiency: schedules, mitigations and auto\n\n"
-            f"Measured {date}. Commands (the sweep, {a.minutes} on the shared 2-core machine, "
-            f"2 workers under `nice`; a configuration already in the results file is skipped, so "
+            f"Measured {date}. Commands (the sweep, {a.minutes}; a configuration already in the "
+            f"results file is skipped, so "
             f"each command adds seeds to the cells it names): "
             + "; ".join(f"`{c}`" for c in sweeps)
-            + f"; then `.venv/bin/python -m bench.ablation.report --results {a.results}`. "
+            + f"; then `.venv/bin/python -m bench.ablation.report --results {shown}`. "
             f"{runs} training runs on fxpipe's reference executor, seeds "
             f"{', '.join(map(str, seeds))}; of the {len(trained)} trained cells (task, S, "
             f"variant, optimizer), "
             + ", ".join(f"{n} have {k} seed{'s' if k > 1 else ''}"
                         for k, n in sorted(by_seeds.items(), reverse=True))
-            + f". Results in `{a.results}`. Setup: bench/ablation/tasks.py, train.py and the "
+            + f". Results in `{shown}`. Setup: bench/ablation/tasks.py, train.py and the "
             f"report's module doc (targets, predicted time). SGD's lr is scaled by (1 - momentum) "
             f"so every momentum has the same effective step; AdamW has weight decay 0.01. "
             f"A statistic over fewer than 3 seeds (the `(k/n)` counts say how many) is no "
