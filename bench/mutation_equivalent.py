@@ -717,6 +717,87 @@ KILLED_SINCE: dict[tuple[str, str, str], str] = {
         _WITNESS + "test_exact_auto_does_not_recompute_a_stage_that_fits_without (67), "
         "test_exact_walk_back_takes_the_latest_start (69), "
         "test_exact_walk_back_takes_the_fewest_replicas (71)",
+    # passes/feasibility.py, line numbers of the saved run (before _Inst.fits was dropped)
+    # line 113
+    ('passes/feasibility.py',
+     'return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0',
+     'return self.cbl[p] * self.gamma[r] if 0 <= p < self.n else 0.0'):
+        _WITNESS + 'test_cut_costs_nothing_at_the_first_start_and_at_the_end',
+    # line 113
+    ('passes/feasibility.py',
+     'return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0',
+     'return self.cbl[p] * self.gamma[r] if 0 < p <= self.n else 0.0'):
+        _WITNESS + 'test_cut_costs_nothing_at_the_first_start_and_at_the_end',
+    # line 113
+    ('passes/feasibility.py',
+     'return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0',
+     'return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 1.0'):
+        _WITNESS + 'test_cut_costs_nothing_at_the_first_start_and_at_the_end',
+    # line 117
+    ('passes/feasibility.py',
+     'lo: int = -1) -> int:',
+     'lo: int = +1) -> int:'):
+        _WITNESS + 'test_search_without_a_hint_starts_at_a',
+    # line 154
+    ('passes/feasibility.py',
+     'em = self._search(mk, self.cap, a, lambda e: self.mem(v, a, e) <= self.cap,  # type: ignore[operator]',
+     'em = self._search(mk, self.cap, a, lambda e: self.mem(v, a, e) < self.cap,  # type: ignore[operator]'):
+        _WITNESS + 'test_reach_memory_equal_to_the_cap_fits',
+    # line 158
+    ('passes/feasibility.py',
+     'def time_many(self, r: int, a: np.ndarray, e: np.ndarray, x: bool = False) -> np.ndarray:',
+     'def time_many(self, r: int, a: np.ndarray, e: np.ndarray, x: bool = True) -> np.ndarray:'):
+        _WITNESS + 'test_time_many_defaults_to_no_recomputation',
+    # line 200
+    ('passes/feasibility.py',
+     'def evaluate(self, starts: Sequence[int], replicas: Sequence[int], checks: int = 0,',
+     'def evaluate(self, starts: Sequence[int], replicas: Sequence[int], checks: int = 1,'):
+        _WITNESS + 'test_evaluate_defaults_to_the_mode_s_only_flag',
+    # line 206
+    ('passes/feasibility.py',
+     'else (self.flags[-1] if len(self.flags) == 1 else False,) * len(replicas))',
+     'else (self.flags[-1] if len(self.flags) != 1 else False,) * len(replicas))'):
+        _WITNESS + 'test_evaluate_defaults_to_the_mode_s_only_flag',
+    # line 206
+    ('passes/feasibility.py',
+     'else (self.flags[-1] if len(self.flags) == 1 else False,) * len(replicas))',
+     'else (self.flags[-1] if len(self.flags) == 2 else False,) * len(replicas))'):
+        _WITNESS + 'test_evaluate_defaults_to_the_mode_s_only_flag',
+    # line 206
+    ('passes/feasibility.py',
+     'else (self.flags[-1] if len(self.flags) == 1 else False,) * len(replicas))',
+     'else (self.flags[-1] if len(self.flags) == 1 else True,) * len(replicas))'):
+        _WITNESS + 'test_evaluate_defaults_to_the_mode_s_only_flag',
+    # line 247
+    ('passes/feasibility.py',
+     'if x >= inst.n or x <= 0:',
+     'if x > inst.n or x <= 0:'):
+        _WITNESS + 'test_cut_costs_nothing_at_the_first_start_and_at_the_end',
+    # line 293
+    ('passes/feasibility.py',
+     'best, bc = R[k - 1], None',
+     'best, bc = R[k - 2], None'):
+        _WITNESS + 'test_budget_that_reaches_no_further_keeps_the_cover_below',
+    # line 318
+    ('passes/feasibility.py',
+     'if t < nxt and (cap is None or inst.mem(_v(m, k, r), a, best + 1) <= cap):',
+     'if t < nxt and (cap is None or inst.mem(_v(m, k, r), a, best + 1) < cap):'):
+        _WITNESS + 'test_budget_skip_counts_a_stage_whose_memory_equals_the_cap',
+    # line 331 (line 400, backtrack_layers, has the same text and its own entry)
+    ('passes/feasibility.py',
+     'if a < x:',
+     'if a <= x:'):
+        _WITNESS + 'test_budget_walk_back_skips_a_stage_where_the_next_one_starts',
+    # line 366
+    ('passes/feasibility.py',
+     'if inst.cap is not None and inst.mem(v, a, best + 1) > inst.cap:',
+     'if inst.cap is not None and inst.mem(v, a, best + 1) >= inst.cap:'):
+        _WITNESS + 'test_memory_equal_to_the_cap_fits_in_both_checks',
+    # line 373
+    ('passes/feasibility.py',
+     'if cur[k - 1] > cur[k]:',
+     'if cur[k - 1] >= cur[k]:'):
+        _WITNESS + 'test_fewest_stages_takes_the_budget_s_own_stage_on_a_tie',
 }
 
 
