@@ -251,3 +251,13 @@ def test_fewest_stages_takes_the_budget_s_own_stage_on_a_tie() -> None:
     budget 2 with two (3/2 s); equal reach, so budget 2 keeps its own two-replica stage
     rather than falling back to budget 1's."""
     assert fewest_stages(inst([3.0], 2), 3.0) == [(0, 2)]
+
+
+def test_fewest_stages_keeps_a_small_budget_s_reach() -> None:
+    """Straight on 2 workers, C = 1 and A = 1 per node (3 nodes), P = 0, cap 2, tau = 10
+    (time never binds): [a, e) holds v (e - a) bytes. One stage: budget 1 (v = 2) reaches 1,
+    budget 2 (v = 1) reaches 2, not 3. Two stages: after [0, 1) at budget 1, [1, 3) at v = 1
+    holds 2 B: the end, so [0, 1) | [1, 3); budget 1's reach must survive budget 2's larger
+    one."""
+    i = inst([1.0] * 3, 2, A=[1.0] * 3, cap=2.0, straight=True)
+    assert fewest_stages(i, 10.0) == [(0, 1), (1, 1)]
