@@ -83,7 +83,7 @@ SUITES: dict[str, list[str]] = {
     "passes/cuts.py": [_T + "test_cuts.py", _LITERAL,
                        _BRUTE + "::test_partition_matches_brute_force"],
     "passes/exact_stages.py": [_WITNESS, _LITERAL, _T + "test_feasibility.py", _BRUTE, _RC],
-    "passes/feasibility.py": [_LITERAL, _BRUTE, _T + "test_feasibility.py", _RC],
+    "passes/feasibility.py": [_WITNESS, _LITERAL, _BRUTE, _T + "test_feasibility.py", _RC],
     "passes/recompute.py": [_WITNESS, _RC, _T + "test_feasibility.py"],
     "passes/solver.py": [_LITERAL, _T + "test_solver.py", _BRUTE, _T + "test_feasibility.py",
                          _RC],

@@ -66,6 +66,62 @@ _COLUMN_N = ("column n of cutm is never read: the checks slice ok[r, :x_end + 1]
              "x_end <= n - 1 and la_ok[r, :n] / [:x] with x <= n, cut_values takes [1:n], and "
              "_LastAllowed answers x >= n before its row, whose prefix maximum at x < n ignores "
              "index n")
+# passes/feasibility.py (its line numbers below are the saved run's; _Inst.fits was dropped since)
+_F = "passes/feasibility.py"
+_GUESS = ("search path only: _search's answer is fixed by its exact predicate f (monotone; true at "
+          "start = max(a, lo): f(a) is an empty stage, 0 s <= tau and 0 B <= cap, and a hint lo "
+          "passes both, checked by the caller), so another first guess (any key or lim: the guess "
+          "is clamped into [start, n]), step count or switch to bisection changes only which e "
+          "are probed, not the last e with f(e) (checked on 40000 random keys, hints and "
+          "boundaries, unsorted, inf and NaN keys included)")
+_MID = ("(lo + hi + 2) // 2 lies in (lo, hi] whenever lo < hi, so the bisection still keeps f(lo) "
+        "true and f(hi + 1) false and ends on the same last e with f(e)")
+_START_TRUE = ("f(start) is true for every caller (f(a) is an empty stage, 0 s <= tau and 0 B <= "
+               "cap; a hint lo passes both, checked by the caller), so the walk down stops at "
+               "start either way")
+_LO_DEFAULT = "start = max(a, lo) with a >= 0: a default of -2 gives start = a, as -1 does"
+_CACHE = ("a cache only: the key is recomputed from the same expression (the same IEEE values) "
+          "at each call")
+_MEM_AT_CAP = ("a stage whose memory at et equals the cap goes to the memory search instead, whose "
+               "predicate holds at et and below, so em >= et and min(et, em) = et: (et, et) again")
+_X0 = ("at x = 0 the scan returns (0, INF) at its first step (p <= 0) and a cached row gives "
+       "row[0] = 0 with a == x: (0, INF), as the early return does")
+_LA_PATH = ("which path answers (the 16-step scan or the whole row) only: both give the last "
+            "p <= x with cut cost <= t (the same IEEE products cbl[p] * g and cutm[r, p]; p = 0 "
+            "is returned at once, cutm[:, 0] = 0); their rejected minima differ only where a cost "
+            "is NaN (0 * inf): with gamma_r = 0 every finite cut costs 0 and is allowed, so all "
+            "rejected costs are NaN, with gamma_r = inf all are inf or NaN, and the one reader, "
+            "check_budget's `rejected < nxt`, ignores inf and NaN alike")
+_P0 = ("at p = 0 the cost is cbl[0] * g = 0 * g: 0 <= t (tau >= 0) returns (0, rejected) as "
+       "before; if NaN (g = inf) it is neither allowed nor below `rejected`, and p = -1 then "
+       "returns (0, rejected)")
+_TIE = "a tie stores the value the variable already holds"
+_HINT = ("a search hint only: reach's start becomes max(a, best - 1), where both predicates hold "
+         "(they hold at best + 1, checked just above, and are monotone): " + _GUESS)
+_NEED_REACH = ("reach's hint best + 1 passes both predicates (checked just above), so it returns "
+               "an end >= best + 1: `e >= best` holds exactly when `e > best` does")
+_KP_ASCENDING = ("inst.rs is ascending: once kp + r > m every later r's budget is too, and "
+                 "`continue` skips them all")
+_ANY_KIND = ("backtrack_layers tells entries apart only by \"k\" and \"s\": any other kind is "
+             "a stage")
+_NEVER_LOWER_FS = ("never runs: the r pass leaves cur nondecreasing (prev is, by induction over "
+                   "layers). An unchanged cur[k-1] = prev[k-1] <= prev[k]; one that a stage "
+                   "(kp, r) set (kp + r = k - 1) is matched at budget k by (kp + 1, r), which "
+                   "starts no earlier (la(r, x) grows with x, prev[kp + 1] >= prev[kp]) at an "
+                   "in-flight count no larger, so reaches as far: in this layer if kp + 1 changed, "
+                   "else in the last layer where it did (layer 1 tries every kp; the same "
+                   "prev[kp + 1]), a reach prev[k] keeps (a budget already at >= n is skipped, "
+                   "and is >= cur[k-1] anyway)")
+_NO_K = ("no \"k\" entry ever exists: the budget pass that writes them never runs in either "
+         "caller (fewest_stages: " + _NEVER_LOWER_FS + "; fewest_stages_rc likewise, argued "
+         "for recompute.py)")
+_SKIP_NONE = ("a visited stage entry (a, r) never starts at x, the next stage's start (x <= e, "
+              "this entry's reach): if x == a, then a <= R_{s-2}(k - r) <= R_{s-2}(k) < e (the "
+              "entry raised budget k), so the next stage (start x on r' replicas, budget k + r', "
+              "the same in-flight count) is also tried one layer lower from budget k "
+              "(fewest_stages: la(r', R_{s-2}(k)) = x, as no start in (x, e] is allowed for r'; "
+              "fewest_stages_rc tries every allowed start <= R_{s-2}(k)) and reaches n there: "
+              "the check would have returned a layer earlier")
 EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("passes/cuts.py", "if j > last[i]:", "if j >= last[i]:"):
         "when j == last[i] it stores the same j again",
@@ -480,6 +536,209 @@ EQUIVALENT: dict[tuple[str, str, str], str] = {
     ("passes/feasibility.py", "self.cutm[:, n] = 0.0",
      "self.cutm[:, n] = None"):
         _COLUMN_N,
+    # line 117
+    (_F, 'lo: int = -1) -> int:',
+     'lo: int = -2) -> int:'):
+        _LO_DEFAULT,
+    # line 124
+    (_F, 'e = bisect_right(key, key[a] + lim, start) - 1',
+     'e = bisect_right(key, key[a] - lim, start) - 1'):
+        _GUESS,
+    # line 124
+    (_F, 'e = bisect_right(key, key[a] + lim, start) - 1',
+     'e = bisect_right(key, key[a] + lim, start) + 1'):
+        _GUESS,
+    # line 124
+    (_F, 'e = bisect_right(key, key[a] + lim, start) - 1',
+     'e = bisect_right(key, key[a] + lim, start) - 2'):
+        _GUESS,
+    # line 126
+    (_F, 'steps = 0',
+     'steps = 1'):
+        _GUESS,
+    # line 129
+    (_F, 'steps += 1',
+     'steps = 1'):
+        _GUESS,
+    # line 129
+    (_F, 'steps += 1',
+     'steps -= 1'):
+        _GUESS,
+    # line 129
+    (_F, 'steps += 1',
+     'steps += 2'):
+        _GUESS,
+    # line 130
+    (_F, 'if steps > 8:  # long flat run at the boundary: exact binary search instead',
+     'if steps >= 8:  # long flat run at the boundary: exact binary search instead'):
+        _GUESS,
+    # line 130
+    (_F, 'if steps > 8:  # long flat run at the boundary: exact binary search instead',
+     'if steps > 9:  # long flat run at the boundary: exact binary search instead'):
+        _GUESS,
+    # line 136
+    (_F, 'while e > start and not f(e):',
+     'while e >= start and not f(e):'):
+        _START_TRUE,
+    # line 140
+    (_F, 'def reach(self, r: int, v: int, a: int, tau: float, lo: int = -1) -> tuple[int, int]:',
+     'def reach(self, r: int, v: int, a: int, tau: float, lo: int = -2) -> tuple[int, int]:'):
+        _LO_DEFAULT,
+    # line 143
+    (_F, 'tk = self._tkey.get(r)',
+     'tk = None'):
+        _CACHE,
+    # line 145: a search key
+    **{(_F, 'tk = self._tkey[r] = (self.alpha[r] * self.Cc + self.beta[r] * self.Pc).tolist()',
+       'tk = self._tkey[r] = ' + new): _GUESS
+       for new in (
+                 '(self.alpha[r] / self.Cc + self.beta[r] * self.Pc).tolist()',
+                 '(self.alpha[r] * self.Cc - self.beta[r] * self.Pc).tolist()',
+                 '(self.alpha[r] * self.Cc + self.beta[r] / self.Pc).tolist()')},
+    # line 149
+    (_F, 'if self.mem(v, a, et) <= self.cap:',
+     'if self.mem(v, a, et) < self.cap:'):
+        _MEM_AT_CAP,
+    # line 151
+    (_F, 'mk = self._mkey.get(v)',
+     'mk = None'):
+        _CACHE,
+    # line 153: a search key
+    **{(_F, 'mk = self._mkey[v] = ((2.0 + self.opt + v - 1) * self.Pc + v * self.Ac).tolist()',
+       'mk = self._mkey[v] = ' + new): _GUESS
+       for new in (
+                 '((3.0 + self.opt + v - 1) * self.Pc + v * self.Ac).tolist()',
+                 '((2.0 - self.opt + v - 1) * self.Pc + v * self.Ac).tolist()',
+                 '((2.0 + self.opt - v - 1) * self.Pc + v * self.Ac).tolist()',
+                 '((2.0 + self.opt + v + 1) * self.Pc + v * self.Ac).tolist()',
+                 '((2.0 + self.opt + v - 2) * self.Pc + v * self.Ac).tolist()',
+                 '((2.0 + self.opt + v - 1) / self.Pc + v * self.Ac).tolist()',
+                 '((2.0 + self.opt + v - 1) * self.Pc - v * self.Ac).tolist()',
+                 '((2.0 + self.opt + v - 1) * self.Pc + v / self.Ac).tolist()')},
+    # line 247
+    (_F, 'if x >= inst.n or x <= 0:',
+     'if x >= inst.n or x < 0:'):
+        _X0,
+    # line 249
+    (_F, 'row = self.rows.get(r)',
+     'row = None'):
+        _LA_PATH,
+    # line 254
+    (_F, 'for _ in range(16):',
+     'for _ in range(17):'):
+        _LA_PATH,
+    # line 255
+    (_F, 'if p <= 0:',
+     'if p < 0:'):
+        _P0,
+    # line 260
+    (_F, 'if c < rejected:',
+     'if c <= rejected:'):
+        _TIE,
+    # line 276
+    (_F, 'Stages = list[tuple[int, int]]  # (start, replicas) per stage',
+     'Stages = None  # (start, replicas) per stage'):
+        _ALIAS,
+    # line 290
+    (_F, 'R = [0] * (m + 1)',
+     'R = [0] * (m + 2)'):
+        _UNREAD + " (R is read at budgets <= m)",
+    # line 291
+    (_F, 'ch: list[tuple[int, int] | None] = [None] * (m + 1)',
+     'ch: list[tuple[int, int] & None] = [None] * (m + 1)'):
+        "a local variable's annotation: never evaluated",
+    # line 291
+    (_F, 'ch: list[tuple[int, int] | None] = [None] * (m + 1)',
+     'ch: list[tuple[int, int] | None] = [None] * (m + 2)'):
+        _UNREAD + " (_rebuild_budget reads budgets <= m)",
+    # line 299
+    (_F, 'if rejected < nxt:',
+     'if rejected <= nxt:'):
+        _TIE,
+    # line 308
+    (_F, 'e, _ = inst.reach(r, v, a, tau, best + 1)',
+     'e, _ = inst.reach(r, v, a, tau, best - 1)'):
+        _HINT,
+    # line 309
+    (_F, 'if e > best:',
+     'if e >= best:'):
+        _NEED_REACH,
+    # line 318
+    (_F, 'if t < nxt and (cap is None or inst.mem(_v(m, k, r), a, best + 1) <= cap):',
+     'if t <= nxt and (cap is None or inst.mem(_v(m, k, r), a, best + 1) <= cap):'):
+        _TIE,
+    # line 348
+    (_F, 'prev = [0] * (m + 1)',
+     'prev = [0] * (m + 2)'):
+        _UNREAD + " (budgets kp in `changed` and kp + r are <= m)",
+    # line 353
+    (_F, 'cch: list[tuple[str, int, int]] = [("s", 0, 0)] * (m + 1)',
+     'cch: list[tuple[str, int, int]] = [("XXsXX", 0, 0)] * (m + 1)'):
+        _NO_S,
+    # line 353
+    (_F, 'cch: list[tuple[str, int, int]] = [("s", 0, 0)] * (m + 1)',
+     'cch: list[tuple[str, int, int]] = [("s", 1, 0)] * (m + 1)'):
+        _NO_S,
+    # line 353
+    (_F, 'cch: list[tuple[str, int, int]] = [("s", 0, 0)] * (m + 1)',
+     'cch: list[tuple[str, int, int]] = [("s", 0, 1)] * (m + 1)'):
+        _NO_S,
+    # line 353
+    (_F, 'cch: list[tuple[str, int, int]] = [("s", 0, 0)] * (m + 1)',
+     'cch: list[tuple[str, int, int]] = [("s", 0, 0)] * (m + 2)'):
+        _UNREAD + " (backtrack_layers reads budgets <= m)",
+    # line 355
+    (_F, 'if prev[kp] >= n:',
+     'if prev[kp] > n:'):
+        _PREV_BELOW_N,
+    # line 368
+    (_F, 'e = inst.reach(r, v, a, tau, best + 1)[0]',
+     'e = inst.reach(r, v, a, tau, best - 1)[0]'):
+        _HINT,
+    # line 370
+    (_F, 'cand[k], cch[k] = e, ("r", r, a)',
+     'cand[k], cch[k] = e, ("XXrXX", r, a)'):
+        _ANY_KIND,
+    # line 372
+    (_F, 'for k in range(1, m + 1):  # R_s(k) >= R_s(k-1): a bigger budget may leave workers idle',
+     'for k in range(2, m + 1):  # R_s(k) >= R_s(k-1): a bigger budget may leave workers idle'):
+        "cur[0] is 0 in every layer (only budgets kp + r >= 1 are set): k = 1 never takes cur[0]",
+    # line 372
+    (_F, 'for k in range(1, m + 1):  # R_s(k) >= R_s(k-1): a bigger budget may leave workers idle',
+     'for k in range(1, m - 1):  # R_s(k) >= R_s(k-1): a bigger budget may leave workers idle'):
+        "the body it would skip " + _NEVER_LOWER_FS,
+    # line 374
+    (_F, 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0)',
+     'cur[k], cch[k] = cur[k + 1], ("k", 0, 0)'):
+        _NEVER_LOWER_FS,
+    # line 374
+    (_F, 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0)',
+     'cur[k], cch[k] = cur[k - 2], ("k", 0, 0)'):
+        _NEVER_LOWER_FS,
+    # line 374
+    (_F, 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0)',
+     'cur[k], cch[k] = cur[k - 1], ("XXkXX", 0, 0)'):
+        _NEVER_LOWER_FS,
+    # line 374
+    (_F, 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0)',
+     'cur[k], cch[k] = cur[k - 1], ("k", 1, 0)'):
+        _NEVER_LOWER_FS,
+    # line 374
+    (_F, 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0)',
+     'cur[k], cch[k] = cur[k - 1], ("k", 0, 1)'):
+        _NEVER_LOWER_FS,
+    # line 374
+    (_F, 'cur[k], cch[k] = cur[k - 1], ("k", 0, 0)',
+     'cur[k], cch[k] = None'):
+        _NEVER_LOWER_FS,
+    # line 395
+    (_F, 'if kind == "k":',
+     'if kind == "XXkXX":'):
+        _NO_K,
+    # line 397
+    (_F, 'elif kind == "s":',
+     'elif kind == "XXsXX":'):
+        _NO_S,
 }
 
 
@@ -717,6 +976,92 @@ KILLED_SINCE: dict[tuple[str, str, str], str] = {
         _WITNESS + "test_exact_auto_does_not_recompute_a_stage_that_fits_without (67), "
         "test_exact_walk_back_takes_the_latest_start (69), "
         "test_exact_walk_back_takes_the_fewest_replicas (71)",
+    # passes/feasibility.py, line numbers of the saved run (before _Inst.fits was dropped)
+    # line 113
+    ('passes/feasibility.py',
+     'return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0',
+     'return self.cbl[p] * self.gamma[r] if 0 <= p < self.n else 0.0'):
+        _WITNESS + 'test_cut_costs_nothing_at_the_first_start_and_at_the_end',
+    # line 113
+    ('passes/feasibility.py',
+     'return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0',
+     'return self.cbl[p] * self.gamma[r] if 0 < p <= self.n else 0.0'):
+        _WITNESS + 'test_cut_costs_nothing_at_the_first_start_and_at_the_end',
+    # line 113
+    ('passes/feasibility.py',
+     'return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0',
+     'return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 1.0'):
+        _WITNESS + 'test_cut_costs_nothing_at_the_first_start_and_at_the_end',
+    # line 117
+    ('passes/feasibility.py',
+     'lo: int = -1) -> int:',
+     'lo: int = +1) -> int:'):
+        _WITNESS + 'test_search_without_a_hint_starts_at_a',
+    # line 154
+    ('passes/feasibility.py',
+     'em = self._search(mk, self.cap, a, lambda e: self.mem(v, a, e) <= self.cap,  # type: ignore[operator]',
+     'em = self._search(mk, self.cap, a, lambda e: self.mem(v, a, e) < self.cap,  # type: ignore[operator]'):
+        _WITNESS + 'test_reach_memory_equal_to_the_cap_fits',
+    # line 158
+    ('passes/feasibility.py',
+     'def time_many(self, r: int, a: np.ndarray, e: np.ndarray, x: bool = False) -> np.ndarray:',
+     'def time_many(self, r: int, a: np.ndarray, e: np.ndarray, x: bool = True) -> np.ndarray:'):
+        _WITNESS + 'test_time_many_defaults_to_no_recomputation',
+    # line 200
+    ('passes/feasibility.py',
+     'def evaluate(self, starts: Sequence[int], replicas: Sequence[int], checks: int = 0,',
+     'def evaluate(self, starts: Sequence[int], replicas: Sequence[int], checks: int = 1,'):
+        _WITNESS + 'test_evaluate_defaults_to_the_mode_s_only_flag',
+    # line 206
+    ('passes/feasibility.py',
+     'else (self.flags[-1] if len(self.flags) == 1 else False,) * len(replicas))',
+     'else (self.flags[-1] if len(self.flags) != 1 else False,) * len(replicas))'):
+        _WITNESS + 'test_evaluate_defaults_to_the_mode_s_only_flag',
+    # line 206
+    ('passes/feasibility.py',
+     'else (self.flags[-1] if len(self.flags) == 1 else False,) * len(replicas))',
+     'else (self.flags[-1] if len(self.flags) == 2 else False,) * len(replicas))'):
+        _WITNESS + 'test_evaluate_defaults_to_the_mode_s_only_flag',
+    # line 206
+    ('passes/feasibility.py',
+     'else (self.flags[-1] if len(self.flags) == 1 else False,) * len(replicas))',
+     'else (self.flags[-1] if len(self.flags) == 1 else True,) * len(replicas))'):
+        _WITNESS + 'test_evaluate_defaults_to_the_mode_s_only_flag',
+    # line 247
+    ('passes/feasibility.py',
+     'if x >= inst.n or x <= 0:',
+     'if x > inst.n or x <= 0:'):
+        _WITNESS + 'test_cut_costs_nothing_at_the_first_start_and_at_the_end',
+    # line 293
+    ('passes/feasibility.py',
+     'best, bc = R[k - 1], None',
+     'best, bc = R[k - 2], None'):
+        _WITNESS + 'test_budget_that_reaches_no_further_keeps_the_cover_below',
+    # line 318
+    ('passes/feasibility.py',
+     'if t < nxt and (cap is None or inst.mem(_v(m, k, r), a, best + 1) <= cap):',
+     'if t < nxt and (cap is None or inst.mem(_v(m, k, r), a, best + 1) < cap):'):
+        _WITNESS + 'test_budget_skip_counts_a_stage_whose_memory_equals_the_cap',
+    # line 331 (line 400, backtrack_layers, has the same text and its own entry)
+    ('passes/feasibility.py',
+     'if a < x:',
+     'if a <= x:'):
+        _WITNESS + 'test_budget_walk_back_skips_a_stage_where_the_next_one_starts',
+    # line 366
+    ('passes/feasibility.py',
+     'if inst.cap is not None and inst.mem(v, a, best + 1) > inst.cap:',
+     'if inst.cap is not None and inst.mem(v, a, best + 1) >= inst.cap:'):
+        _WITNESS + 'test_memory_equal_to_the_cap_fits_in_both_checks',
+    # line 373
+    ('passes/feasibility.py',
+     'if cur[k - 1] > cur[k]:',
+     'if cur[k - 1] >= cur[k]:'):
+        _WITNESS + 'test_fewest_stages_takes_the_budget_s_own_stage_on_a_tie',
+    # line 373
+    ('passes/feasibility.py',
+     'if cur[k - 1] > cur[k]:',
+     'if cur[k - 2] > cur[k]:'):
+        _WITNESS + 'test_fewest_stages_keeps_a_small_budget_s_reach',
 }
 
 
@@ -740,4 +1085,17 @@ EQUIVALENT_AT: dict[tuple[str, int, str, str], str] = {
         "cur[0] is 0 in every layer (only budgets kp + r >= 1 are set): k = 1 never takes cur[0]",
     ("passes/recompute.py", 141, "for k in range(1, m + 1):", "for k in range(1, m - 1):"):
         "the body it would skip " + _NEVER_LOWER,
+    # feasibility.py: keyed by the saved run's line number and by the line's number now (3 lines
+    # up since _Inst.fits was dropped; neither number holds another line of the same text)
+    **{(_F, ln, o, n): why for lns, o, n, why in (
+        ((297, 294), "break", "continue", _ASCENDING),
+        ((356, 353), "continue", "break", "unreachable: the `if` above is " + _PREV_BELOW_N),
+        ((360, 357), "break", "continue", _KP_ASCENDING),
+        ((396, 393), "k -= 1", "k = 1", _NO_K), ((396, 393), "k -= 1", "k += 1", _NO_K),
+        ((396, 393), "k -= 1", "k -= 2", _NO_K),
+        ((398, 395), "si -= 1", "si = 1", _NO_S), ((398, 395), "si -= 1", "si += 1", _NO_S),
+        ((398, 395), "si -= 1", "si -= 2", _NO_S),
+        ((400, 397), "if a < x:", "if a <= x:", _SKIP_NONE)) for ln in lns},
+    # line 133, _search's bisection (reach_many's, line 181, has the same text)
+    (_F, 133, "mid = (lo + hi + 1) // 2", "mid = (lo + hi + 2) // 2"): _MID,
 }

@@ -226,9 +226,6 @@ class _Inst:
                         tuple(st), tuple(cb), tuple(ct), tuple(mem), tuple(vs), checks,
                         flags, tuple(rt))
 
-    def fits(self, memory: Sequence[float]) -> bool:
-        return self.cap is None or all(x <= self.cap for x in memory)
-
 
 class _LastAllowed:
     """``la(r, x)`` = last position <= x where a stage with r replicas may start under ``tau``.
