@@ -26,7 +26,8 @@ from the copy, no bytecode cache), stops at the first failure, and records
 - ``survived``: every selected test passed: either a missing test or an equivalent mutant.
 
 Lines inside ``log.*(...)`` calls are not mutated (a log message's text is not behaviour any test
-could or should pin down). Results go to ``out/mutation/<module>.json``; ``--report`` turns them
+could or should pin down). Results go to ``bench/mutation-results/<module>.json`` (in the
+repository: commit them with the report, so it can be regenerated); ``--report`` turns them
 into the ``mutation-testing`` section of BENCHMARKS.md, listing every survivor. Why the argued
 survivors are equivalent lives in ``bench/mutation_equivalent.py`` (keyed by module and line
 text), so a rerun after a code change shows which arguments no longer apply.
@@ -52,7 +53,9 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "out" / "mutation"
+# in the repository, not out/: saved runs outlive the machine (a lost out/ once cost hours of
+# reruns), and the published report is regenerated from them
+OUT = ROOT / "bench" / "mutation-results"
 PHASES = ("tracing", "costmodel", "passes", "codegen", "runtime")
 
 _T = "tests/passes/"
@@ -398,7 +401,7 @@ def report() -> str:
            "oracles), `runtime/buckets.py` the in-process layout, hook and round tests "
            "(`SUITES` lists them).", "",
            f"Report written {time.strftime('%Y-%m-%d', time.gmtime())} (UTC) from the saved runs "
-           "in `out/mutation/`; runs niced on a 2-core machine shared with other sessions, so "
+           "in `bench/mutation-results/`; runs niced on a 2-core machine shared with other sessions, so "
            "`selection seconds` (the unmutated selection's wall time) is not a benchmark.", "",
            "`killed earlier` counts mutants identical (the same edit of the same line between the "
            "same neighbours) to ones a previous "
