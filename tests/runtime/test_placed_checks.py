@@ -28,21 +28,33 @@ def test_megatron_refusal_names_the_first_batch_that_is_not_a_multiple() -> None
                                "num_minibatches) to be a multiple of the processes (2)")
 
 
-def test_flush_refusal_names_stage_replica_and_batch_exactly() -> None:
-    """zb-v on one process (stages 0 and 1), 8 minibatches, m = 4: W3 of stage 1 moved behind
-    U0 runs after 1 update, yet minibatch 3 belongs to batch 3 // 4 = 0. Stage 1, replica 0:
-    the message must tell them apart."""
+def _w3_behind_u0(stage: int) -> PlacedSchedule:
+    """zb-v on one process (stages 0 and 1), 8 minibatches, m = 4, with W3 of ``stage`` moved
+    behind that stage's U0: batch 0 would be applied without minibatch 3's weight gradients.
+    The per-rank rules alone accept it (checked here); only the flush rule refuses it."""
     ps = make_placed_schedule("zb-v", 1, 8, microbatches=4)
     steps = list(ps.order[0])
-    i = next(i for i, (r, a) in enumerate(steps) if r == (1, 0) and str(a) == "W3")
-    u = next(i for i, (r, a) in enumerate(steps) if r == (1, 0) and str(a) == "U0")
+    i = next(i for i, (r, a) in enumerate(steps) if r == (stage, 0) and str(a) == "W3")
+    u = next(i for i, (r, a) in enumerate(steps) if r == (stage, 0) and str(a) == "U0")
     moved = steps[:i] + steps[i + 1:u + 1] + [steps[i]] + steps[u + 1:]
     acts = dict(ps.schedule.actions)
-    acts[(1, 0)] = tuple(a for r, a in moved if r == (1, 0))
+    acts[(stage, 0)] = tuple(a for r, a in moved if r == (stage, 0))
     sched = type(ps.schedule)(ps.kind, ps.schedule.replicas, 8, acts, 4)
-    validate(sched)  # the per-rank rules alone accept it
+    validate(sched)
+    return PlacedSchedule(sched, ps.hosts, (tuple(moved),))
+
+
+def test_a_w_after_its_batch_update_is_refused() -> None:
+    """Not minibatch SGD: refused."""
+    with pytest.raises(ScheduleError, match="W3 on stage 0 replica 0 after 1 updates"):
+        validate_placed(_w3_behind_u0(0))
+
+
+def test_flush_refusal_names_stage_replica_and_batch_exactly() -> None:
+    """W3 of stage 1 behind U0 runs after 1 update, yet minibatch 3 belongs to batch 3 // 4 =
+    0. Stage 1, replica 0: the message must tell them apart."""
     with pytest.raises(ScheduleError) as info:
-        validate_placed(PlacedSchedule(sched, ps.hosts, (tuple(moved),)))
+        validate_placed(_w3_behind_u0(1))
     assert info.value.message == ("W3 on stage 1 replica 0 after 1 updates: minibatch 3 belongs "
                                   "to batch 0")
     assert info.value.hint == "a flushing schedule runs batch b between U<b-1> and U<b>"
