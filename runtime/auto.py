@@ -8,32 +8,44 @@
   built from bare stages) a unit-cost simulation (forward 1, backward 2, no network) stands in.
 * **Minibatches to the level**: a pilot. Every candidate trains a copy of the user's own model,
   from the same weights, on the same first ``pilot`` minibatches (default 200, at most
-  ``max_fraction`` = 1/4 of the run's minibatches; from as many epochs of the loader as that
-  takes: the loader must be re-iterable), on the reference
-  executor (the distributed runtime's single-process oracle; CPU, in this process, every rank
-  alike). The training losses are smoothed (trailing mean over ``pilot // 8`` minibatches); the
-  level is where the synchronous baseline (``1f1b-flush``) ends the pilot; a candidate's count is
-  the first minibatch whose smoothed loss reaches the level. One that does not within the pilot
-  is not chosen: extrapolating its progress (an earlier rule) picked stale schedules that were
-  fast early and then stalled short of the target (bench/ablation: 4 of 24 rows, one seed).
+  ``max_fraction`` = 1/2 of the run's minibatches; from as many epochs of the loader as that
+  takes: the loader must be re-iterable), on the reference executor (the distributed runtime's
+  single-process oracle; CPU, in this process; the trainer's per-update LR scheduler stepped as
+  in training). The training losses are smoothed (trailing mean over ``pilot // 8``
+  minibatches); the level is where the synchronous baseline (``1f1b-flush``) ends the pilot; a
+  candidate's count is the first minibatch whose smoothed loss reaches the level. One that does
+  not within the pilot is not chosen: extrapolating its progress (an earlier rule) picked stale
+  schedules that were fast early and then stalled short of the target (bench/ablation: 4 of 24
+  rows, one seed).
 * **The choice**: the smallest predicted time, except that an asynchronous candidate must beat
   the best synchronous one (``1f1b-flush``, ``gpipe``, ``zb-h1``, ``zb-h2``) by ``margin``
-  (default 5%): a short pilot sees the start of training only, and staleness costs more later (measured in BENCHMARKS.md,
-  section ``statistical-efficiency``), so a near tie goes to the schedule without staleness.
+  (default 5%): a pilot sees the start of training only, and staleness costs more later
+  (measured in BENCHMARKS.md, section ``statistical-efficiency``), so a near tie goes to the
+  schedule without staleness.
+
+Why half the run: bench/ablation replays this rule on every row with pilots of 30 to 100
+updates of a 200-update run. A quarter of the run (the earlier default) let through
+asynchronous picks that stalled later, on 4 of 27 rows of held-out seeds; half the run on none
+of seeds 0-5. BENCHMARKS.md (``statistical-efficiency``) also gives the result on seeds 6-8, run
+after this was fixed.
 
 Cost: ``len(candidates)`` x ``pilot`` minibatch steps of the whole model in one process (gpipe
-and the zero-bubble kinds reuse flush's curve: the same minibatch-SGD updates). Opt out with an
-explicit schedule, or ``auto_options={"pilot": 0}``, which picks the synchronous baseline without a pilot (as does a run with fewer
-than ``min_pilot`` minibatches). LocalSGD is not a candidate: the distributed executor does not
-run it.
+and the zero-bubble kinds reuse flush's curve: the same minibatch-SGD updates), split over the
+ranks: each trains its share (:mod:`fxpipe.runtime.auto_resolve`). A pilot that sees half the
+run costs more than the run (each step is the whole model on one CPU process), so it pays only
+in a long job: before it starts, a few steps are timed (:func:`probe`) and a pilot predicted to
+cost more than ``max_cost`` (default a quarter) of the run's predicted training time
+(:func:`budget`) is not run; nor is one for a single stage, where nothing is stale. Both then
+pick the synchronous baseline, as do ``auto_options={"pilot": 0}`` and a run with fewer than
+``min_pilot`` minibatches; opt out altogether with an explicit schedule. LocalSGD is not a
+candidate: the distributed executor does not run it.
 """
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TYPE_CHECKING
 
 import torch
@@ -47,7 +59,6 @@ from .schedule_spec import parse_schedule
 if TYPE_CHECKING:
     from .step_options import StepOptions
 
-log = logging.getLogger(__name__)
 
 SYNCHRONOUS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")
 SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # minibatch SGD, flush's arithmetic: its pilot curve
@@ -63,12 +74,15 @@ list is short; pass ``auto_options={"candidates": (...)}`` for others (2bw, +dc,
 
 @dataclass(frozen=True)
 class AutoOptions:
-    """How ``auto`` decides (see the module doc). ``plan``/``profile``: the compiled model's
-    (``CompiledModel.trainer`` passes them); ``report``: called with the :class:`Decision`."""
+    """How ``auto`` decides (see the module doc). ``max_cost``: the most the pilot may cost, as
+    a fraction of the run's predicted training time (``None``: no limit); ``plan``/``profile``:
+    the compiled model's (``CompiledModel.trainer`` passes them); ``report``: called with the
+    :class:`Decision`."""
 
     pilot: int = 200
     min_pilot: int = 40
-    max_fraction: float = 0.25
+    max_fraction: float = 0.5
+    max_cost: float | None = 0.25
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     margin: float = 0.05
     plan: Any = None
@@ -111,12 +125,15 @@ class Decision:
     pilot_seconds: float = 0.0
     level: float | None = None
     periods_from: str = ""
+    pilot_ranks: int = 1
 
     def summary(self) -> str:
         lines = [f"schedule auto -> {self.schedule}: {self.reason}"]
         if self.rows:
+            split = (f", candidates split over {self.pilot_ranks} ranks"
+                     if self.pilot_ranks > 1 else "")
             lines.append(f"  pilot: {self.pilot_minibatches} minibatches per candidate on the "
-                         f"reference executor ({self.pilot_seconds:.1f} s in all); loss level "
+                         f"reference executor ({self.pilot_seconds:.1f} s{split}); loss level "
                          f"{self.level:.4g}; seconds per minibatch from {self.periods_from}")
             lines.append(f"  {'candidate':<28}{'s/minibatch':>12}{'to level':>10}"
                          f"{'predicted':>12}")
@@ -213,14 +230,47 @@ def periods(candidates: Sequence[str], replicas: Sequence[int], *, plan: Any = N
     return out, "a unit-cost simulation (no plan: forward 1, backward 2, no network)"
 
 
+def trained(candidates: Sequence[str]) -> list[str]:
+    """The candidates a pilot trains: all but the kinds that reuse flush's curve (when flush is
+    one of them), in the order given."""
+    return [c for c in candidates if not (parse_schedule(c).kind in SAME_AS_FLUSH
+                                          and "1f1b-flush" in candidates)]
+
+
+def share_of(candidates: Sequence[str], index: int, world: int) -> list[str]:
+    """Rank ``index``'s share of the trained candidates among ``world`` ranks (round robin; the
+    shares partition :func:`trained`)."""
+    return trained(candidates)[index::world]
+
+
+def merge(parts: Sequence[tuple[Mapping[str, list[float]], Mapping[str, str]]],
+          candidates: Sequence[str]) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Every rank's (curves, notes) put together in the candidates' order; gpipe and the
+    zero-bubble kinds get flush's curve (the same updates, see the module doc)."""
+    got = {k: v for curves, _ in parts for k, v in curves.items()}
+    notes = {k: v for _, ns in parts for k, v in ns.items()}
+    curves = {}
+    for c in candidates:
+        if c in got:
+            curves[c] = list(got[c])
+        elif "1f1b-flush" in got and parse_schedule(c).kind in SAME_AS_FLUSH:
+            curves[c] = list(got["1f1b-flush"])
+    return curves, {c: notes[c] for c in candidates if c in notes}
+
+
 def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
           optimizer: Callable[..., Any], batches: Sequence[Any], candidates: Sequence[str], *,
-          microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None
+          microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None,
+          lr_scheduler: Callable[[Any], Any] | None = None
           ) -> tuple[dict[str, list[float]], dict[str, str]]:
-    """Training-loss curves of each candidate on ``batches`` (copies of ``stages`` on the CPU,
-    reference executor, same dropout seed for all, the trainer's clipping/precision/
+    """Training-loss curves of each of ``candidates`` on ``batches`` (copies of ``stages`` on
+    the CPU, reference executor, same dropout seed for all, the trainer's clipping/precision/
     recomputation ``step_options``); a candidate that cannot run this model (e.g. momentum
-    correction with an unsupported optimizer) is left out with a note."""
+    correction with an unsupported optimizer) is left out with a note. Every candidate given
+    is trained: :func:`share_of` picks a rank's, :func:`merge` adds the kinds that reuse
+    flush's curve. ``lr_scheduler``: the trainer's per-update scheduler factory, stepped after
+    every update of each stage as in training (a warm-up changes what staleness costs, so a
+    pilot at the base rate would measure another run)."""
     from .reference import ReferenceExecutor
     from .step_options import DEFAULT
 
@@ -230,9 +280,6 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     try:
         for c in candidates:
             spec = parse_schedule(c)
-            if spec.kind in SAME_AS_FLUSH and "1f1b-flush" in curves:
-                curves[c] = curves["1f1b-flush"]  # the same updates (see the module doc)
-                continue
             torch.manual_seed(seed)
             copies = copy.deepcopy(list(stages))
             for st in copies:
@@ -244,6 +291,9 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
                 ex = ReferenceExecutor(copies, replicas, sched, loss_fn, optimizer,
                                        mitigation=spec.mitigation,
                                        options=step_options or DEFAULT)
+                for w in ex.workers.values():
+                    if lr_scheduler is not None and w.stash.optimizer is not None:
+                        w.on_update = lr_scheduler(w.stash.optimizer).step
                 curves[c] = ex.run(list(batches)).losses
             except FxpipeError as err:
                 notes[c] = f"not run: {err.message}"
@@ -252,88 +302,95 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     return curves, notes
 
 
+Gather = Callable[[Any, str], Sequence[Any]]
+"""Every rank's object, in rank order (the trainer's ``backend.exchange(obj, what)``)."""
+
+
+def probe(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
+          optimizer: Callable[..., Any], batches: Sequence[Any], *,
+          step_options: StepOptions | None = None) -> float:
+    """Seconds per minibatch of a whole-model training step in this process, as the pilot takes
+    them: pipedream on a copy (CPU, reference executor) over ``batches`` (a few), timed after
+    the copy is made; the first step's warm-up is part of it."""
+    from .reference import ReferenceExecutor
+    from .step_options import DEFAULT
+
+    rng = torch.get_rng_state()
+    try:
+        copies = copy.deepcopy(list(stages))
+        for st in copies:
+            st.gm.to("cpu")
+        sched = make_schedule("pipedream", list(replicas), len(batches))
+        ex = ReferenceExecutor(copies, replicas, sched, loss_fn, optimizer,
+                               options=step_options or DEFAULT)
+        t0 = time.perf_counter()
+        ex.run(list(batches))
+        return (time.perf_counter() - t0) / len(batches)
+    finally:
+        torch.set_rng_state(rng)
+
+
+def budget(step_s: float, per_rank: int, pilot_len: int, run_minibatches: int,
+           flush_period: float, whole_units: float | None = None) -> tuple[float, float]:
+    """(the pilot's predicted cost, the run's predicted training time), in seconds: ``per_rank``
+    candidates x ``pilot_len`` whole-model steps of ``step_s`` (:func:`probe`) against
+    ``run_minibatches`` x flush's seconds per minibatch. Without a plan, ``flush_period`` is in
+    the unit-cost simulation's units and ``whole_units`` is one whole-model step in them (3 per
+    stage): the run is then priced at this process's measured speed, perfectly pipelined."""
+    run = run_minibatches * (flush_period if whole_units is None
+                             else step_s * flush_period / whole_units)
+    return per_rank * pilot_len * step_s, run
+
+
 def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
            optimizer: Callable[..., Any], batches: Sequence[Any], options: AutoOptions, *,
-           microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None) -> Decision:
-    """The whole of auto for one pipeline and the first minibatches of its data."""
+           microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None,
+           share: tuple[int, int] = (0, 1), gather: Gather | None = None,
+           lr_scheduler: Callable[[Any], Any] | None = None,
+           run_minibatches: int | None = None) -> Decision:
+    """The whole of auto for one pipeline and the first minibatches of its data. ``share``:
+    (this rank, ranks): each rank trains its :func:`share_of` the candidates and ``gather``
+    brings every rank's curves together, so the pilot's wall time falls with the number of
+    ranks (every rank then decides alike: the same curves, the same simulation).
+    ``run_minibatches``: the run's length; with ``options.max_cost``, a pilot predicted to cost
+    more than that fraction of the run's training time (:func:`probe`, :func:`budget`) is not
+    run."""
     if options.pilot <= 0 or len(batches) < options.min_pilot:
         why = ("the pilot is disabled" if options.pilot <= 0 else
                f"only {len(batches)} minibatches for a pilot (min_pilot={options.min_pilot})")
         return Decision("1f1b-flush", f"{why}: {SAFE}")
+    if len(stages) == 1:
+        return Decision("1f1b-flush", "one stage: no schedule makes its weights stale, so a "
+                        "pilot has nothing to measure")
+    if "1f1b-flush" not in options.candidates:
+        raise RuntimeConfigError("auto needs the baseline '1f1b-flush' among the candidates",
+                                 "add '1f1b-flush' to auto_options['candidates']")
     t0 = time.perf_counter()
-    curves, notes = pilot(stages, replicas, loss_fn, optimizer, batches[:options.pilot],
-                          options.candidates, microbatches=microbatches, seed=seed,
-                          step_options=step_options)
-    per, source = periods(list(curves), replicas, plan=options.plan, profile=options.profile,
-                          microbatches=microbatches)
-    d = decide(curves, per, margin=options.margin, notes=notes)
+    index, world = share
+    if world > 1 and gather is None:
+        raise RuntimeConfigError(f"auto's pilot split over {world} ranks without a gather",
+                                 "pass gather= (every rank's object, in rank order)")
+    P = min(options.pilot, len(batches))
+    per, source = periods(options.candidates, replicas, plan=options.plan,
+                          profile=options.profile, microbatches=microbatches)
+    if run_minibatches and options.max_cost is not None:
+        step = probe(stages, replicas, loss_fn, optimizer, batches[:5], step_options=step_options)
+        step = max(gather(step, "auto: pilot probe")) if gather is not None else step
+        n = len(share_of(options.candidates, 0, world))  # the largest share
+        cost, run = budget(step, n, P, run_minibatches, per["1f1b-flush"],
+                           None if options.plan is not None else 3.0 * len(stages))
+        if cost > options.max_cost * run:
+            return Decision("1f1b-flush", f"a pilot would cost about {cost:.3g} s ({n} candidates "
+                            f"x {P} minibatches x {step * 1e3:.3g} ms, measured), more than "
+                            f"{options.max_cost:.0%} of the run's predicted {run:.3g} s of "
+                            f"training: {SAFE}", pilot_seconds=time.perf_counter() - t0)
+    mine = pilot(stages, replicas, loss_fn, optimizer, batches[:P],
+                 share_of(options.candidates, index, world), microbatches=microbatches,
+                 seed=seed, step_options=step_options, lr_scheduler=lr_scheduler)
+    curves, notes = merge(gather(mine, "auto: pilot curves") if gather is not None else [mine],
+                          options.candidates)
+    d = decide(curves, {c: per[c] for c in curves}, margin=options.margin, notes=notes)
     rows = d.rows + tuple(Row(c, math.nan, math.inf, math.inf, n) for c, n in notes.items())
     return Decision(d.schedule, d.reason, rows, d.pilot_minibatches,
-                    time.perf_counter() - t0, d.level, source)
-
-
-# ----------------------------------------------------------------------------- the trainer's side
-
-def pilot_length(opts: AutoOptions, loader: Any, epochs: int) -> int:
-    """Minibatches the pilot may read: ``pilot``, at most ``max_fraction`` of the run's
-    minibatches when the loader has a length (a pilot longer than that would cost more than it
-    can save; below ``min_pilot`` there is none)."""
-    n = opts.pilot
-    if hasattr(loader, "__len__"):
-        n = min(n, int(opts.max_fraction * epochs * len(loader)))
-    return max(n, 0)
-
-
-def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decision:
-    """Choose the schedule of ``trainer`` (built with ``schedule="auto"``) before its first
-    epoch and adopt it. Every rank runs the same pilot on the same minibatches (so none waits
-    long at a collective), then rank 0's decision is broadcast. Resuming takes the schedule the
-    checkpoint was trained with, without a pilot."""
-    from .data import iter_parts, take
-
-    opts: AutoOptions = trainer.auto_options
-    decision = None
-    if resume and trainer.checkpoint_dir is not None:
-        found = _checkpoint_schedule(trainer) if trainer.index == 0 else None
-        found = trainer.backend.broadcast(found, "auto: checkpoint schedule")
-        if found is not None:
-            decision = Decision(found, "the checkpoint being resumed was trained with it")
-    if decision is None:
-        want = pilot_length(opts, loader, epochs)
-        if 0 < want < opts.min_pilot:
-            decision = Decision("1f1b-flush", f"a pilot may read {want} minibatches of this run "
-                                f"(at most {opts.max_fraction:.0%} of {epochs} x {len(loader)}), "
-                                f"fewer than min_pilot={opts.min_pilot}: {SAFE}")
-    if decision is None:
-        batches: list[Any] = []
-        for epoch in range(want if want >= opts.min_pilot else 0):  # small datasets: more epochs
-            got = take(iter_parts(loader, epoch, trainer.seed, need_inputs=True,
-                                  need_targets=True), want - len(batches))
-            batches += got
-            if not got or len(batches) >= want:
-                break
-        decision = choose(trainer.stages, trainer.replicas, trainer.loss_fn, trainer.optimizer,
-                          batches, replace(opts, pilot=min(opts.pilot, max(want, 1))),
-                          microbatches=trainer.microbatches, seed=trainer.seed,
-                          step_options=trainer.options)
-        decision = trainer.backend.broadcast(decision, "auto: decision")  # rank 0's
-    trainer.adopt(decision.schedule)
-    trainer.auto_decision = decision
-    log.info("%s", decision.summary())
-    if opts.report is not None:
-        opts.report(decision)
-    return decision
-
-
-def _checkpoint_schedule(trainer: Any) -> str | None:
-    from . import checkpoint as ckpt
-
-    try:
-        found = ckpt.find_latest(trainer.checkpoint_dir, None)
-    except ckpt.CheckpointError:
-        return None
-    name = found.manifest.get("schedule")
-    try:
-        return parse_schedule(name).name if isinstance(name, str) and name != "auto" else None
-    except RuntimeConfigError:
-        return None
+                    time.perf_counter() - t0, d.level, source,
+                    min(world, len(trained(options.candidates))))

@@ -55,7 +55,7 @@ import torch
 from fxpipe.codegen.split import MODEL, StageSpec
 
 from .auto import AutoOptions, Decision
-from .auto import resolve as resolve_auto
+from .auto_resolve import resolve as resolve_auto
 from .data import Part, PartStream, batch_size_of, derive_seed, take
 from .errors import RuntimeConfigError
 from .metrics import MetricsLog

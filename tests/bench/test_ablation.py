@@ -117,3 +117,13 @@ def test_report_reads_the_seeds_asked_for_and_scores_auto_by_hand(tmp_path: Path
     assert ok == [0, 1]
     assert rows[2] == ("| mlp | 2 | sgd0 | pipedream, pipedream | 2/2 | 1.25e+04 ± 3.54e+03 | "
                        "1e+04 ± 0 | no |")
+
+
+def test_pilot_cost_splits_the_four_trained_candidates_over_the_ranks() -> None:
+    from bench.ablation import report
+
+    # flush, pipedream, +lr_scale, +predict+momentum; by hand: ceil(4 / S) x P x whole-model step
+    assert report.pilot_ms(0.002, 2, 100) == pytest.approx(2 * 100 * 2.0)
+    assert report.pilot_ms(0.002, 3, 100) == pytest.approx(2 * 100 * 2.0)
+    assert report.pilot_ms(0.002, 4, 100) == pytest.approx(100 * 2.0)
+    assert report.pilot_ms(0.002, 8, 50) == pytest.approx(50 * 2.0)

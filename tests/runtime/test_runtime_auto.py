@@ -10,7 +10,8 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
-from fxpipe.runtime.auto import AutoOptions, decide, periods, smooth, to_level
+from fxpipe.runtime.auto import (AutoOptions, budget, choose, decide, merge, periods, pilot,
+                               share_of, smooth, to_level)
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.trainer import Trainer
 
@@ -73,7 +74,7 @@ def trainer(schedule: str, **kw) -> Trainer:
 
 def test_auto_then_training_equals_training_the_chosen_schedule() -> None:
     data = batches(60)
-    opts = {"pilot": 48, "min_pilot": 40, "max_fraction": 1.0,
+    opts = {"pilot": 48, "min_pilot": 40, "max_fraction": 1.0, "max_cost": None,
             "candidates": ("1f1b-flush", "pipedream", "pipedream+lr_scale")}
     auto = trainer("auto", auto_options=opts)
     auto.fit(data, epochs=1)
@@ -91,8 +92,8 @@ def test_auto_without_a_pilot_picks_the_synchronous_schedule(tmp_path: Path) -> 
     t = trainer("auto", auto_options={"pilot": 0}, checkpoint_dir=str(tmp_path))
     t.fit(batches(6), epochs=1)
     assert t.schedule_name == "1f1b-flush" and "disabled" in t.auto_decision.reason
-    short = trainer("auto")  # 2 x 60 minibatches: a pilot may read 30 < min_pilot
-    short.fit(batches(60), epochs=2)
+    short = trainer("auto")  # half of 60 minibatches: a pilot may read 30 < min_pilot
+    short.fit(batches(60), epochs=1)
     assert short.schedule_name == "1f1b-flush" and "may read 30 minibatches" in \
         short.auto_decision.reason
     class OneShot:  # yields its minibatches once: the pilot cannot read further epochs
@@ -138,8 +139,136 @@ def test_compiled_trainer_defaults_to_auto_and_reports_in_the_summary() -> None:
                           loss_fn=loss_fn, stages=3, straight=True, repeats=1)
     t = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05), executor="reference",
                          progress=False, auto_options={"pilot": 40, "max_fraction": 1.0,
+                                                       "max_cost": None,
                                                        "candidates": ("1f1b-flush", "pipedream")})
     t.fit(data, epochs=1)
     assert t.auto_decision.periods_from == "the plan simulator"
     assert "schedule auto -> " in compiled.summary()
     assert AutoOptions.make(None).pilot > 0
+
+
+def test_pilot_shares_partition_the_trained_candidates() -> None:
+    cands = AutoOptions().candidates  # gpipe and the zero-bubble kinds reuse flush's curve
+    assert share_of(cands, 0, 1) == ["1f1b-flush", "pipedream", "pipedream+lr_scale",
+                                     "pipedream+predict+momentum"]
+    assert share_of(cands, 0, 2) == ["1f1b-flush", "pipedream+lr_scale"]
+    assert share_of(cands, 1, 2) == ["pipedream", "pipedream+predict+momentum"]
+    assert [share_of(cands, i, 3) for i in range(3)] == [
+        ["1f1b-flush", "pipedream+predict+momentum"], ["pipedream"], ["pipedream+lr_scale"]]
+    assert [share_of(cands, i, 8) for i in range(4, 8)] == [[]] * 4  # more ranks than work
+    assert share_of(("gpipe", "pipedream"), 0, 1) == ["gpipe", "pipedream"]  # no flush to reuse
+
+
+def test_merge_keeps_the_order_and_lends_flush_its_curve() -> None:
+    cands = ("1f1b-flush", "gpipe", "pipedream", "zb-h1", "pipedream+momentum")
+    parts = [({"pipedream": [3.0]}, {"pipedream+momentum": "not run: no velocity"}),
+             ({"1f1b-flush": [1.0, 2.0]}, {})]
+    curves, notes = merge(parts, cands)
+    assert list(curves) == ["1f1b-flush", "gpipe", "pipedream", "zb-h1"]
+    assert curves["gpipe"] == curves["zb-h1"] == [1.0, 2.0]
+    assert notes == {"pipedream+momentum": "not run: no velocity"}
+
+
+def test_a_pilot_split_over_ranks_decides_as_one_process() -> None:
+    stages = split(tiny_mlp(), [1, 3])
+    data = batches(48)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5)  # noqa: E731
+    opts = AutoOptions(pilot=48, min_pilot=40, max_cost=None)
+    whole = choose(stages, [1, 1, 1], loss_fn, opt, data, opts)
+    other = pilot(stages, [1, 1, 1], loss_fn, opt, data, share_of(opts.candidates, 1, 2))
+    split_ = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, share=(0, 2),
+                    gather=lambda mine, what: [mine, other])
+    assert (whole.pilot_ranks, split_.pilot_ranks) == (1, 2)
+    assert split_.schedule == whole.schedule and split_.level == whole.level
+    assert [(r.schedule, r.minibatches) for r in split_.rows] == \
+        [(r.schedule, r.minibatches) for r in whole.rows]
+    assert len(whole.rows) == len(opts.candidates)
+    assert "split over 2 ranks" in split_.summary() and "split" not in whole.summary()
+    idle = [({}, {})] * 4  # 8 ranks, 4 trained candidates: ranks 4-7 train none
+    wide = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, share=(7, 8),
+                  gather=lambda mine, what: [*(pilot(stages, [1, 1, 1], loss_fn, opt, data,
+                                               share_of(opts.candidates, i, 8))
+                                         for i in range(4)), *idle])
+    assert wide.pilot_ranks == 4 and wide.rows == whole.rows
+    with pytest.raises(RuntimeConfigError, match="without a gather"):
+        choose(stages, [1, 1, 1], loss_fn, opt, data, opts, share=(0, 2))
+
+
+def test_the_pilot_steps_the_trainers_lr_scheduler() -> None:
+    """A schedule whose rate is 0 for the first 40 updates: a pilot that honours it does not
+    train at all, so every candidate's curve is the untrained model's loss on each minibatch;
+    one that ignored it would train at the base rate."""
+    data = batches(48)
+    frozen = lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: float(k >= 40))  # noqa: E731
+    with torch.no_grad():
+        untrained = [float(loss_fn(tiny_mlp()(x), y)) for x, y in data]
+    stages = split(tiny_mlp(), [1, 3])
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.5)  # noqa: E731
+    cands = ("1f1b-flush", "pipedream", "pipedream+lr_scale")
+    curves, _ = pilot(stages, [1, 1, 1], loss_fn, opt, data, cands, lr_scheduler=frozen)
+    for c in cands:  # flush updates once per 3 minibatches (16 updates), pipedream per minibatch
+        n = 40 if c != "1f1b-flush" else 48
+        assert curves[c][:n] == pytest.approx(untrained[:n], rel=1e-6), c
+    moving, _ = pilot(stages, [1, 1, 1], loss_fn, opt, data, ("pipedream",))
+    assert moving["pipedream"][-1] != pytest.approx(untrained[-1], rel=1e-3)
+    t = trainer("auto", lr_scheduler=frozen, auto_options={
+        "pilot": 36, "min_pilot": 30, "max_fraction": 1.0, "max_cost": None, "candidates": cands})
+    t.fit(data, epochs=1)  # the trainer hands its scheduler to the pilot: nothing moves in it
+    w = max(5, 36 // 8)
+    assert t.auto_decision.level == pytest.approx(sum(untrained[36 - w:36]) / w, rel=1e-6)
+
+
+def test_pilot_budget_by_hand() -> None:
+    # with a plan: 2 candidates x 50 minibatches x 40 ms = 4 s; 110 minibatches x 20 ms = 2.2 s
+    assert budget(0.04, 2, 50, 110, 0.02) == pytest.approx((4.0, 2.2))
+    # unit costs (no plan, S = 4: a whole step is 12 units; flush 21 units per minibatch): the
+    # run is priced at the measured speed, 1000 x 0.04 x 21 / 12 = 70 s
+    assert budget(0.04, 1, 200, 1000, 21.0, 12.0) == pytest.approx((8.0, 70.0))
+
+
+def test_an_unaffordable_or_pointless_pilot_is_not_run() -> None:
+    data = batches(48)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+    stages = split(tiny_mlp(), [1, 3])
+    opts = AutoOptions(pilot=48, min_pilot=40, max_cost=0.25)
+    short = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, run_minibatches=96)
+    assert short.schedule == "1f1b-flush" and not short.rows  # 4 x 48 steps for a 96-step run
+    assert "more than 25% of the run's predicted" in short.reason
+    assert "4 candidates x 48 minibatches" in short.reason
+    long = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, run_minibatches=10**6)
+    assert long.pilot_minibatches == 48 and len(long.rows) == len(opts.candidates)
+    unknown = choose(stages, [1, 1, 1], loss_fn, opt, data, opts)  # no length: no limit
+    assert unknown.pilot_minibatches == 48
+    one = choose(split(tiny_mlp(), []), [1], loss_fn, opt, data, opts)
+    assert one.schedule == "1f1b-flush" and "one stage" in one.reason and not one.rows
+    t = trainer("auto", auto_options={"pilot": 48, "min_pilot": 40})
+    t.fit(batches(96), epochs=1)  # 96 minibatches: a 4 x 48-step pilot is too dear
+    assert t.schedule_name == "1f1b-flush" and "would cost" in t.auto_decision.reason
+
+
+def test_ranks_price_the_pilot_at_the_slowest_ranks_probe() -> None:
+    """Every rank must make the same call (one that skipped the pilot while another ran it
+    would meet it at a different collective): the probe's time is the slowest rank's."""
+    from fxpipe.api import compile as fx_compile
+
+    data = batches(48)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+    compiled = fx_compile(copy.deepcopy(tiny_mlp()), 3, example_inputs=(data[0][0],),
+                          loss_fn=loss_fn, stages=3, straight=True, repeats=1)
+    stages = compiled.stage_specs  # with a plan the run is priced in the plan's seconds
+    opts = AutoOptions(pilot=48, min_pilot=40, max_cost=0.25, plan=compiled.plan,
+                       profile=compiled.profile)
+    seen = []
+
+    def gather(obj, what):
+        seen.append(what)
+        if what == "auto: pilot probe":
+            return [obj, 1e3]  # the other rank: 1000 s per step
+        return [obj, pilot(stages, [1, 1, 1], loss_fn, opt, data, share_of(opts.candidates, 1, 2))]
+
+    alone = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, run_minibatches=10**8)
+    assert alone.pilot_minibatches == 48  # at this process's speed the pilot is cheap enough
+    d = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, share=(0, 2), gather=gather,
+               run_minibatches=10**8)
+    assert seen == ["auto: pilot probe"] and d.schedule == "1f1b-flush"
+    assert "2 candidates x 48 minibatches x 1e+06 ms" in d.reason

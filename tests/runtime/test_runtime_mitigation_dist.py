@@ -3,7 +3,8 @@
 The distributed executor builds the same MitigatedReplica and the same compensated optimizers as
 the reference one, so a pipedream+predict+dc+momentum run (with checkpoints, an LR scheduler and
 dropout, trainer_job.py) must agree with the oracle to float tolerance; and schedule="auto" must
-reach one decision on both ranks."""
+reach one decision on both ranks: without a pilot (too short a run) and with one split over the
+two ranks, whose merged curves must give the single-process pilot's decision, row for row."""
 from __future__ import annotations
 
 import sys
@@ -13,18 +14,28 @@ import pytest
 import torch
 from test_runtime_trainer_dist import HERE, _run, _torchrun
 
+from fxpipe.runtime.auto import AutoOptions
+
 
 def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> None:
-    for schedule in ("pipedream+predict+dc+momentum", "auto"):
+    for i, (schedule, extra) in enumerate((("pipedream+predict+dc+momentum", []),
+                                           ("auto", []), ("auto", ["--pilot", "12"]))):
         ref = _run([sys.executable, str(HERE / "trainer_job.py"), str(tmp_path / "ref.pt"),
-                    "--ckpt", str(tmp_path / f"ref-{schedule}"), "--executor", "reference",
-                    "--schedule", schedule])
+                    "--ckpt", str(tmp_path / f"ref-{i}"), "--executor", "reference",
+                    "--schedule", schedule, *extra])
         assert ref.returncode == 0, ref.stdout[-3000:]
-        dist = _torchrun(str(tmp_path / "dist.pt"), "--ckpt", str(tmp_path / f"d-{schedule}"),
-                         "--schedule", schedule)
+        dist = _torchrun(str(tmp_path / "dist.pt"), "--ckpt", str(tmp_path / f"d-{i}"),
+                         "--schedule", schedule, *extra)
         assert dist.returncode == 0, dist.stdout[-3000:]
-        want = torch.load(tmp_path / "ref.pt", weights_only=True)
-        got = torch.load(tmp_path / "dist.pt", weights_only=True)
+        want = torch.load(tmp_path / "ref.pt", weights_only=False)
+        got = torch.load(tmp_path / "dist.pt", weights_only=False)
+        if extra:  # the pilot ran: in one process, and split over the two ranks
+            a, b = want["auto"], got["auto"]
+            assert (a.pilot_ranks, b.pilot_ranks, a.pilot_minibatches) == (1, 2, 12)
+            assert b.schedule == a.schedule and b.level == a.level
+            assert [(r.schedule, r.minibatches, r.period_s) for r in b.rows] == \
+                [(r.schedule, r.minibatches, r.period_s) for r in a.rows]
+            assert {r.schedule for r in a.rows} == set(AutoOptions().candidates)
         for name, t in want["state"].items():
             torch.testing.assert_close(got["state"][name], t, rtol=1e-6, atol=1e-7, msg=name)
         assert [h["loss"] for h in got["history"]] == \

@@ -8,6 +8,8 @@ minibatches. ``--crash-after N`` kills the process hard (os._exit, like a crash)
 N-th checkpoint completes; rank 0 writes the trained state dict, the history and how often the
 trainer gathered to rank 0 (during fit, then in state_dict()) to OUT.pt at the end.
 ``--rank-data``: each rank gets a loader seeded by its rank (a mistake the trainer must catch).
+``--pilot N`` (with ``--schedule auto``): a pilot of N minibatches (every rank trains its share of
+the candidates); OUT.pt then holds auto's decision too.
 """
 from __future__ import annotations
 
@@ -61,7 +63,9 @@ def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
                                                   lr_lambda=warmup),
                    schedule=args.schedule, checkpoint_dir=args.ckpt, checkpoint_every=2,
                    executor=args.executor, timeout_s=30, progress=False,
-                   on_checkpoint=on_checkpoint, timeline=args.timeline)
+                   on_checkpoint=on_checkpoint, timeline=args.timeline,
+                   auto_options=None if args.pilot is None else
+                   {"pilot": args.pilot, "min_pilot": 4, "max_fraction": 1.0, "max_cost": None})
 
 
 def main() -> int:
@@ -74,6 +78,7 @@ def main() -> int:
     p.add_argument("--schedule", default="pipedream")
     p.add_argument("--timeline", action="store_true", help="record; save per-segment counts")
     p.add_argument("--rank-data", action="store_true", help="a loader that differs by rank")
+    p.add_argument("--pilot", type=int, default=None, help="auto's pilot length")
     args = p.parse_args()
     torch.set_num_threads(1)
     done = []
@@ -101,7 +106,8 @@ def main() -> int:
         counts = [[sum(e.category == c for e in tl) for c in ("forward", "backward")]
                   for tl, _ in trainer.timelines]
         torch.save({"state": state, "history": history, "timelines": counts,
-                    "gathers": [in_fit, gathers[0] - in_fit]}, Path(args.out))
+                    "gathers": [in_fit, gathers[0] - in_fit], "auto": trainer.auto_decision},
+                   Path(args.out))
     trainer.close()
     return 0
 
