@@ -373,7 +373,7 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     P = min(options.pilot, len(batches))
     per, source = periods(options.candidates, replicas, plan=options.plan,
                           profile=options.profile, microbatches=microbatches)
-    if run_minibatches and options.max_cost is not None:
+    if run_minibatches and options.max_cost is not None and batches:
         step = probe(stages, replicas, loss_fn, optimizer, batches[:5], step_options=step_options)
         step = max(gather(step, "auto: pilot probe")) if gather is not None else step
         n = len(share_of(options.candidates, 0, world))  # the largest share
