@@ -46,7 +46,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TYPE_CHECKING
+from typing import Any, Callable, Iterable, Mapping, Sequence, TYPE_CHECKING
 
 import torch
 
@@ -169,14 +169,19 @@ def to_level(curve: Sequence[float], level: float, start: float, window: int) ->
     return math.inf
 
 
+def require_baseline(candidates: Iterable[str], baseline: str = "1f1b-flush") -> None:
+    """auto compares every candidate with the synchronous ``baseline``: it must be one."""
+    if baseline not in candidates:
+        raise RuntimeConfigError(f"auto needs the baseline {baseline!r} among the candidates",
+                                 f"add {baseline!r} to auto_options['candidates']")
+
+
 def decide(curves: Mapping[str, Sequence[float]], periods: Mapping[str, float], *,
            baseline: str = "1f1b-flush", margin: float = 0.05,
            notes: Mapping[str, str] | None = None) -> Decision:
     """The choice from pilot loss curves (same minibatches for every candidate) and seconds per
     minibatch; pure, so the benchmark applies exactly what the trainer does."""
-    if baseline not in curves:
-        raise RuntimeConfigError(f"auto needs the baseline {baseline!r} among the candidates",
-                                 f"add {baseline!r} to auto_options['candidates']")
+    require_baseline(curves, baseline)
     P = len(curves[baseline])
     window = max(5, P // 8)
     base = smooth(curves[baseline], window)
@@ -258,6 +263,21 @@ def merge(parts: Sequence[tuple[Mapping[str, list[float]], Mapping[str, str]]],
     return curves, {c: notes[c] for c in candidates if c in notes}
 
 
+def _on_a_copy(stages: Sequence[Any], replicas: Sequence[int], sched: Any,
+               loss_fn: Callable[..., Any], optimizer: Callable[..., Any],
+               step_options: StepOptions | None, mitigation: Any = None) -> Any:
+    """A reference executor of ``sched`` on CPU copies of ``stages`` (the user's model and its
+    optimizer state stay untouched)."""
+    from .reference import ReferenceExecutor
+    from .step_options import DEFAULT
+
+    copies = copy.deepcopy(list(stages))
+    for st in copies:
+        st.gm.to("cpu")
+    return ReferenceExecutor(copies, replicas, sched, loss_fn, optimizer, mitigation=mitigation,
+                             options=step_options or DEFAULT)
+
+
 def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
           optimizer: Callable[..., Any], batches: Sequence[Any], candidates: Sequence[str], *,
           microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None,
@@ -271,9 +291,6 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     flush's curve. ``lr_scheduler``: the trainer's per-update scheduler factory, stepped after
     every update of each stage as in training (a warm-up changes what staleness costs, so a
     pilot at the base rate would measure another run)."""
-    from .reference import ReferenceExecutor
-    from .step_options import DEFAULT
-
     curves: dict[str, list[float]] = {}
     notes: dict[str, str] = {}
     rng = torch.get_rng_state()
@@ -281,16 +298,12 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
         for c in candidates:
             spec = parse_schedule(c)
             torch.manual_seed(seed)
-            copies = copy.deepcopy(list(stages))
-            for st in copies:
-                st.gm.to("cpu")
             try:
                 sched = make_schedule(spec.kind, list(replicas), len(batches),
                                       microbatches=None if spec.kind == "pipedream"
                                       else microbatches)
-                ex = ReferenceExecutor(copies, replicas, sched, loss_fn, optimizer,
-                                       mitigation=spec.mitigation,
-                                       options=step_options or DEFAULT)
+                ex = _on_a_copy(stages, replicas, sched, loss_fn, optimizer, step_options,
+                                spec.mitigation)
                 for w in ex.workers.values():
                     if lr_scheduler is not None and w.stash.optimizer is not None:
                         w.on_update = lr_scheduler(w.stash.optimizer).step
@@ -312,17 +325,10 @@ def probe(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     """Seconds per minibatch of a whole-model training step in this process, as the pilot takes
     them: pipedream on a copy (CPU, reference executor) over ``batches`` (a few), timed after
     the copy is made; the first step's warm-up is part of it."""
-    from .reference import ReferenceExecutor
-    from .step_options import DEFAULT
-
     rng = torch.get_rng_state()
     try:
-        copies = copy.deepcopy(list(stages))
-        for st in copies:
-            st.gm.to("cpu")
-        sched = make_schedule("pipedream", list(replicas), len(batches))
-        ex = ReferenceExecutor(copies, replicas, sched, loss_fn, optimizer,
-                               options=step_options or DEFAULT)
+        ex = _on_a_copy(stages, replicas, make_schedule("pipedream", list(replicas), len(batches)),
+                        loss_fn, optimizer, step_options)
         t0 = time.perf_counter()
         ex.run(list(batches))
         return (time.perf_counter() - t0) / len(batches)
@@ -362,9 +368,7 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     if len(stages) == 1:
         return Decision("1f1b-flush", "one stage: no schedule makes its weights stale, so a "
                         "pilot has nothing to measure")
-    if "1f1b-flush" not in options.candidates:
-        raise RuntimeConfigError("auto needs the baseline '1f1b-flush' among the candidates",
-                                 "add '1f1b-flush' to auto_options['candidates']")
+    require_baseline(options.candidates)
     t0 = time.perf_counter()
     index, world = share
     if world > 1 and gather is None:

@@ -13,13 +13,11 @@ from .schedule_spec import parse_schedule
 log = logging.getLogger("fxpipe.runtime.auto")
 
 
-def pilot_length(opts: AutoOptions, loader: Any, epochs: int) -> int:
+def pilot_length(opts: AutoOptions, total: int | None) -> int:
     """Minibatches the pilot may read: ``pilot``, at most ``max_fraction`` of the run's
-    minibatches when the loader has a length (a pilot longer than that would cost more than it
-    can save; below ``min_pilot`` there is none)."""
-    n = opts.pilot
-    if hasattr(loader, "__len__"):
-        n = min(n, int(opts.max_fraction * epochs * len(loader)))
+    ``total`` minibatches when the loader has a length (a pilot longer than that would cost
+    more than it can save; below ``min_pilot`` there is none)."""
+    n = opts.pilot if total is None else min(opts.pilot, int(opts.max_fraction * total))
     return max(n, 0)
 
 
@@ -34,6 +32,7 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
     from .data import iter_parts, take
 
     opts: AutoOptions = trainer.auto_options
+    total = epochs * len(loader) if hasattr(loader, "__len__") else None  # the run's minibatches
     decision = None
     if resume and trainer.checkpoint_dir is not None:
         found = _checkpoint_schedule(trainer) if trainer.index == 0 else None
@@ -41,7 +40,7 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
         if found is not None:
             decision = Decision(found, "the checkpoint being resumed was trained with it")
     if decision is None:
-        want = pilot_length(opts, loader, epochs)
+        want = pilot_length(opts, total)
         if 0 < want < opts.min_pilot:
             decision = Decision("1f1b-flush", f"a pilot may read {want} minibatches of this run "
                                 f"(at most {opts.max_fraction:.0%} of {epochs} x {len(loader)}), "
@@ -62,8 +61,7 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
                           gather=trainer.backend.exchange,
                           lr_scheduler=trainer._lr_scheduler if trainer.lr_interval == "step"
                           else None,
-                          run_minibatches=epochs * len(loader) if hasattr(loader, "__len__")
-                          else None)
+                          run_minibatches=total)
         decision = trainer.backend.broadcast(decision, "auto: decision")  # rank 0's
     trainer.adopt(decision.schedule)
     trainer.auto_decision = decision
