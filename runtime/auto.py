@@ -35,23 +35,27 @@ ranks: each trains its share (:mod:`fxpipe.runtime.auto_resolve`). A pilot that 
 run costs more than the run (each step is the whole model on one CPU process), so it pays only
 in a long job: before it starts, a few steps are timed (:func:`probe`) and a pilot predicted to
 cost more than ``max_cost`` (default a quarter) of the run's predicted training time
-(:func:`budget`) is not run; nor is one for a single stage, where nothing is stale. Both then
-pick the synchronous baseline, as do ``auto_options={"pilot": 0}`` and a run with fewer than
-``min_pilot`` minibatches; opt out altogether with an explicit schedule. LocalSGD is not a
+(:func:`budget`) is not run, and auto picks the synchronous baseline, as it does with
+``auto_options={"pilot": 0}`` and for a run with fewer than ``min_pilot`` minibatches. A single
+stage has nothing stale: auto trains it with pipedream (an update after every minibatch, no
+flush) without a pilot. Opt out altogether with an explicit schedule. LocalSGD is not a
 candidate: the distributed executor does not run it.
+
+Samples per update: every candidate, and the schedule auto trains, updates once per minibatch
+of the user's loader; a microbatched kind cuts each minibatch into sum(replicas) microbatches
+(:func:`~fxpipe.runtime.auto_pilot.split_for`) unless the user gave ``microbatches``. Its
+seconds per minibatch are then estimated as the simulator's seconds per whole-minibatch
+microbatch (costs proportional to the batch; per-message latency and small-kernel overheads
+are not scaled down).
 """
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence, TYPE_CHECKING
 
-import torch
-
-from fxpipe.errors import FxpipeError
-
+from .auto_pilot import budget, pilot, probe, split_for
 from .errors import RuntimeConfigError
 from .schedule import make_schedule
 from .schedule_spec import parse_schedule
@@ -64,6 +68,8 @@ SYNCHRONOUS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")
 SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # minibatch SGD, flush's arithmetic: its pilot curve
 SAFE = ("the synchronous schedule is never statistically worse, so it is the safe choice "
         "without a measurement")
+ONE_STAGE = ("one stage: no schedule makes its weights stale, so a pilot has nothing to "
+             "measure; pipedream updates after every minibatch with no flush to wait for")
 DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "pipedream", "pipedream+lr_scale",
                       "pipedream+predict+momentum")
 """Trained in the pilot: flush (whose curve gpipe and the zero-bubble kinds share), pipedream,
@@ -126,9 +132,12 @@ class Decision:
     level: float | None = None
     periods_from: str = ""
     pilot_ranks: int = 1
+    split: int = 1  # microbatches each minibatch is cut into (auto_pilot.split_for)
 
     def summary(self) -> str:
-        lines = [f"schedule auto -> {self.schedule}: {self.reason}"]
+        cut = (f" (each minibatch cut into {self.split} microbatches: one update per minibatch)"
+               if self.split > 1 else "")
+        lines = [f"schedule auto -> {self.schedule}{cut}: {self.reason}"]
         if self.rows:
             split = (f", candidates split over {self.pilot_ranks} ranks"
                      if self.pilot_ranks > 1 else "")
@@ -263,89 +272,11 @@ def merge(parts: Sequence[tuple[Mapping[str, list[float]], Mapping[str, str]]],
     return curves, {c: notes[c] for c in candidates if c in notes}
 
 
-def _on_a_copy(stages: Sequence[Any], replicas: Sequence[int], sched: Any,
-               loss_fn: Callable[..., Any], optimizer: Callable[..., Any],
-               step_options: StepOptions | None, mitigation: Any = None) -> Any:
-    """A reference executor of ``sched`` on CPU copies of ``stages`` (the user's model and its
-    optimizer state stay untouched)."""
-    from .reference import ReferenceExecutor
-    from .step_options import DEFAULT
-
-    copies = copy.deepcopy(list(stages))
-    for st in copies:
-        st.gm.to("cpu")
-    return ReferenceExecutor(copies, replicas, sched, loss_fn, optimizer, mitigation=mitigation,
-                             options=step_options or DEFAULT)
-
-
-def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
-          optimizer: Callable[..., Any], batches: Sequence[Any], candidates: Sequence[str], *,
-          microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None,
-          lr_scheduler: Callable[[Any], Any] | None = None
-          ) -> tuple[dict[str, list[float]], dict[str, str]]:
-    """Training-loss curves of each of ``candidates`` on ``batches`` (copies of ``stages`` on
-    the CPU, reference executor, same dropout seed for all, the trainer's clipping/precision/
-    recomputation ``step_options``); a candidate that cannot run this model (e.g. momentum
-    correction with an unsupported optimizer) is left out with a note. Every candidate given
-    is trained: :func:`share_of` picks a rank's, :func:`merge` adds the kinds that reuse
-    flush's curve. ``lr_scheduler``: the trainer's per-update scheduler factory, stepped after
-    every update of each stage as in training (a warm-up changes what staleness costs, so a
-    pilot at the base rate would measure another run)."""
-    curves: dict[str, list[float]] = {}
-    notes: dict[str, str] = {}
-    rng = torch.get_rng_state()
-    try:
-        for c in candidates:
-            spec = parse_schedule(c)
-            torch.manual_seed(seed)
-            try:
-                sched = make_schedule(spec.kind, list(replicas), len(batches),
-                                      microbatches=None if spec.kind == "pipedream"
-                                      else microbatches)
-                ex = _on_a_copy(stages, replicas, sched, loss_fn, optimizer, step_options,
-                                spec.mitigation)
-                for w in ex.workers.values():
-                    if lr_scheduler is not None and w.stash.optimizer is not None:
-                        w.on_update = lr_scheduler(w.stash.optimizer).step
-                curves[c] = ex.run(list(batches)).losses
-            except FxpipeError as err:
-                notes[c] = f"not run: {err.message}"
-    finally:
-        torch.set_rng_state(rng)
-    return curves, notes
-
-
 Gather = Callable[[Any, str], Sequence[Any]]
 """Every rank's object, in rank order (the trainer's ``backend.exchange(obj, what)``)."""
 
-
-def probe(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
-          optimizer: Callable[..., Any], batches: Sequence[Any], *,
-          step_options: StepOptions | None = None) -> float:
-    """Seconds per minibatch of a whole-model training step in this process, as the pilot takes
-    them: pipedream on a copy (CPU, reference executor) over ``batches`` (a few), timed after
-    the copy is made; the first step's warm-up is part of it."""
-    rng = torch.get_rng_state()
-    try:
-        ex = _on_a_copy(stages, replicas, make_schedule("pipedream", list(replicas), len(batches)),
-                        loss_fn, optimizer, step_options)
-        t0 = time.perf_counter()
-        ex.run(list(batches))
-        return (time.perf_counter() - t0) / len(batches)
-    finally:
-        torch.set_rng_state(rng)
-
-
-def budget(step_s: float, per_rank: int, pilot_len: int, run_minibatches: int,
-           flush_period: float, whole_units: float | None = None) -> tuple[float, float]:
-    """(the pilot's predicted cost, the run's predicted training time), in seconds: ``per_rank``
-    candidates x ``pilot_len`` whole-model steps of ``step_s`` (:func:`probe`) against
-    ``run_minibatches`` x flush's seconds per minibatch. Without a plan, ``flush_period`` is in
-    the unit-cost simulation's units and ``whole_units`` is one whole-model step in them (3 per
-    stage): the run is then priced at this process's measured speed, perfectly pipelined."""
-    run = run_minibatches * (flush_period if whole_units is None
-                             else step_s * flush_period / whole_units)
-    return per_rank * pilot_len * step_s, run
+__all__ = ["AutoOptions", "Decision", "Row", "budget", "choose", "decide", "merge", "periods",
+           "pilot", "probe", "share_of", "split_for", "trained"]
 
 
 def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
@@ -361,13 +292,12 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     ``run_minibatches``: the run's length; with ``options.max_cost``, a pilot predicted to cost
     more than that fraction of the run's training time (:func:`probe`, :func:`budget`) is not
     run."""
+    if len(stages) == 1:
+        return Decision("pipedream", ONE_STAGE)
     if options.pilot <= 0 or len(batches) < options.min_pilot:
         why = ("the pilot is disabled" if options.pilot <= 0 else
                f"only {len(batches)} minibatches for a pilot (min_pilot={options.min_pilot})")
         return Decision("1f1b-flush", f"{why}: {SAFE}")
-    if len(stages) == 1:
-        return Decision("1f1b-flush", "one stage: no schedule makes its weights stale, so a "
-                        "pilot has nothing to measure")
     require_baseline(options.candidates)
     t0 = time.perf_counter()
     index, world = share

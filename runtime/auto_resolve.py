@@ -6,7 +6,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from .auto import SAFE, AutoOptions, Decision, choose
+from .auto import ONE_STAGE, SAFE, AutoOptions, Decision, choose, split_for
 from .errors import RuntimeConfigError
 from .schedule_spec import parse_schedule
 
@@ -33,8 +33,8 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
 
     opts: AutoOptions = trainer.auto_options
     total = epochs * len(loader) if hasattr(loader, "__len__") else None  # the run's minibatches
-    decision = None
-    if resume and trainer.checkpoint_dir is not None:
+    decision = Decision("pipedream", ONE_STAGE) if len(trainer.stages) == 1 else None
+    if decision is None and resume and trainer.checkpoint_dir is not None:
         found = _checkpoint_schedule(trainer) if trainer.index == 0 else None
         found = trainer.backend.broadcast(found, "auto: checkpoint schedule")
         if found is not None:
@@ -63,7 +63,9 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
                           else None,
                           run_minibatches=total)
         decision = trainer.backend.broadcast(decision, "auto: decision")  # rank 0's
-    trainer.adopt(decision.schedule)
+    decision = replace(decision, split=split_for(decision.schedule, trainer.replicas,
+                                                 trainer.microbatches))
+    trainer.adopt(decision.schedule, decision.split)
     trainer.auto_decision = decision
     log.info("%s", decision.summary())
     if opts.report is not None:

@@ -195,6 +195,40 @@ def batch_size_of(inputs: Any) -> int:
     return 0
 
 
+def split_part(part: Part, k: int, size: int) -> list[Part]:
+    """``part`` of a minibatch of ``size`` samples as ``k`` microbatches, as
+    torch.distributed.pipelining splits a step's batch: every tensor whose first dimension is
+    ``size`` is cut along it (``torch.tensor_split``: sizes differ by at most one, so every
+    rank cuts the same minibatch alike, whichever part of it it holds); anything else (scalars,
+    tensors of another length, None) goes whole to every microbatch. Nested tuples, lists and
+    dicts keep their structure."""
+    if k == 1:
+        return [part]
+    if size < k:
+        what = (f"a minibatch of {size} sample(s)" if size else
+                "a minibatch without a batch-sized tensor input (dim 0)")
+        raise RuntimeConfigError(f"{what} cannot be split into {k} microbatches",
+                                 "give every minibatch at least as many samples, or pass "
+                                 "microbatches= to train on the loader's minibatches as "
+                                 "microbatches")
+    inputs, target = part
+    return list(zip(_cut(inputs, k, size), _cut(target, k, size)))
+
+
+def _cut(value: Any, k: int, size: int) -> list[Any]:
+    """``value`` as ``k`` pieces (see :func:`split_part`)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
+        return list(value.tensor_split(k))
+    if isinstance(value, (tuple, list)):
+        cols = [_cut(v, k, size) for v in value]
+        return [type(value)(c[i] for c in cols) if type(value) in (tuple, list)
+                else tuple(c[i] for c in cols) for i in range(k)]
+    if isinstance(value, Mapping):
+        cols_by_key = {key: _cut(v, k, size) for key, v in value.items()}
+        return [{key: c[i] for key, c in cols_by_key.items()} for i in range(k)]
+    return [value] * k
+
+
 class ShardedDataset:
     """A deterministic minibatch loader over indexable inputs and targets that reads only the
     part a rank needs (see the module doc).

@@ -27,6 +27,7 @@ class CheckpointMixin:
 
     local: dict[tuple[int, int], StageReplica]
     schedulers: dict[tuple[int, int], Any]
+    split: int
     backend: Any
     stages: list[Any]
     replicas: list[int]
@@ -64,6 +65,7 @@ class CheckpointMixin:
         if self.index == 0:
             info = {"history": self.history, "partial": acc, "replicas": self.replicas,
                     "schedule": self.schedule_name, "segment": self.segment, "seed": self.seed,
+                    "split": self.split,
                     "fingerprint": self.fingerprint, "layout": stage_layout(self.stages)}
             ckpt.write_manifest(self.checkpoint_dir, epoch, pos, len(self.stages), info)
             if self.keep_checkpoints:
@@ -93,10 +95,12 @@ class CheckpointMixin:
                                        f", this is model {self.fingerprint}",
                                        "the checkpoint was made for a different model: resume "
                                        "with the model it was trained with")
-        if (m.get("segment"), m.get("schedule")) != (self.segment, self.schedule_name):
-            log.warning("checkpoint was made with schedule %s and segment %s; resuming with %s "
-                        "and %s will not reproduce the uninterrupted run exactly",
-                        m.get("schedule"), m.get("segment"), self.schedule_name, self.segment)
+        made = (m.get("segment"), m.get("schedule"), m.get("split", 1))
+        if made != (self.segment, self.schedule_name, self.split):
+            log.warning("checkpoint was made with schedule %s, segment %s and %s microbatch(es) "
+                        "per minibatch; resuming with %s, %s and %s will not reproduce the "
+                        "uninterrupted run exactly", *made, self.schedule_name, self.segment,
+                        self.split)
         if m.get("layout", stage_layout(self.stages)) == stage_layout(self.stages) \
                 and m.get("num_stages") == len(self.stages) and (
                     "layout" in m or m.get("replicas") == self.replicas):

@@ -48,6 +48,7 @@ class ScheduleMixin:
     stages: list[Any]
     replicas: list[int]
     microbatches: int | None
+    split: int
     kind: str
     schedule_name: str
     mitigation: Any
@@ -88,6 +89,7 @@ class ScheduleMixin:
         segment, checkpoint_every = self._segment_args
         kinds = ("pipedream", "1f1b-flush") if kind == AUTO else (kind,)
         group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
+                           else 1 if self.split > 1  # one minibatch, cut into an update
                            else self.microbatches or sum(self.replicas) for k in kinds))
         self._ramp = segment is None and checkpoint_every is None
         self._first = group * math.ceil(FIRST_SEGMENT / group)
@@ -97,18 +99,26 @@ class ScheduleMixin:
                                      f"segment={self.segment}", "checkpoints happen only at "
                                      "segment ends (where the pipeline is drained)")
 
-    def adopt(self, schedule: str) -> None:
+    def adopt(self, schedule: str, split: int = 1) -> None:
         """Switch to ``schedule`` before training (what ``schedule="auto"`` chose): new stage
-        replicas with the same initial weights, optimizers made for the new schedule's delays."""
+        replicas with the same initial weights, optimizers made for the new schedule's delays.
+        ``split``: microbatches each loader minibatch is cut into (one update per minibatch;
+        :meth:`~fxpipe.runtime.trainer.Trainer._split`)."""
         spec = parse_schedule(schedule)
+        if split > 1 and (spec.kind == "pipedream" or self.microbatches is not None):
+            raise RuntimeConfigError(f"split={split} with schedule {schedule!r} and "
+                                     f"microbatches={self.microbatches}", "split only a "
+                                     "microbatched schedule's minibatches, when the user gave "
+                                     "no microbatches")
         self.kind, self.schedule_name, self.mitigation = spec.kind, spec.name, spec.mitigation
+        self.split = split
         self._schedules.clear()
         self._set_segments(spec.kind)  # the same segments as a run that named this schedule
         self._check_tied_cadence()
         self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
                              delays=own_delays(spec.kind, self.replicas,
                                                vertical_sync=self.vertical_sync,
-                                               microbatches=self.microbatches))
+                                               microbatches=self._per_update()))
         self.local = self.backend.local
         self.schedulers = {r: self._lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
                            if self._lr_scheduler is not None and w.stash.optimizer is not None}
@@ -116,15 +126,20 @@ class ScheduleMixin:
             for r, sch in self.schedulers.items():
                 self.local[r].on_update = sch.step
 
+    def _per_update(self) -> int | None:
+        """Microbatches per update of the batched kinds (None: the schedule's default)."""
+        return self.split if self.split > 1 else self.microbatches
+
     def _schedule(self, n: int) -> Schedule:
-        """The (validated) schedule of a segment of ``n`` minibatches, made once per length:
+        """The (validated) schedule of a segment of ``n`` microbatches (``n`` minibatches
+        unless they are split, :meth:`adopt`), made once per length:
         every full segment of every epoch has the same one. Checked against the stages too
         (tied weights need one update cadence on every stage holding them)."""
         sched = self._schedules.get(n)
         if sched is None and self.kind in PLACED_KINDS:
             sched = self._placed(n)
         elif sched is None:
-            sched = make_schedule(self.kind, self.replicas, n, microbatches=self.microbatches)
+            sched = make_schedule(self.kind, self.replicas, n, microbatches=self._per_update())
             sched = sched.with_vertical_sync() if self.vertical_sync else sched
             check_schedule(self.stages, self.replicas, sched)
             self._schedules[n] = sched

@@ -17,7 +17,8 @@ together every round; ddp splits ``--global-batch`` over the ranks):
   update): pipelined, but no weight staleness;
 * ddp: torch DistributedDataParallel over gloo (BSP);
 * auto: the fxpipe plan with ``schedule="auto"`` (what a user gets by default: a pilot when the run
-  is long enough, else 1f1b-flush; its flush updates once per 2 minibatches of --batch).
+  is long enough, else 1f1b-flush with each --batch minibatch cut into 2 microbatches, one update
+  per minibatch as in the flush mode; pipedream on a one-stage plan).
 
 ``--seed`` sets the model's initialisation and the minibatch order (the published run: 0, 1, 2).
 

@@ -3,8 +3,8 @@
 The distributed executor builds the same MitigatedReplica and the same compensated optimizers as
 the reference one, so a pipedream+predict+dc+momentum run (with checkpoints, an LR scheduler and
 dropout, trainer_job.py) must agree with the oracle to float tolerance; and schedule="auto" must
-reach one decision on both ranks: without a pilot (too short a run) and with one split over the
-two ranks, whose merged curves must give the single-process pilot's decision, row for row."""
+reach one decision on both ranks: without a pilot (too short a run: flush, each minibatch cut
+into microbatches on both executors) and with one split over the two ranks, whose merged curves must give the single-process pilot's decision, row for row."""
 from __future__ import annotations
 
 import sys
@@ -29,6 +29,11 @@ def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> Non
         assert dist.returncode == 0, dist.stdout[-3000:]
         want = torch.load(tmp_path / "ref.pt", weights_only=False)
         got = torch.load(tmp_path / "dist.pt", weights_only=False)
+        if schedule == "auto" and not extra:  # too short for a pilot: flush, each minibatch
+            # of 4 cut into 2 microbatches (rank 1, holding only the targets, cuts by rank 0's
+            # sizes): one update per minibatch on both executors
+            assert (want["auto"].schedule, want["auto"].split) == ("1f1b-flush", 2)
+            assert (got["auto"].schedule, got["auto"].split) == ("1f1b-flush", 2)
         if extra:  # the pilot ran: in one process, and split over the two ranks
             a, b = want["auto"], got["auto"]
             assert (a.pilot_ranks, b.pilot_ranks, a.pilot_minibatches) == (1, 2, 12)
