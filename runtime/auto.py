@@ -33,9 +33,10 @@ Cost: ``len(candidates)`` x ``pilot`` minibatch steps of the whole model in one 
 and the zero-bubble kinds reuse flush's curve: the same minibatch-SGD updates), split over the
 ranks: each trains its share (:mod:`fxpipe.runtime.auto_resolve`). A pilot that sees half the
 run costs more than the run (each step is the whole model on one CPU process), so it pays only
-in a long job: before it starts, a few steps are timed (:func:`probe`) and a pilot predicted to
-cost more than ``max_cost`` (default a quarter) of the run's predicted training time
-(:func:`budget`) is not run, and auto picks the synchronous baseline, as it does with
+in a long job: before it starts it is priced (:func:`price`, :func:`budget`), first from the
+plan's profile and, where that lets it through, from a few timed steps (:func:`probe`), and a
+pilot predicted to cost more than ``max_cost`` (default a quarter) of the run's predicted
+training time is not run, and auto picks the synchronous baseline, as it does with
 ``auto_options={"pilot": 0}`` and for a run with fewer than ``min_pilot`` minibatches. A single
 stage has nothing stale: auto trains it with pipedream (an update after every minibatch, no
 flush) without a pilot. Opt out altogether with an explicit schedule. LocalSGD is not a
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence, TYPE_CHECKING
 
 from .auto_pilot import budget, pilot, probe, split_for
@@ -276,7 +277,39 @@ Gather = Callable[[Any, str], Sequence[Any]]
 """Every rank's object, in rank order (the trainer's ``backend.exchange(obj, what)``)."""
 
 __all__ = ["AutoOptions", "Decision", "Row", "budget", "choose", "decide", "merge", "periods",
-           "pilot", "probe", "share_of", "split_for", "trained"]
+           "pilot", "price", "probe", "share_of", "split_for", "trained"]
+
+
+def price(options: AutoOptions, replicas: Sequence[int], num_stages: int, pilot_len: int,
+          run_minibatches: int | None, world: int, microbatches: int | None = None, *,
+          step_s: float | None = None) -> Decision | None:
+    """``1f1b-flush`` when a pilot of ``pilot_len`` minibatches is predicted to cost more than
+    ``options.max_cost`` of the run's training time (:func:`budget`), else None (also when the
+    run's length or the limit is unknown). ``step_s``: a whole-model step as :func:`probe`
+    measured it; None prices it from the plan's profile (its stages' compute summed), and
+    without a plan says nothing. Why a profile first: the probe and its exchange cost about
+    half a second, a sixth of a short job, and the profile's step is the optimistic one (an
+    accelerator, or one idle core, where the pilot's copies share the CPU), so a pilot it
+    already prices out would not be affordable measured either."""
+    if not run_minibatches or options.max_cost is None or pilot_len <= 0:
+        return None
+    how = "measured"
+    if step_s is None:
+        if options.plan is None:
+            return None
+        step_s = sum(st.compute_s * st.replicas for st in options.plan.stages)
+        how = "the profile's compute"
+    flush, _ = periods(("1f1b-flush",), replicas, plan=options.plan, profile=options.profile,
+                       microbatches=microbatches)
+    n = len(share_of(options.candidates, 0, world))  # the largest share
+    cost, run = budget(step_s, n, pilot_len, run_minibatches, flush["1f1b-flush"],
+                       None if options.plan is not None else 3.0 * num_stages)
+    if cost <= options.max_cost * run:
+        return None
+    return Decision("1f1b-flush", f"a pilot would cost about {cost:.3g} s ({n} candidates x "
+                    f"{pilot_len} minibatches x {step_s * 1e3:.3g} ms, {how}), more than "
+                    f"{options.max_cost:.0%} of the run's predicted {run:.3g} s of training: "
+                    f"{SAFE}")
 
 
 def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
@@ -290,8 +323,8 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     brings every rank's curves together, so the pilot's wall time falls with the number of
     ranks (every rank then decides alike: the same curves, the same simulation).
     ``run_minibatches``: the run's length; with ``options.max_cost``, a pilot predicted to cost
-    more than that fraction of the run's training time (:func:`probe`, :func:`budget`) is not
-    run."""
+    more than that fraction of the run's training time (:func:`price`: by the plan's profile,
+    then by a :func:`probe`) is not run."""
     if len(stages) == 1:
         return Decision("pipedream", ONE_STAGE)
     if options.pilot <= 0 or len(batches) < options.min_pilot:
@@ -305,19 +338,16 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
         raise RuntimeConfigError(f"auto's pilot split over {world} ranks without a gather",
                                  "pass gather= (every rank's object, in rank order)")
     P = min(options.pilot, len(batches))
-    per, source = periods(options.candidates, replicas, plan=options.plan,
-                          profile=options.profile, microbatches=microbatches)
-    if run_minibatches and options.max_cost is not None and batches:
+    args = (options, replicas, len(stages), P, run_minibatches, world, microbatches)
+    early = price(*args)  # from the plan's profile: no probe where it already prices out
+    if early is None and run_minibatches and options.max_cost is not None and batches:
         step = probe(stages, replicas, loss_fn, optimizer, batches[:5], step_options=step_options)
         step = max(gather(step, "auto: pilot probe")) if gather is not None else step
-        n = len(share_of(options.candidates, 0, world))  # the largest share
-        cost, run = budget(step, n, P, run_minibatches, per["1f1b-flush"],
-                           None if options.plan is not None else 3.0 * len(stages))
-        if cost > options.max_cost * run:
-            return Decision("1f1b-flush", f"a pilot would cost about {cost:.3g} s ({n} candidates "
-                            f"x {P} minibatches x {step * 1e3:.3g} ms, measured), more than "
-                            f"{options.max_cost:.0%} of the run's predicted {run:.3g} s of "
-                            f"training: {SAFE}", pilot_seconds=time.perf_counter() - t0)
+        early = price(*args, step_s=step)
+    if early is not None:
+        return replace(early, pilot_seconds=time.perf_counter() - t0)
+    per, source = periods(options.candidates, replicas, plan=options.plan,
+                          profile=options.profile, microbatches=microbatches)
     mine = pilot(stages, replicas, loss_fn, optimizer, batches[:P],
                  share_of(options.candidates, index, world), microbatches=microbatches,
                  seed=seed, step_options=step_options, lr_scheduler=lr_scheduler)

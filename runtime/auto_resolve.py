@@ -6,7 +6,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from .auto import ONE_STAGE, SAFE, AutoOptions, Decision, choose, split_for
+from .auto import ONE_STAGE, SAFE, AutoOptions, Decision, choose, price, split_for
 from .errors import RuntimeConfigError
 from .schedule_spec import parse_schedule
 
@@ -41,7 +41,10 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
             decision = Decision(found, "the checkpoint being resumed was trained with it")
     if decision is None:
         want = pilot_length(opts, total)
-        if 0 < want < opts.min_pilot:
+        if want >= opts.min_pilot:  # priced out by the profile: the pilot's data is not read
+            decision = price(opts, trainer.replicas, len(trainer.stages), want, total,
+                             trainer.backend.world, trainer.microbatches)
+        if decision is None and 0 < want < opts.min_pilot:
             decision = Decision("1f1b-flush", f"a pilot may read {want} minibatches of this run "
                                 f"(at most {opts.max_fraction:.0%} of {epochs} x {len(loader)}), "
                                 f"fewer than min_pilot={opts.min_pilot}: {SAFE}")

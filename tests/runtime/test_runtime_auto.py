@@ -272,3 +272,48 @@ def test_ranks_price_the_pilot_at_the_slowest_ranks_probe() -> None:
                run_minibatches=10**8)
     assert seen == ["auto: pilot probe"] and d.schedule == "1f1b-flush"
     assert "2 candidates x 48 minibatches x 1e+06 ms" in d.reason
+
+
+def test_a_pilot_the_profile_prices_out_is_skipped_without_a_probe(monkeypatch) -> None:
+    """The plan's profile prices the pilot first (its stages' compute summed is one whole-model
+    step): where that already costs more than max_cost of the run, no probe is timed and no
+    pilot minibatch is read."""
+    import fxpipe.runtime.auto as auto_mod
+    from fxpipe.api import compile as fx_compile
+
+    data = batches(48)
+    compiled = fx_compile(copy.deepcopy(tiny_mlp()), 3, example_inputs=(data[0][0],),
+                          loss_fn=loss_fn, stages=3, straight=True, repeats=1)
+    plan = compiled.plan
+    opts = AutoOptions(pilot=48, min_pilot=40, max_cost=0.25, plan=plan,
+                       profile=compiled.profile)
+    step = sum(st.compute_s * st.replicas for st in plan.stages)
+    flush = periods(("1f1b-flush",), [1, 1, 1], plan=plan, profile=compiled.profile)[0]
+    # by hand: 4 trained candidates x 48 minibatches x step against 96 x flush's period
+    cost, run = 4 * 48 * step, 96 * flush["1f1b-flush"]
+    assert cost > 0.25 * run  # the whole model per step: dearer than a quarter of this run
+
+    def no_probe(*a, **kw):
+        raise AssertionError("probed although the profile priced the pilot out")
+
+    monkeypatch.setattr(auto_mod, "probe", no_probe)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+    d = choose(compiled.stage_specs, [1, 1, 1], loss_fn, opt, data, opts, run_minibatches=96)
+    assert d.schedule == "1f1b-flush" and not d.rows
+    assert f"about {cost:.3g} s (4 candidates x 48 minibatches x {step * 1e3:.3g} ms, the " \
+        "profile's compute)" in d.reason
+    assert f"predicted {run:.3g} s" in d.reason
+
+    class Counted(list):  # how often the trainer iterates the loader
+        reads = 0
+
+        def __iter__(self):
+            Counted.reads += 1
+            return super().__iter__()
+
+    t = Trainer(compiled.stage_specs, [1, 1, 1], loss_fn, opt, schedule="auto",
+                executor="reference", progress=False,
+                auto_options={"pilot": 48, "min_pilot": 40, "plan": plan,
+                              "profile": compiled.profile})
+    t.fit(Counted(batches(96)), epochs=1)  # half the run may be read, but is not
+    assert Counted.reads == 1 and "the profile's compute" in t.auto_decision.reason
