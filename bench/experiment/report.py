@@ -106,12 +106,27 @@ def seeds_table(results: list[dict], target: float) -> tuple[str, dict]:
                      f"{'-' if stats[mode] is None else f'{stats[mode][0]:.2f} ± {stats[mode][1]:.2f}'}"
                      f" | {acc[0]:.3f} ± {acc[1]:.3f} | {sps[0]:.0f} ± {sps[1]:.0f} |")
     verdict = {}
-    two = [stats.get(m) for m in ("fxpipe", "flush") if stats.get(m) is not None]
+    two = [(stats[m], m) for m in ("fxpipe", "flush") if stats.get(m) is not None]
     if "auto" in stats and two:
-        best = min(two)
-        verdict = {"auto": stats["auto"], "best": best,
-                   "within": stats["auto"] is not None and stats["auto"][0] <= best[0] + best[1]}
+        best, best_mode = min(two)
+        verdict = {"auto": stats["auto"], "best": best, "best_mode": best_mode,
+                   "within": stats["auto"] is not None and stats["auto"][0] <= best[0] + best[1],
+                   "same_as": same_updates(modes)}
     return "\n".join(lines), verdict
+
+
+def same_updates(modes: dict[str, list[dict]]) -> str | None:
+    """The mode (fxpipe or flush) whose test accuracy after every epoch auto matched exactly in
+    every seed, i.e. whose updates it made; None if neither."""
+    def accs(r: dict) -> list[float]:
+        return [e["test_accuracy"] for e in r["epochs"]]
+
+    auto = {r.get("seed", 0): accs(r) for r in modes.get("auto", [])}
+    for mode in ("fxpipe", "flush"):
+        other = {r.get("seed", 0): accs(r) for r in modes.get(mode, [])}
+        if auto and all(other.get(s) == a for s, a in auto.items()):
+            return mode
+    return None
 
 
 def report(summary: dict) -> str:
@@ -151,7 +166,12 @@ def report(summary: dict) -> str:
             out += [f"auto: {verdict['auto'][0]:.2f} ± {verdict['auto'][1]:.2f} s to "
                     f"{a['target']:.0%} against {verdict['best'][0]:.2f} ± {verdict['best'][1]:.2f}"
                     f" s for the better of fxpipe (pipedream) and flush: "
-                    f"{'within' if verdict['within'] else 'NOT within'} the seed spread.", ""]
+                    f"{'within' if verdict['within'] else 'NOT within'} the seed spread."
+                    + ("" if verdict["same_as"] is None else
+                       f" auto made exactly {verdict['same_as']}'s updates (the same test "
+                       "accuracy after every epoch, every seed)"
+                       + (": the times differ by the machine's speed alone."
+                          if verdict["same_as"] == verdict["best_mode"] else ".")), ""]
         out += ["Seed 0 in detail:", "", table(first, summary["plans"], key, targets, a["batch"]),
                 ""]
     if summary.get("harm"):
