@@ -112,7 +112,9 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
         for e in timeline:
             busy[e.category] = busy.get(e.category, 0.0) + e.end - e.start
             forwards += e.category == "forward"
-    n = forwards * batch  # this rank's samples in the measured segments
+    # this rank's samples in the measured segments (auto may cut each minibatch into
+    # trainer.split microbatches: a forward is then batch / split samples)
+    n = forwards * batch // trainer.split
     log["busy_s_per_sample"] = {k: v / n for k, v in busy.items()} if n else {}
     log["stage_replica"] = list(trainer.backend.me)
     trainer.close()
