@@ -1,11 +1,12 @@
 """The measuring half of ``schedule="auto"`` (the rule: :mod:`fxpipe.runtime.auto`): the pilot,
 which trains each candidate on copies of the user's stages with the reference executor, the
-probe that times a few whole-model steps before a pilot is risked, and the price check.
+probe that times a few whole-model steps before a pilot is risked, and the budget that prices
+the pilot against the run (:func:`fxpipe.runtime.auto.price` applies it).
 
 Every candidate sees the same samples per update: pipedream updates after each minibatch, and a
 microbatched kind (flush, gpipe, the zero-bubble kinds, 2bw) cuts each minibatch into
 :func:`split_for` microbatches unless the user gave ``microbatches`` (the trainer then trains
-exactly so: :meth:`fxpipe.runtime.trainer.Trainer._split`). Its curve is the mean loss of each
+exactly so: :func:`fxpipe.runtime.data.split_segment`). Its curve is the mean loss of each
 minibatch's microbatches, one value per minibatch like pipedream's.
 """
 from __future__ import annotations
@@ -95,7 +96,6 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     return curves, notes
 
 
-
 def probe(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
           optimizer: Callable[..., Any], batches: Sequence[Any], *,
           step_options: StepOptions | None = None) -> float:
@@ -123,4 +123,3 @@ def budget(step_s: float, per_rank: int, pilot_len: int, run_minibatches: int,
     run = run_minibatches * (flush_period if whole_units is None
                              else step_s * flush_period / whole_units)
     return per_rank * pilot_len * step_s, run
-

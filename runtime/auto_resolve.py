@@ -33,12 +33,14 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
 
     opts: AutoOptions = trainer.auto_options
     total = epochs * len(loader) if hasattr(loader, "__len__") else None  # the run's minibatches
-    decision = Decision("pipedream", ONE_STAGE) if len(trainer.stages) == 1 else None
-    if decision is None and resume and trainer.checkpoint_dir is not None:
+    decision = None
+    if resume and trainer.checkpoint_dir is not None:
         found = _checkpoint_schedule(trainer) if trainer.index == 0 else None
         found = trainer.backend.broadcast(found, "auto: checkpoint schedule")
         if found is not None:
             decision = Decision(found, "the checkpoint being resumed was trained with it")
+    if decision is None and len(trainer.stages) == 1:
+        decision = Decision("pipedream", ONE_STAGE)
     if decision is None:
         want = pilot_length(opts, total)
         if want >= opts.min_pilot:  # priced out by the profile: the pilot's data is not read

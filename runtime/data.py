@@ -215,6 +215,18 @@ def split_part(part: Part, k: int, size: int) -> list[Part]:
     return list(zip(_cut(inputs, k, size), _cut(target, k, size)))
 
 
+def split_segment(parts: list[Part], sizes: list[int], k: int) -> list[Part]:
+    """A segment's minibatches (of ``sizes`` samples) as ``k`` microbatches each, in order
+    (:func:`split_part`). Its last minibatch may be short (a loader without drop_last): it
+    becomes as many microbatches as it has samples, the schedule's last, partial, group; a
+    short one anywhere else would shift every later update's group, so it is refused."""
+    if k == 1:
+        return parts
+    last = len(parts) - 1
+    return [mb for i, (p, size) in enumerate(zip(parts, sizes))
+            for mb in split_part(p, min(k, size) if i == last and size else k, size)]
+
+
 def _cut(value: Any, k: int, size: int) -> list[Any]:
     """``value`` as ``k`` pieces (see :func:`split_part`)."""
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:

@@ -56,7 +56,7 @@ from fxpipe.codegen.split import MODEL, StageSpec
 
 from .auto import AutoOptions, Decision
 from .auto_resolve import resolve as resolve_auto
-from .data import Part, PartStream, batch_size_of, derive_seed, split_part, take
+from .data import Part, PartStream, batch_size_of, derive_seed, split_segment, take
 from .errors import RuntimeConfigError
 from .metrics import MetricsLog
 from .param_names import wrap_factory
@@ -167,7 +167,7 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
         self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
-        self.split = 1  # microbatches per loader minibatch: set by schedule="auto" (_split)
+        self.split = 1  # microbatches per loader minibatch: set by schedule="auto" (_lead)
         self.options = StepOptions.make(len(self.stages), clip_grad_norm=clip_grad_norm,
                                         precision=precision, recompute=recompute,
                                         master_weights=master_weights,
@@ -240,15 +240,17 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
               ) -> tuple[list[Part], int]:
         """Every rank that reads data takes up to ``n`` minibatches itself (all at the same
         time); then the ranks exchange how many they read and their fingerprints (one message
-        each), rank 0 adding the wire shapes and the minibatches' sizes (``split``: cut each
-        into :attr:`split` microbatches, :meth:`_split`). Ranks that read different data stop
-        here. Returns the parts and how many minibatches were read."""
+        each), rank 0 adding the wire shapes and the minibatches' sizes. ``split``: cut each into
+        :attr:`split` microbatches (:func:`~.data.split_segment`), which ``schedule="auto"``
+        sets when it picks a microbatched schedule and the user gave no ``microbatches``: an
+        update still covers one of the loader's minibatches, as pipedream's does. Ranks that
+        read different data stop here. Returns the parts and how many minibatches were read."""
         reads = self.need_inputs or self.need_targets
         parts = take(it, n) if reads else []
         read, plan, samples, sizes = len(parts), None, 0, None
         if self.index == 0:  # rank 0 reads the inputs: it sizes the minibatches for all
             sizes = [batch_size_of(p[0]) for p in parts]
-            parts = self._split(parts, sizes) if split else parts
+            parts = split_segment(parts, sizes, self.split) if split else parts
             plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache,
                                    precision=self.options.precision,
                                    device=self.backend.device.type)
@@ -274,23 +276,9 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         if not reads:
             parts = [(None, None)] * (count * (self.split if split else 1))
         elif self.index != 0 and split:
-            parts = self._split(parts, sizes)
+            parts = split_segment(parts, sizes, self.split)
         self._wire, self._samples = plan, samples
         return parts, count
-
-    def _split(self, parts: list[Part], sizes: list[int]) -> list[Part]:
-        """Each minibatch as ``self.split`` microbatches (1: as it is). ``schedule="auto"``
-        sets it when it picks a microbatched schedule and the user gave no ``microbatches``,
-        so that an update still covers one of the loader's minibatches (what pipedream
-        updates with, and what the ablation's flush did), not ``split`` of them. A segment's
-        last minibatch may be short (a loader without drop_last): it becomes as many
-        microbatches as it has samples, the schedule's last, partial, group."""
-        if self.split == 1:
-            return parts
-        last = len(parts) - 1
-        return [mb for i, (p, size) in enumerate(zip(parts, sizes))
-                for mb in split_part(p, min(self.split, size) if i == last and size else
-                                     self.split, size)]
 
     # ------------------------------------------------------------------ training
     def fit(self, train_loader: Iterable[Any], epochs: int = 1,

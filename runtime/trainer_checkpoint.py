@@ -95,8 +95,8 @@ class CheckpointMixin:
                                        f", this is model {self.fingerprint}",
                                        "the checkpoint was made for a different model: resume "
                                        "with the model it was trained with")
-        made = (m.get("segment"), m.get("schedule"), m.get("split", 1))
-        if made != (self.segment, self.schedule_name, self.split):
+        made = (m.get("schedule"), m.get("segment"), m.get("split", 1))
+        if made != (self.schedule_name, self.segment, self.split):
             log.warning("checkpoint was made with schedule %s, segment %s and %s microbatch(es) "
                         "per minibatch; resuming with %s, %s and %s will not reproduce the "
                         "uninterrupted run exactly", *made, self.schedule_name, self.segment,

@@ -103,7 +103,7 @@ def test_auto_keeps_the_users_microbatches_and_refuses_short_minibatches() -> No
         early.fit(tail[::-1], epochs=1)
 
 
-def test_one_stage_trains_pipedream_without_a_pilot() -> None:
+def test_one_stage_trains_pipedream_without_a_pilot(tmp_path: Path) -> None:
     data = batches(8, batch=6)
     t = trainer("auto", cuts=[])
     t.fit(data, epochs=1)
@@ -113,3 +113,9 @@ def test_one_stage_trains_pipedream_without_a_pilot() -> None:
     want = plain(data)
     for n, v in t.state_dict().items():
         torch.testing.assert_close(v, want[n], rtol=1e-6, atol=1e-7, msg=n)
+    # a resumed run keeps the checkpoint's schedule, one stage or not
+    first = trainer("1f1b-flush", cuts=[], checkpoint_dir=str(tmp_path))
+    first.fit(data, epochs=1)
+    again = trainer("auto", cuts=[], checkpoint_dir=str(tmp_path))
+    again.fit(data, epochs=2, resume=True)
+    assert again.schedule_name == "1f1b-flush" and "checkpoint" in again.auto_decision.reason
