@@ -67,18 +67,28 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     every update of each stage as in training (a warm-up changes what staleness costs, so a
     pilot at the base rate would measure another run). Microbatched kinds cut each minibatch
     into :func:`split_for` microbatches (see the module doc): every curve has one loss per
-    minibatch."""
+    minibatch. A minibatch too small to cut (an epoch's short last one: a pilot may span
+    epochs, where training would end a segment with it) is left out of every candidate's
+    pilot, so the curves stay aligned; a minibatch that cannot be cut at all (no batch-sized
+    tensor) is an error, not a candidate left out."""
     curves: dict[str, list[float]] = {}
     notes: dict[str, str] = {}
+    cut = split_for("1f1b-flush", replicas, microbatches)  # every microbatched kind's cut
+    sizes = [batch_size_of(b[0]) for b in batches]
+    if cut > 1:  # the same filter on every rank, whatever its share of the candidates
+        batches = [b for b, n in zip(batches, sizes) if not 0 < n < cut]
+        sizes = [n for n in sizes if not 0 < n < cut]
+    pieces: list[Any] | None = None  # cut once, for all the microbatched candidates
     rng = torch.get_rng_state()
     try:
         for c in candidates:
             spec = parse_schedule(c)
             torch.manual_seed(seed)
+            k = split_for(c, replicas, microbatches)
+            if k > 1 and pieces is None:
+                pieces = [mb for b, n in zip(batches, sizes) for mb in split_part(b, k, n)]
+            parts = list(pieces) if k > 1 and pieces is not None else list(batches)
             try:
-                k = split_for(c, replicas, microbatches)
-                parts = list(batches) if k == 1 else [
-                    mb for b in batches for mb in split_part(b, k, batch_size_of(b[0]))]
                 sched = make_schedule(spec.kind, list(replicas), len(parts),
                                       microbatches=None if spec.kind == "pipedream"
                                       else k if k > 1 else microbatches)

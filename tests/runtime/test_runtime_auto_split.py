@@ -12,6 +12,7 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
+from fxpipe.runtime.auto import pilot
 from fxpipe.runtime.data import split_part
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.trainer import Trainer
@@ -119,3 +120,20 @@ def test_one_stage_trains_pipedream_without_a_pilot(tmp_path: Path) -> None:
     again = trainer("auto", cuts=[], checkpoint_dir=str(tmp_path))
     again.fit(data, epochs=2, resume=True)
     assert again.schedule_name == "1f1b-flush" and "checkpoint" in again.auto_decision.reason
+
+
+def test_the_pilot_leaves_out_a_minibatch_too_small_to_cut() -> None:
+    """A pilot may span epochs, so an epoch's short last minibatch can sit inside it: every
+    candidate's pilot leaves it out (flush's baseline is not lost, the curves stay aligned)."""
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
+    whole = batches(10, batch=6)
+    data = whole[:5] + batches(1, batch=2, seed=9) + whole[5:]  # 2 samples, 3 stages
+    cands = ("1f1b-flush", "pipedream")
+    got, notes = pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, sgd, data, cands)
+    want, _ = pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, sgd, whole, cands)
+    assert notes == {} and set(got) == set(cands)
+    for c in cands:
+        assert len(got[c]) == 10 and got[c] == want[c], c
+    with pytest.raises(RuntimeConfigError, match="without a batch-sized tensor"):
+        pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, sgd,
+              [((3.0,), y) for _, y in whole], cands)
