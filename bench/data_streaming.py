@@ -1,7 +1,7 @@
 """Streaming data through the Trainer: memory over long epochs, time to the first minibatch, and
 the cost of making schedules, measured side by side in one run.
 
-Run from the repository root:  .venv/bin/python bench/data_streaming.py
+Run from the repository root:  .venv/bin/python -m bench.data_streaming
 Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
 
 1. Memory: a 2-stage MLP (16 -> 64 -> 4, gloo, 2 torchrun ranks) trains one epoch from a LAZY
@@ -30,8 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import publish  # noqa: E402
+from bench._report import publish
 
 SECTION = "data_streaming"
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,8 +74,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from fxpipe.codegen.split import placed_nodes, split_graph
-    from fxpipe.runtime import executor
-    from fxpipe.runtime.trainer import Trainer
+    from fxpipe.runtime.execution import executor
+    from fxpipe.runtime.training.trainer import Trainer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -125,7 +124,7 @@ def job(n: int, stages: int, delay: float, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = str(Path(tmp) / "r")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={stages}",
-               "--master-addr=127.0.0.1", f"--master-port={port()}", __file__, "--bench-worker",
+               "--master-addr=127.0.0.1", f"--master-port={port()}", "-m", "bench.data_streaming", "--bench-worker",
                "--epoch-minibatches", str(n), "--pipe-stages", str(stages), "--read-delay", str(delay),
                "--msg-timeout", str(timeout), "--result-file", result]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -141,7 +140,7 @@ def job(n: int, stages: int, delay: float, timeout: float) -> dict:
 
 
 def schedule_times(sizes: list[int]) -> list[tuple[str, int, float]]:
-    from fxpipe.runtime.schedule import make_schedule
+    from fxpipe.runtime.schedules.kinds import make_schedule
 
     out = []
     for kind in ("pipedream", "1f1b-flush"):
@@ -182,7 +181,7 @@ def main() -> None:
     lines = [
         "## Streaming data: memory over long epochs, time to the first minibatch, schedules",
         "",
-        f"Command: `.venv/bin/python bench/data_streaming.py` (from the repository root; "
+        f"Command: `.venv/bin/python -m bench.data_streaming` (from the repository root; "
         f"{os.cpu_count()} CPU cores shared with other jobs (load average {load} at the end), "
         f"torch {torch.__version__}, Python {platform.python_version()}, 1 thread per process, "
         f"gloo; {time.perf_counter() - started:.0f} s in all)",

@@ -1,8 +1,8 @@
 """Elastic restart on emulated hosts: torchrun's elastic agent, one host killed mid-epoch.
 
-    sudo .venv/bin/python bench/elastic.py [--hosts 3] [--out FILE.md]
+    sudo .venv/bin/python -m bench.elastic [--hosts 3] [--out FILE.md]
 
-Three hosts (network namespaces, bench/cluster) each run one torchrun agent with
+Three hosts (network namespaces, tools/cluster) each run one torchrun agent with
 ``--nnodes 2:3 --max-restarts 3 --rdzv-backend c10d`` (host 0 holds the rendezvous store) and
 one worker ``fxpipe.cli_train gpt --elastic`` (a GPT mini learning counting sequences, AdamW with
 named groups, LR warm-up, 1f1b-flush with 4 microbatches, a checkpoint every 8 minibatches into
@@ -37,13 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench._report import publish
+from tools.cluster import EmulatedCluster, read_output, wait_all
+from tools.cluster.netns import namespace_pids
 
-from bench._report import publish  # noqa: E402
-from bench.cluster import EmulatedCluster, read_output, wait_all  # noqa: E402
-from bench.cluster.netns import namespace_pids  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DATA = '''"""A slow, learnable loader for bench/elastic.py: counting sequences (each token is the
 previous one + 1 mod 128) in the GPT mini's shape, read with a delay of {delay} s."""
@@ -192,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
           and first[2] != again[2] and fresh_plan is not None
           and fresh_plan.group(1) == again[2] and same_losses and same_weights)
     md = [f"## Elastic restart: {a.hosts} emulated hosts, one killed mid-epoch (`bench/elastic.py`)",
-          "", f"Command: `sudo .venv/bin/python bench/elastic.py --hosts {a.hosts}` "
+          "", f"Command: `sudo .venv/bin/python -m bench.elastic --hosts {a.hosts}` "
           f"({a.minibatches} minibatches per epoch, {a.epochs} epochs, 0.1 s per read, "
           "torchrun `--nnodes 2:3 --max-restarts 3 --rdzv-backend c10d`).", "",
           "| | value |", "|---|---|",

@@ -3,7 +3,7 @@ and a Hugging Face Llama with a 7B-parameter config planned on the meta device f
 
 Run from the repository root (one core, as the test matrix's "under 5 s" is stated):
 
-    taskset -c 0 .venv/bin/python bench/hf_models.py
+    taskset -c 0 .venv/bin/python -m bench.hf_models
 
 Writes its section of BENCHMARKS.md. Each compile is timed whole (trace, cost, plan, split),
 once with measured costs and once estimated for V100s, after one untimed warm-up compile per
@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "api"))  # the test matrix's models, defined once
-sys.path.insert(0, str(ROOT))
+from bench._report import publish
 
-from bench._report import publish  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LLAMA_7B = ("hf:LlamaForCausalLM:hidden_size=4096,intermediate_size=11008,num_hidden_layers=32,"
             "num_attention_heads=32,num_key_value_heads=32,vocab_size=32000,"
@@ -34,7 +31,7 @@ LLAMA_7B = ("hf:LlamaForCausalLM:hidden_size=4096,intermediate_size=11008,num_hi
 def compile_times(repeats: int) -> list[tuple[str, str, float, float, int]]:
     """(arch, tracer, measured s, estimated s, graph nodes) per architecture, 2 stages."""
     import fxpipe
-    from third_party import CASES
+    from tests.api.third_party import CASES  # the test matrix's models, defined once
 
     rows = []
     for arch in sorted(CASES):
@@ -102,7 +99,7 @@ def main() -> None:
     rows = compile_times(args.repeats)
     phases, table, nodes, params = plan_llama_7b(Path(args.svg))
     md = ["## Third-party models: compile time, and Llama-7B planned on the meta device", "",
-          "`taskset -c 0 .venv/bin/python bench/hf_models.py` (one core, one thread; median of "
+          "`taskset -c 0 .venv/bin/python -m bench.hf_models` (one core, one thread; median of "
           f"{args.repeats} compiles after a warm-up; 2 stages; the models of "
           "`tests/api/third_party.py`)", "",
           "| model | tracer | graph nodes | measured costs | estimated (V100) |",

@@ -3,7 +3,7 @@ with the recipe practitioners use (AdamW with named groups, warm-up + cosine per
 at 1.0, bf16 autocast), by ``fxpipe train`` on 2 and 4 gloo ranks, beside the same recipe run
 eagerly in one process.
 
-Run from the repository root:  .venv/bin/python bench/lm_demo.py
+Run from the repository root:  .venv/bin/python -m bench.lm_demo
 Writes docs/figures/lm_stdlib_val_loss.png and its section of BENCHMARKS.md (``--out FILE``
 writes the markdown there instead).
 
@@ -12,7 +12,7 @@ gradient of 4 microbatches of 8 sequences, exactly what the eager loop computes 
 accumulation (each microbatch's forward in its own autocast region, ``loss / 4`` backward), so
 the curves must agree to round-off. ``pipedream`` trains on the same samples in minibatches of
 32 (one update per minibatch, the same number of updates) with stale weights; clipping is then
-per stage (fxpipe.runtime.clipping): its gap to eager is reported, not hidden.
+per stage (fxpipe.runtime.replica.clipping): its gap to eager is reported, not hidden.
 """
 from __future__ import annotations
 
@@ -28,14 +28,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(ROOT / "docs" / "examples"))
-import lm_stdlib as L  # noqa: E402
-from _report import publish  # noqa: E402
+from bench._report import publish
+from docs.examples import lm_stdlib as L
+from fxpipe.runtime.training.data import derive_seed
+from fxpipe.runtime.training.recipes import OptimizerRecipe, WarmupCosine
 
-from fxpipe.runtime.data import derive_seed  # noqa: E402
-from fxpipe.runtime.recipes import OptimizerRecipe, WarmupCosine  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("lm_demo")
 SECTION = "lm_demo"
@@ -178,7 +176,7 @@ def main() -> None:
                     f"| {times[name]:.0f} s |")
     md = "\n".join([
         "## End to end: a GPT on the standard library's source (`bench/lm_demo.py`)", "",
-        "Command: `.venv/bin/python bench/lm_demo.py` (2 CPU cores, gloo; the 4-rank runs share "
+        "Command: `.venv/bin/python -m bench.lm_demo` (2 CPU cores, gloo; the 4-rank runs share "
         "them). Model and data: `docs/examples/lm_stdlib.py` (GPT 4 layers x 32 wide, bytes of "
         f"the stdlib's `.py` files, 1 MiB, 90/10 split), {args.epochs} epochs of {L.STEPS} "
         "updates, AdamW (lr 3e-3, weight decay 0.1 on 2-D tensors only: named groups), "

@@ -2,7 +2,7 @@
 the literal PipeDream DP beside it, and measured profiling of a 94-node CNN (the part of
 ``fxpipe.compile`` that runs the model).
 
-Run from the repository root:  .venv/bin/python bench/plan_speed.py
+Run from the repository root:  .venv/bin/python -m bench.plan_speed
 Writes its section of BENCHMARKS.md (a markdown table with the exact command at the top).
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             t2 = time.perf_counter()
             dp_rows.append((model, len(prof), workers, ours, theirs, t1 - t0, t2 - t1))
             log.info("dp %s %d ours %.6g theirs %.6g", model, workers, ours, theirs)
-    lines = ["## Planning speed", "", "Command: `.venv/bin/python bench/plan_speed.py` (from the "
+    lines = ["## Planning speed", "", "Command: `.venv/bin/python -m bench.plan_speed` (from the "
              "repository root; 10 Gbps single-level cluster, no memory limit)", "",
              "| profile | nodes | workers | sync | plan replicas | predicted time/minibatch | "
              "planning seconds |", "|---|---:|---:|---|---|---:|---:|"]
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
               f"forward, backward and optimizer step of every node) of a CNN of {nodes} compute "
               f"nodes (batch 4 x 3 x 16 x 16), 3 runs: "
               + ", ".join(f"{s:.2f} s" for s in secs) + "."]
-    sys.path.insert(0, str(ROOT / "bench"))
-    from _report import publish
+    from bench._report import publish
 
     publish("plan_speed", "\n".join(lines), args.out)
     return 0

@@ -1,9 +1,9 @@
 """Re-planning in place from a deliberately wrong profile (issue 13, item 1), local gloo ranks.
 
-    .venv/bin/python bench/replan.py [--procs 2] [--repeats 3]
-    sudo .venv/bin/python bench/replan.py --hosts 2 --mbit 100 --layers 12 [--repeats 5]
+    .venv/bin/python -m bench.replan [--procs 2] [--repeats 3]
+    sudo .venv/bin/python -m bench.replan --hosts 2 --mbit 100 --layers 12 [--repeats 5]
 
-With ``--hosts`` the ranks run on emulated hosts (bench/cluster: one network namespace and one
+With ``--hosts`` the ranks run on emulated hosts (tools/cluster: one network namespace and one
 core per host, links shaped to ``--mbit`` by tc; needs root), one torchrun agent per host, and
 the profile is planned for that bandwidth; the section is "replan-cluster", with per-rank
 timeline pictures before and after the re-plan (docs/figures/replan-timeline-*.png) and the
@@ -19,7 +19,7 @@ one thread each), 1f1b-flush:
 * ``wrong``: the wrong plan, kept (the cost of believing the wrong profile);
 * ``replan``: the wrong plan with ``replan="auto"``: after the first segment every rank
   measures its stage from its timeline, the ranks agree on a re-solved plan and switch to it
-  in place (``fxpipe.runtime.trainer_switch``). One decision (``replan_max=1``): the
+  in place (``fxpipe.runtime.training.trainer_switch``). One decision (``replan_max=1``): the
   experiment measures the FIRST re-plan (the trainer's default re-plans again after a switch).
 
 Every run records timelines (so the three pay the same) and the seconds per minibatch of every
@@ -47,8 +47,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
 
 D, B = 512, 32  # width, batch (samples per minibatch)
 L = 6  # hidden layers (--layers; set before any Net is built)
@@ -78,7 +76,7 @@ def plans(procs: int, work: Path, bandwidth: str | None = None) -> dict[str, Any
     """Measure the right profile here; derive the wrong one; save both with their plans."""
     import fxpipe
     from fxpipe.passes.partition import partition
-    from fxpipe.runtime.replan import stage_starts
+    from fxpipe.runtime.pricing.replan import stage_starts
 
     torch.set_num_threads(1)
     cluster = (fxpipe.Cluster(workers=procs, bandwidth=bandwidth) if bandwidth
@@ -104,7 +102,7 @@ def predicted_s(plan: Any, profile: Any) -> dict[str, float]:
     (``Plan.time_per_minibatch``: pipedream's steady state) and the event simulation of one
     segment of the schedule the runs use (1f1b-flush, ``MICRO`` minibatches per update, fill
     and drain of every update included: what a segment's measured time contains)."""
-    from fxpipe.runtime.plansim import simulate_plan
+    from fxpipe.runtime.pricing.plansim import simulate_plan
 
     sim = simulate_plan(plan, profile, schedule="1f1b-flush", minibatches=SEGMENT,
                         microbatches=MICRO)
@@ -180,7 +178,7 @@ def _port() -> int:
 
 
 def worker_args(work: Path, run: str, after: int) -> list[str]:
-    return [__file__, "--worker", run, "--work", str(work), "--layers", str(L),
+    return ["-m", "bench.replan", "--worker", run, "--work", str(work), "--layers", str(L),
             "--after", str(after)]
 
 
@@ -188,7 +186,7 @@ def launch(work: Path, run: str, procs: int, after: int = 1, cluster: Any = None
            port: int = 29500) -> dict[str, Any]:
     """One run: ``procs`` local ranks, or one rank per emulated host of ``cluster``."""
     if cluster is not None:
-        from bench.cluster import read_output, torchrun_across, wait_all
+        from tools.cluster import read_output, torchrun_across, wait_all
 
         log_dir = work / f"logs-{run}-{port}"
         procs_ = torchrun_across(cluster, worker_args(work, run, after), port=port,
@@ -202,7 +200,7 @@ def launch(work: Path, run: str, procs: int, after: int = 1, cluster: Any = None
            "--master-addr=127.0.0.1", f"--master-port={_port()}",
            *worker_args(work, run, after)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if res.returncode:
         raise SystemExit(f"{run} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     return json.loads((work / f"{run}.json").read_text())
@@ -287,11 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     info = plans(a.procs, work)
     t0, load0 = time.monotonic(), os.getloadavg()[0]
     rows = repeats(work, a.procs, a.repeats, a.after)
-    from _report import publish
+    from bench._report import publish
 
     wall, load1 = time.monotonic() - t0, os.getloadavg()[0]
     lines = ["## Re-planning in place from a wrong profile (issue 13)", "",
-             f"Command: `.venv/bin/python bench/replan.py --procs {a.procs} --repeats "
+             f"Command: `.venv/bin/python -m bench.replan --procs {a.procs} --repeats "
              f"{a.repeats}` ({a.procs} local gloo ranks, 1 thread each, on {os.cpu_count()} cores: "
              f"`uptime` load {load0:.1f} at the start, {load1:.1f} at the end; {wall:.0f} s). MLP {L}x Linear({D},{D}) "
              f"+ head, batch {B}, 1f1b-flush, {MICRO} microbatches per update, segments of "
@@ -389,9 +387,9 @@ def prediction_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def cluster_main(a: argparse.Namespace, work: Path) -> int:
     """The emulated-cluster experiment (issue 13's first "done means" bullet and item 3)."""
-    from _report import publish
-    from bench.cluster import EmulatedCluster
-    from replan_figures import plot_timelines
+    from bench._report import publish
+    from tools.cluster import EmulatedCluster
+    from bench.replan_figures import plot_timelines
 
     load0 = os.getloadavg()
     info = plans(a.hosts, work, bandwidth=f"{a.mbit:g}Mbit")
@@ -403,7 +401,7 @@ def cluster_main(a: argparse.Namespace, work: Path) -> int:
     suffix = "" if a.after == 2 else f"-after{a.after}"
     figs = plot_timelines(work, ROOT / "docs" / "figures",
                           f"replan-timeline-{a.mbit:g}mbit{suffix}", B)
-    cmd = (f"sudo .venv/bin/python bench/replan.py --hosts {a.hosts} --mbit {a.mbit:g} "
+    cmd = (f"sudo .venv/bin/python -m bench.replan --hosts {a.hosts} --mbit {a.mbit:g} "
            f"--layers {L} --after {a.after} --repeats {a.repeats}")
     lines = [f"## Re-planning in place on an emulated cluster: {a.hosts} hosts, "
              f"{a.mbit:g} Mbit/s (issue 13)", "",

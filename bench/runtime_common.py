@@ -13,13 +13,14 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fxpipe.runtime.execution.launch import run_children
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = ".venv/bin/python"
@@ -135,29 +136,13 @@ def machine() -> str:
 def spawn_and_collect(target: Callable[..., None], nprocs: int, args: tuple,
                       timeout_s: float = 300.0) -> list[Any]:
     """Run ``target(rank, outdir, *args)`` in ``nprocs`` spawned processes; each writes
-    ``outdir/rank<r>.pt``. Children are always joined and, past the deadline, terminated."""
+    ``outdir/rank<r>.pt``. Children are always joined and, past the deadline, terminated
+    (the runtime's own launch, ``run_children``: once one fails the others get 2 s to notice)."""
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fxpipe-bench-") as outdir:
         procs = [ctx.Process(target=target, args=(r, outdir, *args), daemon=True)
                  for r in range(nprocs)]
-        try:
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + timeout_s
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    time.sleep(2.0)  # let the others notice, then stop everyone
-                    break
-                for p in procs:
-                    p.join(0.05)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
+        run_children(procs, timeout_s=0.0, join_timeout_s=timeout_s)
         codes = [p.exitcode for p in procs]
         if any(c != 0 for c in codes):
             errs = [(Path(outdir) / f"rank{r}.err") for r in range(nprocs)]

@@ -1,6 +1,6 @@
 """Runtime overhead: one stage on one process (fxpipe's runtime) against a plain eager loop.
 
-Run from the repository root:  .venv/bin/python bench/runtime_overhead.py
+Run from the repository root:  .venv/bin/python -m bench.runtime_overhead
 Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
 
 Both sides train the same model from the same initial weights on the same minibatches with the
@@ -20,21 +20,18 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import runtime_common as rc  # noqa: E402
-from _report import publish  # noqa: E402
-
-import fxpipe  # noqa: E402
-from fxpipe import models  # noqa: E402
-from fxpipe.runtime.allocator import keep_freed_memory  # noqa: E402
-from fxpipe.runtime.launch import run_distributed  # noqa: E402
-from fxpipe.runtime.schedule import make_schedule  # noqa: E402
+from bench import runtime_common as rc
+from bench._report import publish
+import fxpipe
+from fxpipe import models
+from fxpipe.runtime.execution.allocator import keep_freed_memory
+from fxpipe.runtime.execution.launch import run_distributed
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 log = logging.getLogger("runtime_overhead")
 SECTION = "runtime_overhead"
@@ -44,8 +41,9 @@ BATCH = 32
 def eager_worker(rank: int, outdir: str, model: torch.nn.Module, batches: list, loss_fn,
                  opt_factory, tuned: bool = False) -> None:
     """Plain eager PyTorch training loop in a fresh process (one thread, like a rank);
-    ``tuned``: with the same glibc malloc setting fxpipe's ranks use (runtime/allocator.py), so
-    the runtime's own overhead is separated from the allocator's effect."""
+    ``tuned``: with the same glibc malloc setting fxpipe's ranks use
+    (runtime/execution/allocator.py), so the runtime's own overhead is separated from the
+    allocator's effect."""
     try:
         if tuned:
             keep_freed_memory()
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                      "max |param diff| %.2g", r, cfg["name"], rate["eager"], rate["eager-tuned"],
                      rate["fxpipe"], res["ratio"][-1], res["ratio-tuned"][-1], res["diff"][-1])
     elapsed = time.perf_counter() - t_start
-    cmd = f"{rc.PY} bench/runtime_overhead.py" + (" --quick" if args.quick else "") + \
+    cmd = f"{rc.PY} -m bench.runtime_overhead" + (" --quick" if args.quick else "") + \
         (f" --rounds {args.rounds}" if args.rounds != 5 else "")
     for cfg, _, _, _ in prepared:
         res = results[cfg["name"]]
@@ -160,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Steady-state samples/s: minibatches {args.warmup}..N-1, from the completion time of each "
         "minibatch (fxpipe: end of `U<k>` on the runtime's timeline; eager: after `opt.step()`); "
         "start-up excluded. Goal: ratio >= 0.97. fxpipe's ranks raise glibc's malloc mmap/trim "
-        "thresholds (`runtime/allocator.py`: freed gradient buffers stay in the heap instead of "
+        "thresholds (`runtime/execution/allocator.py`: freed gradient buffers stay in the heap instead of "
         "page-faulting every step); `eager (tuned)` is the eager loop with the same setting, so "
         "`fxpipe / eager (tuned)` is the runtime's own overhead.",
         "",

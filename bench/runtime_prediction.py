@@ -1,6 +1,6 @@
 """The plan's prediction against the runtime's measurement: time per minibatch, busy fractions.
 
-Run from the repository root:  .venv/bin/python bench/runtime_prediction.py
+Run from the repository root:  .venv/bin/python -m bench.runtime_prediction
 Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
 
 ``fxpipe.compile`` profiles the model on this machine (one thread, as each rank runs) and plans a
@@ -18,7 +18,7 @@ N minibatches of each, interleaved and repeated, and the runtime's own timeline 
   against the plan's ``compute_s`` (forward+backward from the profile);
 * after re-planning (issue 13, item 3): the profile rescaled stage by stage to the forward,
   backward and optimizer times measured over minibatches --warmup..N/2-1
-  (``fxpipe.runtime.replan.rescale``, what ``trainer(replan="auto")`` does after its first
+  (``fxpipe.runtime.pricing.replan.rescale``, what ``trainer(replan="auto")`` does after its first
   segments), the running plan costed on it (``plan_for``), against the time per minibatch
   measured over the second half (N/2..N-1): a prediction for time it has not seen.
 """
@@ -28,23 +28,19 @@ import argparse
 import logging
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import runtime_common as rc  # noqa: E402
-from _report import publish  # noqa: E402
-
-import fxpipe  # noqa: E402
-from fxpipe.passes.partition import plan_for  # noqa: E402
-from fxpipe.runtime.launch import run_distributed  # noqa: E402
-from fxpipe.runtime.replan import measure as replan_measure  # noqa: E402
-from fxpipe.runtime.replan import rescale, stage_starts  # noqa: E402
-from fxpipe.runtime.schedule import make_schedule  # noqa: E402
-from fxpipe.runtime.timeline import busy_fraction  # noqa: E402
+from bench import runtime_common as rc
+from bench._report import publish
+import fxpipe
+from fxpipe.passes.partition import plan_for
+from fxpipe.runtime.execution.launch import run_distributed
+from fxpipe.runtime.pricing.replan import measure as replan_measure
+from fxpipe.runtime.pricing.replan import rescale, stage_starts
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.timeline import busy_fraction
 
 log = logging.getLogger("runtime_prediction")
 SECTION = "runtime_prediction"
@@ -162,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {stages} | {r} | {st.compute_s * 1e3:.2f} | {s([x['fb'] * 1e3 for x in runs])} | "
                 f"{s([x['opt'] * 1e3 for x in runs])} | **{s([x['busy'] for x in runs])}** | "
                 + " | ".join(sh[c] for c in CATS) + " |")
-    cmd = f"{rc.PY} bench/runtime_prediction.py" + (
+    cmd = f"{rc.PY} -m bench.runtime_prediction" + (
         f" --rounds {args.rounds}" if args.rounds != 3 else "") + (
         f" --minibatches {args.minibatches}" if args.minibatches != 150 else "")
     md = "\n".join([
@@ -193,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "After re-planning (issue 13, item 3): the profile rescaled stage by stage to the "
         f"forward, backward and optimizer times measured over minibatches {args.warmup}.."
-        f"{args.minibatches // 2 - 1} of the same run (`fxpipe.runtime.replan.rescale`, what "
+        f"{args.minibatches // 2 - 1} of the same run (`fxpipe.runtime.pricing.replan.rescale`, what "
         "`trainer(replan=\"auto\")` re-plans from), the running plan costed on it "
         "(`plan_for`), against the time per minibatch measured over minibatches "
         f"{args.minibatches // 2}..N-1 (error = measured / predicted - 1, as above):",

@@ -1,6 +1,6 @@
 """Two stages on two processes: fxpipe's PipeDream runtime against torch.distributed.pipelining.
 
-Run from the repository root:  .venv/bin/python bench/runtime_vs_pipelining.py
+Run from the repository root:  .venv/bin/python -m bench.runtime_vs_pipelining
 Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
 
 Same model (a mid-size MLP, 512-4x1024-10), same split (fxpipe's 2-stage plan: the pipelining
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -33,13 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import runtime_common as rc  # noqa: E402
-from _report import publish  # noqa: E402
-
-import fxpipe  # noqa: E402
-from fxpipe.runtime.launch import free_port, run_distributed  # noqa: E402
-from fxpipe.runtime.schedule import make_schedule  # noqa: E402
+from bench import runtime_common as rc
+from bench._report import publish
+import fxpipe
+from fxpipe.runtime.execution.launch import free_port, run_distributed
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 log = logging.getLogger("runtime_vs_pipelining")
 SECTION = "runtime_vs_pipelining"
@@ -197,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                                        for k in names})
     elapsed = time.perf_counter() - t_start
 
-    cmd = f"{rc.PY} bench/runtime_vs_pipelining.py" + "".join(
+    cmd = f"{rc.PY} -m bench.runtime_vs_pipelining" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in
         dict(rounds=args.rounds, minibatches=args.minibatches, target=args.target).items()
         if v != ap.get_default(k))

@@ -1,7 +1,7 @@
 """Synchronous schedules measured on processes: fxpipe's zero-bubble kinds against 1F1B-flush,
 pipedream, and torch.distributed.pipelining's own schedules on fxpipe's split.
 
-Run from the repository root:  .venv/bin/python bench/sync_measured.py
+Run from the repository root:  .venv/bin/python -m bench.sync_measured
 Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
 
 For S = 2 and 4 ranks (gloo on 127.0.0.1, one thread per process) and two models:
@@ -17,7 +17,7 @@ update, SGD lr 0.01 momentum 0.9) from the same weights:
 * fxpipe ``1f1b-flush``, ``zb-h1``, ``zb-h2`` (S stages, one update per m microbatches, the W's
   placed as the trainer places them: unit costs) and ``pipedream`` (one update per microbatch);
   fxpipe's own ``interleaved-1f1b`` and ``zb-v`` on the 2S-stage split, 2 stages per rank
-  (``fxpipe.runtime.hosted``, unit costs);
+  (``fxpipe.runtime.execution.hosted``, unit costs);
 * torch ``Schedule1F1B`` on the same S stages, and ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble`` (2 stages per rank, round robin) and
   ``ScheduleZBVZeroBubble`` (2 per rank, V placement) on fxpipe's 2S-stage split
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,14 +41,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import runtime_common as rc  # noqa: E402
-from _report import publish  # noqa: E402
-
-import fxpipe  # noqa: E402
-from fxpipe.runtime.launch import free_port, run_distributed  # noqa: E402
-from fxpipe.runtime.placement import make_placed_schedule  # noqa: E402
-from fxpipe.runtime.schedule import make_schedule  # noqa: E402
+from bench import runtime_common as rc
+from bench._report import publish
+import fxpipe
+from fxpipe.runtime.execution.launch import free_port, run_distributed
+from fxpipe.runtime.schedules.placement import make_placed_schedule
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 log = logging.getLogger("sync_measured")
 SECTION = "sync-measured"
@@ -105,7 +102,7 @@ def torch_worker(rank: int, outdir: str, port: int, ranks: int, cases: list[dict
     """One rank: every torch schedule in ``cases`` in turn, each from the compiled weights."""
     from torch.distributed import pipelining as tp
 
-    from fxpipe.runtime.torch_pipelining import torch_stages
+    from fxpipe.runtime.execution.torch_pipelining import torch_stages
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -214,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{rc.spread(ratio[name], '{:.2f}')} | "
                             f"{rc.spread(loss[name], '{:.3f}')} |")
     elapsed = time.perf_counter() - t_start
-    cmd = f"{rc.PY} bench/sync_measured.py" + "".join(
+    cmd = f"{rc.PY} -m bench.sync_measured" + "".join(
         f" --{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in dict(ranks=args.ranks, rounds=args.rounds, updates=args.updates,
                          warmup=args.warmup, batch=args.batch).items() if v != ap.get_default(k))

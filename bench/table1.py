@@ -1,11 +1,11 @@
 """PipeDream's Table 1, predicted by fxpipe's plan simulator for clusters we do not have.
 
-    .venv/bin/python bench/table1.py            # writes the "table1" section of BENCHMARKS.md
-    .venv/bin/python bench/table1.py --no-write # print only
+    .venv/bin/python -m bench.table1            # writes the "table1" section of BENCHMARKS.md
+    .venv/bin/python -m bench.table1 --no-write # print only
 
 For each model (PipeDream's published GPU profiles, plus the zoo's full-size GPT estimated for a
 V100 on the meta device) and each cluster (4, 8, 16, 64 workers, one per machine, at 10 and
-25 Gbps), the planner picks a plan and ``fxpipe.runtime.plansim.simulate_plan`` times it and
+25 Gbps), the planner picks a plan and ``fxpipe.runtime.pricing.plansim.simulate_plan`` times it and
 BSP data parallelism on all workers, both with PipeDream's parameter-server sync model. Speedups
 are steady-state throughput ratios (the paper's are time to target accuracy on real clusters).
 """
@@ -17,15 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from bench._report import write_section
+from fxpipe.costmodel import Cluster, Profile
+from fxpipe.passes import partition
+from fxpipe.runtime.pricing.plan_choice import choose_by_simulation
+from fxpipe.runtime.pricing.plansim import data_parallel_plan, minibatches_for, simulate_plan
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _report import write_section  # noqa: E402
-
-from fxpipe.costmodel import Cluster, Profile  # noqa: E402
-from fxpipe.passes import partition  # noqa: E402
-from fxpipe.runtime.plan_choice import choose_by_simulation  # noqa: E402
-from fxpipe.runtime.plansim import data_parallel_plan, minibatches_for, simulate_plan  # noqa: E402
 
 log = logging.getLogger("fxpipe.bench.table1")
 PROFILES = ROOT / "data" / "pipedream-profiles"
@@ -119,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     md = "\n".join([
         "## Table 1, predicted: fxpipe plans vs BSP on clusters we do not have",
         "",
-        "Command: `.venv/bin/python bench/table1.py` "
+        "Command: `.venv/bin/python -m bench.table1` "
         f"(took {took:.0f} s on this machine; pure simulation, no GPU).",
         "",
         "Profiles: PipeDream's published GPU profiles (`data/pipedream-profiles/`, MIT) and "
@@ -128,14 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         "unconstrained (16 GB at the profiles' batch sizes would rule out BSP itself). Sync model "
         "for both fxpipe and BSP: `parameter-server` (PipeDream's optimizer: `(C + 4 (r-1)/r "
         "P/B) / r`). Speedups are steady-state throughput from "
-        "`fxpipe.runtime.plansim.simulate_plan` (pipedream 1F1B schedule, links as full-duplex "
+        "`fxpipe.runtime.pricing.plansim.simulate_plan` (pipedream 1F1B schedule, links as full-duplex "
         "resources, sends overlapping compute); 1 worker = the profile's forward + backward "
         "time. `planner's plan`: the analytic optimum (`fxpipe.passes.partition`), with its own "
         "prediction and its simulation (`sim vs planner`: simulated time per minibatch against "
         "the planner's). `fxpipe plan`: `fxpipe.compile(..., choose=\"simulation\")` / `fxpipe "
         "plan --choose simulation`, the fastest simulated of the planner's candidates (its best "
         "plan per stage count and the chain of merges of its optimum down to data parallelism; "
-        "`fxpipe.runtime.plan_choice`). Communication reduction (of that plan): bytes on the wire "
+        "`fxpipe.runtime.pricing.plan_choice`). Communication reduction (of that plan): bytes on the wire "
         "per sample (activations + gradients across cuts, plus weight sync of replicated "
         "stages) against BSP's weight sync.",
         "",

@@ -1,8 +1,8 @@
 """Synchronous without the bubble, simulated: every schedule's throughput at the same samples
 per update, on 8-stage straight pipelines we do not have.
 
-    .venv/bin/python bench/zero_bubble.py            # writes the "zero-bubble" section
-    .venv/bin/python bench/zero_bubble.py --no-write # print only
+    .venv/bin/python -m bench.zero_bubble            # writes the "zero-bubble" section
+    .venv/bin/python -m bench.zero_bubble --no-write # print only
 
 ``pipedream`` updates after every minibatch of N samples; a synchronous schedule with m
 microbatches per update runs microbatches of N/m samples, so both make one update per N samples
@@ -10,33 +10,30 @@ microbatches per update runs microbatches of N/m samples, so both make one updat
 sequences, V100) is re-estimated at every microbatch size (its roofline prices small microbatches
 honestly); PipeDream's profiles exist at one batch size only, so their times and activation bytes
 are scaled linearly by 1/m (optimistic for small microbatches). Each plan is the planner's
-8-stage straight plan for that profile on 8 workers at 10 Gbps; ``fxpipe.runtime.plansim``
+8-stage straight plan for that profile on 8 workers at 10 Gbps; ``fxpipe.runtime.pricing.plansim``
 simulates it (links as queued resources, 1F1B start-up, flushes) for 8 updates. The placed
 kinds (``interleaved-1f1b`` with 2 stages per worker, ``zb-v``) run the planner's 16-stage
 straight plan (a virtual cluster of 16 workers with half the memory each) on the 8 workers,
-priced by ``fxpipe.runtime.placed_sim`` (no link queueing there: a lower bound where cuts would
-share a port); "n/a" where the profile has too few cut points for 16 stages.
+priced by ``fxpipe.runtime.pricing.placed_sim`` (no link queueing there: a lower bound where cuts
+would share a port); "n/a" where the profile has too few cut points for 16 stages.
 """
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 
+from bench._report import write_section
+from fxpipe.costmodel import Cluster, Profile
+from fxpipe.passes import partition
+from fxpipe.errors import InfeasiblePlanError
+from fxpipe.runtime.pricing.placed_sim import virtual_cluster
+from fxpipe.runtime.pricing.plansim import simulate_plan
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from _report import write_section  # noqa: E402
-
-from fxpipe.costmodel import Cluster, Profile  # noqa: E402
-from fxpipe.passes import partition  # noqa: E402
-from fxpipe.errors import InfeasiblePlanError  # noqa: E402
-from fxpipe.runtime.placed_sim import virtual_cluster  # noqa: E402
-from fxpipe.runtime.plansim import simulate_plan  # noqa: E402
 
 SYNC_KINDS = ("gpipe", "1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v")
-PLACED = ("interleaved-1f1b", "zb-v")  # 2 stages per worker (fxpipe.runtime.placement)
+PLACED = ("interleaved-1f1b", "zb-v")  # 2 stages per worker (fxpipe.runtime.schedules.placement)
 PROFILE_DIRS = (ROOT / "data" / "pipedream-profiles",)  # vendored (MIT, see its LICENSE)
 STAGES, WORKERS, BANDWIDTH = 8, 8, "10Gbps"
 UNLIMITED = "1TB"  # memory is not the question here (as in table1.py); the zb-h2 rows hold more
@@ -108,7 +105,7 @@ def main() -> None:
     cluster = Cluster(workers=WORKERS, bandwidth=BANDWIDTH)
     v100 = Cluster(workers=WORKERS, bandwidth=BANDWIDTH, device="V100", memory=UNLIMITED)
     md = ["## Synchronous without the bubble: simulated throughput at the same samples per update",
-          "", "`.venv/bin/python bench/zero_bubble.py` — throughput of each synchronous schedule "
+          "", "`.venv/bin/python -m bench.zero_bubble` — throughput of each synchronous schedule "
           "relative to `pipedream` (1.00 = as fast), 8 stages on 8 workers, 10 Gbps; see the "
           "script's docstring for the method. `interleaved-1f1b` and `zb-v` run the planner's "
           "16-stage straight plan, 2 stages per worker (round robin / the V): that plan balances "

@@ -6,7 +6,8 @@ PipeDream's. The preprocessing mirrors PipeDream's optimizer (``optimizer_graph_
 
 * the ``Input*`` source nodes get zero times and sizes (data loading is not a stage's compute, and
   the input never has to travel between stages);
-* sink nodes whose module repr starts with ``__getitem__`` are dropped (one pass, as PipeDream does);
+* sink nodes whose module repr starts with ``__getitem__`` are dropped (one pass, as PipeDream
+  does);
 * milliseconds become seconds;
 * a multi-output activation ``[a; b; c]`` counts as ``a + b + c`` bytes. Such a node's output is a
   tuple, which fxpipe marks non-``sendable`` (the partitioner does not cut while it is live).
@@ -16,15 +17,16 @@ order is deterministic and close to the profiler's program order.
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from fxpipe.costmodel.profile import Profile, ProfileNode
+import networkx as nx
+
 from fxpipe.errors import ProfileFormatError
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,16 @@ _NODE_ID = re.compile(r"[A-Za-z_]*(\d+)")
 _IMAGE_SIDES = (224, 299, 331)
 # Profiling batch sizes listed in the profiles' README.
 _KNOWN_BATCHES = (16, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class PipeDreamGraph:
+    """A parsed ``graph.txt``: each node's ProfileNode fields, in topological order."""
+
+    nodes: tuple[dict[str, Any], ...]
+    batch_size: int | None
+    source: str
+    dropped_sinks: list[str]
 
 
 @dataclass
@@ -104,8 +116,9 @@ def _batch_size(input_bytes: float) -> int | None:
     return None
 
 
-def load_pipedream_graph(path: str | os.PathLike[str]) -> Profile:
-    """Parse a PipeDream ``graph.txt`` into a :class:`Profile` (seconds, bytes)."""
+def read_pipedream_graph(path: str | os.PathLike[str]) -> PipeDreamGraph:
+    """Parse a PipeDream ``graph.txt`` into the fields of a Profile's nodes (seconds, bytes):
+    :meth:`fxpipe.costmodel.profile.Profile.from_pipedream` builds the Profile."""
     spath = str(path)
     try:
         text = Path(path).read_text()
@@ -158,38 +171,34 @@ def load_pipedream_graph(path: str | os.PathLike[str]) -> Profile:
 
     order = _toposort(spath, nodes, succ, pred)
     pnodes = tuple(
-        ProfileNode(name=nid, op="placeholder" if not pred[nid] and nodes[nid].desc.startswith("Input")
-                    else "call_module",
-                    target=nodes[nid].desc, forward_s=nodes[nid].forward_ms / 1000.0,
-                    backward_s=nodes[nid].backward_ms / 1000.0,
-                    activation_bytes=nodes[nid].activation, parameter_bytes=nodes[nid].parameters,
-                    inputs=tuple(pred[nid]), sendable=not nodes[nid].multi_output)
+        dict(name=nid, op="placeholder" if not pred[nid] and nodes[nid].desc.startswith("Input")
+             else "call_module",
+             target=nodes[nid].desc, forward_s=nodes[nid].forward_ms / 1000.0,
+             backward_s=nodes[nid].backward_ms / 1000.0,
+             activation_bytes=nodes[nid].activation, parameter_bytes=nodes[nid].parameters,
+             inputs=tuple(pred[nid]), sendable=not nodes[nid].multi_output)
         for nid in order)
     log.debug("loaded %d PipeDream nodes (%d __getitem__ sinks dropped) from %s",
               len(pnodes), len(dropped), spath)
-    return Profile(nodes=pnodes, batch_size=batch,
-                   device="pipedream-gpu", source=f"pipedream:{spath}",
-                   meta={"dropped_sinks": dropped})
+    return PipeDreamGraph(nodes=pnodes, batch_size=batch, source=f"pipedream:{spath}",
+                          dropped_sinks=dropped)
 
 
 def _toposort(path: str, nodes: dict[str, _RawNode], succ: dict[str, list[str]],
               pred: dict[str, list[str]]) -> list[str]:
-    """Kahn's algorithm, ties by numeric id; a cycle raises naming a line on it."""
-    indeg = {n: len(pred[n]) for n in nodes}
-    heap = [(_numeric_id(n), n) for n, d in indeg.items() if d == 0]
-    heapq.heapify(heap)
-    order: list[str] = []
-    while heap:
-        _, n = heapq.heappop(heap)
-        order.append(n)
-        for s in succ[n]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                heapq.heappush(heap, (_numeric_id(s), s))
-    if len(order) != len(nodes):
-        stuck = min((n for n in nodes if indeg[n] > 0), key=lambda n: nodes[n].line)
+    """A topological order, ties by numeric id; a cycle raises naming a line on it (the first,
+    by line, of the nodes a cycle blocks: on one, or after one)."""
+    graph: nx.DiGraph = nx.DiGraph()
+    graph.add_nodes_from(nodes)
+    graph.add_edges_from((n, s) for n in nodes for s in succ[n])
+    try:
+        return list(nx.lexicographical_topological_sort(graph, key=lambda n: (_numeric_id(n), n)))
+    except nx.NetworkXUnfeasible:
+        cyclic = {n for c in nx.strongly_connected_components(graph) if len(c) > 1 for n in c}
+        cyclic |= {n for n in nodes if graph.has_edge(n, n)}
+        blocked = cyclic | {d for n in cyclic for d in nx.descendants(graph, n)}
+        stuck = min(blocked, key=lambda n: nodes[n].line)
         raise ProfileFormatError(
             f"{path}:{nodes[stuck].line}: the graph has a cycle through node {stuck!r}: "
             f"{nodes[stuck].node_id} -- {nodes[stuck].desc}",
-            "a PipeDream profile must be a DAG")
-    return order
+            "a PipeDream profile must be a DAG") from None

@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fxpipe.costmodel.pipedream import read_pipedream_graph
 from fxpipe.errors import ProfileFormatError
 from fxpipe.jsonio import read_json, write_json_atomic
 
@@ -153,6 +154,7 @@ class Profile:
     @classmethod
     def from_pipedream(cls, path: str | os.PathLike[str]) -> Profile:
         """Import PipeDream's ``graph.txt`` (see fxpipe.costmodel.pipedream)."""
-        from fxpipe.costmodel.pipedream import load_pipedream_graph
-
-        return load_pipedream_graph(path)
+        graph = read_pipedream_graph(path)
+        return cls(nodes=tuple(ProfileNode(**n) for n in graph.nodes), batch_size=graph.batch_size,
+                   device="pipedream-gpu", source=graph.source,
+                   meta={"dropped_sinks": graph.dropped_sinks})

@@ -197,12 +197,12 @@ class CompiledModel:
     def trainer(self, **kwargs: Any) -> Any:
         """A pipeline trainer for this plan: ``trainer(optimizer=lambda ps: SGD(ps, lr=0.05),
         checkpoint_dir="ckpt/").fit(loader, epochs=3)``; see
-        :class:`fxpipe.runtime.trainer.Trainer` for every option. The schedule defaults to
+        :class:`fxpipe.runtime.training.trainer.Trainer` for every option. The schedule defaults to
         ``"auto"`` (a pilot on the first minibatches and this plan's simulated throughput pick
-        it, see :mod:`fxpipe.runtime.auto`; :meth:`summary` then says what and why); pass
+        it, see :mod:`fxpipe.runtime.training.auto`; :meth:`summary` then says what and why); pass
         ``schedule="pipedream"`` (or another) to skip the pilot. ``recompute`` defaults to the
         plan's per-stage flags (``plan.recompute``), whose memory the plan was priced with."""
-        from fxpipe.runtime.trainer import make_trainer
+        from fxpipe.runtime.training.trainer import make_trainer
 
         self._needs_values("train")
         if kwargs.get("recompute") is None and any(self.plan.recompute):
@@ -215,9 +215,9 @@ class CompiledModel:
         schedules (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ...) train
         fxpipe's automatic split: skip connections carried through the stages in between, tied
         weights summed over the ranks holding them (``.sync_tied_grads()``). See
-        :mod:`fxpipe.runtime.torch_pipelining`; every rank calls it, with torch.distributed
-        initialised."""
-        from fxpipe.runtime.torch_pipelining import torch_stages
+        :mod:`fxpipe.runtime.execution.torch_pipelining`; every rank calls it, with
+        torch.distributed initialised."""
+        from fxpipe.runtime.execution.torch_pipelining import torch_stages
 
         self._needs_values("build torch pipeline stages")
         return torch_stages(self.stage_specs, rank, world_size, placement=placement,
@@ -351,7 +351,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
                         choose=choose, recompute=recompute), model_fingerprint=fingerprint)
         return {"profile": profile.to_dict(), "plan": chosen.to_dict()}
 
-    from fxpipe.runtime.agree import shared  # a torchrun job: rank 0 plans for every rank
+    from fxpipe.runtime.execution.agree import shared  # a torchrun job: rank 0 plans for every rank
 
     made = shared(make, "plan", plan_timeout_s)
     profile, plan = Profile.from_dict(made["profile"]), Plan.from_dict(made["plan"])
@@ -360,7 +360,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
                               f"{plan.model_fingerprint}, this rank's is {fingerprint})",
                               "every rank must build the same model with the same example inputs")
     if not plan.staleness:  # every rank derives the same table from the agreed replicas
-        from fxpipe.runtime.staleness import plan_staleness
+        from fxpipe.runtime.schedules.staleness import plan_staleness
 
         plan = replace(plan, staleness=plan_staleness(plan.replicas))
     assignment = stage_assignment(plan)
@@ -382,15 +382,15 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 recompute: str = "never") -> Plan:
     """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds).
     ``simulation``: the planner's candidates, each event-simulated with its schedule, the fastest
-    kept (``fxpipe.runtime.plan_choice``; seconds at 16 workers): it sees the 1F1B start-up and
-    replicas waiting for each other, which the analytic bottleneck does not. ``schedule``: the
+    kept (``fxpipe.runtime.pricing.plan_choice``; seconds at 16 workers): it sees the 1F1B start-up
+    and replicas waiting for each other, which the analytic bottleneck does not. ``schedule``: the
     schedule kind the plans are simulated with (the best plan depends on its bubble)."""
     if choose not in CHOOSERS:
         raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
     if choose == "planner":
         return partition(profile, cluster, sync=sync, stages=stages, straight=straight,
                          recompute=recompute)
-    from fxpipe.runtime.plan_choice import choose_by_simulation
+    from fxpipe.runtime.pricing.plan_choice import choose_by_simulation
 
     choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages, straight=straight,
                                   schedules=(schedule,), recompute=recompute)

@@ -6,8 +6,8 @@
     fxpipe plan data/pipedream-profiles/vgg16/graph.txt --workers 8 --sync parameter-server
 
 MODEL is a zoo name (``fxpipe.models.names()``), ``file.py:factory`` (factory() returns an
-``fxpipe.models.ModelSpec``, a ``(model, example_inputs)`` pair, or a module plus ``--input-shape``),
-or a profile: PipeDream's ``graph.txt`` or fxpipe's ``profile.json``.
+``fxpipe.models.ModelSpec``, a ``(model, example_inputs)`` pair, or a module plus
+``--input-shape``), or a profile: PipeDream's ``graph.txt`` or fxpipe's ``profile.json``.
 """
 from __future__ import annotations
 
@@ -17,22 +17,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
+from fxpipe.cli_args import add_model_arguments, add_recompute_argument, resolve_model
 from fxpipe.errors import ConfigError, FxpipeError
 
 log = logging.getLogger("fxpipe")
-
-
-def _resolve_model(args: argparse.Namespace) -> Any:
-    """The ModelSpec for MODEL (a zoo name, hf:Class[:k=v,...] or file.py:factory)."""
-    from fxpipe import models
-
-    shape = (tuple(int(s) for s in args.input_shape.split(","))
-             if getattr(args, "input_shape", None) else None)
-    return models.resolve(args.model, size=args.size, batch_size=args.batch_size,
-                          seq_len=getattr(args, "seq_len", 128), meta=getattr(args, "meta", False),
-                          input_shape=shape)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -55,7 +45,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         from fxpipe.api import compile as fx_compile
 
-        spec = _resolve_model(args)
+        spec = resolve_model(args)
         compiled = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
                               loss_fn=spec.loss_fn, stages=args.stages, straight=args.straight,
                               sync=args.sync, choose=args.choose, tracer=args.tracer,
@@ -76,7 +66,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"costs measured on this machine ({profile.meta.get('threads', 1)} thread); spread "
               f"of the measurements (IQR / median): {100 * profile.meta['spread']:.1f}%")
     if args.choose == "simulation":
-        from fxpipe.runtime.plansim import simulate_plan
+        from fxpipe.runtime.pricing.plansim import simulate_plan
 
         sim = simulate_plan(plan, profile)
         print(f"chosen by simulation among the planner's candidates (-v lists them): simulated "
@@ -86,20 +76,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"fxpipe's plan: {format_seconds(plan.time_per_minibatch)} "
           f"(predicted speedup {plan.speedup_over_data_parallel:.2f}x)")
     return 0
-
-
-def add_recompute_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recompute", default="never", choices=["never", "always", "auto"],
-                   help="activation recomputation per stage (auto: where it makes the plan fit "
-                   "in --memory or faster)")
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Options of hf: models and of the tracer, shared by plan, simulate and train."""
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
-    p.add_argument("--meta", action="store_true", help="build the hf: model on the meta device "
-                   "(shapes only: plans a model larger than memory; needs --device)")
-    p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ Membership is torchrun's (c10d rendezvous); fxpipe only has to start right after
 (re)start: the worker plans for the ``WORLD_SIZE`` the rendezvous gave it (as every start of
 ``cli_train`` does: ``Cluster.from_env()``, an estimated plan every rank derives identically) and
 resumes from the newest COMPLETE checkpoint in the shared ``--checkpoint-dir`` whatever plan
-wrote it (:mod:`fxpipe.runtime.repartition`), or starts from scratch when there is none. A
+wrote it (:mod:`fxpipe.runtime.training.repartition`), or starts from scratch when there is none. A
 restart loses the minibatches trained since that checkpoint (they are trained again) and
 nothing else.
 
@@ -40,7 +40,7 @@ def check_elastic(args: argparse.Namespace) -> None:
 def elastic_resume(args: argparse.Namespace, replicas: list[int]) -> bool:
     """Whether this (re)start resumes: True when ``--checkpoint-dir`` holds a complete
     checkpoint. Prints one line on rank 0 saying what the restart does."""
-    from fxpipe.runtime.checkpoint import CheckpointError, find_latest
+    from fxpipe.runtime.training.checkpoint import CheckpointError, find_latest
 
     check_elastic(args)
     try:

@@ -5,7 +5,7 @@
     fxpipe simulate profile.json --workers 16 --plan plan.json --schedule 1f1b-flush
 
 MODEL_OR_PROFILE is anything ``fxpipe plan`` takes. Without ``--plan`` the planner chooses one for
-the cluster; either way the plan's schedule is event-simulated (fxpipe.runtime.plansim) and
+the cluster; either way the plan's schedule is event-simulated (fxpipe.runtime.pricing.plansim) and
 compared with the planner's prediction and with BSP data parallelism on the same cluster.
 ``--trace`` writes a Chrome/Perfetto trace in the format of the runtime's measured timeline.
 """
@@ -21,7 +21,7 @@ from fxpipe.errors import ConfigError
 log = logging.getLogger("fxpipe")
 SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2", "interleaved-1f1b",
              "zb-v")
-PLACED = ("interleaved-1f1b", "zb-v")  # several stages per process: fxpipe.runtime.placement
+PLACED = ("interleaved-1f1b", "zb-v")  # several stages per process: runtime.schedules.placement
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -56,7 +56,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--size", default="mini", help="zoo model size: mini or full")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--input-shape", default=None, help="for factories that return a bare module")
-    from fxpipe.cli import add_model_arguments, add_recompute_argument
+    from fxpipe.cli_args import add_model_arguments, add_recompute_argument
 
     add_model_arguments(p)
     add_recompute_argument(p)
@@ -73,9 +73,9 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
         profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
     else:
         from fxpipe.api import compile as fx_compile
-        from fxpipe.cli import _resolve_model
+        from fxpipe.cli_args import resolve_model
 
-        spec = _resolve_model(args)
+        spec = resolve_model(args)
         profile = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
                              stages=args.stages, straight=args.straight, sync=args.sync,
                              tracer=args.tracer, recompute=args.recompute).profile
@@ -88,8 +88,8 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
     else:
         from fxpipe.api import choose_plan
 
-        if args.schedule in PLACED:  # v x workers stages, v per worker (fxpipe.runtime.placed_sim)
-            from fxpipe.runtime.placed_sim import stages_per_process, virtual_cluster
+        if args.schedule in PLACED:  # v x workers stages, v per worker (runtime.pricing.placed_sim)
+            from fxpipe.runtime.pricing.placed_sim import stages_per_process, virtual_cluster
 
             v = stages_per_process(args.schedule, args.chunks)
             plan = choose_plan(profile, virtual_cluster(cluster, v), sync=args.sync,
@@ -104,7 +104,7 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from fxpipe.costmodel import Cluster
-    from fxpipe.runtime.plansim import data_parallel_plan, minibatches_for, simulate_plan
+    from fxpipe.runtime.pricing.plansim import data_parallel_plan, minibatches_for, simulate_plan
     from fxpipe.units import format_bytes, format_seconds
 
     cluster = Cluster(workers=args.workers, bandwidth=args.bandwidth, device=args.device,
@@ -114,7 +114,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not plan.staleness:
         from dataclasses import replace
 
-        from fxpipe.runtime.staleness import plan_staleness
+        from fxpipe.runtime.schedules.staleness import plan_staleness
 
         plan = replace(plan, staleness=plan_staleness(plan.replicas))
     duplex = not args.half_duplex

@@ -137,22 +137,14 @@ def _check_data(name: str) -> None:
                               ) from err
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     """The launcher: validate what can be validated here, then run torchrun with N workers."""
     _check_data(args.data)
-    from fxpipe.runtime.schedule_spec import parse_schedule
+    from fxpipe.runtime.schedules.spec import parse_schedule
 
     kind = parse_schedule(args.schedule).kind  # a misspelt schedule fails here, not in N workers
-    if args.precision == "fp16":  # loss scaling needs a flushing schedule (runtime/loss_scale.py)
-        from fxpipe.runtime.schedule import SYNCHRONOUS_KINDS
+    if args.precision == "fp16":  # loss scaling needs a flushing schedule (replica/loss_scale.py)
+        from fxpipe.runtime.schedules.schedule import SYNCHRONOUS_KINDS
 
         if kind not in SYNCHRONOUS_KINDS:
             raise ConfigError(f"--precision fp16 with --schedule {args.schedule}: dynamic loss "
@@ -174,9 +166,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc = workers
     if nproc is None or nproc < 1:
         raise ConfigError(f"--nproc {nproc}", "give the number of processes, e.g. --nproc 4")
+    from fxpipe.runtime.execution.launch import free_port
+
     worker = _worker_argv(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
            "-m", "fxpipe.cli_train", *worker]
     log.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(cmd)
@@ -229,7 +223,7 @@ def _input_shape(spec: Any) -> tuple[int, ...]:
 
 
 def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
-    from fxpipe.runtime.data import ShardedDataset, synthetic_loader
+    from fxpipe.runtime.training.data import ShardedDataset, synthetic_loader
 
     bs = spec.batch_size
     if _is_file_spec(args.data):
@@ -265,8 +259,8 @@ def _recipe(args: argparse.Namespace, compiled: Any, train: Any) -> dict[str, An
     """Optimizer (named groups) and per-update LR schedule from the flags."""
     import math
 
-    from fxpipe.runtime.recipes import OptimizerRecipe, SchedulerRecipe, WarmupCosine
-    from fxpipe.runtime.schedule_spec import parse_schedule
+    from fxpipe.runtime.training.recipes import OptimizerRecipe, SchedulerRecipe, WarmupCosine
+    from fxpipe.runtime.schedules.spec import parse_schedule
 
     opt = OptimizerRecipe(args.optimizer, args.lr, weight_decay=args.weight_decay,
                           momentum=args.momentum)

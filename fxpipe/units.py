@@ -15,7 +15,7 @@ _NUM = r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 # ``tc``'s own spellings parse too (``50Mbit``, ``1gbit``, ``100kbit``, ``10mibit``, ``1GBps``),
 # case-insensitively for the bit units. One deliberate difference from tc: ``bps``/``mbps``/
 # ``gbps`` in lower case are BITS per second here (the network convention, and what
-# bench.cluster hands tc as ``<n>bit``), where tc would read them as bytes; capital-B
+# tools.cluster hands tc as ``<n>bit``), where tc would read them as bytes; capital-B
 # ``KBps``/``MBps``/``GBps`` are bytes per second, as in tc.
 _BITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
          "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}

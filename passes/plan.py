@@ -63,9 +63,10 @@ class Plan:
     model_fingerprint: str | None = None
     profile_source: str = "fxpipe"
     workers_used: int = 0
-    # Weight staleness per schedule (filled by fxpipe.compile from fxpipe.runtime.staleness;
-    # passes cannot compute it): schedule -> per stage (own-update delay, global block-update
-    # delay, Randomized PipeDream's convention). Empty: not computed (older plan files).
+    # Weight staleness per schedule (filled by fxpipe.compile from
+    # fxpipe.runtime.schedules.staleness; passes cannot compute it): schedule -> per stage
+    # (own-update delay, global block-update delay, Randomized PipeDream's convention). Empty: not
+    # computed (older plan files).
     staleness: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     # --- views -------------------------------------------------------------------------

@@ -1,7 +1,15 @@
-"""fxpipe.runtime: schedules as data, weight stashing, the reference and distributed executors.
+"""fxpipe.runtime: schedules as data, one stage replica's computation, executing and training.
 
-Exports are lazy (PEP 562) so that importing the pure-Python ``fxpipe.runtime.schedule`` does not
-import torch or torch.distributed.
+Five packages, each importing only those before it (tests/test_layering.py checks it)::
+
+    schedules  (data, no torch)       what every rank does
+    pricing    (imports schedules)     what a plan costs; choosing and re-choosing one
+    replica    (imports schedules)     one stage replica's computation (torch, no distributed)
+    execution  (replica, schedules)    carrying schedules out; the only user of torch.distributed
+    training   (all four)              the training loop a user drives; nothing imports it
+
+plus the shared leaves ``errors`` and ``timeline``. Exports are lazy (PEP 562) so that importing
+the pure-Python ``fxpipe.runtime.schedules`` does not import torch or torch.distributed.
 """
 from __future__ import annotations
 
@@ -9,19 +17,22 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Action": "schedule", "Schedule": "schedule", "make_schedule": "schedule",
-    "simulate": "simulate", "WeightStash": "stash", "StageReplica": "stage",
-    "ReferenceExecutor": "reference", "RunResult": "reference",
-    "run_distributed": "launch", "make_wire_plan": "wire",
+    "Action": "schedules.schedule", "Schedule": "schedules.schedule",
+    "make_schedule": "schedules.kinds", "simulate": "schedules.simulate",
+    "WeightStash": "replica.stash", "StageReplica": "replica.stage",
+    "TiedParameter": "replica.stage", "tied_parameters": "replica.stage",
+    "StepOptions": "replica.step_options",
+    "ReferenceExecutor": "execution.reference", "RunResult": "execution.contract",
+    "run_distributed": "execution.launch", "make_wire_plan": "execution.wire",
     "PeerError": "errors", "StashError": "errors", "RuntimeConfigError": "errors",
     "WorkerFailedError": "errors",
-    "TiedParameter": "stage", "tied_parameters": "stage",
     "write_chrome_trace": "timeline", "busy_fraction": "timeline", "TimelineEvent": "timeline",
-    "Trainer": "trainer", "make_trainer": "trainer", "ShardedDataset": "data",
-    "simulate_plan": "plansim", "PlanSimulation": "plansim",
-    "choose_by_simulation": "plan_choice", "SimulatedChoice": "plan_choice",
-    "weight_decay_groups": "param_names", "StepOptions": "step_options",
-    "OptimizerRecipe": "recipes", "WarmupCosine": "recipes", "SchedulerRecipe": "recipes",
+    "simulate_plan": "pricing.plansim", "PlanSimulation": "pricing.plansim",
+    "choose_by_simulation": "pricing.plan_choice", "SimulatedChoice": "pricing.plan_choice",
+    "Trainer": "training.trainer", "make_trainer": "training.trainer",
+    "ShardedDataset": "training.data", "load_model_state": "training.checkpoint",
+    "weight_decay_groups": "training.param_names", "OptimizerRecipe": "training.recipes",
+    "WarmupCosine": "training.recipes", "SchedulerRecipe": "training.recipes",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -7,14 +7,14 @@ where the time goes. Every rank stamps events with ``time.perf_counter()`` relat
 that all ranks take right after a common barrier, so the ranks' rows line up in one trace.
 
 On a GPU the host only enqueues kernels, so a host clock around a forward measures its launch,
-not its run: a recorder given a ``device_clock`` (:class:`fxpipe.runtime.device.CudaClock`) times
-the compute spans (forward, backward, optimizer) with CUDA events on the compute stream instead,
-read once when the timeline is finished; waits and posts stay on the host clock, so on a GPU a
-compute span may overlap the host's later waits (the device ran behind the host).
+not its run: a recorder given a ``device_clock`` (:class:`fxpipe.runtime.replica.device.CudaClock`)
+times the compute spans (forward, backward, optimizer) with CUDA events on the compute stream
+instead, read once when the timeline is finished; waits and posts stay on the host clock, so on a
+GPU a compute span may overlap the host's later waits (the device ran behind the host).
 
-On the CPU, events of one rank never overlap: an action is recorded as its parts in the order they run
-(receive waits, then compute, then posting sends; all-reduce, then optimizer step), and a send is
-only its posting (the transfer itself runs in the background). ``idle`` events fill the gaps
+On the CPU, events of one rank never overlap: an action is recorded as its parts in the order they
+run (receive waits, then compute, then posting sends; all-reduce, then optimizer step), and a send
+is only its posting (the transfer itself runs in the background). ``idle`` events fill the gaps
 between a rank's recorded events.
 
 One update may produce several ``optimizer`` spans: the distributed executor records gathering
@@ -216,10 +216,20 @@ def busy_fraction(timeline: Timeline, steady_state: bool = True) -> dict[int, fl
         lo, hi = min(e.start for e in evs), max(e.end for e in evs)
         if steady_state and len(fb) >= 4:
             lo, hi = fb[len(fb) // 4].start, fb[math.ceil(3 * len(fb) / 4) - 1].end
-        busy = sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for e in evs
-                   if e.category in COMPUTE)
-        out[rank] = min(1.0, busy / (hi - lo)) if hi > lo else 0.0
+        out[rank] = busy_between(evs, lo, hi, COMPUTE)
     return out
+
+
+def busy_between(events: Iterable[TimelineEvent], lo: float, hi: float,
+                 categories: Iterable[str] = ("forward", "backward")) -> float:
+    """Fraction of [lo, hi] the events spent in ``categories`` (forward or backward compute by
+    default): the one busy-fraction rule of measured and simulated timelines."""
+    if hi <= lo:
+        return 0.0
+    cats = frozenset(categories)
+    busy = sum(max(0.0, min(e.end, hi) - max(e.start, lo)) for e in events
+               if e.category in cats)
+    return min(1.0, busy / (hi - lo))
 
 
 def totals(events: Iterable[TimelineEvent]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_ci_runs_the_readme_commands() -> None:
@@ -14,13 +15,16 @@ def test_ci_runs_the_readme_commands() -> None:
 
 
 def test_readme_files_exist_in_a_clone() -> None:
-    """Every repository file the README's commands read (the vendored PipeDream profiles) is in
-    the repository itself: the commands work from a fresh clone, with nothing beside it."""
+    """Every repository file the README's and the docs pages' commands read (the vendored
+    PipeDream profiles) is in the repository itself: the commands work from a fresh clone, with
+    nothing beside it."""
     import re
 
-    text = ROOT.joinpath("README.md").read_text()
-    paths = set(re.findall(r"(?<![\w/.])(data/[\w./-]+)", text))
-    assert paths, "the README names no data files any more: drop this test"
-    assert "../shared" not in text
-    for p in sorted(paths):
-        assert ROOT.joinpath(p).is_file(), p
+    for page in PAGES:
+        text = page.read_text()
+        assert "../shared" not in text, page
+        for p in sorted(set(re.findall(r"(?<![\w/.])(data/[\w./-]+)", text))):
+            assert ROOT.joinpath(p).is_file(), f"{page.relative_to(ROOT)}: {p}"
+    readme = ROOT.joinpath("README.md").read_text()
+    assert re.findall(r"(?<![\w/.])(data/[\w./-]+)", readme), \
+        "the README names no data files any more: drop this test"

@@ -13,7 +13,7 @@
   10 Gbit/s, 20 us per message; pipedream variants at minibatch B, the microbatched ones at B/S
   with S microbatches per update; mitigations at pipedream's cost, their element-wise extra
   work not modelled; LocalSGD by formula, see :func:`localsgd_period`).
-* **auto**: fxpipe.runtime.auto's own decision rule applied per seed to the first
+* **auto**: fxpipe.runtime.training.auto's own decision rule applied per seed to the first
   ``--pilot`` updates of every candidate's training losses, with the same simulated periods;
   then again on held-out seeds (``--heldout``, default 3-5 and 6-8, a table each: auto's
   candidates run with ``bench.ablation.run --first-seed 3`` / ``6``), scored against targets
@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from fxpipe.runtime.auto import DEFAULT_CANDIDATES
+from fxpipe.runtime.training.auto import DEFAULT_CANDIDATES
 
 from .run import DEFAULT_OUT, SAME_AT_EVERY_DEPTH
 
@@ -41,7 +41,7 @@ ORDER = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream", "pipedream
          "pipedream+momentum", "pipedream+predict+momentum")
 MITIGATED = tuple(v for v in ORDER if v.startswith("pipedream+") and v != "pipedream+vsync")
 AUTO_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "2bw", "pipedream") + MITIGATED
-# auto_picks replays the trainer's own default candidates (fxpipe.runtime.auto)
+# auto_picks replays the trainer's own default candidates (fxpipe.runtime.training.auto)
 SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # flush's updates exactly: its statistics
 
 
@@ -121,7 +121,7 @@ def localsgd_period(plan: Any, average_every: int) -> float:
     all-reduce of the whole model among the S workers, 2 (S - 1) / S x bytes / bandwidth plus
     2 (S - 1) message latencies. Each worker holds every stage (the whole model)."""
     from fxpipe.costmodel import Cluster
-    from fxpipe.runtime.plansim import cut_bandwidth
+    from fxpipe.runtime.pricing.plansim import cut_bandwidth
 
     cluster = Cluster.from_dict(dict(plan.cluster))
     bw, lat, S = cut_bandwidth(cluster), cluster.latency, len(plan.stages)
@@ -138,7 +138,7 @@ def periods(task_name: str, S: int) -> tuple[dict[str, float], dict[str, Any]]:
 
     import fxpipe
     from fxpipe.passes import plan_for
-    from fxpipe.runtime.plansim import minibatches_for, simulate_plan
+    from fxpipe.runtime.pricing.plansim import minibatches_for, simulate_plan
 
     from .tasks import make_task
     from .train import CLUSTER, LOCALSGD_EVERY
@@ -200,8 +200,8 @@ def row_stats(recs: list[dict], target: float, higher: bool, period: float) -> d
 
 def auto_picks(data: dict, t: str, S: int, o: str, per: dict[str, float], pilot: int
                ) -> list[str | None]:
-    """fxpipe.runtime.auto.decide on each seed's first ``pilot`` updates (module doc)."""
-    from fxpipe.runtime.auto import decide
+    """fxpipe.runtime.training.auto.decide on each seed's first ``pilot`` updates (module doc)."""
+    from fxpipe.runtime.training.auto import decide
 
     picks: list[str | None] = []
     seeds = len(data.get((t, S, "1f1b-flush", o), []))
@@ -224,7 +224,7 @@ def pilot_ms(whole_s: float, S: int, pilot: int) -> float:
     """What auto's pilot costs before training starts, in ms on the simulated cluster: the
     trained candidates (4 by default: gpipe and the zero-bubble kinds reuse flush's curve)
     split over the S ranks, each ``pilot`` whole-model steps in one process."""
-    from fxpipe.runtime.auto import trained
+    from fxpipe.runtime.training.auto import trained
 
     return math.ceil(len(trained(DEFAULT_CANDIDATES)) / S) * pilot * whole_s * 1e3
 
@@ -329,7 +329,7 @@ def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Pat
 
 def markdown(data: dict, results: str, pilot: int, fig_rel: str,
              held: list[dict] | None = None) -> tuple[str, dict]:
-    from fxpipe.runtime.staleness import format_table, staleness_table
+    from fxpipe.runtime.schedules.staleness import format_table, staleness_table
 
     from .tasks import make_task
 
@@ -346,7 +346,7 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str,
 
     stats = all_stats(data)
     lines: list[str] = []
-    lines.append("**Staleness** (`fxpipe.runtime.staleness`, also in `plan.summary()`): own "
+    lines.append("**Staleness** (`fxpipe.runtime.schedules.staleness`, also in `plan.summary()`): own "
                  "updates / global block updates, steady state, straight S = 4 pipeline:")
     lines += ["", "```", format_table(staleness_table([1] * 4)), "```", ""]
     lines.append("Input stage of pipedream at S = 2, 4, 8: "
@@ -393,7 +393,7 @@ def markdown(data: dict, results: str, pilot: int, fig_rel: str,
                              f"{'yes' if best[0] <= 1.1 else 'no'} | {fastest[1]} |")
     lines.append("")
     # auto
-    lines.append(f"**auto** (`fxpipe.runtime.auto.decide`, applied to each seed's first {pilot} "
+    lines.append(f"**auto** (`fxpipe.runtime.training.auto.decide`, applied to each seed's first {pilot} "
                  "updates of every candidate, with the simulated periods below): its pick per "
                  "seed, and its predicted time to target against the better of pipedream and "
                  "flush (mean ± sd over seeds; 'within spread': auto's mean <= the better one's "

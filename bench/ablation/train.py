@@ -22,11 +22,11 @@ from torch.func import functional_call
 
 import fxpipe
 from fxpipe.codegen.split import split_graph
-from fxpipe.runtime.localsgd import make_localsgd_schedule
-from fxpipe.runtime.localsgd_executor import LocalSGDExecutor
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
-from fxpipe.runtime.stage import model_env
+from fxpipe.runtime.schedules.localsgd import make_localsgd_schedule
+from fxpipe.runtime.execution.localsgd_executor import LocalSGDExecutor
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.replica.stage import model_env
 from fxpipe.tracing import trace
 
 from .tasks import Task, sgd_lr

@@ -1,4 +1,6 @@
-"""Shared pieces of the emulated-cluster experiment: model, data split, plans.
+"""Shared pieces of the emulated-cluster experiment: model, data split, plans, and the reading of a
+run's results (time to a target accuracy, seconds per minibatch) that the report uses: here, not
+in run.py, so report.py and run.py (which imports the report) do not import each other.
 
 Everything here is deterministic (fixed seeds), so every torchrun rank builds the identical model,
 data split and minibatch order, and the driver can re-derive the plans the workers load.
@@ -7,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -87,3 +90,17 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def time_to(res: dict, target: float) -> float | None:
+    for e in res["epochs"]:
+        if e["test_accuracy"] is not None and e["test_accuracy"] >= target:
+            return e["train_time_s"]
+    return None
+
+
+def measured_s_per_minibatch(res: dict, batch: int) -> float:
+    """Median over epochs (the first excluded when there are more) of epoch training time per
+    ``batch`` samples: the fill and drain of each epoch's schedule are included."""
+    eps = res["epochs"][1:] or res["epochs"]
+    return statistics.median(e["segment_time_s"] * batch / e["samples"] for e in eps)

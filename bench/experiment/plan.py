@@ -2,11 +2,12 @@
 
     taskset -c 1 python -m bench.experiment.plan OUT_DIR --model bigtail --batch 64 --mbit 20 50 200
 
-Writes OUT_DIR/profile-<MODEL>-b<B>.json and, per bandwidth, plan-<mode>-<MODEL>-b<B>-<M>mbit.json for
-mode fxpipe (chosen by simulation among the planner's candidates for Cluster(workers=2,
+Writes OUT_DIR/profile-<MODEL>-b<B>.json and, per bandwidth, plan-<mode>-<MODEL>-b<B>-<M>mbit.json
+for mode fxpipe (chosen by simulation among the planner's candidates for Cluster(workers=2,
 bandwidth): ``fxpipe.compile(..., choose="simulation")``) and straight (2 stages x 1 replica),
-plus plans.json describing them (and the planner's analytic optimum) (replicas, predicted time per minibatch, the
-simulator's prediction). Run pinned to one core with one intra-op thread, like a host.
+plus plans.json describing them (and the planner's analytic optimum) (replicas, predicted time per
+minibatch, the simulator's prediction). Run pinned to one core with one intra-op thread, like a
+host.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import torch.nn.functional as F
 from fxpipe.api import compile as fx_compile
 from fxpipe.costmodel import Cluster, Profile
 from fxpipe.passes import partition
-from fxpipe.runtime.plan_choice import choose_by_simulation
-from fxpipe.runtime.plansim import data_parallel_plan, simulate_plan
+from fxpipe.runtime.pricing.plan_choice import choose_by_simulation
+from fxpipe.runtime.pricing.plansim import data_parallel_plan, simulate_plan
 
 from .common import build_model, digits_split, loadavg, param_bytes
 

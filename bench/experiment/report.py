@@ -8,7 +8,7 @@ import json
 import statistics
 import sys
 
-from .run import measured_s_per_minibatch, time_to
+from .common import measured_s_per_minibatch, time_to
 
 
 def _f(v, fmt: str = ".1f", none: str = "not reached") -> str:

@@ -22,13 +22,12 @@ import json
 import logging
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.cluster import EmulatedCluster, read_output, torchrun_across, wait_all
+from tools.cluster import EmulatedCluster, read_output, torchrun_across, wait_all
 
 from .common import loadavg
 
@@ -110,20 +109,6 @@ def merge(ranks: list[dict]) -> dict:
             "train_bytes": train_bytes, "eval_bytes": eval_bytes,
             "train_bytes_per_sample": train_bytes / samples if samples else None,
             "loadavg_ranks": [[r["loadavg_start"], r["loadavg_end"]] for r in ranks]}
-
-
-def time_to(res: dict, target: float) -> float | None:
-    for e in res["epochs"]:
-        if e["test_accuracy"] is not None and e["test_accuracy"] >= target:
-            return e["train_time_s"]
-    return None
-
-
-def measured_s_per_minibatch(res: dict, batch: int) -> float:
-    """Median over epochs (the first excluded when there are more) of epoch training time per
-    ``batch`` samples: the fill and drain of each epoch's schedule are included."""
-    eps = res["epochs"][1:] or res["epochs"]
-    return statistics.median(e["segment_time_s"] * batch / e["samples"] for e in eps)
 
 
 def plot(results: list[dict], mbit: float, target: float, path: Path, title: str) -> None:

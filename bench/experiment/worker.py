@@ -55,7 +55,7 @@ def run_fxpipe(args: argparse.Namespace, rank: int, log: dict) -> None:
     from fxpipe.api import compile as fx_compile
     from fxpipe.costmodel import Cluster
     from fxpipe.passes import Plan
-    from fxpipe.runtime.data import ShardedDataset
+    from fxpipe.runtime.training.data import ShardedDataset
 
     xtr, ytr, xte, yte = digits_split()
     plan = Plan.load(args.plan)
@@ -124,7 +124,7 @@ def run_ddp(args: argparse.Namespace, rank: int, log: dict) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from fxpipe.runtime.data import ShardedDataset
+    from fxpipe.runtime.training.data import ShardedDataset
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()

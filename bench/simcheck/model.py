@@ -1,6 +1,6 @@
 """A model whose compute is sleeping: ``SleepChain``.
 
-Why: checking :func:`fxpipe.runtime.plansim.simulate_plan` against the runtime on unevenly
+Why: checking :func:`fxpipe.runtime.pricing.plansim.simulate_plan` against the runtime on unevenly
 replicated plans needs more ranks than this machine has cores. A layer that *sleeps* for its
 forward and backward time takes wall time without taking a core, so 4 ranks on 2 cores keep
 their timing, while everything else is real: the runtime's schedule, weight stashing, the

@@ -14,7 +14,7 @@ Steps: (1) profile the model with fxpipe's profiler (so the costs are measured, 
 (2) for each plan below (straight, unevenly replicated, data parallel, and the planner's choice)
 cost it with the planner's formulas (``fxpipe.passes.plan_for``) and simulate it
 (``simulate_plan``); (3) run it on a fresh emulated cluster of ``sum(replicas)`` hosts
-(bench/cluster: network namespaces, HTB-shaped links at ``--mbit``), one torchrun process per
+(tools/cluster: network namespaces, HTB-shaped links at ``--mbit``), one torchrun process per
 host, and collect each rank's timeline; (4) reduce the measured timeline exactly as the simulator
 reduces its own (``plansim.steady_state`` over stage 0's backward completions) and report both
 predictions' errors. Writes OUT/traces/<plan>-{measured,simulated}.json (open both in
@@ -36,12 +36,12 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from bench.cluster import EmulatedCluster, read_output, torchrun_across, wait_all
+from tools.cluster import EmulatedCluster, read_output, torchrun_across, wait_all
 from fxpipe.api import compile as fx_compile
 from fxpipe.costmodel import Cluster
 from fxpipe.passes import Plan, partition, plan_for
-from fxpipe.runtime.plansim import simulate_plan, steady_state
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.pricing.plansim import simulate_plan, steady_state
+from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.timeline import TimelineEvent, write_chrome_trace
 
 from .model import BATCH, LAYERS, WIDTH, SleepLayer, build, data

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fxpipe.api import compile as fx_compile
 from fxpipe.costmodel import Cluster
 from fxpipe.passes import Plan
-from fxpipe.runtime.data import ShardedDataset
+from fxpipe.runtime.training.data import ShardedDataset
 
 from bench.experiment.common import write_json
 

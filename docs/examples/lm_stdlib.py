@@ -1,5 +1,5 @@
 """A small GPT language model on the Python standard library's own source, as bytes: the model
-and data factories of the ``fxpipe train`` demonstration (README, BENCHMARKS.md).
+and data factories of the ``fxpipe train`` demonstration (README, benchmarks/lm_demo.md).
 
     fxpipe train docs/examples/lm_stdlib.py:model --data docs/examples/lm_stdlib.py:loaders ...
 

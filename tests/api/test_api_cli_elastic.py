@@ -13,7 +13,7 @@ import torch
 
 from fxpipe.cli_elastic import check_elastic, elastic_resume
 from fxpipe.errors import ConfigError
-from fxpipe.runtime import checkpoint as ckpt
+from fxpipe.runtime.training import checkpoint as ckpt
 
 
 def _args(**kw: object) -> argparse.Namespace:

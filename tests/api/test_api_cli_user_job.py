@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.recipes import WarmupCosine
+from fxpipe.runtime.training.recipes import WarmupCosine
 
 ROOT = Path(__file__).resolve().parents[2]
 

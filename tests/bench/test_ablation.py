@@ -23,8 +23,8 @@ for p in (ROOT, ROOT / "tests" / "runtime"):
 
 from rt_helpers import split  # noqa: E402
 
-from fxpipe.runtime.reference import ReferenceExecutor  # noqa: E402
-from fxpipe.runtime.schedule import make_schedule  # noqa: E402
+from fxpipe.runtime.execution.reference import ReferenceExecutor  # noqa: E402
+from fxpipe.runtime.schedules.kinds import make_schedule  # noqa: E402
 
 B, UPDATES = 12, 5
 

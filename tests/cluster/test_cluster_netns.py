@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.cluster import (EmulatedCluster, can_create_namespaces, cleanup, list_namespaces,  # noqa: E402
+from tools.cluster import (EmulatedCluster, can_create_namespaces, cleanup, list_namespaces,  # noqa: E402
                            measure_bandwidth, measure_duplex, measure_rtt, parse_rate, parse_time, wait_all)
 
 _OK, _WHY = can_create_namespaces()
@@ -131,7 +131,7 @@ def test_hanging_child_leaves_nothing(prefix: str) -> None:
 _CRASH = """
 import os, signal, subprocess, sys
 sys.path.insert(0, sys.argv[2])
-from bench.cluster import EmulatedCluster
+from tools.cluster import EmulatedCluster
 c = EmulatedCluster(2, prefix=sys.argv[1]).start()
 p = c.run(0, ["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(p.pid, flush=True)
@@ -147,7 +147,7 @@ def test_cleanup_removes_crashed_run(prefix: str) -> None:
     assert crashed.returncode == -signal.SIGKILL
     pid = int(crashed.stdout.split()[0])
     assert len([n for n in list_namespaces() if n.startswith(prefix + "-")]) == 3  # h0, h1, br
-    cli = subprocess.run([sys.executable, "-m", "bench.cluster", "cleanup", "--prefix", prefix],
+    cli = subprocess.run([sys.executable, "-m", "tools.cluster", "cleanup", "--prefix", prefix],
                          cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert cli.returncode == 0, cli.stderr
     _assert_nothing_left(prefix, links, [pid])
@@ -157,7 +157,7 @@ def test_cleanup_removes_crashed_run(prefix: str) -> None:
 _TERM = """
 import subprocess, sys, time
 sys.path.insert(0, sys.argv[2])
-from bench.cluster import EmulatedCluster
+from tools.cluster import EmulatedCluster
 with EmulatedCluster(2, prefix=sys.argv[1]) as c:
     print(c.run(1, ["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid, flush=True)
     time.sleep(300)

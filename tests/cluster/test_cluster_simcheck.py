@@ -19,7 +19,7 @@ from bench.simcheck.run import measured  # noqa: E402
 from fxpipe.api import compile as fx_compile  # noqa: E402
 from fxpipe.costmodel import Cluster  # noqa: E402
 from fxpipe.passes import plan_for  # noqa: E402
-from fxpipe.runtime.plansim import simulate_plan  # noqa: E402
+from fxpipe.runtime.pricing.plansim import simulate_plan  # noqa: E402
 
 
 class FakeClock:

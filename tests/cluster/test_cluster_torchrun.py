@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.cluster import (EmulatedCluster, can_create_namespaces, read_output,  # noqa: E402
+from tools.cluster import (EmulatedCluster, can_create_namespaces, read_output,  # noqa: E402
                            torchrun_across, wait_all)
 
 _OK, _WHY = can_create_namespaces()

@@ -7,7 +7,7 @@ from torch import nn
 
 from fxpipe.codegen.split import placed_nodes, split_graph
 from fxpipe.errors import FxpipeError
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 torch.manual_seed(0)
 gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from test_runtime_repartition import EPOCHS, M, adamw, data, lambda_lr, stages
 
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 
 def _ints(text: str) -> list[int]:

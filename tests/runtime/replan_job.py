@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpipe
-from fxpipe.runtime.replan import measure
-from fxpipe.runtime.trainer_replan import propose_replan
+from fxpipe.runtime.pricing.replan import measure
+from fxpipe.runtime.training.trainer_switch import propose_replan
 
 
 def main() -> int:

@@ -20,14 +20,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fxpipe.codegen.split import StageSpec
-from fxpipe.runtime.commplan import check_logs
+from fxpipe.runtime.schedules.commplan import check_logs
 from fxpipe.runtime.errors import WorkerFailedError
-from fxpipe.runtime.executor import WorkerConfig, fail, init_rank, run_rank
-from fxpipe.runtime.launch import free_port
-from fxpipe.runtime.reference import RunResult, check_schedule
-from fxpipe.runtime.schedule import Schedule
-from fxpipe.runtime.step_options import DEFAULT, StepOptions
-from fxpipe.runtime.wire import make_wire_plan
+from fxpipe.runtime.execution.worker import WorkerConfig, fail, init_rank, run_rank
+from fxpipe.runtime.execution.launch import free_port
+from fxpipe.runtime.execution.contract import RunResult, check_schedule
+from fxpipe.runtime.schedules.schedule import Schedule
+from fxpipe.runtime.replica.step_options import DEFAULT, StepOptions
+from fxpipe.runtime.execution.wire import make_wire_plan
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """The placed kinds' message order is NCCL-safe: every process issues its remote messages in
-one global order (runtime/hosted_plan.py), checked by commplan.check_logs under NCCL's rules
-(one stream per process, order-matched); the per-rank order it replaced deadlocks there."""
+one global order (runtime/schedules/hosted_plan.py), checked by commplan.check_logs under NCCL's
+rules (one stream per process, order-matched); the per-rank order it replaced deadlocks there."""
 from __future__ import annotations
 
 import pytest
 
-from fxpipe.runtime.commplan import MODEL, CommOrderError, Issuer, StageLinks, check_logs, \
-    comm_plans
-from fxpipe.runtime.hosted_plan import placed_plan_logs
-from fxpipe.runtime.placement import make_placed_schedule
+from fxpipe.runtime.schedules.commplan import (MODEL, CommOrderError, Issuer, StageLinks,
+                                               check_logs, comm_plans)
+from fxpipe.runtime.schedules.hosted_plan import placed_plan_logs
+from fxpipe.runtime.schedules.placement import make_placed_schedule
 
 
 def chain(S: int, skip: bool = False) -> tuple[StageLinks, ...]:

@@ -1,14 +1,14 @@
 """The placed kinds' checks by their exact words: the flush rule, the deadlock report of
 process_order (an all-reduce that never meets, a list cut short) and the order it executes
-the merged lists in, each derived by hand from the definitions in runtime/placement.py."""
+the merged lists in, each derived by hand from the definitions in runtime/schedules/placement.py."""
 from __future__ import annotations
 
 import pytest
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.placement import (PlacedSchedule, make_placed_schedule, process_order,
-                                      validate_placed)
-from fxpipe.runtime.schedule import DeadlockError, ScheduleError, validate
+from fxpipe.runtime.schedules.placement import (PlacedSchedule, make_placed_schedule, process_order,
+                                                validate_placed)
+from fxpipe.runtime.schedules.schedule import DeadlockError, ScheduleError, validate
 
 
 def _deadlock(placed: PlacedSchedule, validating: bool = True) -> DeadlockError:

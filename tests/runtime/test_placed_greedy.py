@@ -1,5 +1,5 @@
 """greedy_orders, the list scheduler of the placed kinds, with non-unit costs and message
-times: the orders derived by hand from its rules (runtime/placed_orders.py), each timeline
+times: the orders derived by hand from its rules (runtime/schedules/placed_orders.py), each timeline
 written out, so that every timing rule (when an input is there, how long each kind takes,
 where a W fits, which process looks first at a tie) decides some step."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.placed_orders import Step, greedy_orders
-from fxpipe.runtime.placement import placement
+from fxpipe.runtime.schedules.placed_orders import Step, greedy_orders
+from fxpipe.runtime.schedules.placement import placement
 
 ZBV2 = placement("zb-v", 4, 2)  # p0: stages 0, 3; p1: stages 1, 2
 

@@ -11,9 +11,9 @@ from fxpipe.cli import main as cli_main
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.errors import ConfigError
 from fxpipe.passes import partition
-from fxpipe.runtime.placed_sim import stages_per_process, virtual_cluster
-from fxpipe.runtime.plan_choice import choose_by_simulation
-from fxpipe.runtime.plansim import simulate_plan
+from fxpipe.runtime.pricing.placed_sim import stages_per_process, virtual_cluster
+from fxpipe.runtime.pricing.plan_choice import choose_by_simulation
+from fxpipe.runtime.pricing.plansim import simulate_plan
 
 PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
 
@@ -48,7 +48,7 @@ def test_simulate_plan_prices_the_placement() -> None:
     assert max(sim.in_flight) <= 4 and all(0 < u <= 0.5 for u in sim.utilisation)
     wide = simulate_plan(plan, prof, schedule="zb-v", minibatches=64, microbatches=16)
     assert max(wide.in_flight) == 4  # P admitted per process: 1F1B's memory
-    from fxpipe.runtime.placed_sim import simulate_placed_plan
+    from fxpipe.runtime.pricing.placed_sim import simulate_placed_plan
     more = simulate_placed_plan(plan, prof, schedule="zb-v", minibatches=64, microbatches=16,
                                 limit=8)
     assert max(more.in_flight) > 4

@@ -4,8 +4,8 @@ time on every cut, so that each timing rule (which producer, which cut, same pro
 which duration) shows in the numbers."""
 from __future__ import annotations
 
-from fxpipe.runtime.placement import (PlacedSchedule, make_placed_schedule, simulate_placed,
-                                      timed_placed)
+from fxpipe.runtime.schedules.placement import (PlacedSchedule, make_placed_schedule,
+                                                simulate_placed, timed_placed)
 
 COSTS = [(2.0, 3.0, 1.0)] * 4  # F = 2, B = 3 (input gradients), W = 1 on each stage
 

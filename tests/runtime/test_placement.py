@@ -9,11 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.placed_orders import greedy_orders
-from fxpipe.runtime.placement import (PlacedSchedule, make_placed_schedule, placement,
-                                      process_order, simulate_placed, validate_placed)
-from fxpipe.runtime.schedule import Action, DeadlockError, ScheduleError, make_schedule
-from fxpipe.runtime.simulate import simulate
+from fxpipe.runtime.schedules.placed_orders import greedy_orders
+from fxpipe.runtime.schedules.placement import (PlacedSchedule, make_placed_schedule, placement,
+                                                process_order, simulate_placed, validate_placed)
+from fxpipe.runtime.schedules.schedule import Action, DeadlockError, ScheduleError
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.schedules.simulate import simulate
 
 UNIT = (1.0, 1.0, 1.0)
 
@@ -96,9 +97,9 @@ def test_zb_v_two_processes_by_hand() -> None:
     """P = 2, m = 2, F = B = W = 1 (stages 0, 3 on process 0; 1, 2 on process 1), from the
     rules (oldest ready B, else the deepest ready F, a new minibatch only while fewer than P =
     2 are admitted, else a W that delays nothing). t0: p0 F0@0. t1: p0 F1@0, p1 F0@1. t2: p1
-    F0@2 (deeper than F1@1), p0 idle. t3: p0 F0@3 (F0@2 ended), p1 F1@1. t4: p0 B0@3, p1 F1@2. t5: p0 F1@3 (F1@2 ended at 5, ready: F
-    before W), p1 B0@2. t6: p0 B1@3, p1 B0@1. t7: p0 B0@0, p1 B1@2. t8: p0 W0@3 (B1@1 ends at
-    9: a W fits), p1 B1@1. t9: p0 B1@0, p1 W0@2 ... then the W's."""
+    F0@2 (deeper than F1@1), p0 idle. t3: p0 F0@3 (F0@2 ended), p1 F1@1. t4: p0 B0@3, p1 F1@2. t5:
+    p0 F1@3 (F1@2 ended at 5, ready: F before W), p1 B0@2. t6: p0 B1@3, p1 B0@1. t7: p0 B0@0, p1
+    B1@2. t8: p0 W0@3 (B1@1 ends at 9: a W fits), p1 B1@1. t9: p0 B1@0, p1 W0@2 ... then the W's."""
     ps = make_placed_schedule("zb-v", 2, 2, microbatches=2)
     assert ps.grid() == [
         "p0  |F0@0 F1@0 F0@3 B0@3 F1@3 B1@3 B0@0 W0@3 B1@0 W0@0 W1@3 W1@0 U0@0 U0@3",

@@ -3,7 +3,7 @@ import platform
 
 import pytest
 
-from fxpipe.runtime.allocator import keep_freed_memory
+from fxpipe.runtime.execution.allocator import keep_freed_memory
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="only glibc's malloc is tuned")

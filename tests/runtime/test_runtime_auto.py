@@ -1,5 +1,5 @@
-"""schedule="auto" (fxpipe.runtime.auto): the decision rule on hand-made curves, the simulated
-throughputs, and the trainer adopting the choice without perturbing training."""
+"""schedule="auto" (fxpipe.runtime.training.auto): the decision rule on hand-made curves, the
+simulated throughputs, and the trainer adopting the choice without perturbing training."""
 from __future__ import annotations
 
 import copy
@@ -10,10 +10,10 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
-from fxpipe.runtime.auto import (AutoOptions, budget, choose, decide, merge, periods, pilot,
-                               share_of, smooth, to_level)
+from fxpipe.runtime.training.auto import (AutoOptions, budget, choose, decide, merge, periods,
+                                          pilot, share_of, smooth, to_level)
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 P = 80
 
@@ -278,7 +278,7 @@ def test_a_pilot_the_profile_prices_out_is_skipped_without_a_probe(monkeypatch) 
     """The plan's profile prices the pilot first (its stages' compute summed is one whole-model
     step): where that already costs more than max_cost of the run, no probe is timed and no
     pilot minibatch is read."""
-    import fxpipe.runtime.auto as auto_mod
+    import fxpipe.runtime.training.auto as auto_mod
     from fxpipe.api import compile as fx_compile
 
     data = batches(48)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
-from fxpipe.runtime.auto import pilot
-from fxpipe.runtime.data import split_part
+from fxpipe.runtime.training.auto import pilot
+from fxpipe.runtime.training.data import split_part
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 LR, MOMENTUM = 0.05, 0.5
 

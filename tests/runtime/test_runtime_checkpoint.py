@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpipe.runtime import checkpoint as ck
-from fxpipe.runtime.data import ShardedDataset, iter_parts
+from fxpipe.runtime.training import checkpoint as ck
+from fxpipe.runtime.training.data import ShardedDataset, iter_parts
 
 
 def _save(root: Path, epoch: int, mb: int, stages: int = 2, manifest: bool = True) -> None:

@@ -14,7 +14,7 @@ import torch.nn as nn
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 sgd = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)

@@ -14,9 +14,10 @@ import itertools
 
 import pytest
 
-from fxpipe.runtime.commplan import (MODEL, CommOrderError, StageLinks, action_messages,
-                                     check_logs, comm_plans, plan_logs)
-from fxpipe.runtime.schedule import Schedule, make_schedule
+from fxpipe.runtime.schedules.commplan import (MODEL, CommOrderError, StageLinks, action_messages,
+                                               check_logs, comm_plans, plan_logs)
+from fxpipe.runtime.schedules.schedule import Schedule
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 
 def chain(stages: int, skip: bool = False) -> list[StageLinks]:
@@ -141,7 +142,7 @@ def test_the_old_preposting_order_is_rejected(kind: str) -> None:
 def test_a_plan_ordered_by_the_receivers_actions_is_rejected(monkeypatch) -> None:
     """Mutation of the plan: order each receive by the RECEIVING action's position instead of
     the sending one's. On a skip connection (stage 0 -> stage 3) the checker catches it."""
-    from fxpipe.runtime import commplan
+    from fxpipe.runtime.schedules import commplan
 
     links = chain(4, skip=True)
     sched = make_schedule("pipedream", [1, 1, 1, 1], 12)

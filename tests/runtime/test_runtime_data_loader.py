@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fxpipe.codegen.split import placed_nodes, split_graph
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.prefetch import Prefetcher
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.prefetch import Prefetcher
+from fxpipe.runtime.training.trainer import Trainer
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 sgd = functools.partial(torch.optim.SGD, lr=0.1)

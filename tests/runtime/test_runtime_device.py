@@ -13,13 +13,13 @@ import torch.nn as nn
 from rt_helpers import batches, split
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.wire import make_wire_plan
+from fxpipe.runtime.execution.wire import make_wire_plan
 
 GPUS = dict(cuda_available=True, device_count=4)
 
 
 def test_rank_device_follows_local_rank() -> None:
-    from fxpipe.runtime.device import rank_device
+    from fxpipe.runtime.replica.device import rank_device
 
     env = {"LOCAL_RANK": "3"}
     assert rank_device(None, env=env, **GPUS) == torch.device("cuda", 3)
@@ -41,8 +41,8 @@ def test_spawned_rank_i_drives_gpu_i(monkeypatch: pytest.MonkeyPatch) -> None:
     with it (it used to take GPU 0 whatever its rank)."""
     import torch.distributed as dist
 
-    from fxpipe.runtime import worker
-    from fxpipe.runtime.worker import WorkerConfig, init_rank
+    from fxpipe.runtime.execution import worker
+    from fxpipe.runtime.execution.worker import WorkerConfig, init_rank
 
     calls: dict[str, Any] = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -61,7 +61,7 @@ def test_spawned_rank_i_drives_gpu_i(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_host_copies_to_the_cpu_are_the_tensor_itself() -> None:
-    from fxpipe.runtime.device import to_device
+    from fxpipe.runtime.replica.device import to_device
 
     x = torch.randn(3)
     assert to_device(x, torch.device("cpu")) is x
@@ -72,7 +72,7 @@ def test_a_replica_holds_its_weights_once_on_its_device() -> None:
     """The stage's GraphModule is not moved (its own tensors are never computed with); the
     replica's weights, buffers and constants go to the device. The meta device stands in for
     a GPU here: nothing is allocated, but every placement is visible."""
-    from fxpipe.runtime.stage import StageReplica
+    from fxpipe.runtime.replica.stage import StageReplica
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     (spec,) = split(model, [])

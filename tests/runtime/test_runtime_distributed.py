@@ -8,11 +8,11 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 
-from fxpipe.runtime.commplan import check_logs
+from fxpipe.runtime.schedules.commplan import check_logs
 from fxpipe.runtime.errors import WorkerFailedError
-from fxpipe.runtime.launch import run_distributed
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.execution.launch import run_distributed
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.timeline import busy_fraction, write_chrome_trace
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from rt_helpers import split
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 SCALER = {"init_scale": 2.0 ** 12, "growth_interval": 3}

@@ -1,4 +1,5 @@
-"""LocalSGD across pipeline replicas (fxpipe.runtime.localsgd[_executor]) against plain PyTorch.
+"""LocalSGD across pipeline replicas (fxpipe.runtime.schedules.localsgd[_executor]) against plain
+PyTorch.
 
 The oracle is written here from LocalSGD's definition: R copies of the whole model, copy j trains
 with ordinary momentum SGD on minibatches j, j + R, j + 2R, ... and every H updates (and at the
@@ -15,8 +16,8 @@ from rt_helpers import split
 from test_runtime_mitigation import data64, model64
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.localsgd import make_localsgd_schedule
-from fxpipe.runtime.localsgd_executor import LocalSGDExecutor
+from fxpipe.runtime.schedules.localsgd import make_localsgd_schedule
+from fxpipe.runtime.execution.localsgd_executor import LocalSGDExecutor
 
 LR, MOM = 0.05, 0.9
 
@@ -88,7 +89,7 @@ def test_localsgd_schedule_is_sequential_per_replica_and_refuses_bad_input() -> 
     with pytest.raises(Exception, match="average_every=0"):
         make_localsgd_schedule(2, 2, 4, average_every=0)
     with pytest.raises(RuntimeConfigError, match="LocalSGDExecutor got a 'pipedream'"):
-        from fxpipe.runtime.schedule import make_schedule
+        from fxpipe.runtime.schedules.kinds import make_schedule
 
         LocalSGDExecutor(split(model64(), [1, 3]), make_schedule("pipedream", [1, 1, 1], 3),
                          F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=LR))

@@ -17,8 +17,8 @@ from rt_helpers import split, tiny_mlp
 from torch.func import functional_call
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.master import MasterWeights
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.replica.master import MasterWeights
+from fxpipe.runtime.training.trainer import Trainer
 
 BF16 = torch.bfloat16
 sgd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
@@ -219,8 +219,8 @@ def test_bad_master_weights_option_is_a_clear_error() -> None:
 def test_localsgd_averages_the_masters_then_rounds_them_down() -> None:
     """LocalSGD (R copies, each its own optimizer, averaged every H rounds) of a bfloat16 model:
     the oracle averages each copy's float32 masters and rounds the mean into the parameters."""
-    from fxpipe.runtime.localsgd import make_localsgd_schedule
-    from fxpipe.runtime.localsgd_executor import LocalSGDExecutor
+    from fxpipe.runtime.schedules.localsgd import make_localsgd_schedule
+    from fxpipe.runtime.execution.localsgd_executor import LocalSGDExecutor
 
     model, data, R, H = bf16_model(), bf16_batches(10), 2, 2
     stages = split(copy.deepcopy(model), [1, 3])

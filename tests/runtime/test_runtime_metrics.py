@@ -11,7 +11,7 @@ import torch
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 sgd = functools.partial(torch.optim.SGD, lr=0.1)
 warmup = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda k: min(1, k / 3))

@@ -1,8 +1,9 @@
-"""Staleness mitigations (fxpipe.runtime.mitigation) against an independent delayed-SGD formula.
+"""Staleness mitigations (fxpipe.runtime.replica.mitigation) against an independent delayed-SGD
+formula.
 
 ``delayed_training`` below is plain PyTorch in float64, written from the definitions (module doc
-of fxpipe.runtime.mitigation and the papers), not from the runtime: minibatch k on stage s reads
-the stage's weights after v = max(0, k - d_s) updates, d_s = S - 1 - s (PipeDream's 1F1B); the
+of fxpipe.runtime.replica.mitigation and the papers), not from the runtime: minibatch k on stage s
+reads the stage's weights after v = max(0, k - d_s) updates, d_s = S - 1 - s (PipeDream's 1F1B); the
 gradient is applied as update k. Each mitigation changes one line of it. The reference executor,
 running the real schedule, stash and stage code, must agree to float64 rounding.
 """
@@ -19,8 +20,8 @@ from rt_helpers import split
 from torch.func import functional_call
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 LR, MOM = 0.05, 0.5
 DC_LAMBDA, DC_DECAY, DC_EPS = 2.0, 0.95, 1e-7
@@ -136,7 +137,7 @@ def test_factory_receives_stage_and_delay() -> None:
 
 
 def test_momentum_correction_is_a_no_op_without_momentum_or_delay() -> None:
-    from fxpipe.runtime.compensate import spike_compensate
+    from fxpipe.runtime.replica.compensate import spike_compensate
 
     w = torch.randn(3, dtype=torch.float64, requires_grad=True)
     for opt, delay in ((torch.optim.SGD([w], lr=0.1), 3), (torch.optim.SGD([w], lr=0.1,
@@ -153,7 +154,7 @@ def test_momentum_correction_is_a_no_op_without_momentum_or_delay() -> None:
 
 def test_adamw_weight_decay_compensated_step_matches_torch_at_delay_0_shape() -> None:
     """With a = 1, b = 0 the replacement step is torch's AdamW (checks the transcription)."""
-    from fxpipe.runtime.compensate import _adam_step
+    from fxpipe.runtime.replica.compensate import _adam_step
 
     torch.manual_seed(0)
     a = torch.randn(5, dtype=torch.float64, requires_grad=True)

@@ -4,7 +4,8 @@ The distributed executor builds the same MitigatedReplica and the same compensat
 the reference one, so a pipedream+predict+dc+momentum run (with checkpoints, an LR scheduler and
 dropout, trainer_job.py) must agree with the oracle to float tolerance; and schedule="auto" must
 reach one decision on both ranks: without a pilot (too short a run: flush, each minibatch cut
-into microbatches on both executors) and with one split over the two ranks, whose merged curves must give the single-process pilot's decision, row for row."""
+into microbatches on both executors) and with one split over the two ranks, whose merged curves must
+give the single-process pilot's decision, row for row."""
 from __future__ import annotations
 
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 from test_runtime_trainer_dist import HERE, _run, _torchrun
 
-from fxpipe.runtime.auto import AutoOptions
+from fxpipe.runtime.training.auto import AutoOptions
 
 
 def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> None:

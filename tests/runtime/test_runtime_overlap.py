@@ -18,11 +18,12 @@ from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 from rt_spawn import Job, run_jobs
 from rt_tied import TiedLM, ce, sgd_m, token_batches
 
-from fxpipe.runtime.buckets import BucketLayout, GradBuckets, Slot, last_backwards
-from fxpipe.runtime.executor import WorkerConfig
-from fxpipe.runtime.reference import ReferenceExecutor, RunResult
-from fxpipe.runtime.schedule import make_schedule
-from fxpipe.runtime.stage import StageReplica
+from fxpipe.runtime.execution.buckets import BucketLayout, GradBuckets, Slot, last_backwards
+from fxpipe.runtime.execution.worker import WorkerConfig
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.execution.contract import RunResult
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.replica.stage import StageReplica
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 TINY = 96  # bytes: stage 0 of the width-16 MLP (2 linear layers) then has 4 buckets
@@ -326,7 +327,7 @@ def test_hung_replica_fails_the_bucket_wait_naming_the_group() -> None:
     """Replica 1 hangs before its first backward: replica 0 launched its buckets during B0 and
     its wait at U0 times out, naming the replica group and a peer in it."""
     from fxpipe.runtime.errors import WorkerFailedError
-    from fxpipe.runtime.launch import run_distributed
+    from fxpipe.runtime.execution.launch import run_distributed
 
     sched = make_schedule("pipedream", [2], 4)
     with pytest.raises(WorkerFailedError) as info:

@@ -8,8 +8,8 @@ import torch
 from rt_helpers import split
 from rt_tied import TiedLM, ce, token_batches
 
-from fxpipe.runtime.param_names import model_names, weight_decay_groups
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.param_names import model_names, weight_decay_groups
+from fxpipe.runtime.training.trainer import Trainer
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 seen: list[list[str]] = []

@@ -15,14 +15,15 @@ import torch.nn as nn
 from rt_helpers import SkipMLP, batches, loss_fn, sgd, split, tiny_mlp
 from rt_tied import TiedLM, plain_sgd_groups
 
-from fxpipe.runtime.commplan import check_logs
+from fxpipe.runtime.schedules.commplan import check_logs
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.hosted import check_hostable
-from fxpipe.runtime.hosted_launch import PlacedJob, run_placed_jobs
-from fxpipe.runtime.placement import PlacedSchedule, make_placed_schedule, validate_placed
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import Action, Schedule, ScheduleError, make_schedule
-from fxpipe.runtime.step_options import StepOptions
+from fxpipe.runtime.execution.hosted import check_hostable
+from fxpipe.runtime.execution.launch import PlacedJob, run_placed_jobs
+from fxpipe.runtime.schedules.placement import PlacedSchedule, make_placed_schedule, validate_placed
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.schedule import Action, Schedule, ScheduleError
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.replica.step_options import StepOptions
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 
@@ -147,8 +148,8 @@ def test_tags_between_two_processes_are_unique_when_two_hosted_stages_share_a_va
     come back with the same (minibatch, value, direction): the tag must name the consumer (gloo
     matches by tag; equal tags would be paired in posting order, which differs from the order
     the gradients are summed in when a value has three consumers)."""
-    from fxpipe.runtime.hosted import ProcessExecutor
-    from fxpipe.runtime.wire import make_wire_plan
+    from fxpipe.runtime.execution.hosted import ProcessExecutor
+    from fxpipe.runtime.execution.wire import make_wire_plan
 
     make, cuts, placed, data, _ = _parts("zb-v-two-consumers")
     stages = split(make(), cuts)
@@ -174,7 +175,7 @@ def test_run_distributed_runs_a_placed_schedule_and_a_dead_process_is_named() ->
     reference); then process 1 dies at its 5th step: process 0 times out on a receive from a
     stage process 1 hosts and says so, and the launcher reports both."""
     from fxpipe.runtime.errors import WorkerFailedError
-    from fxpipe.runtime.launch import run_distributed
+    from fxpipe.runtime.execution.launch import run_distributed
 
     make, cuts, placed, data, _ = _parts("zb-v-2x4")
     stages = split(make(), cuts)

@@ -11,8 +11,8 @@ from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import ConfigError
 from fxpipe.passes import partition
-from fxpipe.runtime.plan_choice import _merge_chain, choose_by_simulation
-from fxpipe.runtime.plansim import simulate_plan
+from fxpipe.runtime.pricing.plan_choice import _merge_chain, choose_by_simulation
+from fxpipe.runtime.pricing.plansim import simulate_plan
 
 PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
 

@@ -14,8 +14,8 @@ import pytest
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.passes import partition
-from fxpipe.runtime.plansim import data_parallel_plan, simulate_plan
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.pricing.plansim import data_parallel_plan, simulate_plan
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 BW = 1e6  # bytes/s, so bytes / BW is exact for the sizes below
 
@@ -166,7 +166,7 @@ def test_tied_weights_are_priced_lockstep_when_synchronous_and_free_when_delayed
     F3 + B3 + B2 + B1 + B0 = 5 s per minibatch, plus the 2-holder ring all-reduce of
     2 (2 - 1) / 2 * 1000 B at 1 MB/s = 1 ms. The runtime's pipedream delay (3 rounds): 2 s,
     as without the tie. Bytes: each of the two holders sends 1000 B per update."""
-    from fxpipe.runtime.plansim import TiedSync, tied_from_profile
+    from fxpipe.runtime.pricing.plansim import TiedSync, tied_from_profile
 
     nodes = [ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=1.0,
                          backward_s=1.0, activation_bytes=0.0,

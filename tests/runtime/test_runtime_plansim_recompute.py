@@ -7,7 +7,7 @@ import pytest
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.passes import plan_for
-from fxpipe.runtime.plansim import simulate_plan, stage_costs
+from fxpipe.runtime.pricing.plansim import simulate_plan, stage_costs
 
 
 def _profile() -> Profile:
@@ -59,7 +59,7 @@ def test_choosing_by_simulation_passes_recompute_through() -> None:
     310 B; the one-stage merge needs 620 B without and 630 B with), so the simulated choice is
     that plan, flags included; without recomputation nothing fits."""
     from fxpipe.errors import InfeasiblePlanError
-    from fxpipe.runtime.plan_choice import choose_by_simulation
+    from fxpipe.runtime.pricing.plan_choice import choose_by_simulation
 
     def node(name: str, f: float, p: float, a: float, inputs: tuple[str, ...] = (),
              op: str = "call_module") -> ProfileNode:

@@ -13,9 +13,9 @@ from rt_spawn import Job, run_jobs
 from test_runtime_fp16 import SCALER, Net, data
 from test_runtime_master_weights import bf16_batches, bf16_model
 
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
-from fxpipe.runtime.step_options import StepOptions
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.replica.step_options import StepOptions
 
 small = functools.partial(torch.optim.SGD, lr=1e-3)
 adamw = functools.partial(torch.optim.AdamW, lr=3e-3)

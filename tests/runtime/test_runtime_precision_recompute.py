@@ -12,8 +12,8 @@ import torch.nn as nn
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.stage import StageReplica
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.replica.stage import StageReplica
+from fxpipe.runtime.training.trainer import Trainer
 
 sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 EXACT = dict(rtol=0.0, atol=0.0)

@@ -10,8 +10,9 @@ from stale_oracles import double, pipedream_sgd, two_bw_sgd
 from stale_oracles import plain_sgd as oracle_sgd
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import SCHEDULE_KINDS, make_schedule
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.schedule import SCHEDULE_KINDS
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 EXACT = dict(rtol=0.0, atol=0.0)
 

@@ -1,6 +1,6 @@
-"""Resume under another plan (runtime/repartition.py): a checkpoint written by one plan of a model
-(stages, replicas) resumes under any other plan of the same model and trains on exactly as an
-uninterrupted run would (reference executor, 1f1b-flush: every plan trains the same minibatch
+"""Resume under another plan (runtime/training/repartition.py): a checkpoint written by one plan of
+a model (stages, replicas) resumes under any other plan of the same model and trains on exactly as
+an uninterrupted run would (reference executor, 1f1b-flush: every plan trains the same minibatch
 sums, so every plan is one computation up to float rounding).
 
 The oracle is the uninterrupted ONE-stage run: it shares no checkpoint, no re-partitioning and no
@@ -20,9 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpipe.codegen.split import placed_nodes, split_graph
-from fxpipe.runtime.checkpoint import CheckpointError, find_latest
-from fxpipe.runtime.param_names import weight_decay_groups
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.checkpoint import CheckpointError, find_latest
+from fxpipe.runtime.training.param_names import weight_decay_groups
+from fxpipe.runtime.training.trainer import Trainer
 
 M = 4  # microbatches per batch: the same under every plan, so every plan trains one computation
 EPOCHS = 2

@@ -1,5 +1,5 @@
-"""Re-planning decisions from measurements (runtime/replan.py), on hand-made profiles whose best
-partitions are worked out by hand."""
+"""Re-planning decisions from measurements (runtime/pricing/replan.py), on hand-made profiles whose
+best partitions are worked out by hand."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,9 +9,9 @@ import pytest
 from fxpipe.costmodel import Cluster, Profile, ProfileNode
 from fxpipe.errors import ConfigError
 from fxpipe.passes.partition import plan_for
-from fxpipe.runtime.replan import StageTimes, after_first_update, measure, propose, rescale
+from fxpipe.runtime.pricing.replan import StageTimes, after_first_update, measure, propose, rescale
 from fxpipe.runtime.timeline import TimelineEvent
-from fxpipe.runtime.trainer_replan import measured_stage_times
+from fxpipe.runtime.training.trainer_switch import measured_stage_times
 
 MS = 1e-3
 
@@ -123,7 +123,7 @@ def test_a_running_job_keeps_all_its_workers() -> None:
     stage 0 has less compute to share, so by hand the spare joins stage 0: replicas [2, 1],
     the cut unchanged."""
     from fxpipe.passes.partition import partition
-    from fxpipe.runtime.replan import stage_starts, use_all_workers
+    from fxpipe.runtime.pricing.replan import stage_starts, use_all_workers
 
     nodes = (ProfileNode("n0", "call_function", "f", MS, MS, 4.0, 1e8, inputs=()),
              ProfileNode("n1", "call_function", "f", 3 * MS, 3 * MS, 4.0, 1e8, inputs=("n0",)))

@@ -16,8 +16,9 @@ from rt_spawn import Job, run_jobs
 from rt_tied import TiedLM, ce, plain_sgd_groups, sgd_m, token_batches
 from stale_oracles import pipedream_sgd
 
-from fxpipe.runtime.reference import ReferenceExecutor, RunResult
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.execution.contract import RunResult
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 

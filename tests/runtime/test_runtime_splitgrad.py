@@ -7,8 +7,8 @@ import torch
 
 import fxpipe
 from fxpipe import models
-from fxpipe.runtime.splitgrad import input_gradients
-from fxpipe.runtime.stage import StageReplica, model_env
+from fxpipe.runtime.replica.splitgrad import input_gradients
+from fxpipe.runtime.replica.stage import StageReplica, model_env
 
 SGD = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
 

@@ -14,8 +14,9 @@ import torch
 from rt_helpers import LR, batches, loss_fn, sgd, split, tiny_mlp
 from stale_oracles import double, no_stash_sgd, pipedream_sgd, plain_sgd, two_bw_sgd
 
-from fxpipe.runtime.reference import ReferenceExecutor, RunResult
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.execution.contract import RunResult
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 F64 = dict(rtol=1e-10, atol=1e-12)
 # cuts (rt_helpers.split) -> stage of each tiny_mlp layer (Linear, Tanh, Linear, Tanh, Linear):

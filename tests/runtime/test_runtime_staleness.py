@@ -16,8 +16,8 @@ import torch
 from rt_helpers import LR, batches, loss_fn, split, tiny_mlp
 from torch.func import functional_call
 
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 
 def stale_sgd(model: torch.nn.Module, stage_of: dict[str, int], stages: int,

@@ -1,4 +1,5 @@
-"""The staleness report (fxpipe.runtime.staleness) against literal tables and the paper's closed form.
+"""The staleness report (fxpipe.runtime.schedules.staleness) against literal tables and the paper's
+closed form.
 
 The tables below are written by hand from the definitions in the module doc, not printed by the
 code: PipeDream's 1F1B keeps stage s of a straight S-stage pipeline S - 1 - s of its own updates
@@ -13,7 +14,7 @@ import math
 
 import pytest
 
-from fxpipe.runtime.staleness import format_table, own_delays, staleness_table
+from fxpipe.runtime.schedules.staleness import format_table, own_delays, staleness_table
 
 # own/global per stage, S = 4: worked by hand on the unit-time 1F1B grid (each stage updates once
 # every 2 time slots, so S/2 = 2 global updates land per slot; stage s's read-to-update window
@@ -98,7 +99,7 @@ def test_plan_json_carries_the_table_and_old_plans_still_load(tmp_path) -> None:
     from fxpipe.costmodel.hardware import Cluster
     from fxpipe.errors import PlanFormatError
     from fxpipe.passes import Plan, partition
-    from fxpipe.runtime.staleness import plan_staleness
+    from fxpipe.runtime.schedules.staleness import plan_staleness
 
     plan = partition(_profile(), Cluster(workers=3, bandwidth="1Gbps"), stages=3, straight=True)
     assert plan.staleness == {} and "staleness" not in plan.summary()  # passes cannot compute it

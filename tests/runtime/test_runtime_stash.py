@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from fxpipe.codegen.split import placed_nodes, split_graph
 from fxpipe.runtime.errors import StashError
-from fxpipe.runtime.stage import StageReplica
-from fxpipe.runtime.stash import WeightStash
+from fxpipe.runtime.replica.stage import StageReplica
+from fxpipe.runtime.replica.stash import WeightStash
 
 sgd = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -227,7 +227,7 @@ class Tied(nn.Module):
 
 
 def test_slots_list_every_place_a_tensor_lives() -> None:
-    from fxpipe.runtime.stash import tensor_slots
+    from fxpipe.runtime.replica.stash import tensor_slots
 
     m = Tied()
     slots = dict(tensor_slots(m))
@@ -253,7 +253,7 @@ def test_slots_list_every_place_a_tensor_lives() -> None:
 
 
 def test_swapped_call_uses_the_given_tensors_and_puts_the_originals_back() -> None:
-    from fxpipe.runtime.stash import swapped_call, tensor_slots
+    from fxpipe.runtime.replica.stash import swapped_call, tensor_slots
 
     m = Tied()
     slots = tensor_slots(m)

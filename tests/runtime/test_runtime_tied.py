@@ -12,11 +12,11 @@ from rt_tied import TiedLM, ce, plain_sgd_groups, sgd_m, token_batches
 from stale_oracles import tied_lm_pipedream_sgd
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
-from fxpipe.runtime.simulate import simulate
-from fxpipe.runtime.stage import sync_components, tied_parameters
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.schedules.simulate import simulate
+from fxpipe.runtime.replica.stage import sync_components, tied_parameters
+from fxpipe.runtime.training.trainer import Trainer
 
 sgd_plain = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -87,7 +87,7 @@ def test_pipedream_tied_sum_no_longer_locks_stage_0_and_the_last_stage() -> None
     last stage wait, at each update i, for stage 0's update i, which follows the backward of i
     through every stage: F3 + B3 + B2 + B1 + B0 = 5 units per minibatch. The runtime's delay
     (windows 4 - 1 = 3 rounds) removes the wait entirely."""
-    from fxpipe.runtime.reference import tied_delay
+    from fxpipe.runtime.execution.contract import tied_delay
 
     stages = split(TiedLM(), [1, 2, 3])
     sched = make_schedule("pipedream", [1, 1, 1, 1], 400)

@@ -7,8 +7,8 @@ import pytest
 from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.timeline import (Recorder, TimelineEvent, busy_fraction, to_chrome_trace,
                                      totals, write_chrome_trace)
 

@@ -17,10 +17,10 @@ from rt_tied import TiedLM, ce, token_batches
 from fxpipe.codegen.carry import carried, carry_stages
 from fxpipe.codegen.pipeline import run_stages
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.launch import free_port
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
-from fxpipe.runtime.torch_pipelining import stage_ranks
+from fxpipe.runtime.execution.launch import free_port
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.execution.torch_pipelining import stage_ranks
 
 M = 4  # microbatches per step
 

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from rt_helpers import batches, loss_fn, plain_sgd, sgd, split, tiny_mlp
 from trainer_job import dataset, stages
 
-from fxpipe.runtime.checkpoint import CheckpointError, find_latest
+from fxpipe.runtime.training.checkpoint import CheckpointError, find_latest
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.trainer import Trainer, make_trainer
+from fxpipe.runtime.training.trainer import Trainer, make_trainer
 
 momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 

@@ -98,7 +98,7 @@ def test_stage_may_start_with_an_in_place_op() -> None:
     """A received activation is a leaf that requires grad; a stage starting with
     ReLU(inplace=True) (AlexNet cut before a ReLU) must still run and give input gradients."""
     from fxpipe.codegen.split import placed_nodes, split_graph
-    from fxpipe.runtime.stage import StageReplica
+    from fxpipe.runtime.replica.stage import StageReplica
 
     gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True)))
     specs = split_graph(gm, {n.name: int(i > 1) for i, n in enumerate(placed_nodes(gm))})

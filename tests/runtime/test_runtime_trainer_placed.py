@@ -11,7 +11,7 @@ import torch
 from rt_helpers import SkipMLP, batches, loss_fn, split, tiny_mlp
 
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)

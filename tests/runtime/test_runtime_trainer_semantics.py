@@ -15,9 +15,9 @@ from rt_helpers import batches, loss_fn, split, tiny_mlp
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from fxpipe.runtime.data import ShardedDataset
+from fxpipe.runtime.training.data import ShardedDataset
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.trainer import Trainer
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -139,7 +139,7 @@ def test_a_distributed_sampler_is_refused_with_the_way_out() -> None:
 
 
 def test_fingerprints_tell_whether_two_ranks_read_the_same_minibatches() -> None:
-    from fxpipe.runtime.data import PartStream
+    from fxpipe.runtime.training.data import PartStream
 
     data = batches(5)
     twin = [(x.clone(), y.clone()) for x, y in data]
@@ -159,7 +159,7 @@ def test_fingerprints_tell_whether_two_ranks_read_the_same_minibatches() -> None
 
 # ----------------------------------------------------------------------------- state
 def test_per_stage_checkpoints_reassemble_into_the_whole_model(tmp_path) -> None:
-    from fxpipe.runtime.checkpoint import load_model_state
+    from fxpipe.runtime.training.checkpoint import load_model_state
 
     model = Noisy()
     trainer = Trainer(split(model, [1, 3]), [1, 1, 1], loss_fn, momentum, executor="reference",
@@ -178,7 +178,7 @@ def test_per_stage_checkpoints_reassemble_into_the_whole_model(tmp_path) -> None
 def test_forward_returns_the_loss_on_the_device_not_a_number() -> None:
     """A Python float would make a GPU wait for every forward; the runtime reads losses once
     per segment."""
-    from fxpipe.runtime.stage import StageReplica
+    from fxpipe.runtime.replica.stage import StageReplica
 
     (spec,) = split(tiny_mlp(), [])
     x, y = batches(1)[0]

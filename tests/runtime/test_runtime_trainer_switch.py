@@ -1,5 +1,5 @@
-"""Re-planning a running trainer in place (runtime/trainer_switch.py, ``replan="auto"``), with the
-reference executor.
+"""Re-planning a running trainer in place (runtime/training/trainer_switch.py, ``replan="auto"``),
+with the reference executor.
 
 The costs are estimated for a V100 (deterministic), so the planner's choices are fixed numbers.
 A "deliberately wrong" profile multiplies the costs of the right plan's first stage by 4; the
@@ -30,8 +30,8 @@ from fxpipe.costmodel import Profile
 from fxpipe.passes import Plan
 from fxpipe.passes.partition import partition, plan_for
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.param_names import weight_decay_groups
-from fxpipe.runtime.replan import StageTimes, stage_starts
+from fxpipe.runtime.training.param_names import weight_decay_groups
+from fxpipe.runtime.pricing.replan import StageTimes, stage_starts
 
 W, B, M = 256, 8, 4  # width, batch, microbatches (= segment: one batch per segment)
 CLUSTER = fxpipe.Cluster(workers=2, device="V100", bandwidth="1Gbps")

@@ -11,9 +11,9 @@ from rt_helpers import batches, loss_fn, split, tiny_mlp
 from rt_spawn import Job, run_jobs
 from rt_tied import TiedLM, ce, token_batches
 
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
-from fxpipe.runtime.step_options import StepOptions
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.replica.step_options import StepOptions
 
 sgd = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
 

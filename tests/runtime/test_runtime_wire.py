@@ -8,11 +8,11 @@ import torch.nn as nn
 from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 
 from fxpipe.codegen.split import placed_nodes, split_graph
-from fxpipe.runtime.comm import TensorSpec
+from fxpipe.runtime.execution.comm import TensorSpec
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import make_schedule
-from fxpipe.runtime.wire import make_wire_plan
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.execution.wire import make_wire_plan
 
 
 def test_dry_run_plan_has_one_signature_per_input_shape() -> None:
@@ -26,7 +26,7 @@ def test_dry_run_plan_has_one_signature_per_input_shape() -> None:
 
 
 def test_plan_from_tracer_metadata_when_it_fits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fxpipe.runtime import wire
+    from fxpipe.runtime.execution import wire
     from fxpipe.tracing.shapes import propagate_shapes
     dry_runs = []
     real = wire._dry_run
@@ -42,10 +42,10 @@ def test_plan_from_tracer_metadata_when_it_fits(monkeypatch: pytest.MonkeyPatch)
 
 def test_lazy_facade() -> None:
     import fxpipe.runtime as rt
-    import fxpipe.runtime.reference
-    import fxpipe.runtime.schedule
-    assert rt.make_schedule is fxpipe.runtime.schedule.make_schedule
-    assert rt.ReferenceExecutor is fxpipe.runtime.reference.ReferenceExecutor
+    import fxpipe.runtime.execution.reference
+    import fxpipe.runtime.schedules.kinds
+    assert rt.make_schedule is fxpipe.runtime.schedules.kinds.make_schedule
+    assert rt.ReferenceExecutor is fxpipe.runtime.execution.reference.ReferenceExecutor
     with pytest.raises(AttributeError):
         rt.nothing_here  # noqa: B018
 

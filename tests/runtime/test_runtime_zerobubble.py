@@ -11,13 +11,13 @@ from rt_spawn import Job, run_jobs
 from rt_tied import TiedLM, ce, plain_sgd_groups, sgd_m, token_batches
 
 from fxpipe.errors import ConfigError
-from fxpipe.runtime import zerobubble
-from fxpipe.runtime.buckets import last_backwards
-from fxpipe.runtime.plansim import peak_in_flight
-from fxpipe.runtime.reference import ReferenceExecutor
-from fxpipe.runtime.schedule import (Action, Schedule, ScheduleError, make_schedule,
-                                     split_ranks, validate)
-from fxpipe.runtime.simulate import format_grid, simulate
+from fxpipe.runtime.schedules import zerobubble
+from fxpipe.runtime.execution.buckets import last_backwards
+from fxpipe.runtime.pricing.plansim import peak_in_flight
+from fxpipe.runtime.execution.reference import ReferenceExecutor
+from fxpipe.runtime.schedules.schedule import Action, Schedule, ScheduleError, split_ranks, validate
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.schedules.simulate import format_grid, simulate
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 
@@ -239,7 +239,7 @@ def test_buckets_launch_after_the_last_w_of_a_round() -> None:
 
 
 def test_zero_bubble_kinds_reject_a_memory_of_nothing() -> None:
-    from fxpipe.runtime import zerobubble
+    from fxpipe.runtime.schedules import zerobubble
     with pytest.raises(ConfigError) as info:
         zerobubble.batch_orders([1, 1], range(2), [0, 0])
     # stage 0 waits first (for a later time), then stage 1 finds nothing anyone could wait for
@@ -250,7 +250,7 @@ def test_zero_bubble_kinds_reject_a_memory_of_nothing() -> None:
 def test_bad_kinds_costs_and_comm_are_refused_with_what_to_do() -> None:
     """Each refusal names the offending value and says what to pass instead; a wrong count, a
     wrong tuple and a negative time are each refused on their own."""
-    from fxpipe.runtime import zerobubble
+    from fxpipe.runtime.schedules import zerobubble
     with pytest.raises(ConfigError) as info:
         zerobubble.limits("zb-h3", [1, 1])
     assert (info.value.message, info.value.hint) == ("'zb-h3' is not a zero-bubble kind",

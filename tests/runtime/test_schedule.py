@@ -6,10 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpipe.errors import ConfigError, FxpipeError
-from fxpipe.runtime.schedule import (SCHEDULE_KINDS, SYNCHRONOUS_KINDS, Action, DeadlockError,
-                                     Schedule, ScheduleError, execution_order, make_schedule,
-                                     sync_sets, validate)
-from fxpipe.runtime.simulate import format_grid, simulate
+from fxpipe.runtime.schedules.schedule import (SCHEDULE_KINDS, SYNCHRONOUS_KINDS, Action,
+                                               DeadlockError, Schedule, ScheduleError,
+                                               execution_order, sync_sets, validate)
+from fxpipe.runtime.schedules.kinds import make_schedule
+from fxpipe.runtime.schedules.simulate import format_grid, simulate
 
 
 def table(sched: Schedule, updates: bool = True) -> dict[tuple[int, int], str]:
@@ -518,3 +519,10 @@ def test_sync_sets_are_the_connected_components_by_hand() -> None:
     assert sync_sets([[0, 1], [2, 3], [1, 2]]) == [(0, 1, 2, 3)]  # the last set joins two
     assert sync_sets([[0, 1], [1, 2]]) == [(0, 1, 2)]
     assert sync_sets([[4, 1]]) == [(1, 4)] and sync_sets([]) == []
+
+
+def test_sync_sets_keep_each_empty_set_and_every_single_stage() -> None:
+    """As the merge loop before networkx had it: an empty set is a component of its own (one per
+    empty set), a single stage is its own component."""
+    assert sync_sets([[0, 1], [], [2], [], [1, 3]]) == [(), (), (0, 1, 3), (2,)]
+    assert sync_sets([[5]]) == [(5,)] and sync_sets([[]]) == [()]

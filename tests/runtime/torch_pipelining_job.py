@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining as tp
 
-from fxpipe.runtime.torch_pipelining import torch_stages
+from fxpipe.runtime.execution.torch_pipelining import torch_stages
 
 STEPS = 2
 

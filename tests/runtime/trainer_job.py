@@ -25,8 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fxpipe.codegen.split import placed_nodes, split_graph
-from fxpipe.runtime.data import ShardedDataset
-from fxpipe.runtime.trainer import Trainer
+from fxpipe.runtime.training.data import ShardedDataset
+from fxpipe.runtime.training.trainer import Trainer
 
 
 def model() -> nn.Module:

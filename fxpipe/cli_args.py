@@ -1,0 +1,34 @@
+"""The command-line arguments that several ``fxpipe`` subcommands share, and what they name.
+
+Kept apart from :mod:`fxpipe.cli` so each subcommand module (``cli_simulate``, ``cli_train``)
+imports them without importing the command's entry point (which imports the subcommands).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def resolve_model(args: argparse.Namespace) -> Any:
+    """The ModelSpec for MODEL (a zoo name, hf:Class[:k=v,...] or file.py:factory)."""
+    from fxpipe import models
+
+    shape = (tuple(int(s) for s in args.input_shape.split(","))
+             if getattr(args, "input_shape", None) else None)
+    return models.resolve(args.model, size=args.size, batch_size=args.batch_size,
+                          seq_len=getattr(args, "seq_len", 128), meta=getattr(args, "meta", False),
+                          input_shape=shape)
+
+
+def add_recompute_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recompute", default="never", choices=["never", "always", "auto"],
+                   help="activation recomputation per stage (auto: where it makes the plan fit "
+                   "in --memory or faster)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of hf: models and of the tracer, shared by plan, simulate and train."""
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
+    p.add_argument("--meta", action="store_true", help="build the hf: model on the meta device "
+                   "(shapes only: plans a model larger than memory; needs --device)")
+    p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])

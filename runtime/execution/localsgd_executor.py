@@ -1,0 +1,86 @@
+"""LocalSGD on the reference executor: R independent pipeline replicas, averaged every H updates.
+
+The schedule is :func:`fxpipe.runtime.schedules.localsgd.make_localsgd_schedule`; the executor is
+the reference one with a different meaning of ``U``: each replica steps its own optimizer with its
+own gradient (no all-reduce; an empty trailing ``U`` steps nothing), and after every H-th update
+of a stage (and after its last one in the schedule) the replicas' weights and floating-point
+buffers are replaced by their mean. Optimizer state (momentum, Adam moments) stays local to each
+replica, as in LocalSGD. With H = 1 and plain or momentum SGD this is exactly synchronous SGD
+on the R minibatches of a round (averaging is linear), which the tests use as an oracle.
+
+The distributed executor does not run this schedule (its ``U`` is an all-reduce of gradients);
+``Trainer(schedule="localsgd")`` therefore needs ``executor="reference"``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fxpipe.codegen.split import StageSpec
+
+from ..errors import RuntimeConfigError
+from ..replica.stage import LossFn
+from ..replica.stash import OptimizerFactory
+from ..schedules.localsgd import LocalSGDSchedule, averages_after
+from ..schedules.schedule import Rank
+from ..timeline import Recorder
+from .reference import ReferenceExecutor
+
+
+class LocalSGDExecutor(ReferenceExecutor):
+    """Carry out a :class:`LocalSGDSchedule` for ``stages`` in one process (see the module doc)."""
+
+    def __init__(self, stages: Sequence[StageSpec], schedule: LocalSGDSchedule, loss_fn: LossFn,
+                 optimizer_factory: OptimizerFactory) -> None:
+        if not isinstance(schedule, LocalSGDSchedule):
+            raise RuntimeConfigError(f"LocalSGDExecutor got a {schedule.kind!r} schedule",
+                                     "make it with fxpipe.runtime.schedules.localsgd.make_localsgd_schedule")
+        super().__init__(stages, list(schedule.replicas), schedule, loss_fn, optimizer_factory,
+                         delays=[0] * len(stages))
+        if self.tied:
+            raise RuntimeConfigError(
+                f"LocalSGD with parameters tied across stages ({self.tied[0].key!r})",
+                "not supported: use a pipeline schedule, or untie the parameter")
+
+    def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder], i: int = 0) -> None:
+        """Update ``U<i>`` of every replica of one stage: each alone, then maybe the average
+        (replicas never sum gradients here, so ``i``, the update's index, is not needed)."""
+        for r in sorted(ranks):
+            w = self.workers[r]
+            t0 = recs[r].now()
+            if w.count:
+                w.apply_local_update()
+            else:  # a replica without a minibatch in the last round: nothing to step
+                w.stash.version += 1
+            recs[r].add("optimizer", f"U{w.stash.version - 1}", t0, recs[r].now(),
+                        stage=r[0], replica=r[1])
+        update = self.workers[ranks[0]].stash.version - 1
+        if averages_after(self.schedule, update):  # type: ignore[arg-type]
+            self.average([self.workers[r] for r in sorted(ranks)])
+
+    @staticmethod
+    @torch.no_grad()
+    def average(workers: Sequence[object]) -> None:
+        """Replace the replicas' latest weights and floating buffers by their mean, in place
+        (the optimizers keep pointing at the same tensors)."""
+        first = workers[0]
+        masters = first.stash.masters.master  # type: ignore[attr-defined]
+        for name in first.stash.latest:  # type: ignore[attr-defined]
+            if name in masters:  # average the float32 masters, then round them down
+                ms = [w.stash.masters.master[name] for w in workers]  # type: ignore[attr-defined]
+                mean = torch.stack([m.detach() for m in ms]).mean(0)
+                for w, m in zip(workers, ms):
+                    m.copy_(mean)
+                    w.stash.latest[name].copy_(mean)  # type: ignore[attr-defined]
+                continue
+            ts = [w.stash.latest[name] for w in workers]  # type: ignore[attr-defined]
+            mean = torch.stack([t.detach() for t in ts]).mean(0)
+            for t in ts:
+                t.copy_(mean)
+        for name, b in first.buffers.items():  # type: ignore[attr-defined]
+            if b.is_floating_point():
+                bs = [w.buffers[name] for w in workers]  # type: ignore[attr-defined]
+                mean = torch.stack(bs).mean(0)
+                for t in bs:
+                    t.copy_(mean)

@@ -1,0 +1,267 @@
+"""The single-process oracle: runs a pipeline schedule with the distributed runtime's semantics.
+
+Why it exists: the distributed executor is only as trustworthy as what it is compared with. This
+executor carries out the SAME schedule (per-rank action lists, weight versions, explicit updates)
+with the same per-replica state (each stage replica owns a copy of the stage's parameters and its
+own optimizer; replicas of a stage sum their gradients at each ``U``), but in one deterministic
+global order (``execution_order``: a topological order of the schedule's dependencies), with an
+in-memory mailbox instead of sockets. Its compute is the shared :class:`StageReplica`, so the
+distributed runtime must match it to rounding; and with one stage, or with NOAM = 1, it must match
+plain single-process SGD, which checks the oracle itself.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from fxpipe.codegen.split import MODEL, StageSpec
+
+from ..replica.clipping import stage_clipper
+from ..replica.global_step import reference_step
+from ..replica.mitigation import MitigatedReplica, check_mitigation, make_replica
+from ..replica.stage import (LossFn, StageReplica, TiedParameter, model_env, sync_components,
+                             tie_sets, tied_parameters)
+from ..replica.stash import OptimizerFactory
+from ..replica.step_options import DEFAULT, StepOptions
+from ..schedules.schedule import SCHEDULE_KINDS, Rank, Schedule, execution_order, split_ranks
+from ..schedules.spec import Mitigation
+from ..schedules.staleness import own_delays
+from ..timeline import Recorder, TimelineEvent
+from .contract import Batch, RunResult, check_schedule, planned_reads, tied_delay
+
+log = logging.getLogger(__name__)
+
+def tied_update(totals: dict[Rank, torch.Tensor], locals_: dict[Rank, torch.Tensor],
+                workers: dict[Rank, StageReplica], tied: Sequence[TiedParameter]) -> None:
+    """Reference semantics of tied parameters at one update: in every rank's ``totals`` (its
+    stage's replica-summed gradient buffer), replace the tied parameters' part by the sum over
+    ALL ranks holding them of their LOCAL sums (``locals_``), in rank order."""
+    for stages, ts in tie_sets(tied).items():
+        ranks = [r for r in sorted(totals) if r[0] in stages]
+        seg = _sum([workers[r].segment(locals_[r], [t.names[r[0]] for t in ts]) for r in ranks])
+        for r in ranks:
+            workers[r].put_segment(totals[r], [t.names[r[0]] for t in ts], seg)  # type: ignore
+
+
+class ReferenceExecutor:
+    """Carry out ``schedule`` for ``stages`` in one process (see the module doc).
+
+    ``vertical_sync``: every stage uses, for minibatch k, the weight version the input stage used
+    (PipeDream's vertical sync; needs equal replica counts). ``stashing=False`` is the ablation in
+    which backwards use the latest weights. ``mitigation`` (pipedream only): see
+    :mod:`fxpipe.runtime.replica.mitigation`; ``delays``: each stage's own-update delay, which the
+    optimizer factory and the mitigations receive (default: the schedule's steady state, see
+    :func:`fxpipe.runtime.schedules.staleness.own_delays`; give it when ``schedule`` is a
+    placeholder).
+    """
+
+    def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], schedule: Schedule,
+                 loss_fn: LossFn, optimizer_factory: OptimizerFactory, *,
+                 stashing: bool = True, vertical_sync: bool = False,
+                 mitigation: Mitigation | str | None = None,
+                 delays: Sequence[int] | None = None,
+                 options: StepOptions = DEFAULT) -> None:
+        self.stages = list(stages)
+        self.options = options
+        self.replicas = list(replicas)
+        self.schedule = schedule.with_vertical_sync() if vertical_sync else schedule
+        check_schedule(self.stages, self.replicas, self.schedule)
+        self.mitigation = Mitigation.parse(mitigation)
+        self.delays = list(delays) if delays is not None else (
+            own_delays(schedule.kind, self.replicas, vertical_sync=vertical_sync,
+                       microbatches=schedule.group if schedule.kind != "pipedream" else None)
+            if schedule.kind in SCHEDULE_KINDS else [0] * len(self.stages))
+        check_mitigation(self.mitigation, kind=schedule.kind, stashing=stashing,
+                         vertical_sync=vertical_sync, stages=self.stages, delays=self.delays)
+        last = len(self.stages) - 1
+        self.workers: dict[Rank, StageReplica] = {
+            rank: make_replica(self.stages[rank[0]], optimizer_factory,
+                               delay=self.delays[rank[0]], mitigation=self.mitigation,
+                               loss_fn=loss_fn if rank[0] == last else None, stashing=stashing,
+                               planned_reads=planned_reads(self.schedule, rank),
+                               **options.replica_kwargs(rank[0]))
+            for rank in self.schedule.ranks}
+        self.tied = tied_parameters(self.stages)
+        self._sync = sync_components(self.tied)
+        self._global = False  # set per run (see _configure_clipping)
+        self._runs = 0
+        # delayed tied rounds (see tied_delay): (tie set, round) -> rank -> (local segment,
+        # that rank's stage count of the round)
+        self._rounds: dict[tuple[tuple[int, ...], int], dict[Rank, tuple[torch.Tensor, float]]] = {}
+
+    def step(self, inputs: Sequence[Any], targets: Sequence[Any]) -> RunResult:
+        """Train on one sequence of minibatches (``inputs[k]``, ``targets[k]``)."""
+        return self.run(list(zip(inputs, targets)))
+
+    def run(self, batches: Sequence[Batch]) -> RunResult:
+        """Run the whole schedule on ``batches`` (one per minibatch); weights carry over between
+        runs, weight versions restart at 0."""
+        sched = self.schedule
+        check_schedule(self.stages, self.replicas, sched, len(batches))
+        if self._runs:
+            for rank, w in self.workers.items():
+                w.stash.rebase()
+                w.stash.set_planned_reads(planned_reads(sched, rank))
+        self._runs += 1
+        self._configure_clipping(sched.kind)
+        for rank, w in self.workers.items():
+            if isinstance(w, MitigatedReplica):
+                w.prepare(sched, rank)
+        envs: dict[int, dict[str, Any]] = {}
+        acts: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, minibatch, consumer stage)
+        grads: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, minibatch, consumer stage)
+        losses: dict[int, torch.Tensor] = {}
+        pending: dict[tuple[int, int], list[Rank]] = {}
+        index = {rank: i for i, rank in enumerate(sched.ranks)}
+        split = split_ranks(sched)
+        recs = {rank: Recorder(args={"stage": rank[0], "replica": rank[1]}) for rank in index}
+        self._delay = tied_delay(sched, self.tied)
+        self._rounds.clear()
+        for rank, i in execution_order(sched, self._sync, self._delay):
+            a = sched.actions[rank][i]
+            s, st, w = rank[0], self.stages[rank[0]], self.workers[rank]
+            k = a.minibatch
+            t0 = recs[rank].now()
+            if a.kind == "F":
+                if k not in envs:
+                    envs[k] = model_env(self.stages, batches[k][0])
+                ins = [envs[k][n] if src == MODEL else acts.pop((n, k, s))
+                       for n, src in zip(st.inputs, st.sources)]
+                outs, loss = w.forward(k, a.version, ins, batches[k][1])
+                if loss is not None:
+                    losses[k] = loss
+                recs[rank].add("forward", str(a), t0, recs[rank].now(), minibatch=k,
+                               version=a.version)
+                for n, o, cons in zip(st.outputs, outs, st.consumers):
+                    for c in cons:
+                        if c != MODEL:
+                            acts[(n, k, c)] = o
+            elif a.kind == "B":
+                out_grads = [_sum([grads.pop((n, k, c), None) for c in cons if c != MODEL])
+                             for n, cons in zip(st.outputs, st.consumers)]
+                in_grads = w.backward(k, out_grads, split=rank in split)
+                recs[rank].add("backward", str(a), t0, recs[rank].now(), minibatch=k,
+                               version=a.version)
+                for n, src, g in zip(st.inputs, st.sources, in_grads):
+                    if src != MODEL and g is not None:
+                        grads[(n, k, s)] = g
+            elif a.kind == "W":
+                w.backward_weight(k)
+                recs[rank].add("backward", str(a), t0, recs[rank].now(), minibatch=k,
+                               version=a.version)
+            else:
+                comp = next((c for c in self._sync if s in c), (s,)) if self._delay == 0 else (s,)
+                group = pending.setdefault((comp[0], k), [])
+                group.append(rank)
+                if len(group) == sum(self.replicas[t] for t in comp):
+                    self._update(group, recs, k)
+                    del pending[(comp[0], k)]
+        if acts or grads:
+            log.warning("undelivered tensors at the end: %s", sorted(acts) + sorted(grads))
+        self._finish_tied_rounds()
+        timeline = {index[r]: rec.finish() for r, rec in recs.items()}
+        values = [float(v) for v in torch.stack([losses[k] for k in range(sched.num_minibatches)]
+                                                ).tolist()] if losses else []
+        return self.result(values, timeline)
+
+    def _configure_clipping(self, kind: str) -> None:
+        """Gradient clipping for ``kind`` (see :mod:`fxpipe.runtime.replica.clipping`): the global
+        norm (and fp16 loss scaling's global inf check) puts every stage's updates together
+        (``self._sync``) and is applied in :meth:`_update`; the stage scope lives in each
+        replica."""
+        base = sync_components(self.tied)
+        self._sync = self.options.sync(kind, len(self.stages), base)
+        self._global = self.options.global_step(kind)
+        for r, w in self.workers.items():
+            w.clip, w.clip_local = None, True
+            if self.options.scope(kind) == "stage":
+                w.clip = stage_clipper(self.options.clip_grad_norm,  # type: ignore[arg-type]
+                                       w.stash.trainable,
+                                       [t.names[r[0]] for t in self.tied if r[0] in t.names])
+
+    def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder], i: int) -> None:
+        """Update ``i`` of every rank in ``ranks`` (all replicas of a set of stages updating
+        together): replicas sum their gradients, tied parameters sum across stages (now, or
+        ``self._delay`` rounds later: see :func:`tied_delay`)."""
+        t0 = {r: recs[r].now() for r in ranks}
+        locals_ = {r: self.workers[r].local_gradient() for r in sorted(ranks)}
+        totals = {r: _sum([locals_[q] for q in sorted(ranks) if q[0] == r[0]]).clone()
+                  for r in ranks}  # type: ignore[union-attr]
+        if self._delay == 0:
+            tied_update(totals, locals_, self.workers, self.tied)
+        if self._global:  # every rank of the pipeline is in ``ranks`` (see _sync)
+            grads = {r: self.workers[r].update_grads(totals[r]) for r in sorted(ranks)}
+            for r, g in reference_step(grads, self.workers, self.tied,
+                                       self.options.clip_grad_norm).items():
+                self.workers[r].step(g)
+                recs[r].add("optimizer", f"U{i}", t0[r], recs[r].now(), stage=r[0],
+                            replica=r[1], update=i)
+            return
+        for r in sorted(ranks):
+            late = self._delayed_round(r, i, locals_[r], float(totals[r][-1]))
+            self.workers[r].apply_update(totals[r], late)
+            recs[r].add("optimizer", f"U{i}", t0[r], recs[r].now(), stage=r[0], replica=r[1],
+                        update=i)
+
+    def _delayed_round(self, r: Rank, i: int, local: torch.Tensor, count: float
+                       ) -> dict[str, torch.Tensor | None] | None:
+        """Delayed tied rounds: remember rank r's local tied sums of round i; return the mean
+        tied gradients of round ``i - delay`` (None values before the first one)."""
+        if self._delay == 0:
+            return None
+        w = self.workers[r]
+        out: dict[str, torch.Tensor | None] = {}
+        for key, ts in tie_sets(self.tied).items():
+            if r[0] not in key:
+                continue
+            names = [t.names[r[0]] for t in ts]
+            self._rounds.setdefault((key, i), {})[r] = (w.segment(local, names), count)
+            out.update(self._round_grads(r, key, names, i - self._delay))
+        return out
+
+    def _round_grads(self, r: Rank, key: tuple[int, ...], names: list[str], j: int
+                     ) -> dict[str, torch.Tensor | None]:
+        """Rank r's mean gradients of tied round j: the sum over every holder (rank order) of
+        their local sums, divided by r's own count of that round."""
+        if j < 0:
+            return {n: None for n in names}
+        got = self._rounds[(key, j)]
+        total = _sum([got[q][0] for q in sorted(got)])
+        assert total is not None
+        count = got[r][1]
+        mean = total / count if count > 0 and count != 1 else total
+        return self.workers[r].split_segment(mean, names)
+
+    def _finish_tied_rounds(self) -> None:
+        """Segment end: apply the last ``delay`` tied rounds (tied-only steps, in order)."""
+        if self._delay == 0:
+            return
+        for r, w in sorted(self.workers.items()):
+            done = w.stash.version  # updates made this run (versions restart at 0 each run)
+            sets = [(key, [t.names[r[0]] for t in ts]) for key, ts in tie_sets(self.tied).items()
+                    if r[0] in key]
+            for j in range(max(0, done - self._delay), done) if sets else ():
+                grads: dict[str, torch.Tensor | None] = {}
+                for key, names in sets:
+                    grads.update(self._round_grads(r, key, names, j))
+                w.apply_tied_only({n: g for n, g in grads.items() if g is not None})
+        self._rounds.clear()
+
+    def result(self, losses: list[float],
+               timeline: dict[int, list[TimelineEvent]] | None = None) -> RunResult:
+        """Package the current state (see :class:`RunResult`)."""
+        rp = {rank: w.parameters() for rank, w in self.workers.items()}
+        return RunResult(losses, [rp[(s, 0)] for s in range(len(self.stages))], rp,
+                         {rank: w.stash.peak_bytes for rank, w in self.workers.items()},
+                         dict(timeline or {}))
+
+
+def _sum(ts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Sum in list order (the order the distributed runtime uses too); None if all are None."""
+    out: torch.Tensor | None = None
+    for t in ts:
+        if t is not None:
+            out = t if out is None else out + t
+    return out

@@ -1,0 +1,352 @@
+"""How a :class:`~fxpipe.runtime.training.trainer.Trainer` carries out one segment of training.
+
+Two backends with one interface, so the training loop (data, checkpoints, history) is written
+once and the reference executor stays the oracle of the distributed one:
+
+* :class:`ReferenceBackend`: every rank's :class:`StageReplica` in this process, driven by the
+  :class:`ReferenceExecutor`; collectives are identities.
+* :class:`DistributedBackend`: this process is one rank of a torchrun job (``RANK``,
+  ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); its stage replica is driven by the
+  :class:`RankExecutor`. Small control messages are exchanged as objects; pipeline tensors
+  never are (the trained state only when :meth:`Trainer.state_dict` asks for it).
+
+A *segment* is one complete schedule over ``n`` minibatches: it ends with every backward done
+and a barrier, so the weights and optimizer states at its end are a consistent cut (what a
+checkpoint saves).
+
+Control messages (segment sizes, data fingerprints, the wire plan, loss sums, checkpoint
+decisions, gathered state) travel on a gloo group of their own, even when the pipeline's tensors
+use NCCL: they are host objects, and their waits get ``data_timeout_s`` (a rank may wait there
+while rank 0's loader reads), not the short timeout that bounds every pipeline message.
+
+A job may have more processes than the plan needs (the planner chose fewer workers): the extra
+ranks get an :class:`IdleBackend`, say so, and leave; the plan's ranks form their own process
+group of exactly the plan's size.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxpipe.codegen.split import StageSpec
+
+from ..errors import PeerError, RuntimeConfigError
+from ..replica.clipping import GROUP
+from ..replica.device import CudaClock, pinned, rank_device
+from ..replica.mitigation import MitigatedReplica
+from ..replica.precision import autocast
+from ..replica.stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
+from ..replica.stash import OptimizerFactory
+from ..replica.step_options import DEFAULT, StepOptions
+from ..schedules.schedule import Rank, Schedule
+from ..schedules.spec import Mitigation
+from ..timeline import Recorder, TimelineEvent
+from .allocator import keep_freed_memory
+from .comm import Comm, make_groups, rank_name
+from .contract import Batch, planned_reads
+from .reference import ReferenceExecutor
+from .wire import WirePlan, crossing_values
+
+log = logging.getLogger(__name__)
+
+Metrics = list[float]  # [loss sum, minibatches, correct predictions, samples with a label]
+
+
+def eval_metrics(loss_fn: LossFn, out: Any, target: Any) -> torch.Tensor:
+    """[loss, 1, correct top-1 predictions, labelled samples] as one float64 tensor on the
+    output's device (summed over minibatches, read once). Correct predictions count when it
+    looks like classification (logits [..., C], integer labels [...])."""
+    loss = loss_fn(out, target).detach()
+    correct = labelled = torch.zeros((), dtype=torch.float64, device=loss.device)
+    if (isinstance(out, torch.Tensor) and isinstance(target, torch.Tensor)
+            and not target.is_floating_point() and out.dim() == target.dim() + 1
+            and out.shape[:-1] == target.shape):
+        correct = (out.argmax(-1) == target).sum().to(torch.float64)
+        labelled = labelled + target.numel()
+    return torch.stack([loss.to(torch.float64).reshape(()), torch.ones_like(correct), correct,
+                        labelled])
+
+
+def _total(metrics: Sequence[torch.Tensor]) -> Metrics:
+    return [float(v) for v in torch.stack(list(metrics)).sum(0).tolist()] if metrics else [0.0] * 4
+
+
+def prepare_segment(replica: StageReplica, sched: Schedule, rank: Rank) -> None:
+    """A new schedule counts weight versions from 0 and declares its forwards to the stash."""
+    replica.stash.rebase()
+    replica.stash.set_planned_reads(planned_reads(sched, rank))
+    if isinstance(replica, MitigatedReplica):  # weight prediction needs the schedule's horizons
+        replica.prepare(sched, rank)
+
+
+class ReferenceBackend:
+    """All ranks in this process (see the module doc)."""
+
+    index = 0
+    world = 1
+
+    def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
+                 optimizer_factory: OptimizerFactory, empty: Schedule, *,
+                 stashing: bool = True, mitigation: Mitigation | None = None,
+                 delays: Sequence[int] | None = None, options: StepOptions = DEFAULT) -> None:
+        self.stages, self.replicas, self.loss_fn = list(stages), list(replicas), loss_fn
+        self.empty, self.options = empty, options
+        self.rebuild(optimizer_factory, stashing=stashing, mitigation=mitigation, delays=delays)
+
+    def rebuild(self, optimizer_factory: OptimizerFactory, *, stashing: bool,
+                mitigation: Mitigation | None, delays: Sequence[int] | None) -> None:
+        """(Re)make every stage replica, from the stages' weights (``Trainer.adopt``)."""
+        kind = "pipedream" if mitigation is not None else self.empty.kind
+        empty = Schedule(kind, self.empty.replicas, 0, self.empty.actions)
+        self.ex = ReferenceExecutor(self.stages, self.replicas, empty, self.loss_fn,
+                                    optimizer_factory, stashing=stashing, mitigation=mitigation,
+                                    delays=delays, options=self.options)
+        self.local: dict[Rank, StageReplica] = dict(self.ex.workers)
+
+    def run_segment(self, sched: Schedule, parts: list[Batch], wire: WirePlan | None
+                    ) -> dict[int, float]:
+        for rank, w in self.local.items():
+            prepare_segment(w, sched, rank)
+        self.ex.schedule = sched
+        self.ex._runs = 0  # our prepare_segment did what run() would redo
+        return dict(enumerate(self.ex.run(parts).losses))
+
+    def evaluate(self, parts: list[Batch], wire: WirePlan | None) -> Metrics:
+        found = []
+        for k, (x, y) in enumerate(parts):
+            env = model_env(self.stages, x)
+            for st in self.stages:
+                w = self.local[(st.index, k % self.replicas[st.index])]
+                env.update(zip(st.outputs, w.evaluate([env[n] for n in st.inputs])))
+            io = self.stages[-1].io
+            assert io is not None
+            out = io.build_output({n: env[n] for n in self.stages[-1].outputs})
+            with autocast(self.options.precision, "cpu"):  # the loss as in training
+                found.append(eval_metrics(self.loss_fn, out, y))
+        return _total(found)
+
+    def all_sum(self, values: list[float], what: str) -> list[float]:
+        return list(values)
+
+    def exchange(self, obj: Any, what: str) -> list[Any]:
+        return [obj]
+
+    def broadcast(self, obj: Any, what: str) -> Any:
+        return obj
+
+    def gather(self, obj: Any, what: str) -> list[Any] | None:
+        return [obj]
+
+    def close(self) -> None:
+        pass
+
+
+class IdleBackend:
+    """A rank the plan does not need (see the module doc): it trains nothing and returns."""
+
+    def __init__(self, index: int, world: int, needed: int) -> None:
+        self.index, self.world, self.needed = index, world, needed
+        self.local: dict[Rank, StageReplica] = {}
+        log.warning("rank %d is idle: the plan uses %d of the job's %d processes; it leaves the "
+                    "training to ranks 0..%d and exits", index, needed, world, needed - 1)
+
+    def close(self) -> None:
+        pass
+
+
+def surplus_rank() -> tuple[int, int] | None:
+    """(this rank, world size) from torchrun's environment, or None outside of one."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+class DistributedBackend:
+    """This process is one rank of a torchrun job (see the module doc)."""
+
+    def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
+                 optimizer_factory: OptimizerFactory, empty: Schedule, *, stashing: bool = True,
+                 timeout_s: float = 60.0, data_timeout_s: float = 600.0,
+                 device: str | None = None, timeline: bool = False,
+                 mitigation: Mitigation | None = None,
+                 delays: Sequence[int] | None = None, options: StepOptions = DEFAULT) -> None:
+        from .executor import RankExecutor  # torch.distributed users only
+        self.options = options
+
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if v not in os.environ]
+        if missing:
+            raise RuntimeConfigError(f"executor='distributed' but {', '.join(missing)} is not set",
+                                     "launch with torchrun (or `fxpipe train --nproc N`), or "
+                                     "use executor='reference' to train in one process")
+        world, self.index = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        ranks = list(empty.ranks)
+        if world < len(ranks):
+            raise RuntimeConfigError(
+                f"the job has {world} process{'es' if world != 1 else ''} but the plan needs "
+                f"{len(ranks)} "
+                f"(replicas {list(replicas)}: one process per stage replica)",
+                f"launch with --nproc-per-node {len(ranks)} (in total), or re-plan with "
+                f"fxpipe.Cluster(workers={world})")
+        self.world = len(ranks)  # ranks past it are idle (see IdleBackend)
+        self.stages, self.replicas, self.loss_fn = list(stages), list(replicas), loss_fn
+        self.me = ranks[self.index]
+        self.rank_of = {r: i for i, r in enumerate(ranks)}
+        self.timeout = timedelta(seconds=timeout_s)
+        self.data_timeout = timedelta(seconds=max(data_timeout_s, timeout_s))
+        dev = rank_device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        self.device = dev
+        keep_freed_memory()
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            extra: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                    init_method="env://", rank=self.index, world_size=self.world,
+                                    timeout=self.timeout, **extra)
+        elif dist.get_world_size() != self.world:
+            raise RuntimeConfigError(f"the process group has {dist.get_world_size()} ranks, the "
+                                     f"plan {self.world}", "initialise it with the plan's size, "
+                                     "or let the trainer do it")
+        self.control = dist.new_group(backend="gloo", timeout=self.data_timeout)
+        self._agree_on_pipeline()
+        ties = list(tie_sets(tied_parameters(self.stages)))  # by identity, before any copy
+        groups = make_groups(list(replicas), self.rank_of, ties, timeout_s,
+                             extra=(GROUP,) if options.global_group else ())
+        clock = CudaClock(dev) if timeline and dev.type == "cuda" else None
+        self.comm = Comm(self.me, self.rank_of, len(crossing_values(self.stages)), timeout_s, dev,
+                         groups, recorder=Recorder(enabled=timeline, device_clock=clock))
+        # per segment: this rank's (events, background all-reduces); see Trainer(timeline=)
+        self.timelines: list[tuple[list[TimelineEvent], list[TimelineEvent]]] = []
+        self.empty = empty
+        self.rebuild(optimizer_factory, stashing=stashing, mitigation=mitigation, delays=delays)
+        log.info("%s ready on %s", self.comm.who, dev)
+
+    def rebuild(self, optimizer_factory: OptimizerFactory, *, stashing: bool,
+                mitigation: Mitigation | None, delays: Sequence[int] | None) -> None:
+        """(Re)make this rank's stage replica, from the stage's weights (``Trainer.adopt``)."""
+        from .executor import RankExecutor
+
+        self.ex = RankExecutor(self.stages, self.empty, self.me, self.loss_fn, optimizer_factory,
+                               WirePlan((), (), ()), self.comm, stashing=stashing,
+                               device=self.device, mitigation=mitigation,
+                               delay=(delays or [0] * len(self.stages))[self.me[0]],
+                               options=self.options)
+        self.local: dict[Rank, StageReplica] = {self.me: self.ex.replica}
+
+    def _agree_on_pipeline(self) -> None:
+        """Every rank must run the same plan. Ranks that each profiled the model on their own
+        machine can plan differently (measured times differ), and then the job would deadlock:
+        compare before any group or message depends on the plan, and fail on every rank."""
+        mine = pipeline_key(self.stages, self.replicas)
+        keys = self.exchange(mine, "plan agreement")
+        differ = [i for i, k in enumerate(keys) if k != keys[0]]
+        if differ:
+            raise RuntimeConfigError(
+                f"ranks {differ} planned a different pipeline than rank 0 (this rank: replicas "
+                f"{self.replicas}, plan key {mine})",
+                "costs measured on each rank differ: make the plan once (compiled.plan.save("
+                "'plan.json') or `fxpipe plan --save-plan`) and pass plan=fxpipe.Plan.load("
+                "'plan.json') to fxpipe.compile on every rank, or plan with estimated costs "
+                "(fxpipe.Cluster.from_env(device='V100'))")
+
+    # ------------------------------------------------------------------ collectives
+    def _collective(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except RuntimeError as err:
+            raise PeerError(f"{rank_name(self.me, self.index)}: {what} failed (timeout "
+                            f"{self.data_timeout.total_seconds():g} s): {err}",
+                            "another rank crashed or hung (or its loader is slower than "
+                            "data_timeout_s): look at its log (torchrun prints each rank's "
+                            "error)") from err
+
+    def all_sum(self, values: list[float], what: str) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        self._collective(what, lambda: dist.all_reduce(t, group=self.control, async_op=True
+                                                       ).wait(self.data_timeout))
+        return [float(v) for v in t]
+
+    def exchange(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        out: list[Any] = [None] * self.world
+        self._collective(what, lambda: dist.all_gather_object(out, obj, group=self.control))
+        return out
+
+    def broadcast(self, obj: Any, what: str) -> Any:
+        box = [obj]
+        self._collective(what, lambda: dist.broadcast_object_list(box, src=0,
+                                                                  group=self.control))
+        return box[0]
+
+    def gather(self, obj: Any, what: str) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world if self.index == 0 else None
+        self._collective(what, lambda: dist.gather_object(obj, out, dst=0, group=self.control))
+        return out
+
+    # ------------------------------------------------------------------ work
+    def run_segment(self, sched: Schedule, parts: list[Batch], wire: WirePlan | None
+                    ) -> dict[int, float]:
+        assert wire is not None
+        if self.device.type == "cuda":  # page-locked: the executor's copies do not block
+            parts = [(pinned(x), pinned(y)) for x, y in parts]
+        prepare_segment(self.ex.replica, sched, self.me)
+        self.ex.schedule, self.ex.wire = sched, wire
+        res = self.ex.run(parts, collect_params=False)
+        if self.comm.recorder.enabled:
+            self.timelines.append((res.timeline, res.background))
+        return res.losses
+
+    def evaluate(self, parts: list[Batch], wire: WirePlan | None) -> Metrics:
+        """Forward-only pipeline: each rank runs its minibatches in increasing order, receiving
+        inputs from and sending outputs to the owners of the same minibatch (round robin)."""
+        assert wire is not None
+        self.ex.wire = wire
+        io = self.stages[-1].io
+        assert io is not None
+        found = self.ex.forward_only(
+            parts, lambda outs, y: self._metric(io.build_output(outs), y))
+        return _total(found)
+
+    def _metric(self, out: Any, y: Any) -> torch.Tensor:
+        with autocast(self.options.precision, self.device):  # the loss as in training
+            return eval_metrics(self.loss_fn, out, y)
+
+    def close(self) -> None:
+        """Leave the job. First a barrier (bounded by the pipeline timeout): a rank that tears
+        down its sockets while a peer still reads its part of the last gather can abort that
+        peer. Then the groups are destroyed and this object's references to them dropped, so
+        their C++ worker threads end here and not during the interpreter's finalisation, where
+        a gloo thread releasing a tensor needs the GIL and the process dies with SIGABRT
+        ("terminate called without an active exception", seen once in CI at exit)."""
+        if not (self._owns_group and dist.is_initialized()):
+            return
+        try:
+            dist.barrier(group=self.control, async_op=True).wait(self.timeout)
+        except RuntimeError as err:  # a peer already gone: still leave cleanly
+            log.warning("%s: the closing barrier failed (%s); leaving anyway", self.comm.who, err)
+        self.comm.groups.clear()
+        self.control = None
+        dist.destroy_process_group()
+        self._owns_group = False
+        gc.collect()  # the dropped groups' last references (cycles) go now, GIL held
+
+    def describe(self) -> str:
+        return rank_name(self.me, self.index)
+
+
+def pipeline_key(stages: Sequence[StageSpec], replicas: Sequence[int]) -> str:
+    """A short hash of what every rank must agree on: replicas and each stage's nodes and I/O."""
+    h = hashlib.sha256(repr(list(replicas)).encode())
+    for st in stages:
+        h.update(repr((st.inputs, st.sources, st.outputs, st.consumers,
+                       [n.name for n in st.gm.graph.nodes])).encode())
+    return h.hexdigest()[:16]

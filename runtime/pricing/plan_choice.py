@@ -1,0 +1,187 @@
+"""Choose a plan by simulating the planner's candidates: ``choose_by_simulation``.
+
+Why: the planner minimises an analytic bottleneck (``max`` over stage and cut times). That is
+exact for its cost model and fast enough to search every partition, but it cannot see what the
+schedule adds on top: the 1F1B start-up, windows too small to hide a communication round trip,
+and replicas of a stage that wait for each other at every update. With several unevenly
+replicated stages those effects can double a plan's time (see benchmarks/table1.md), while
+on the measured runs of ``bench/simcheck`` the event simulator stays within a few percent of the
+runtime. So: let the planner propose its best plan for every stage count (a handful of plans,
+from plain data parallelism to the unconstrained optimum), simulate each under the same cost
+model, and keep the fastest simulated one (ties: fewer stages).
+
+Candidates: the planner's optimum; the chain of plans obtained from it by merging, one step at a
+time, the two adjacent stages whose merge the planner rates best (ending at plain data
+parallelism; each costed by ``plan_for``, so cheap at any size); and, where that exact search is
+cheap (at most ``exact_up_to`` workers; it is O(S M^2 N) per probe), the planner's exact optimum
+for every stage count up to ``max_stages``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile
+from fxpipe.errors import ConfigError, InfeasiblePlanError
+from fxpipe.passes.partition import partition, plan_for
+from fxpipe.passes.plan import Plan
+
+from ..schedules.placement import PLACED_KINDS
+from .plansim import PlanSimulation, minibatches_for, simulate_plan
+
+log = logging.getLogger(__name__)
+
+TIE = 1e-9  # relative: simulated times this close are ties, won by fewer stages
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One proposed plan under one schedule: its replicas, the planner's and the simulator's
+    time per minibatch."""
+
+    replicas: tuple[int, ...]
+    planner_s: float
+    simulated_s: float
+    schedule: str = "pipedream"
+
+
+@dataclass(frozen=True)
+class SimulatedChoice:
+    """The chosen plan, its simulation, and every candidate (in proposal order)."""
+
+    plan: Plan
+    simulation: PlanSimulation
+    candidates: tuple[Candidate, ...]
+    schedule: str = "pipedream"  # the schedule the chosen plan was simulated with
+
+    @property
+    def planner_plan(self) -> Candidate:
+        """The planner's own optimum (the candidate with the smallest planner time)."""
+        return min(self.candidates, key=lambda c: c.planner_s)
+
+    def summary(self) -> str:
+        lines = ["candidates (planner's best plan per stage count, simulated):"]
+        for c in self.candidates:
+            mark = (" <- chosen" if c.replicas == tuple(self.plan.replicas)
+                    and c.schedule == self.schedule else "")
+            lines.append(f"  {'-'.join(map(str, c.replicas)):>24}  {c.schedule:<16} planner "
+                         f"{c.planner_s * 1e3:9.3f} ms  simulated {c.simulated_s * 1e3:9.3f} ms"
+                         f"{mark}")
+        return "\n".join(lines)
+
+
+def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
+                         stages: int | None = None, straight: bool = False,
+                         optimizer_state_factor: float = 1.0, max_stages: int = 8,
+                         exact_up_to: int = 16, minibatches: int = 200,
+                         schedules: Sequence[str] = ("pipedream",),
+                         recompute: str = "never") -> SimulatedChoice:
+    """The planner's candidates (see the module doc; only the ``stages``-stage optimum when
+    ``stages`` is given), each simulated with each of ``schedules`` (e.g. the synchronous
+    ``1f1b-flush`` and zero-bubble ``zb-h1``/``zb-h2`` next to ``pipedream``: the best plan
+    depends on the schedule's bubble) for at least ``minibatches`` (more for many replicas:
+    ``plansim.minibatches_for``); returns the fastest (plan, schedule) in steady state."""
+    if not schedules:
+        raise ConfigError("schedules is empty", "give at least one schedule kind to simulate")
+    for name, v in (("max_stages", max_stages), ("exact_up_to", exact_up_to),
+                    ("minibatches", minibatches)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+    kw: dict[str, Any] = dict(sync=sync, optimizer_state_factor=optimizer_state_factor)
+    best = partition(profile, cluster, stages=stages, straight=straight,  # raises if none
+                     recompute=recompute, **kw)
+    plans = [best]
+    if stages is None:
+        if not straight:
+            plans += _merge_chain(profile, cluster, best, kw, recompute)
+        if cluster.workers <= exact_up_to:
+            for s in range(1, min(max_stages, cluster.workers) + 1):
+                try:
+                    plans.append(partition(profile, cluster, stages=s, straight=straight,
+                                           recompute=recompute, **kw))
+                except InfeasiblePlanError:  # more stages than cut points, or memory
+                    continue
+    seen: set[tuple] = set()
+    sims: list[tuple[Plan, str, PlanSimulation]] = []
+    one_per_process = [k for k in schedules if k not in PLACED_KINDS]
+    for p in plans:
+        key = (tuple(_starts(profile, p)), tuple(p.replicas))
+        if key not in seen:
+            seen.add(key)
+            n = minibatches_for(p.replicas, floor=minibatches)
+            sims.extend((p, k, simulate_plan(p, profile, schedule=k, minibatches=n))
+                        for k in one_per_process)
+    for k in schedules:
+        if k in PLACED_KINDS:
+            sims.extend(_placed_candidates(profile, cluster, k, stages, kw, recompute,
+                                           minibatches))
+    if not sims:
+        raise InfeasiblePlanError(f"no plan for the schedules {list(schedules)}",
+                                  "the placed kinds need a straight plan of v x workers stages; "
+                                  "add a one-stage-per-process kind such as 1f1b-flush")
+    cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period, k)
+                  for p, k, s in sims)
+    fastest = min(s.steady_state_period for _, _, s in sims)
+    order = {k: i for i, k in enumerate(schedules)}  # ties: fewer stages, then schedule order
+    plan, kind, sim = min((c for c in sims if c[2].steady_state_period <= fastest * (1 + TIE)),
+                          key=lambda c: (len(c[0].stages), order[c[1]], c[2].steady_state_period))
+    log.info("chose replicas %s with %s by simulation (%.4g s/minibatch; the planner's optimum "
+             "%s: %.4g s simulated)", plan.replicas, kind, sim.steady_state_period,
+             best.replicas, sims[0][2].steady_state_period)
+    return SimulatedChoice(plan, sim, cands, kind)
+
+
+def _placed_candidates(profile: Profile, cluster: Cluster, kind: str, stages: int | None,
+                       kw: dict, recompute: str, minibatches: int
+                       ) -> list[tuple[Plan, str, PlanSimulation]]:
+    """A placed kind's candidate: the planner's straight plan of v x P stages on the virtual
+    cluster of v x workers (P: ``stages``, else every worker), simulated on P processes;
+    none when the model has too few cut points or it does not fit in memory."""
+    from .placed_sim import stages_per_process, virtual_cluster
+
+    v = stages_per_process(kind)
+    try:
+        p = partition(profile, virtual_cluster(cluster, v), straight=True,
+                      stages=v * (stages or cluster.workers), recompute=recompute, **kw)
+    except (InfeasiblePlanError, ConfigError) as err:
+        log.info("no %s candidate: %s", kind, err)
+        return []
+    return [(p, kind, simulate_plan(p, profile, schedule=kind, minibatches=minibatches))]
+
+
+def _starts(profile: Profile, plan: Plan) -> list[int]:
+    index = {n: i for i, n in enumerate(profile.names)}
+    return [index[sp.nodes[0]] for sp in plan.stages]
+
+
+def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict,
+                 recompute: str = "never") -> list[Plan]:
+    """From ``plan``, repeatedly merge the adjacent pair of stages (replicas summed) whose merged
+    plan the planner rates fastest, down to one stage. Merges that do not fit in memory are
+    skipped; the chain stops when none fits. (Dropping a boundary of a valid plan keeps the
+    others valid and the worker count, so ``plan_for`` accepts every merge.) ``recompute``:
+    "always" recomputes every merged stage, "auto" exactly the stages over the cap without."""
+    out: list[Plan] = []
+    cap = cluster.memory
+    starts, reps = _starts(profile, plan), list(plan.replicas)
+    while len(starts) > 1:
+        options = []
+        for i in range(len(starts) - 1):
+            s2 = starts[:i + 1] + starts[i + 2:]
+            r2 = reps[:i] + [reps[i] + reps[i + 1]] + reps[i + 2:]
+            p = plan_for(profile, cluster, s2, r2, **kw,
+                         recompute=[True] * len(s2) if recompute == "always" else None)
+            if recompute == "auto" and cap is not None and any(
+                    sp.memory_bytes > cap for sp in p.stages):
+                p = plan_for(profile, cluster, s2, r2, **kw,
+                             recompute=[sp.memory_bytes > cap for sp in p.stages])
+            if cap is None or all(sp.memory_bytes <= cap for sp in p.stages):
+                options.append((p.time_per_minibatch, i, p, s2))
+        if not options:
+            break
+        _, _, nxt, starts = min(options, key=lambda o: o[:2])  # ties: the leftmost merge
+        out.append(nxt)
+        reps = list(nxt.replicas)
+    return out

@@ -1,0 +1,149 @@
+"""Simulate a :class:`~fxpipe.passes.plan.Plan` on a cluster we do not have: ``simulate_plan``.
+
+Why a second simulator next to :mod:`fxpipe.runtime.schedules.simulate`: that one times a schedule
+with per-cut delays and no contention, which is enough to draw grids. Predicting a plan on a real
+cluster needs the network as a *resource*: two transfers on the same link queue behind each
+other, and an all-reduce holds every replica of a stage. So this is a discrete-event simulation
+(a heap of timed events, resources granted first come first served) of the plan's schedule
+(``make_schedule(kind, plan.replicas, minibatches)``) under the planner's cost model:
+
+* compute: a replica runs a whole minibatch; stage s's forward+backward is ``compute_s * r_s``,
+  split into forward and backward with the profile's per-node times (1:2 without a profile);
+  a stage that recomputes its activations (``StagePlan.recompute``) runs its forward again at
+  the start of each backward (``recompute_s * r_s``, before B's half of a split backward);
+* cuts: each F sends the cut's bytes (every value live across it, ``input_bytes``) to the next
+  stage's owner, each B sends as many gradient bytes back, at the cut bandwidth of
+  :func:`~fxpipe.passes.partition.coefficients` plus ``latency`` per message. Links are the
+  workers' network ports: a transfer holds the sender's egress and the receiver's ingress
+  (``duplex=True``: full-duplex ports, so activations and gradients do not compete; with
+  ``duplex=False`` one port per worker carries both directions, which is what the planner's
+  ``2 X / B`` cut time assumes);
+* sync: an update ``U`` holds every replica of the stage for ``r * beta_r * P`` seconds, so its
+  cost amortised over the ``r`` minibatches of a pipedream round is the plan's ``sync_s``;
+* tied weights (a parameter shared by several stages, e.g. GPT's embedding and output layer):
+  every holder sums its gradients with the others' at each update. When the runtime does so
+  synchronously (the flushing kinds, NOAM = 1) the stages' updates form ONE barrier of all
+  their replicas, held for the tied all-reduce (ring: ``2 (n - 1) / n`` of the bytes per
+  rank); under pipedream the runtime delays the tied sum by ``d`` rounds
+  (``schedule.tie_delay``), so update i of a stage waits only for update ``i - d`` of the
+  others and the all-reduce runs in the background (its bytes are counted). Pass ``tied`` or a
+  profile listing shared parameters to price it; ``tied_delay=0`` prices the lockstep a
+  synchronous tied all-reduce would cost;
+* sends are asynchronous (the runtime posts them in the background): communication overlaps
+  compute unless a rank has to wait for its data, which is exactly what the planner's
+  ``max(stage times, cut times)`` cannot see (1F1B start-up, a window too small to hide a
+  round trip, a link shared by two cuts).
+
+Pure Python; no torch. The timeline uses :mod:`fxpipe.runtime.timeline`'s events and trace
+writer, so predicted and measured traces open side by side in ui.perfetto.dev.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile
+from fxpipe.errors import ConfigError
+from fxpipe.passes.partition import coefficients
+from fxpipe.passes.plan import Plan, StagePlan
+
+from ..schedules.kinds import make_schedule
+from ..schedules.placement import PLACED_KINDS
+from ..schedules.schedule import tie_delay
+from ..timeline import busy_between
+from .core import (PlanSimulation, StageCosts, TiedSync, cut_bandwidth, stage_costs,
+                   tied_from_profile, EventLoop, split_backward)
+from .placed_sim import simulate_placed_plan
+from .sim_measure import peak_in_flight, steady_state
+
+__all__ = ["PlanSimulation", "StageCosts", "TiedSync", "cut_bandwidth", "data_parallel_plan",
+           "minibatches_for", "peak_in_flight", "simulate_plan", "stage_costs", "steady_state",
+           "tied_from_profile"]
+
+log = logging.getLogger(__name__)
+
+def minibatches_for(replicas: list[int], floor: int = 200, cap: int = 2000) -> int:
+    """Enough minibatches to measure a plan's steady state: several whole round-robin rounds
+    (8 x lcm(replicas)), at least ``floor``, at most ``cap`` (beyond it the steady state is
+    measured as the slope of the running maximum, see ``steady_state``). Too few (e.g. 200 for
+    64 replicas: 3 rounds) and start-up dominates the estimate."""
+    return int(min(max(floor, 8 * math.lcm(*replicas)), cap))
+
+
+def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str = "pipedream",
+                  minibatches: int = 200, latency_s: float | None = None,
+                  duplex: bool = True, noam: int | None = None,
+                  tied: Sequence[TiedSync] | None = None,
+                  tied_delay: int | None = None,
+                  microbatches: int | None = None, chunks: int = 2) -> PlanSimulation:
+    """Event-simulate ``plan``'s schedule under the cost model (see the module doc).
+
+    ``latency_s`` overrides the cluster's per-message latency; ``noam`` the input stage's
+    admission window (more minibatches in flight hide longer communication round trips);
+    ``microbatches`` the batched kinds' minibatches per update (default: the workers).
+    A split backward (zero-bubble kinds) costs half the backward for B and half for W; the
+    zero-bubble kinds place their W's by the plan's own stage costs.
+    ``tied``: shared parameters (default: found in ``profile``); ``tied_delay``: rounds by which
+    their sum lags (default: the runtime's, ``schedule.tie_delay``). The placed kinds
+    (``interleaved-1f1b`` with ``chunks`` stages per process, ``zb-v``) put several of the
+    plan's stages on one process: :func:`fxpipe.runtime.pricing.placed_sim.simulate_placed_plan`."""
+    if schedule in PLACED_KINDS:
+
+        return simulate_placed_plan(plan, profile, schedule=schedule, minibatches=minibatches,
+                                    latency_s=latency_s, microbatches=microbatches,
+                                    chunks=chunks)
+    if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
+        raise ConfigError(f"minibatches must be a positive integer, got {minibatches!r}")
+    cluster = Cluster.from_dict(dict(plan.cluster))
+    latency = cluster.latency if latency_s is None else float(latency_s)
+    if not (latency >= 0 and math.isfinite(latency)):
+        raise ConfigError(f"latency_s must be a non-negative number, got {latency_s!r}")
+    costs = stage_costs(plan, profile)
+    fbw = [(c.forward_s, *split_backward(c)) for c in costs]
+    bandwidth = cut_bandwidth(cluster)
+    wire = [c.input_bytes / bandwidth + latency for c in costs]
+    sched = make_schedule(schedule, plan.replicas, minibatches, noam=noam,
+                          microbatches=microbatches if schedule != "pipedream" else None,
+                          costs=fbw, comm=wire)
+    if tied is None:
+        tied = tied_from_profile(plan, profile) if profile is not None else []
+    delay = tie_delay(sched, [t.stages for t in tied]) if tied_delay is None else tied_delay
+    sim = EventLoop(sched, costs, bandwidth, latency, duplex, tied, delay)
+    sim.run()
+    period, lo, hi = steady_state(sched, sim.done, sim.makespan)
+    util = []
+    for s, r in enumerate(sched.replicas):
+        fr = [busy_between(sim.events[sim.gid[(s, j)]], lo, hi) for j in range(r)]
+        util.append(sum(fr) / r)
+    n = minibatches
+    log.info("simulated replicas %s: %.4g s/minibatch (plan %.4g s)", plan.replicas, period,
+             plan.time_per_minibatch)
+    return PlanSimulation(
+        plan=plan, schedule=sched.kind, minibatches=n, costs=tuple(costs),
+        in_flight=tuple(max(peak_in_flight(sched.actions[(s, j)]) for j in range(r))
+                        for s, r in enumerate(sched.replicas)),
+        makespan=sim.makespan, steady_state_period=period, utilisation=tuple(util),
+        activation_bytes_per_minibatch=sim.cut_bytes / n, sync_bytes_per_minibatch=sim.sync_bytes / n,
+        events={g: tuple(sorted(evs, key=lambda e: (e.start, e.end))) for g, evs in sim.events.items()},
+        rank_names={g: f"stage {s} replica {j}" for (s, j), g in sim.gid.items()})
+
+
+def data_parallel_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
+                       workers: int | None = None) -> Plan:
+    """BSP data parallelism as a one-stage plan on ``workers`` (default: all) replicas, costed
+    with the planner's formulas, so the simulator can time the baseline the same way."""
+    r = cluster.workers if workers is None else workers
+    if not 1 <= r <= cluster.workers:
+        raise ConfigError(f"workers={r} outside 1..{cluster.workers}")
+    alpha, beta, _ = coefficients(cluster, sync)
+    c, p = profile.total_compute_s, profile.total_parameter_bytes
+    a = sum(n.activation_bytes for n in profile.nodes)
+    compute, sync_s = alpha[r - 1] * c, beta[r - 1] * p
+    st = StagePlan(index=0, nodes=tuple(profile.names), replicas=r, compute_s=compute,
+                   sync_s=sync_s, stage_time_s=compute + sync_s, input_bytes=0.0, comm_s=0.0,
+                   parameter_bytes=p, activation_bytes=a, memory_bytes=3 * p + a, in_flight=1)
+    return Plan(stages=(st,), cluster=dict(cluster.to_dict()), sync=sync,
+                time_per_minibatch=compute + sync_s, noam=1, data_parallel_time=compute + sync_s,
+                batch_size=profile.batch_size, profile_source=profile.source, workers_used=r)

@@ -1,0 +1,177 @@
+"""Re-planning from measurements (issue 13, item 1): the DECISION, as pure numbers.
+
+A plan is only as good as the profile it was solved on, and the profile is measured once, on an
+idle core, before training. Once a run has timelines (:mod:`.timeline`), each stage's measured
+forward, backward and update times say how wrong the profile was for that stage's nodes. This
+module rescales the profile stage by stage to match the measurements (every node of a stage by
+that stage's factor: the only information a per-stage measurement carries), costs the CURRENT
+partition on the rescaled profile (:func:`fxpipe.passes.partition.plan_for`), re-solves
+(:func:`fxpipe.passes.partition.partition`) and proposes the new plan when it is predicted
+faster by more than a threshold.
+
+Carrying a proposal out is not done here: :mod:`.trainer_switch` switches a running trainer
+to the proposed plan at a drained segment boundary (``trainer(replan="auto")``), and any
+proposal can also be carried out by checkpointing and resuming under it (:mod:`.repartition`).
+``workers`` restricts the re-solve to the workers a running job has (its processes are fixed):
+a proposal that uses fewer is completed by :func:`use_all_workers`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from fxpipe.costmodel import Cluster, Profile
+from fxpipe.errors import ConfigError
+from fxpipe.passes import Plan
+from fxpipe.passes.partition import partition, plan_for
+
+from ..timeline import TimelineEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Measured seconds of one stage replica: forward and backward per minibatch, optimizer step
+    per update."""
+
+    forward_s: float
+    backward_s: float
+    update_s: float
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What re-planning found: the current partition and the re-solved one, both costed on the
+    rescaled profile; ``gain`` = current / proposed time per minibatch - 1; ``adopt`` when the
+    gain exceeds the threshold."""
+
+    current: Plan
+    proposed: Plan
+    gain: float
+    adopt: bool
+    factors: tuple[tuple[float, float, float], ...]  # per stage: forward, backward, update
+    profile: Profile | None = None  # the rescaled profile both plans are costed on
+
+    def summary(self) -> str:
+        return (f"re-plan: replicas {self.current.replicas} -> {self.proposed.replicas}, "
+                f"predicted {self.current.time_per_minibatch * 1e3:.3g} -> "
+                f"{self.proposed.time_per_minibatch * 1e3:.3g} ms per minibatch "
+                f"({self.gain:+.1%}); {'adopt' if self.adopt else 'keep the current plan'}")
+
+
+def measure(events: Sequence[TimelineEvent]) -> StageTimes:
+    """One rank's times from its timeline: mean forward and backward span per minibatch, mean
+    optimizer time per update (all of an update's spans, grouped by ``args["update"]``)."""
+    def per(category: str, key: str) -> float:
+        sums: dict[object, float] = {}
+        for e in events:
+            if e.category == category:
+                k = e.args.get(key, e.name)
+                sums[k] = sums.get(k, 0.0) + e.duration
+        return sum(sums.values()) / len(sums) if sums else 0.0
+    return StageTimes(per("forward", "minibatch"), per("backward", "minibatch"),
+                      per("optimizer", "update"))
+
+
+def after_first_update(events: Sequence[TimelineEvent]) -> list[TimelineEvent]:
+    """The events after this rank's first update has finished: a trainer's first segment
+    pays one-time costs in its first update (first-use allocations, the lazy set-up of every
+    peer-to-peer connection): on the emulated cluster (bench/replan.py) the first two backward
+    passes took 60-90 ms against 10-15 ms later, and a profile rescaled to that segment
+    predicted +67% (planner) and +117% (simulated) of the measured time. All events when
+    nothing of a later update was recorded (a segment of one update)."""
+    ups = [e for e in events if e.category == "optimizer"]
+    if not ups:
+        return list(events)
+    first = min(e.args.get("update", 0) for e in ups)
+    end = max(e.end for e in ups if e.args.get("update", 0) == first)
+    rest = [e for e in events if e.start >= end]
+    return rest if any(e.category in ("forward", "backward") for e in rest) else list(events)
+
+
+def stage_starts(profile: Profile, plan: Plan) -> list[int]:
+    """Index in ``profile`` of each stage's first node."""
+    index = {n: i for i, n in enumerate(profile.names)}
+    try:
+        return [min(index[n] for n in st.nodes) for st in plan.stages]
+    except (KeyError, ValueError) as err:
+        raise ConfigError("the plan names nodes the profile does not have",
+                          "pass the profile the plan was made from") from err
+
+
+def rescale(profile: Profile, plan: Plan, measured: Sequence[StageTimes]
+            ) -> tuple[Profile, tuple[tuple[float, float, float], ...]]:
+    """``profile`` with each stage's node costs multiplied so that the stage's predicted forward,
+    backward and update equal the measured ones (a stage with no predicted cost of a kind keeps
+    it); returns the per-stage factors too."""
+    if len(measured) != len(plan.stages):
+        raise ConfigError(f"{len(measured)} stage measurements for a plan of "
+                          f"{len(plan.stages)} stages", "measure every stage")
+    stage_of = plan.stage_of()
+    by_stage: list[list[int]] = [[] for _ in plan.stages]
+    for i, nd in enumerate(profile.nodes):
+        if nd.name not in stage_of:
+            raise ConfigError(f"profile node {nd.name!r} is in no stage of the plan",
+                              "pass the profile the plan was made from")
+        by_stage[stage_of[nd.name]].append(i)
+    factors = []
+    for s, m in enumerate(measured):
+        nodes = [profile.nodes[i] for i in by_stage[s]]
+        f = []
+        for attr, got in (("forward_s", m.forward_s), ("backward_s", m.backward_s),
+                          ("update_s", m.update_s)):
+            want = sum(getattr(nd, attr) for nd in nodes)
+            f.append(got / want if want > 0 and got > 0 else 1.0)
+        factors.append((f[0], f[1], f[2]))
+    nodes = list(profile.nodes)
+    for s, idx in enumerate(by_stage):
+        ff, fb, fu = factors[s]
+        for i in idx:
+            nd = nodes[i]
+            nodes[i] = replace(nd, forward_s=nd.forward_s * ff, backward_s=nd.backward_s * fb,
+                               update_s=nd.update_s * fu)
+    return replace(profile, nodes=tuple(nodes)), tuple(factors)
+
+
+def use_all_workers(profile: Profile, cluster: Cluster, plan: Plan, workers: int, *,
+                    sync: str = "allreduce") -> Plan:
+    """``plan`` on exactly ``workers`` workers: when the solver used fewer (more replicas did not
+    pay), the spare workers join the one stage where they cost least (each stage tried, costed
+    with :func:`plan_for`), because a running job cannot hand processes back."""
+    spare = workers - sum(plan.replicas)
+    if spare <= 0:
+        return plan
+    starts = stage_starts(profile, plan)
+    options = [plan_for(profile, cluster, starts, [r + spare * (i == s) for i, r in
+                                                   enumerate(plan.replicas)], sync=sync)
+               for s in range(len(plan.replicas))]
+    return min(options, key=lambda p: p.time_per_minibatch)
+
+
+def propose(profile: Profile, plan: Plan, measured: Sequence[StageTimes], cluster: Cluster, *,
+            threshold: float = 0.05, sync: str = "allreduce",
+            workers: int | None = None) -> Proposal:
+    """Rescale ``profile`` to ``measured`` (one :class:`StageTimes` per stage, e.g. the mean of
+    :func:`measure` over its replicas), cost the current partition and re-solve on it.
+    ``workers``: re-solve for exactly that many workers (a running job's; see the module doc)."""
+    if not threshold >= 0:
+        raise ConfigError(f"threshold={threshold!r}", "a non-negative fraction, e.g. 0.05")
+    scaled, factors = rescale(profile, plan, measured)
+    if workers is not None:
+        cluster = Cluster.from_dict({**cluster.to_dict(), "workers": workers,
+                                     "workers_per_machine": 1 if workers % max(
+                                         cluster.workers_per_machine, 1) else
+                                     cluster.workers_per_machine})
+    current = plan_for(scaled, cluster, stage_starts(profile, plan), plan.replicas, sync=sync)
+    proposed = partition(scaled, cluster, sync=sync)
+    if workers is not None:
+        proposed = use_all_workers(scaled, cluster, proposed, workers, sync=sync)
+    gain = current.time_per_minibatch / proposed.time_per_minibatch - 1.0
+    moved = (stage_starts(scaled, proposed), proposed.replicas) != (
+        stage_starts(profile, plan), plan.replicas)
+    adopt = moved and gain > threshold
+    out = Proposal(current, proposed, gain, adopt, factors, scaled)
+    log.info("%s", out.summary())
+    return out

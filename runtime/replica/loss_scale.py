@@ -1,0 +1,130 @@
+"""Dynamic loss scaling for ``precision="fp16"``, with ``torch.amp.GradScaler``'s rules.
+
+Why: float16 keeps 5 exponent bits, so small gradients underflow to zero in a float16 backward.
+Multiplying the loss by a large scale S before the backward lifts every gradient by S; the
+gradients are divided by S (*unscaled*) before clipping and the optimizer step. A scale too
+large overflows: then some gradient is inf/NaN, the step is skipped and S is halved. After
+``growth_interval`` clean steps in a row S is doubled. Exactly GradScaler's arithmetic: the
+inverse scale is ``float32(1 / float64(S))``, each gradient is multiplied by it, and
+``found_inf`` is whether any unscaled gradient is not finite.
+
+**In a pipeline** (only the synchronous, flushing schedules ``1f1b-flush``, ``gpipe``, ``zb-h1``,
+``zb-h2``; see :func:`check_kind`): the last stage seeds each minibatch's backward with S (the
+gradient of ``loss * S``), every stage unscales the mean gradients of its update ``U<i>`` by
+the same S, and the inf check is GLOBAL: every stage and replica contributes whether it found an
+inf/NaN (one all-reduce over every rank of the pipeline, inside the update, with the runtime's
+timeout), so every stage skips the same step and every replica keeps the same scale (each keeps
+its own copy of this state and applies the same decisions). A skipped step still counts as an
+update for the weight versions and the LR scheduler (as an eager loop calling
+``scheduler.step()`` after ``scaler.step(opt)`` does).
+
+**pipedream and 2bw are refused**: their stages apply the gradients of different minibatches at
+different times, so a scale change decided at one stage's update would reach minibatches whose
+backward already ran with the old scale on other stages; doing it right needs the scale to
+travel with every gradient message and per-minibatch skip decisions. Use a flushing schedule or
+``precision="bf16"`` (no loss scaling needed).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import RuntimeConfigError
+from ..schedules.schedule import SYNCHRONOUS_KINDS
+
+
+@dataclass(frozen=True)
+class ScalerConfig:
+    """``torch.amp.GradScaler``'s constructor arguments, with its defaults."""
+
+    init_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    @classmethod
+    def make(cls, options: Mapping[str, Any] | None) -> ScalerConfig:
+        """From a dict of GradScaler keywords (None: the defaults), checked."""
+        known = {f for f in cls.__dataclass_fields__}
+        bad = sorted(set(options or {}) - known)
+        if bad:
+            raise RuntimeConfigError(f"loss_scaler option(s) {bad}", f"use {sorted(known)}")
+        cfg = cls(**dict(options or {}))
+        if not (cfg.init_scale > 0 and cfg.growth_factor > 1 and 0 < cfg.backoff_factor < 1
+                and isinstance(cfg.growth_interval, int) and cfg.growth_interval > 0):
+            raise RuntimeConfigError(f"loss_scaler={dict(options or {})!r}",
+                                     "init_scale > 0, growth_factor > 1, 0 < backoff_factor "
+                                     "< 1, growth_interval a positive integer")
+        return cfg
+
+
+def check_kind(precision: str, kind: str) -> None:
+    """fp16 loss scaling runs only with the flushing schedules (see the module doc)."""
+    if precision == "fp16" and kind not in SYNCHRONOUS_KINDS:
+        raise RuntimeConfigError(
+            f"precision='fp16' with schedule {kind!r}: dynamic loss scaling needs one scale and "
+            "one skip decision per batch on every stage, which an asynchronous schedule does "
+            "not have", f"use a flushing schedule {SYNCHRONOUS_KINDS}, or precision='bf16'")
+
+
+class LossScaler:
+    """One replica's copy of the loss-scale state (every replica applies the same decisions)."""
+
+    def __init__(self, config: ScalerConfig = ScalerConfig()) -> None:
+        self.config = config
+        self.scale = _f32(config.init_scale)  # GradScaler keeps it in a float32 tensor
+        self.growth_tracker = 0  # clean steps in a row since the last change
+
+    def seed(self, loss: torch.Tensor) -> torch.Tensor:
+        """The backward seed of a loss: the gradient of ``loss * scale`` with respect to it."""
+        return torch.full_like(loss, self.scale)
+
+    def unscale(self, grads: Mapping[str, torch.Tensor | None]
+                ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor]:
+        """``(grads * inv_scale, found_inf)``: new tensors (a gradient sum may alias a tensor
+        still being sent), and a float32 0/1 flag on the gradients' device (not read here, so
+        a GPU does not wait: the caller all-reduces it first)."""
+        inv = torch.tensor(self.scale, dtype=torch.float64).reciprocal().float()
+        invs: dict[torch.device, torch.Tensor] = {}  # one copy per device, not per gradient
+        out: dict[str, torch.Tensor | None] = {}
+        bad: list[torch.Tensor] = []
+        for n, g in grads.items():
+            if g is None:
+                out[n] = None
+                continue
+            if g.device not in invs:
+                invs[g.device] = inv.to(g.device)
+            u = g * invs[g.device]
+            out[n] = u
+            bad.append((~torch.isfinite(u)).any().reshape(1))
+        dev = next((b.device for b in bad), torch.device("cpu"))
+        found = torch.cat(bad).any().float() if bad else torch.zeros((), device=dev)
+        return out, found
+
+    def update(self, found_inf: bool) -> None:
+        """GradScaler.update: back off on an overflow, grow after growth_interval clean steps."""
+        if found_inf:
+            self.scale = _f32(self.scale * self.config.backoff_factor)
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.config.growth_interval:
+            grown = _f32(self.scale * self.config.growth_factor)
+            if math.isfinite(grown):  # as torch._amp_update_scale_: never grow to inf
+                self.scale = grown
+            self.growth_tracker = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (the scale's dtype in GradScaler)."""
+    return float(torch.tensor(x, dtype=torch.float32))

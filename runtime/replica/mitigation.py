@@ -1,0 +1,229 @@
+"""Mitigations of weight staleness, as options of the asynchronous schedule ``pipedream``.
+
+PipeDream's 1F1B keeps stage s of a straight pipeline d_s = S - 1 - s of its own updates stale
+(:mod:`fxpipe.runtime.schedules.staleness`): its gradient was computed on weights d_s updates older
+than the ones it is applied to. Four remedies from the literature, each an option spelled after the
+schedule (``schedule="pipedream+predict"``, several joined with ``+``):
+
+* ``lr_scale``: stage s's learning rate times 1 / (1 + d_s) (staleness-aware step sizes, as in
+  asynchronous SGD analyses: a gradient d steps old gets a step d + 1 times smaller).
+* ``predict``: weight prediction for the forward (SpecTrain, PipeMare): minibatch k's forward and
+  backward on stage s use ``W_v + h * (W_v - W_(v-1))``: the version v it reads, extrapolated by
+  the optimizer's last step (its velocity: ``-lr * momentum_buffer`` for SGD, Adam's step for
+  Adam) over the h updates that will happen before its gradient is applied (h from the
+  schedule: d_s in the steady state). The gradient is thus evaluated near the weights it updates.
+* ``dc``: delay-compensated gradients (DC-ASGD, Zheng et al. 2017, its adaptive form DC-ASGD-a):
+  each minibatch's gradient g becomes ``g + lam * g * g * (W_now - W_read)`` (elementwise), the
+  first-order Taylor correction of the gradient from the weights it was computed on to the
+  weights it is applied to, with ``lam = dc_lambda / sqrt(ms + eps)`` and ``ms <- dc_decay * ms +
+  (1 - dc_decay) * g * g`` kept per parameter (so the correction does not depend on the
+  gradients' scale). Applied per minibatch before the replicas' all-reduce, so replicas stay
+  identical.
+* ``momentum``: spike compensation of the optimizer's momentum for a stage d_s updates stale
+  (:mod:`fxpipe.runtime.replica.compensate`; SGD, Adam and AdamW).
+
+The optimizer factory may take the stage's index and delay: ``optimizer=lambda params, stage,
+delay: torch.optim.SGD(params, lr=0.1 / (1 + delay))`` (keywords ``stage`` and ``delay``; a
+factory taking only ``params`` keeps working), so users can write their own.
+
+Limits (refused with a clear error): ``predict`` and ``dc`` need weight stashing and no vertical
+sync (the forward must read the latest version); per-stage learning rates or momentum corrections
+cannot be applied to a parameter tied across stages of different delays (its copies must stay
+identical).
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import fields
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from fxpipe.codegen.split import StageSpec
+
+from ..errors import RuntimeConfigError, StashError
+from ..schedules.schedule import Rank, Schedule
+from ..schedules.spec import Mitigation
+from .compensate import spike_compensate
+from .stage import StageReplica
+from .stash import OptimizerFactory, WeightStash
+
+log = logging.getLogger(__name__)
+
+def accepted_keywords(factory: Callable[..., Any]) -> frozenset[str]:
+    """Which of ``stage`` and ``delay`` the optimizer factory takes (by its signature)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: params only
+        return frozenset()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return frozenset({"stage", "delay"})
+    return frozenset(p.name for p in params if p.name in ("stage", "delay")
+                     and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+
+
+def bind_optimizer(factory: Callable[..., torch.optim.Optimizer], stage: int, delay: int,
+                   mitigation: Mitigation | None = None) -> OptimizerFactory:
+    """The ``params -> optimizer`` factory of one stage: the user's factory (given ``stage=`` and
+    ``delay=`` when it takes them), then learning-rate scaling and momentum correction."""
+    kw = {k: v for k, v in (("stage", stage), ("delay", delay)) if k in accepted_keywords(factory)}
+
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        opt = factory(params, **kw)
+        if mitigation is not None and mitigation.lr_scale and delay:
+            for group in opt.param_groups:
+                group["lr"] = group["lr"] / (1 + delay)
+        if mitigation is not None and mitigation.momentum:
+            spike_compensate(opt, delay)
+        return opt
+
+    return make
+
+
+def check_mitigation(mitigation: Mitigation | None, *, kind: str, stashing: bool,
+                     vertical_sync: bool, stages: Sequence[StageSpec] = (),
+                     delays: Sequence[int] = ()) -> None:
+    """Refuse combinations the mitigations are not defined for (see the module doc)."""
+    if mitigation is None:
+        return
+    if kind != "pipedream":
+        raise RuntimeConfigError(f"mitigation {mitigation.name!r} with schedule {kind!r}",
+                                 "mitigations are options of the asynchronous schedule: "
+                                 f"schedule='pipedream+{mitigation.name}'")
+    if (mitigation.predict or mitigation.dc) and (not stashing or vertical_sync):
+        raise RuntimeConfigError(
+            f"mitigation {mitigation.name!r} with stashing={stashing}, vertical_sync="
+            f"{vertical_sync}", "predict and dc need weight stashing and the forward reading the "
+            "latest weights: use stashing=True, vertical_sync=False")
+    if (mitigation.lr_scale or mitigation.momentum) and stages and delays:
+        from .stage import tied_parameters
+
+        for t in tied_parameters(stages):
+            if len({delays[s] for s in t.stages}) > 1:
+                raise RuntimeConfigError(
+                    f"parameter {t.key!r} is tied across stages {list(t.stages)} with delays "
+                    f"{[delays[s] for s in t.stages]}: lr_scale and momentum would give its "
+                    "copies different steps", "use predict or dc, or untie the parameter")
+
+
+class _PredictingStash:
+    """A replica's :class:`WeightStash` whose forwards read predicted weights (``predict``):
+    the same object for everything else (attribute reads go to the stash)."""
+
+    def __init__(self, inner: WeightStash) -> None:
+        self._inner = inner
+        self.delta: dict[str, torch.Tensor] | None = None  # the last update: W_new - W_old
+        self.horizon: dict[int, int] = {}  # minibatch -> updates before its gradient is applied
+        self._used: dict[int, dict[str, torch.Tensor]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def acquire(self, minibatch: int, version: int | None) -> dict[str, torch.Tensor]:
+        weights = self._inner.acquire(minibatch, version)
+        if version not in (None, self._inner.version):
+            raise StashError(f"weight prediction: minibatch {minibatch} reads version {version}, "
+                             f"not the latest ({self._inner.version})",
+                             "predict needs the forward to read the latest weights")
+        h = self.horizon.get(minibatch, 0)
+        if h and self.delta is not None:
+            with torch.no_grad():
+                weights = dict(weights)
+                for n, d in self.delta.items():
+                    weights[n] = (weights[n] + h * d).requires_grad_(True)
+        self._used[minibatch] = weights
+        return weights
+
+    def for_backward(self, minibatch: int) -> tuple[int, dict[str, torch.Tensor]]:
+        v, weights = self._inner.for_backward(minibatch)
+        return v, self._used.get(minibatch, weights)
+
+    def release(self, minibatch: int) -> None:
+        self._used.pop(minibatch, None)
+        self._inner.release(minibatch)
+
+    def update(self, grads: Mapping[str, torch.Tensor]) -> int:
+        old = {n: self._inner.latest[n].detach().clone() for n in self._inner.trainable}
+        v = self._inner.update(grads)
+        self.delta = {n: self._inner.latest[n].detach() - old[n] for n in old}
+        return v
+
+
+class MitigatedReplica(StageReplica):
+    """A :class:`StageReplica` applying ``predict`` and ``dc`` (``lr_scale`` and ``momentum``
+    live in the optimizer: :func:`bind_optimizer`). Both executors build it in place of a
+    StageReplica, so distributed and reference runs do the same arithmetic."""
+
+    def __init__(self, spec: StageSpec, optimizer_factory: OptimizerFactory, *,
+                 mitigation: Mitigation, **kwargs: Any) -> None:
+        super().__init__(spec, optimizer_factory, **kwargs)
+        self.mitigation = mitigation
+        if mitigation.predict:
+            self.stash = _PredictingStash(self.stash)  # type: ignore[assignment]
+        self._point: Mapping[str, torch.Tensor] | None = None  # weights the gradient read
+        self._ms: dict[str, torch.Tensor] = {}
+
+    def prepare(self, sched: Schedule, rank: Rank) -> None:
+        """Before a schedule runs: for each minibatch of ``rank``, how many updates of the stage
+        happen between its forward's read and the update applying its gradient (prediction's
+        horizon: ``u - v`` for a forward reading version v applied by ``U<u>``)."""
+        if not isinstance(self.stash, _PredictingStash):
+            return
+        read: dict[int, int] = {}
+        pending: list[int] = []
+        horizon: dict[int, int] = {}
+        for a in sched.actions[rank]:
+            if a.kind == "F":
+                read[a.minibatch] = a.version or 0
+            elif a.kind == "B":
+                pending.append(a.minibatch)
+            else:
+                horizon.update((k, a.minibatch - read[k]) for k in pending)
+                pending = []
+        self.stash.horizon = horizon
+
+    def backward(self, minibatch: int, output_grads: Sequence[torch.Tensor | None],
+                 **kwargs: Any) -> list[torch.Tensor | None]:
+        if self.mitigation.dc:
+            self._point = self.stash.for_backward(minibatch)[1]
+        try:
+            return super().backward(minibatch, output_grads, **kwargs)
+        finally:
+            self._point = None
+
+    def _accumulate(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        if self._point is not None:
+            g = self._compensate(name, g)
+        return super()._accumulate(name, g)
+
+    @torch.no_grad()
+    def _compensate(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """DC-ASGD-a's correction of one minibatch's gradient of ``name`` (module doc)."""
+        m = self.mitigation
+        ms = self._ms.get(name)
+        ms = self._ms[name] = ((1 - m.dc_decay) * g * g if ms is None
+                               else ms.mul_(m.dc_decay).addcmul_(g, g, value=1 - m.dc_decay))
+        diff = self.stash.latest[name].detach() - self._point[name].detach()  # type: ignore[index]
+        return g + m.dc_lambda / (ms + m.dc_eps).sqrt() * g * g * diff
+
+
+def make_replica(spec: StageSpec, optimizer_factory: Callable[..., torch.optim.Optimizer], *,
+                 delay: int = 0, mitigation: Mitigation | None = None,
+                 **kwargs: Any) -> StageReplica:
+    """The replica of stage ``spec.index`` with ``delay``: a plain StageReplica or, with
+    ``predict``/``dc``, a MitigatedReplica; its optimizer made by :func:`bind_optimizer`."""
+    factory = bind_optimizer(optimizer_factory, spec.index, delay, mitigation)
+    if mitigation is not None and (mitigation.predict or mitigation.dc):
+        return MitigatedReplica(spec, factory, mitigation=mitigation, **kwargs)
+    return StageReplica(spec, factory, **kwargs)
+
+
+def describe(mitigation: Mitigation | None) -> str:
+    """One line for logs and summaries."""
+    if mitigation is None:
+        return "no mitigation"
+    knobs = {f.name: getattr(mitigation, f.name) for f in fields(mitigation)
+             if f.name.startswith("dc_")} if mitigation.dc else {}
+    return mitigation.name + (f" ({', '.join(f'{k}={v:g}' for k, v in knobs.items())})"
+                              if knobs else "")

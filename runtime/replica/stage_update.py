@@ -1,0 +1,168 @@
+"""The update half of a stage replica: from its gradient sums to one optimizer step.
+
+Gradient semantics of an update ``U``: each replica sums the parameter gradients of the minibatches
+it ran since its previous update and counts them; the replicas of the stage add up both (an
+all-reduce of one flat buffer, or the same sums in buckets launched during the last backward of
+the round: :mod:`fxpipe.runtime.execution.buckets`) and the update uses sum / count, the mean
+gradient over the minibatches of the group (= plain SGD for one replica updating after every
+minibatch).
+
+Why the update path avoids copies: on a one-stage run the gradient memory is touched by the
+backward and by the optimizer anyway; every extra pass (concatenating, dividing into a new tensor,
+cloning) costs as much again, and every fresh allocation of a large tensor pays page faults. So
+a gradient sum is accumulated in place once the replica owns it, a lone replica without tied
+weights hands its sums straight to the optimizer (:meth:`StageReplica.apply_local_update`), and
+the flat path divides views of the summed buffer in place. The floating-point operations (one
+addition per minibatch in order, one division by the count) are exactly those of the copying
+version, so results are bit-identical.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Collection, Mapping, Sequence
+
+import torch
+
+from .stash import WeightStash
+
+
+class UpdateMixin:
+    """Update methods of :class:`fxpipe.runtime.replica.stage.StageReplica` (it provides the
+    attributes declared here): the flat gradient layout the all-reduces use, the mean over a round,
+    clipping and the optimizer step. Kept apart so the forward/backward reads on its own."""
+
+    stash: WeightStash
+    clip: Callable[[dict[str, torch.Tensor | None]], dict[str, torch.Tensor | None]] | None
+    clip_local: bool
+    on_update: Callable[[], None] | None
+    busy_s: float
+    _grad_sum: dict[str, torch.Tensor]
+    _owned: set[str]
+    _count: int
+
+    def local_gradient(self) -> torch.Tensor:
+        """Flat buffer [sum of gradients of every trainable parameter..., minibatch count]."""
+        parts = []
+        dts = self.stash.grad_dtypes
+        for n in self.stash.trainable:
+            p = self.stash.latest[n]
+            g = self._grad_sum.get(n)
+            parts.append((torch.zeros_like(p, dtype=dts[n]) if g is None else g).reshape(-1))
+        ref = next(iter(self.stash.latest.values()), torch.zeros(()))
+        dtype = next((dts[n] for n in self.stash.trainable), ref.dtype)  # the gradients' dtype
+        parts.append(torch.tensor([float(self._count)], dtype=dtype, device=ref.device))
+        return torch.cat(parts)
+
+    def _offsets(self) -> dict[str, tuple[int, int]]:
+        """name -> (offset, numel) in the flat buffer of :meth:`local_gradient`."""
+        out, off = {}, 0
+        for n in self.stash.trainable:
+            out[n] = (off, self.stash.latest[n].numel())
+            off += out[n][1]
+        return out
+
+    def segment(self, flat: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
+        """The parts of ``flat`` (a :meth:`local_gradient` layout) for ``names``, concatenated
+        (a copy): what a tied-parameter all-reduce sends."""
+        offs = self._offsets()
+        return torch.cat([flat[offs[n][0]:offs[n][0] + offs[n][1]] for n in names])
+
+    def split_segment(self, seg: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The parts of ``seg`` (a :meth:`segment` layout) by name, shaped like the weights."""
+        out, pos = {}, 0
+        for n in names:
+            p = self.stash.latest[n]
+            out[n] = seg[pos:pos + p.numel()].view(p.shape)
+            pos += p.numel()
+        return out
+
+    def put_segment(self, flat: torch.Tensor, names: Sequence[str], seg: torch.Tensor) -> None:
+        """Write ``seg`` (the layout of :meth:`segment`) back into ``flat`` in place."""
+        offs, pos = self._offsets(), 0
+        for n in names:
+            off, numel = offs[n]
+            flat[off:off + numel] = seg[pos:pos + numel]
+            pos += numel
+
+    def apply_update(self, total: torch.Tensor,
+                     tied: Mapping[str, torch.Tensor | None] | None = None) -> int:
+        """Step the optimizer with the mean gradient in ``total`` (the sum over the stage's
+        replicas of :meth:`local_gradient`); returns the new weight version. ``total`` is
+        consumed: its parts are divided in place and handed to the optimizer as views.
+        ``tied``: gradients (already means) used instead of ``total``'s for those names, None
+        for "no step for this parameter now" (delayed tied rounds, see reference.tied_delay)."""
+        return self.finish_update(self.update_grads(total, tied))
+
+    def update_grads(self, total: torch.Tensor,
+                     tied: Mapping[str, torch.Tensor | None] | None = None
+                     ) -> dict[str, torch.Tensor | None]:
+        """The mean gradients :meth:`apply_update` steps with (before clipping); resets the
+        round's sums. The reference executor clips them over all stages in between."""
+        count = float(total[-1])
+        grads: dict[str, torch.Tensor | None] = {}
+        offset = 0
+        for n in self.stash.trainable:
+            p = self.stash.latest[n]
+            grads[n] = total[offset:offset + p.numel()].reshape(p.shape)
+            offset += p.numel()
+        fixed = dict(tied or {})
+        grads.update(fixed)
+        return self.mean_grads(grads, count, writable=grads, fixed=fixed)
+
+    def apply_local_update(self) -> int:
+        """The update of a replica that sums with nobody (one replica, no tied parameters):
+        its own gradient sums go straight to the optimizer, with no flat buffer; the same
+        values as ``apply_update(local_gradient())``."""
+        latest = self.stash.latest
+        dts = self.stash.grad_dtypes
+        grads = {n: self._grad_sum[n] if n in self._grad_sum
+                 else torch.zeros_like(latest[n], dtype=dts[n]) for n in self.stash.trainable}
+        writable = {n for n in grads if n in self._owned or n not in self._grad_sum}
+        return self.apply_grads(grads, float(self._count), writable=writable)
+
+    def apply_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,
+                    writable: Collection[str], fixed: Collection[str] = ()) -> int:
+        """Step the optimizer with ``grads[n] / count`` (every trainable name; ``count`` 0:
+        no minibatch, the sums are used as they are; 1: nothing to divide, ``x / 1 == x``).
+        Names in ``writable`` are divided in place, the others into a new tensor; names in
+        ``fixed`` are used as given (None: that parameter takes no step). Resets the round's
+        sums and count, clips (:attr:`clip`), calls :attr:`on_update`; returns the new weight
+        version."""
+        return self.finish_update(self.mean_grads(grads, count, writable=writable, fixed=fixed))
+
+    def mean_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,
+                   writable: Collection[str], fixed: Collection[str] = ()
+                   ) -> dict[str, torch.Tensor | None]:
+        """``grads / count`` (see :meth:`apply_grads`); resets the round's sums and count."""
+        if count > 0 and count != 1:
+            grads = {n: g if n in fixed or g is None else g.div_(count) if n in writable
+                     else g / count for n, g in grads.items()}
+        self._grad_sum.clear()
+        self._owned.clear()
+        self._count = 0
+        return dict(grads)
+
+    def finish_update(self, grads: dict[str, torch.Tensor | None]) -> int:
+        """Clip (:attr:`clip`) and step with the mean gradients ``grads``."""
+        if self.clip is not None:
+            grads = self.clip(grads)
+        return self.step(grads)
+
+    def step(self, grads: Mapping[str, torch.Tensor | None]) -> int:
+        """One optimizer step with final gradients; calls :attr:`on_update`."""
+        t0 = time.perf_counter()
+        version = self.stash.update(grads)
+        if self.on_update is not None:
+            self.on_update()
+        self.busy_s += time.perf_counter() - t0
+        return version
+
+    def apply_tied_only(self, tied: Mapping[str, torch.Tensor]) -> int:
+        """One optimizer step of the tied parameters alone (every other parameter's gradient
+        None, so it does not move): what completes the delayed tied rounds at a segment end.
+        Does not call :attr:`on_update` (it finishes earlier updates, it is not a new one)."""
+        grads: dict[str, torch.Tensor | None] = {n: None for n in self.stash.trainable}
+        grads.update(tied)
+        if self.clip is not None and self.clip_local:
+            grads = self.clip(grads)
+        return self.stash.update(grads)

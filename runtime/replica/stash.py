@@ -1,0 +1,285 @@
+"""Weight stashing (PipeDream): per stage replica, the latest weights plus older versions still
+needed by minibatches in flight.
+
+Why versions at all: under the pipedream schedule a stage updates its weights between the forward
+and the backward of a minibatch. The gradient is only a valid gradient if the backward uses the
+weights the forward used, so those must be kept ("stashed") until that backward is done, while the
+optimizer keeps updating the latest weights.
+
+How it stays cheap: a version is just a ``dict[name, Tensor]`` passed to
+``torch.func.functional_call`` (or the leaner :func:`swapped_call`), so minibatches that read the
+same version share one dict (nothing is copied while no update happens). At an update, if the
+current version is still needed (a minibatch in flight read it, or a planned future forward will),
+the stash clones the trainable tensors, points the optimizer at the clones and steps those; the old
+dict keeps referencing the untouched old tensors, which the in-flight autograd graphs saved. If
+nobody needs the current version, the update is done in place and no memory is added.
+``bytes_held`` counts unique storages.
+
+Why a free list: under pipedream the input stage copies on every update in steady state, while
+each backward drops the oldest version; allocating the copy anew each time costs page faults on
+a tensor as large as the stage's weights. So the trainable tensors of a dropped version are kept
+(at most one version's worth, keyed by shape, stride, dtype and device) and the next copy-on-write
+writes into them. Spares are only reused by that copy; an update that needs no copy frees them,
+so steady memory stays that of the versions held (``spare_bytes`` reports them separately).
+
+Low-precision parameters get float32 master copies that the optimizer steps (:mod:`.master`):
+the versions stashed are the low-precision copies the forwards read; the masters exist once.
+
+``stashing=False`` (an ablation only): the backward uses the latest weights; the owner recomputes
+the forward with them (see :mod:`fxpipe.runtime.replica.stage`), so no old version is ever kept.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+
+import torch
+
+from ..errors import StashError
+from .master import MasterWeights
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+class WeightStash:
+    """Weight versions of one stage replica and the optimizer that produces new ones.
+
+    ``params``: the stage's parameters by name (copied: a replica owns its weights).
+    ``planned_reads``: version -> number of forwards that will read it (from the rank's action
+    list). Needed when a forward may read an OLDER version than the latest (vertical sync): the
+    stash then keeps that version alive. Without it only in-flight versions are kept.
+    ``master_weights``: float32 masters for low-precision parameters (:mod:`.master`; None:
+    automatic, on when some trainable parameter is float16 or bfloat16).
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], optimizer_factory: OptimizerFactory,
+                 *, stashing: bool = True, planned_reads: Mapping[int, int] | None = None,
+                 device: torch.device | None = None, master_weights: bool | None = None
+                 ) -> None:
+        self.stashing = stashing
+        self._latest: dict[str, torch.Tensor] = {
+            n: (p.detach().to(device, copy=True) if device is not None else p.detach().clone()
+                ).requires_grad_(p.requires_grad) for n, p in params.items()}
+        self.trainable: tuple[str, ...] = tuple(n for n, p in self._latest.items()
+                                                if p.requires_grad)
+        self.masters = MasterWeights(self._latest, self.trainable, master_weights)
+        self.grad_dtypes: dict[str, torch.dtype] = {
+            n: self.masters.grad_dtype(n, self._latest[n]) for n in self.trainable}
+        """The dtype each trainable parameter's gradients are summed, reduced and clipped in."""
+        # a stage without trainable parameters (an activation alone) has no optimizer
+        self.optimizer: torch.optim.Optimizer | None = (
+            optimizer_factory(self.masters.optimizer_params(self._latest, self.trainable))
+            if self.trainable else None)
+        self.version = 0
+        self._older: dict[int, dict[str, torch.Tensor]] = {}
+        self._inflight: dict[int, int] = {}  # minibatch -> version its forward read
+        self._reads: Counter[int] = Counter(planned_reads or {})
+        self._spare: dict[Hashable, list[torch.Tensor]] = {}  # see the module doc
+        self.peak_bytes = self.bytes_held()
+
+    # ------------------------------------------------------------------ reading versions
+    @property
+    def latest(self) -> dict[str, torch.Tensor]:
+        """The newest weights (the optimizer's tensors). Do not modify in place."""
+        return self._latest
+
+    def versions_held(self) -> list[int]:
+        """Version numbers currently held, oldest first (the latest is always held)."""
+        return sorted(set(self._older) | {self.version})
+
+    def get(self, version: int) -> dict[str, torch.Tensor]:
+        """The weights of ``version``; :class:`StashError` if it is no longer held."""
+        if version == self.version:
+            return self._latest
+        if version in self._older:
+            return self._older[version]
+        raise StashError(f"weight version {version} is not held (held: {self.versions_held()})",
+                         "the schedule reads a version that was dropped: pass planned_reads")
+
+    def acquire(self, minibatch: int, version: int | None) -> dict[str, torch.Tensor]:
+        """Weights for the forward of ``minibatch`` (``version`` None = latest); remembers them
+        for its backward when stashing."""
+        v = self.version if version is None else version
+        if v > self.version:
+            raise StashError(f"forward of minibatch {minibatch} reads version {v} but only "
+                             f"{self.version} updates happened", "check the schedule's versions")
+        if minibatch in self._inflight:
+            raise StashError(f"minibatch {minibatch} is already in flight",
+                             "each minibatch has one forward per stage replica")
+        weights = self.get(v)
+        if self._reads[v] > 0:
+            self._reads[v] -= 1
+        if self.stashing:
+            self._inflight[minibatch] = v
+        return weights
+
+    def for_backward(self, minibatch: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """(version, weights) the backward of ``minibatch`` must use: the forward's when
+        stashing, else the latest."""
+        if not self.stashing:
+            return self.version, self._latest
+        if minibatch not in self._inflight:
+            raise StashError(f"backward of minibatch {minibatch} without its forward",
+                             "run F<k> before B<k> on the same replica")
+        v = self._inflight[minibatch]
+        return v, self.get(v)
+
+    def release(self, minibatch: int) -> None:
+        """The backward of ``minibatch`` is done: its version may be dropped."""
+        self._inflight.pop(minibatch, None)
+        self._collect()
+
+    # ------------------------------------------------------------------ updating
+    def update(self, grads: Mapping[str, torch.Tensor | None]) -> int:
+        """Apply one optimizer step with ``grads`` (by name, trainable params only) to the latest
+        weights; returns the new version number."""
+        copied = False
+        if self.optimizer is None:
+            if self._needed(self.version):  # nothing trainable: every version is the same dict
+                self._older[self.version] = self._latest
+        else:
+            if self._needed(self.version):
+                self._copy_on_write()
+                copied = True
+            else:  # in place: nobody reads the current version; spares would only sit idle
+                self._spare.clear()
+            # None: this parameter takes no step now (all None: a skipped step, no call at all)
+            self.masters.set_grads(self._latest, {n: grads[n] for n in self.trainable})
+            if any(grads[n] is not None for n in self.trainable):
+                self.optimizer.step()
+            self.masters.clear_grads(self._latest, self.trainable)
+            self.masters.copy_down(self._latest)
+        self.version += 1
+        self._collect()
+        if copied:  # else the storages held are a subset of ones already counted in the peak
+            self.peak_bytes = max(self.peak_bytes, self.bytes_held())
+        return self.version
+
+    def rebase(self) -> None:
+        """Call the latest weights version 0 again (a new schedule starts counting from 0)."""
+        if self._inflight:
+            raise StashError(f"rebase with minibatches {sorted(self._inflight)} in flight",
+                             "finish every backward before starting a new schedule")
+        self._older.clear()
+        self._spare.clear()
+        self.version = 0
+
+    def set_planned_reads(self, planned_reads: Mapping[int, int]) -> None:
+        """Declare the forwards of the next schedule (see the class doc)."""
+        self._reads = Counter(planned_reads)
+
+    def _copy_on_write(self) -> None:
+        """Keep the current tensors as an old version; give the optimizer copies (written into
+        spares of a dropped version when there are some, else fresh clones)."""
+        old = self._latest
+        new = dict(old)
+        swap: dict[int, torch.Tensor] = {}
+        reused = 0
+        for n in self.trainable:
+            free = self._spare.get(_key(old[n]))
+            if free:
+                with torch.no_grad():
+                    new[n] = free.pop().copy_(old[n])
+                reused += 1
+            else:
+                new[n] = old[n].detach().clone().requires_grad_(True)
+            swap[id(old[n])] = new[n]
+        self._spare.clear()
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        for n in self.trainable:
+            if old[n] in self.optimizer.state:
+                self.optimizer.state[new[n]] = self.optimizer.state.pop(old[n])
+        self._older[self.version] = old
+        self._latest = new
+        log.debug("version %d stashed (%d tensors copied, %d into spares)", self.version,
+                  len(swap), reused)
+
+    def _needed(self, v: int) -> bool:
+        return self._reads[v] > 0 or v in self._inflight.values()
+
+    def _collect(self) -> None:
+        """Drop the old versions nobody needs; keep one version's trainable tensors as spares
+        (they are the stash's own copies: no other version or the optimizer holds them, and the
+        graphs of the minibatches that read them are gone)."""
+        for v in [v for v in self._older if not self._needed(v)]:
+            dropped = self._older.pop(v)
+            if not self._spare:
+                for n in self.trainable:
+                    t = dropped[n]
+                    if t is not self._latest[n]:
+                        t.grad = None
+                        self._spare.setdefault(_key(t), []).append(t)
+
+    # ------------------------------------------------------------------ accounting
+    def bytes_held(self) -> int:
+        """Bytes of the unique tensor storages across the latest and all stashed versions."""
+        return _unique_bytes(t for d in [self._latest, *self._older.values()] for t in d.values())
+
+    def spare_bytes(self) -> int:
+        """Bytes kept for the next copy-on-write (a dropped version's tensors; not counted in
+        :meth:`bytes_held`, and never more than one version's worth)."""
+        return _unique_bytes(t for ts in self._spare.values() for t in ts)
+
+
+def _key(t: torch.Tensor) -> Hashable:
+    """Tensors interchangeable as copy-on-write targets: same layout, dtype and device."""
+    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+
+
+def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    seen: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        seen[key] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+_Slots = list[tuple[str, list[tuple[dict, str]]]]
+
+
+def tensor_slots(gm: torch.nn.Module) -> _Slots | None:
+    """Where each parameter and buffer of ``gm`` lives: name (the first name of that tensor, as
+    ``named_parameters()`` / ``named_buffers()`` give it) -> every (``_parameters`` or
+    ``_buffers`` dict, key) holding it (a tensor shared under several names gets the same value
+    at each, as ``functional_call`` unties them). None (use ``functional_call``) for modules with
+    parametrizations, which need its re-parametrisation machinery."""
+    from torch.nn.utils import parametrize
+    if any(parametrize.is_parametrized(m) for m in gm.modules()):
+        return None
+    first: dict[int, str] = {}
+    slots: dict[str, list[tuple[dict, str]]] = {}
+    for mname, mod in gm.named_modules(remove_duplicate=False):
+        for store in (mod._parameters, mod._buffers):
+            for attr, t in store.items():
+                if t is None:
+                    continue
+                name = first.setdefault(id(t), f"{mname}.{attr}" if mname else attr)
+                slots.setdefault(name, []).append((store, attr))
+    return list(slots.items())
+
+
+def swapped_call(gm: torch.nn.Module, slots: _Slots,
+                  values: tuple[Mapping[str, torch.Tensor], ...], inputs: Sequence[Any]) -> Any:
+    """``functional_call(gm, {**values[0], **values[1]}, inputs)`` without its per-call set-up:
+    the tensors are put straight into the modules' parameter/buffer dicts (found once by
+    :func:`tensor_slots`) and the originals put back afterwards, whatever happens."""
+    saved: list[tuple[dict, str, Any]] = []
+    try:
+        for name, places in slots:
+            t = values[1].get(name)
+            if t is None:
+                t = values[0].get(name)
+            if t is None:  # not given: the module's own tensor, as functional_call (strict=False)
+                continue
+            for store, attr in places:
+                saved.append((store, attr, store[attr]))
+                store[attr] = t
+        return gm(*inputs)
+    finally:
+        for store, attr, old in reversed(saved):
+            store[attr] = old

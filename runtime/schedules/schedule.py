@@ -1,0 +1,380 @@
+"""Pipeline schedules as data: per-rank action lists that an executor only carries out.
+
+A pipeline has S stages; stage s is replicated ``replicas[s]`` times and a *rank* is the pair
+``(stage, replica)``. Minibatch k (a microbatch, for the batched kinds) goes to replica
+``k % replicas[s]`` of stage s: a deterministic round robin, so every rank can compute who sends it
+activations and who gets its gradients without talking to anyone.
+
+Notation (PipeDream's figures): ``F3`` = forward of minibatch 3, ``B3`` = its backward, ``U2`` =
+the rank's update number 2 (0-based; it produces weight version 3). Updates are ALWAYS explicit
+``U`` actions, in every kind, so the executor never has to know the kind: pipedream puts one after
+every backward round, the batched kinds one per batch. The replicas of a stage perform their
+``U<i>`` together (an all-reduce of the gradients accumulated since ``U<i-1>``), which is why
+every replica of a stage has the same number of updates, some possibly with zero local gradients.
+
+``W3`` (zero-bubble kinds only) is the weight-gradient half of minibatch 3's backward: on a rank
+whose list has W actions, ``B3`` computes only the input gradients (what the previous stage waits
+for) and ``W3``, later, the weight gradients (filling what would be idle time). A rank either
+splits every backward or none.
+
+Weight versions: version v = the weights after v updates of that rank. ``Action.version`` on F is
+the version the forward reads; on B and W the version the backward must use (the same one, read
+from the stash: PipeDream's weight stashing); on U the version it produces.
+
+Only pure Python here: no torch, no processes, so the schedule can be tested, printed and
+simulated on any machine.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal, Mapping, Sequence
+
+import networkx as nx
+
+from fxpipe.errors import ConfigError, FxpipeError
+
+Rank = tuple[int, int]
+ActionKind = Literal["F", "B", "W", "U"]
+SCHEDULE_KINDS = ("pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2")
+SYNCHRONOUS_KINDS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")  # flush every batch: minibatch SGD
+
+
+class ScheduleError(FxpipeError, ValueError):
+    """A schedule breaks a rule an executor relies on (missing backward, wrong order, ...)."""
+
+
+class DeadlockError(ScheduleError):
+    """Executing every rank's list in order gets stuck; ``stuck`` maps rank -> waiting action."""
+
+    def __init__(self, message: str, hint: str | None, stuck: dict[Rank, Action]) -> None:
+        super().__init__(message, hint)
+        self.stuck = stuck
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank.
+
+    ``minibatch`` is the global minibatch (microbatch) index for F/B, and the rank's update number
+    for U. ``version`` is the weight version involved (see module doc); None in hand-made
+    schedules that do not care about versions.
+    """
+
+    kind: ActionKind
+    minibatch: int
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("F", "B", "W", "U"):
+            raise ConfigError(f"unknown action kind {self.kind!r}", "use 'F', 'B', 'W' or 'U'")
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.minibatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """``"F3"`` -> ``Action("F", 3)``: lets tests and users write schedules as text."""
+        text = text.strip()
+        if len(text) < 2 or text[0] not in "FBWU" or not text[1:].isdigit():
+            raise ConfigError(f"cannot parse action {text!r}",
+                              "write e.g. 'F3', 'B3', 'W3' or 'U0'")
+        return cls(text[0], int(text[1:]))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Immutable per-rank action lists plus the metadata needed to interpret them.
+
+    ``group`` is the number of minibatches per weight update (m for the batched kinds, 1 for
+    pipedream); ``windows[s]`` is the most minibatches in flight on one replica of stage s (=
+    weight versions stashed under pipedream).
+    """
+
+    kind: str
+    replicas: tuple[int, ...]
+    num_minibatches: int
+    actions: Mapping[Rank, tuple[Action, ...]] = field(hash=False)
+    group: int = 1
+    noam: int = 1
+    windows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        frozen = {tuple(r): tuple(a) for r, a in self.actions.items()}
+        object.__setattr__(self, "actions", MappingProxyType(frozen))
+        object.__setattr__(self, "replicas", tuple(self.replicas))
+        object.__setattr__(self, "windows", tuple(self.windows))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def ranks(self) -> tuple[Rank, ...]:
+        """All ranks in (stage, replica) order: the row order of grids and reports."""
+        return tuple((s, j) for s, r in enumerate(self.replicas) for j in range(r))
+
+    def owner(self, stage: int, minibatch: int) -> Rank:
+        """The rank of ``stage`` that processes ``minibatch`` (round robin)."""
+        return (stage, minibatch % self.replicas[stage])
+
+    def forward_versions(self) -> dict[tuple[Rank, int], int | None]:
+        """(rank, minibatch) -> weight version its forward reads: what weight stashing must keep."""
+        return {(rank, a.minibatch): a.version
+                for rank, acts in self.actions.items() for a in acts if a.kind == "F"}
+
+    def input_versions(self) -> dict[int, int | None]:
+        """minibatch -> version the input stage's forward used. Under vertical sync this version
+        travels with the activations and every later stage uses it for that minibatch."""
+        return {a.minibatch: a.version for (s, _), acts in self.actions.items() if s == 0
+                for a in acts if a.kind == "F"}
+
+    def with_vertical_sync(self) -> Schedule:
+        """The same actions, F/B versions replaced by the input stage's (PipeDream vertical sync).
+
+        Needs equal replica counts: a version number counts one stage's updates, and an update
+        of a stage with r replicas covers r minibatches, so numbers differ across unequal stages.
+        """
+        if len(set(self.replicas)) > 1:
+            raise ConfigError(f"vertical sync with replicas {list(self.replicas)}",
+                              "version numbers are comparable only when every stage has the "
+                              "same number of replicas")
+        inv = self.input_versions()
+        new = {rank: tuple(Action(a.kind, a.minibatch, inv[a.minibatch]) if a.kind != "U" else a
+                           for a in acts) for rank, acts in self.actions.items()}
+        return Schedule(self.kind + "+vsync", self.replicas, self.num_minibatches, new,
+                        self.group, self.noam, self.windows)
+
+    @classmethod
+    def from_text(cls, replicas: list[int], table: Mapping[Rank, str],
+                  num_minibatches: int | None = None, kind: str = "custom") -> Schedule:
+        """Build a hand-written schedule, e.g. ``{(0, 0): "F0 F1 B0 U0 B1 U1", ...}``."""
+        acts = {tuple(rank): tuple(Action.parse(t) for t in text.split())
+                for rank, text in table.items()}
+        if num_minibatches is None:
+            num_minibatches = 1 + max((a.minibatch for aa in acts.values() for a in aa
+                                       if a.kind != "U"), default=-1)
+        return cls(kind, tuple(replicas), num_minibatches, acts)
+
+
+def split_ranks(sched: Schedule) -> frozenset[Rank]:
+    """The ranks whose backwards are split into B (input gradients) and W (weight gradients)."""
+    return frozenset(rank for rank, acts in sched.actions.items()
+                     if any(a.kind == "W" for a in acts))
+
+
+# ----------------------------------------------------------------------------- building blocks
+# (of the generators in fxpipe.runtime.schedules.kinds, zerobubble and placement)
+
+def _one_f_one_b(mbs: list[int], window: int) -> list[Action]:
+    """Admit ``window`` forwards, then strictly backward-oldest / next-forward, then drain."""
+    out: list[Action] = []
+    pending: deque[int] = deque()
+    for i, k in enumerate(mbs):
+        if i >= window:
+            out.append(Action("B", pending.popleft()))
+        out.append(Action("F", k))
+        pending.append(k)
+    out.extend(Action("B", k) for k in pending)
+    return out
+
+
+def _with_versions(acts: list[Action], forward_version) -> tuple[Action, ...]:
+    """Stamp versions: U<i> makes i+1; B reuses its F's (stashing); F asks ``forward_version``."""
+    seen: dict[int, int] = {}
+    updates = 0
+    out = []
+    for a in acts:
+        if a.kind == "U":
+            updates += 1
+            out.append(Action("U", a.minibatch, updates))
+        elif a.kind == "F":
+            seen[a.minibatch] = forward_version(a.minibatch, updates)
+            out.append(Action("F", a.minibatch, seen[a.minibatch]))
+        else:  # B and W use the forward's version
+            out.append(Action(a.kind, a.minibatch, seen[a.minibatch]))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _static_checks(sched: Schedule) -> None:
+    """Rules checkable per rank: ownership, F before B, one B per F, versions, update counts."""
+    S, n = sched.num_stages, sched.num_minibatches
+    if set(sched.actions) != set(sched.ranks):
+        raise ScheduleError(f"schedule ranks {sorted(sched.actions)} != {list(sched.ranks)}",
+                            "give exactly one action list per (stage, replica)")
+    seen_f = {s: set() for s in range(S)}
+    for rank, acts in sched.actions.items():
+        s = rank[0]
+        fwd: dict[int, int | None] = {}
+        bwd: set[int] = set()
+        wgt: set[int] = set()
+        updates = 0
+        for a in acts:
+            if a.kind == "W":
+                _check_weight_action(a, rank, fwd, bwd, wgt)
+                wgt.add(a.minibatch)
+                continue
+            where = f"{a} on stage {s} replica {rank[1]}"
+            if a.kind == "U":
+                if a.minibatch != updates or a.version not in (None, updates + 1):
+                    raise ScheduleError(f"{where}: expected update U{updates}",
+                                        "number a rank's updates 0, 1, 2, ...")
+                updates += 1
+                continue
+            if not 0 <= a.minibatch < n or sched.owner(s, a.minibatch) != rank:
+                raise ScheduleError(f"{where}: minibatch belongs to {sched.owner(s, a.minibatch)}"
+                                    if 0 <= a.minibatch < n else f"{where}: minibatch out of range",
+                                    "minibatch k runs on replica k % r of each stage")
+            if a.kind == "F":
+                if a.minibatch in fwd:
+                    raise ScheduleError(f"{where}: forward repeated", "forward each minibatch once")
+                if a.version is not None and not 0 <= a.version <= updates:
+                    raise ScheduleError(f"{where}: reads version {a.version} but only "
+                                        f"{updates} updates happened", "a forward can only use "
+                                        "versions already produced")
+                fwd[a.minibatch] = a.version
+                seen_f[s].add(a.minibatch)
+            else:
+                if a.minibatch not in fwd:
+                    raise ScheduleError(f"{where}: backward before its forward",
+                                        "put F<k> before B<k> on the same rank")
+                if a.minibatch in bwd:
+                    raise ScheduleError(f"{where}: backward repeated", "one backward per forward")
+                if a.version != fwd[a.minibatch]:
+                    raise ScheduleError(f"{where}: uses version {a.version}, its forward used "
+                                        f"{fwd[a.minibatch]}", "stash the forward's weights")
+                bwd.add(a.minibatch)
+        lacking = sorted(set(fwd) - bwd)
+        if lacking:
+            raise ScheduleError(f"forward of minibatch {lacking[0]} on stage {s} replica "
+                                f"{rank[1]} lacks its backward", "add B<k> after F<k>")
+        unsplit = sorted(bwd - wgt) if wgt else []
+        if unsplit:
+            raise ScheduleError(f"backward of minibatch {unsplit[0]} on stage {s} replica "
+                                f"{rank[1]} has no W, but others on that rank do",
+                                "a rank splits every backward into B and W, or none")
+    for s in range(S):
+        missing = sorted(set(range(n)) - seen_f[s])
+        if missing:
+            raise ScheduleError(f"minibatch {missing[0]} never runs on stage {s}",
+                                "every minibatch must go through every stage")
+        counts = {sum(a.kind == "U" for a in sched.actions[(s, j)])
+                  for j in range(sched.replicas[s])}
+        if len(counts) > 1:
+            raise ScheduleError(f"replicas of stage {s} make different numbers of updates "
+                                f"{sorted(counts)}", "replicas all-reduce every update together")
+
+
+def _check_weight_action(a: Action, rank: Rank, fwd: Mapping[int, int | None],
+                         bwd: set[int], wgt: set[int]) -> None:
+    """W<k>: after this rank's B<k>, once, with its forward's weight version."""
+    where = f"{a} on stage {rank[0]} replica {rank[1]}"
+    if a.minibatch not in bwd:
+        raise ScheduleError(f"{where}: weight gradients before the backward's input part",
+                            "put B<k> before W<k> on the same rank")
+    if a.minibatch in wgt:
+        raise ScheduleError(f"{where}: weight gradients repeated", "one W per B")
+    if a.version != fwd[a.minibatch]:
+        raise ScheduleError(f"{where}: uses version {a.version}, its forward used "
+                            f"{fwd[a.minibatch]}", "stash the forward's weights")
+
+
+def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = (),
+                    delay: int = 0) -> list[tuple[Rank, int]]:
+    """Run every rank's list in order against the data dependencies; return (rank, index) in a
+    valid execution order (a topological order, which ``simulate`` times), or raise
+    :class:`DeadlockError` naming each stuck rank and what it waits for. F(k) on stage s needs
+    F(k) on stage s-1; B(k) needs B(k) on stage s+1 (on the last stage its own F(k)); U<i> needs
+    every replica of its stage at U<i>. Stages in one ``sync`` set share tied weights: with
+    ``delay`` 0 their U<i> happen together (one all-reduce); with ``delay`` d > 0, U<i> of one
+    of them needs U<i-d> done on every rank of the others (it applies round i-d's sum, see
+    :func:`fxpipe.runtime.execution.contract.tied_delay`)."""
+    S = sched.num_stages
+    together = {s: tuple(c) for c in sync for s in c} if delay == 0 else {}
+    lagged = {s: tuple(t for t in c if t != s) for c in sync for s in c} if delay > 0 else {}
+    updates = {rank: 0 for rank in sched.ranks}  # U's done (delay > 0)
+    ptr = {rank: 0 for rank in sched.ranks}
+    done: set[tuple[str, int, int]] = set()
+    order: list[tuple[Rank, int]] = []
+
+    def need(rank: Rank, a: Action) -> tuple[str, int, int] | None:
+        s = rank[0]
+        if a.kind == "F":
+            return None if s == 0 else ("F", s - 1, a.minibatch)
+        if a.kind == "W":  # its own B, earlier in the same list
+            return ("B", s, a.minibatch)
+        return ("F", s, a.minibatch) if s == S - 1 else ("B", s + 1, a.minibatch)
+
+    progress = True
+    while progress:
+        progress = False
+        for rank in sched.ranks:
+            acts = sched.actions[rank]
+            while ptr[rank] < len(acts):
+                a = acts[ptr[rank]]
+                if a.kind == "U":
+                    peers = [(t, j) for t in together.get(rank[0], (rank[0],))
+                             for j in range(sched.replicas[t])]
+                    if not all(ptr[p] < len(sched.actions[p]) and sched.actions[p][ptr[p]] == a
+                               for p in peers):
+                        break
+                    if any(updates[(t, j)] <= a.minibatch - delay for t in lagged.get(rank[0], ())
+                           for j in range(sched.replicas[t])):
+                        break
+                    for p in peers:
+                        order.append((p, ptr[p]))
+                        ptr[p] += 1
+                        updates[p] += 1
+                else:
+                    dep = need(rank, a)
+                    if dep is not None and dep not in done:
+                        break
+                    done.add((a.kind, rank[0], a.minibatch))
+                    order.append((rank, ptr[rank]))
+                    ptr[rank] += 1
+                progress = True
+    stuck = {rank: sched.actions[rank][i] for rank, i in ptr.items()
+             if i < len(sched.actions[rank])}
+    if stuck:
+        parts = []
+        for rank, a in sorted(stuck.items()):
+            dep = need(rank, a)
+            what = (f"all replicas of stage {rank[0]} (and tied stages) at {a}" if a.kind == "U"
+                    else f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "nothing")
+            parts.append(f"stage {rank[0]} replica {rank[1]} stuck at {a} waiting for {what}")
+        raise DeadlockError("deadlock: " + "; ".join(parts),
+                            "reorder the lists so each rank's next action can become ready",
+                            stuck)
+    return order
+
+
+def sync_sets(stage_sets: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """Merge stage sets that share a stage (tied parameters chain stages together): the
+    connected components, each sorted, in sorted order (an empty set stays its own)."""
+    graph: nx.Graph = nx.Graph()
+    for stages in stage_sets:
+        graph.add_nodes_from(stages)
+        nx.add_path(graph, stages)
+    empty = [()] * sum(1 for stages in stage_sets if not stages)
+    return sorted(empty + [tuple(sorted(c)) for c in nx.connected_components(graph)])
+
+
+def tie_delay(sched: Schedule, tie_stage_sets: Sequence[Sequence[int]]) -> int:
+    """Rounds by which tied weights' updates lag their gradients under ``sched`` (0 for the
+    flushing kinds and when nothing is tied): the largest difference of in-flight windows
+    between the lowest and highest stage of a set. See
+    ``fxpipe.runtime.execution.contract.tied_delay`` for why; pure, so the plan simulator prices the
+    same delay the runtime uses."""
+    if not tie_stage_sets or not sched.kind.startswith("pipedream") or not sched.windows:
+        return 0
+    return max(max(0, sched.windows[min(c)] - sched.windows[max(c)]) for c in tie_stage_sets)
+
+
+def validate(sched: Schedule) -> None:
+    """Raise :class:`ScheduleError` (or :class:`DeadlockError`) unless an in-order executor can
+    carry ``sched`` out to the end with consistent weight versions."""
+    _static_checks(sched)
+    execution_order(sched)

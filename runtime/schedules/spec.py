@@ -1,0 +1,91 @@
+"""What ``Trainer(schedule=...)`` accepts: a kind, optionally with staleness mitigations, or auto.
+
+    "pipedream"                     PipeDream's asynchronous 1F1B with weight stashing
+    "pipedream+predict+lr_scale"    the same with mitigations (fxpipe.runtime.replica.mitigation)
+    "1f1b-flush", "gpipe", "2bw"    the other kinds (fxpipe.runtime.schedules.schedule)
+    "interleaved-1f1b", "zb-v"      several stages per process (fxpipe.runtime.schedules.placement;
+                                    the Trainer runs them with executor="reference")
+    "auto"                          chosen per run (fxpipe.runtime.training.auto)
+
+Kept apart from the trainer so the spelling is parsed, validated and printed in one place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..errors import RuntimeConfigError
+from .placement import PLACED_KINDS
+from .schedule import SCHEDULE_KINDS
+
+AUTO = "auto"
+MITIGATIONS = ("lr_scale", "predict", "dc", "momentum")
+
+
+@dataclass(frozen=True)
+class Mitigation:
+    """Which mitigations are on and DC-ASGD-a's constants (what each does:
+    :mod:`fxpipe.runtime.replica.mitigation`, which applies them)."""
+
+    lr_scale: bool = False
+    predict: bool = False
+    dc: bool = False
+    momentum: bool = False
+    dc_lambda: float = 2.0
+    dc_decay: float = 0.95
+    dc_eps: float = 1e-7
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in MITIGATIONS if getattr(self, n))
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.names)
+
+    @classmethod
+    def parse(cls, spec: str | Iterable[str] | Mitigation | None) -> Mitigation | None:
+        """``"predict+lr_scale"``, ``["dc"]``, a Mitigation or None (-> None when empty)."""
+        if spec is None or isinstance(spec, Mitigation):
+            return spec if spec is None or spec.names else None
+        parts = [p for p in (spec.split("+") if isinstance(spec, str) else spec) if p]
+        bad = [p for p in parts if p not in MITIGATIONS]
+        if bad:
+            raise RuntimeConfigError(f"unknown mitigation {bad[0]!r}",
+                                     f"use any of {', '.join(MITIGATIONS)}, joined with '+'")
+        return cls(**{p: True for p in parts}) if parts else None
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """A parsed schedule: ``kind`` (one of SCHEDULE_KINDS, or "auto") and its mitigation."""
+
+    kind: str
+    mitigation: Mitigation | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind + (f"+{self.mitigation.name}" if self.mitigation else "")
+
+
+def parse_schedule(spec: str) -> ScheduleSpec:
+    """``"pipedream+predict"`` -> ScheduleSpec("pipedream", Mitigation(predict=True))."""
+    if not isinstance(spec, str):
+        raise RuntimeConfigError(f"schedule={spec!r} is not a string",
+                                 f"use 'auto' or one of {SCHEDULE_KINDS}")
+    kind, _, rest = spec.partition("+")
+    if kind == "localsgd":
+        raise RuntimeConfigError("schedule 'localsgd' in the Trainer",
+                                 "LocalSGD runs on the reference executor only: "
+                                 "fxpipe.runtime.execution.localsgd_executor.LocalSGDExecutor with "
+                                 "fxpipe.runtime.schedules.localsgd.make_localsgd_schedule")
+    if kind not in SCHEDULE_KINDS + PLACED_KINDS + (AUTO,):
+        raise RuntimeConfigError(f"unknown schedule {spec!r}",
+                                 f"use 'auto', one of {SCHEDULE_KINDS + PLACED_KINDS}, or "
+                                 "'pipedream+<mitigation>'"
+                                 f" with mitigations {', '.join(MITIGATIONS)}")
+    mitigation = Mitigation.parse(rest) if rest else None
+    if mitigation is not None and kind != "pipedream":
+        raise RuntimeConfigError(f"schedule {spec!r}: mitigations are options of the asynchronous "
+                                 "schedule", f"use 'pipedream+{mitigation.name}'")
+    return ScheduleSpec(kind, mitigation)

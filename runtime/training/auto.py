@@ -1,0 +1,361 @@
+"""``schedule="auto"``: the schedule (and mitigation) with the best predicted time to a target.
+
+    predicted time to a loss level = (minibatches to reach it) x (seconds per minibatch)
+
+* **Seconds per minibatch** of each candidate: the plan simulator
+  (:mod:`fxpipe.runtime.pricing.plansim`) runs the candidate's schedule on the plan's cluster and
+  costs (mitigations cost what their schedule costs: their extra element-wise work is not modelled).
+  Without a plan (a Trainer built from bare stages) a unit-cost simulation (forward 1, backward 2,
+  no network) stands in.
+* **Minibatches to the level**: a pilot. Every candidate trains a copy of the user's own model,
+  from the same weights, on the same first ``pilot`` minibatches (default 200, at most
+  ``max_fraction`` = 1/2 of the run's minibatches; from as many epochs of the loader as that
+  takes: the loader must be re-iterable), on the reference executor (the distributed runtime's
+  single-process oracle; CPU, in this process; the trainer's per-update LR scheduler stepped as
+  in training). The training losses are smoothed (trailing mean over ``pilot // 8``
+  minibatches); the level is where the synchronous baseline (``1f1b-flush``) ends the pilot; a
+  candidate's count is the first minibatch whose smoothed loss reaches the level. One that does
+  not within the pilot is not chosen: extrapolating its progress (an earlier rule) picked stale
+  schedules that were fast early and then stalled short of the target (bench/ablation: 4 of 24
+  rows, one seed).
+* **The choice**: the smallest predicted time, except that an asynchronous candidate must beat
+  the best synchronous one (``1f1b-flush``, ``gpipe``, ``zb-h1``, ``zb-h2``) by ``margin``
+  (default 5%): a pilot sees the start of training only, and staleness costs more later
+  (measured in benchmarks/statistical-efficiency.md), so a near tie goes to the
+  schedule without staleness.
+
+Why half the run: bench/ablation replays this rule on every row with pilots of 30 to 100
+updates of a 200-update run. A quarter of the run (the earlier default) let through
+asynchronous picks that stalled later, on 4 of 27 rows of held-out seeds; half the run on none
+of seeds 0-5. benchmarks/statistical-efficiency.md also gives the result on seeds 6-8, run
+after this was fixed.
+
+Cost: ``len(candidates)`` x ``pilot`` minibatch steps of the whole model in one process (gpipe
+and the zero-bubble kinds reuse flush's curve: the same minibatch-SGD updates), split over the
+ranks: each trains its share (:mod:`fxpipe.runtime.training.auto_resolve`). A pilot that sees half
+the run costs more than the run (each step is the whole model on one CPU process), so it pays only
+in a long job: before it starts it is priced (:func:`price`, :func:`budget`), first from the
+plan's profile and, where that lets it through, from a few timed steps (:func:`probe`), and a
+pilot predicted to cost more than ``max_cost`` (default a quarter) of the run's predicted
+training time is not run, and auto picks the synchronous baseline, as it does with
+``auto_options={"pilot": 0}`` and for a run with fewer than ``min_pilot`` minibatches. A single
+stage has nothing stale: auto trains it with pipedream (an update after every minibatch, no
+flush) without a pilot. Opt out altogether with an explicit schedule. LocalSGD is not a
+candidate: the distributed executor does not run it.
+
+Samples per update: every candidate, and the schedule auto trains, updates once per minibatch
+of the user's loader; a microbatched kind cuts each minibatch into sum(replicas) microbatches
+(:func:`~fxpipe.runtime.training.auto_pilot.split_for`) unless the user gave ``microbatches``. Its
+seconds per minibatch are then estimated as the simulator's seconds per whole-minibatch
+microbatch (costs proportional to the batch; per-message latency and small-kernel overheads
+are not scaled down).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable, Mapping, Sequence, TYPE_CHECKING
+
+from ..errors import RuntimeConfigError
+from ..schedules.kinds import make_schedule
+from ..schedules.spec import parse_schedule
+from .auto_pilot import budget, pilot, probe, split_for
+
+if TYPE_CHECKING:
+    from ..replica.step_options import StepOptions
+
+
+SYNCHRONOUS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")
+SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # minibatch SGD, flush's arithmetic: its pilot curve
+SAFE = ("the synchronous schedule is never statistically worse, so it is the safe choice "
+        "without a measurement")
+ONE_STAGE = ("one stage: no schedule makes its weights stale, so a pilot has nothing to "
+             "measure; pipedream updates after every minibatch with no flush to wait for")
+DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "pipedream", "pipedream+lr_scale",
+                      "pipedream+predict+momentum")
+"""Trained in the pilot: flush (whose curve gpipe and the zero-bubble kinds share), pipedream,
+and the two mitigations that came out best in bench/ablation's goal table (lr_scale,
+predict+momentum). Each trained candidate costs one pilot of whole-model steps, so the default
+list is short; pass ``auto_options={"candidates": (...)}`` for others (2bw, +dc, ...)."""
+
+
+@dataclass(frozen=True)
+class AutoOptions:
+    """How ``auto`` decides (see the module doc). ``max_cost``: the most the pilot may cost, as
+    a fraction of the run's predicted training time (``None``: no limit); ``plan``/``profile``:
+    the compiled model's (``CompiledModel.trainer`` passes them); ``report``: called with the
+    :class:`Decision`."""
+
+    pilot: int = 200
+    min_pilot: int = 40
+    max_fraction: float = 0.5
+    max_cost: float | None = 0.25
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
+    margin: float = 0.05
+    plan: Any = None
+    profile: Any = None
+    report: Callable[[Decision], None] | None = None
+
+    @classmethod
+    def make(cls, value: AutoOptions | Mapping[str, Any] | None) -> AutoOptions:
+        if value is None or isinstance(value, AutoOptions):
+            return value or cls()
+        bad = set(value) - {f for f in cls.__dataclass_fields__}
+        if bad:
+            raise RuntimeConfigError(f"unknown auto option {sorted(bad)[0]!r}",
+                                     f"use any of {sorted(cls.__dataclass_fields__)}")
+        opts = cls(**{**value, "candidates": tuple(value.get("candidates", DEFAULT_CANDIDATES))})
+        for c in opts.candidates:
+            parse_schedule(c)
+        return opts
+
+
+@dataclass(frozen=True)
+class Row:
+    """One candidate: seconds per minibatch, minibatches to the level, predicted time."""
+
+    schedule: str
+    period_s: float
+    minibatches: float
+    time_s: float
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What auto chose and why."""
+
+    schedule: str
+    reason: str
+    rows: tuple[Row, ...] = ()
+    pilot_minibatches: int = 0
+    pilot_seconds: float = 0.0
+    level: float | None = None
+    periods_from: str = ""
+    pilot_ranks: int = 1
+    split: int = 1  # microbatches each minibatch is cut into (auto_pilot.split_for)
+
+    def summary(self) -> str:
+        cut = (f" (each minibatch cut into {self.split} microbatches: one update per minibatch)"
+               if self.split > 1 else "")
+        lines = [f"schedule auto -> {self.schedule}{cut}: {self.reason}"]
+        if self.rows:
+            split = (f", candidates split over {self.pilot_ranks} ranks"
+                     if self.pilot_ranks > 1 else "")
+            lines.append(f"  pilot: {self.pilot_minibatches} minibatches per candidate on the "
+                         f"reference executor ({self.pilot_seconds:.1f} s{split}); loss level "
+                         f"{self.level:.4g}; seconds per minibatch from {self.periods_from}")
+            lines.append(f"  {'candidate':<28}{'s/minibatch':>12}{'to level':>10}"
+                         f"{'predicted':>12}")
+            for r in sorted(self.rows, key=lambda r: r.time_s):
+                to = "never" if math.isinf(r.minibatches) else f"{r.minibatches:.0f}"
+                t = "-" if math.isinf(r.time_s) else f"{r.time_s:.4g} s"
+                lines.append(f"  {r.schedule:<28}{r.period_s:>12.4g}{to:>10}{t:>12}"
+                             + (f"  ({r.note})" if r.note else ""))
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the decision
+
+def smooth(losses: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` values (fewer at the start); NaN/inf stay NaN/inf."""
+    out, acc = [], 0.0
+    for i, x in enumerate(losses):
+        acc += x
+        if i >= window:
+            acc -= losses[i - window]
+        out.append(acc / min(i + 1, window) if math.isfinite(acc) else math.inf)
+    return out
+
+
+def to_level(curve: Sequence[float], level: float, start: float, window: int) -> float:
+    """Minibatches until the smoothed ``curve`` reaches ``level`` (see the module doc)."""
+    sm = smooth(curve, window)
+    if not sm or not all(math.isfinite(x) for x in curve):
+        return math.inf
+    for i in range(window - 1, len(sm)):
+        if sm[i] <= level:
+            return float(i + 1)
+    return math.inf
+
+
+def require_baseline(candidates: Iterable[str], baseline: str = "1f1b-flush") -> None:
+    """auto compares every candidate with the synchronous ``baseline``: it must be one."""
+    if baseline not in candidates:
+        raise RuntimeConfigError(f"auto needs the baseline {baseline!r} among the candidates",
+                                 f"add {baseline!r} to auto_options['candidates']")
+
+
+def decide(curves: Mapping[str, Sequence[float]], periods: Mapping[str, float], *,
+           baseline: str = "1f1b-flush", margin: float = 0.05,
+           notes: Mapping[str, str] | None = None) -> Decision:
+    """The choice from pilot loss curves (same minibatches for every candidate) and seconds per
+    minibatch; pure, so the benchmark applies exactly what the trainer does."""
+    require_baseline(curves, baseline)
+    P = len(curves[baseline])
+    window = max(5, P // 8)
+    base = smooth(curves[baseline], window)
+    level, start = base[-1], base[window - 1] if P >= window else base[0]
+    rows = []
+    for name, curve in curves.items():
+        n = to_level(curve, level, start, window)
+        period = periods[name]
+        rows.append(Row(name, period, n, n * period, (notes or {}).get(name, "")))
+    best = min(rows, key=lambda r: r.time_s)
+    sync = min((r for r in rows if r.schedule in SYNCHRONOUS), key=lambda r: r.time_s)
+    if best.schedule not in SYNCHRONOUS and not best.time_s < sync.time_s * (1 - margin):
+        reason = (f"the fastest asynchronous candidate, {best.schedule}, is predicted within "
+                  f"{margin:.0%} of {sync.schedule} ({best.time_s:.4g} s vs {sync.time_s:.4g} s "
+                  "to the pilot's loss level), so the schedule without staleness wins the tie")
+        best = sync
+    elif best.schedule in SYNCHRONOUS:
+        reason = (f"predicted fastest to the pilot's loss level ({best.time_s:.4g} s): no "
+                  "asynchronous candidate makes up its statistical inefficiency with throughput")
+    else:
+        eff = sync.minibatches / best.minibatches if best.minibatches else math.inf
+        reason = (f"predicted {sync.time_s / best.time_s:.2f}x faster to the pilot's loss level "
+                  f"than {sync.schedule}: {sync.period_s / best.period_s:.2f}x its throughput "
+                  f"at {eff:.2f}x its statistical efficiency")
+    return Decision(best.schedule, reason, tuple(rows), P, level=level)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def periods(candidates: Sequence[str], replicas: Sequence[int], *, plan: Any = None,
+            profile: Any = None, microbatches: int | None = None) -> tuple[dict[str, float], str]:
+    """Seconds per minibatch of each candidate (see the module doc), and where they came from."""
+    kinds = {c: parse_schedule(c).kind for c in candidates}
+    out: dict[str, float] = {}
+    if plan is not None:
+        from ..pricing.plansim import minibatches_for, simulate_plan
+
+        n = minibatches_for(list(replicas))
+        per = {k: simulate_plan(plan, profile, schedule=k, minibatches=n,
+                                microbatches=microbatches).steady_state_period
+               for k in set(kinds.values())}
+        return {c: per[k] for c, k in kinds.items()}, "the plan simulator"
+    from ..schedules.simulate import simulate
+
+    S = len(replicas)
+    for c, k in kinds.items():
+        n = 8 * (microbatches or sum(replicas)) * max(replicas)
+        sched = make_schedule(k, list(replicas), n, microbatches=microbatches
+                              if k != "pipedream" else None)
+        out[c] = simulate(sched, [1.0] * S, [2.0] * S).steady_state_period
+    return out, "a unit-cost simulation (no plan: forward 1, backward 2, no network)"
+
+
+def trained(candidates: Sequence[str]) -> list[str]:
+    """The candidates a pilot trains: all but the kinds that reuse flush's curve (when flush is
+    one of them), in the order given."""
+    return [c for c in candidates if not (parse_schedule(c).kind in SAME_AS_FLUSH
+                                          and "1f1b-flush" in candidates)]
+
+
+def share_of(candidates: Sequence[str], index: int, world: int) -> list[str]:
+    """Rank ``index``'s share of the trained candidates among ``world`` ranks (round robin; the
+    shares partition :func:`trained`)."""
+    return trained(candidates)[index::world]
+
+
+def merge(parts: Sequence[tuple[Mapping[str, list[float]], Mapping[str, str]]],
+          candidates: Sequence[str]) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Every rank's (curves, notes) put together in the candidates' order; gpipe and the
+    zero-bubble kinds get flush's curve (the same updates, see the module doc)."""
+    got = {k: v for curves, _ in parts for k, v in curves.items()}
+    notes = {k: v for _, ns in parts for k, v in ns.items()}
+    curves = {}
+    for c in candidates:
+        if c in got:
+            curves[c] = list(got[c])
+        elif "1f1b-flush" in got and parse_schedule(c).kind in SAME_AS_FLUSH:
+            curves[c] = list(got["1f1b-flush"])
+    return curves, {c: notes[c] for c in candidates if c in notes}
+
+
+Gather = Callable[[Any, str], Sequence[Any]]
+"""Every rank's object, in rank order (the trainer's ``backend.exchange(obj, what)``)."""
+
+__all__ = ["AutoOptions", "Decision", "Row", "budget", "choose", "decide", "merge", "periods",
+           "pilot", "price", "probe", "share_of", "split_for", "trained"]
+
+
+def price(options: AutoOptions, replicas: Sequence[int], num_stages: int, pilot_len: int,
+          run_minibatches: int | None, world: int, microbatches: int | None = None, *,
+          step_s: float | None = None) -> Decision | None:
+    """``1f1b-flush`` when a pilot of ``pilot_len`` minibatches is predicted to cost more than
+    ``options.max_cost`` of the run's training time (:func:`budget`), else None (also when the
+    run's length or the limit is unknown). ``step_s``: a whole-model step as :func:`probe`
+    measured it; None prices it from the plan's profile (its stages' compute summed), and
+    without a plan says nothing. Why a profile first: the probe and its exchange cost about
+    half a second, a sixth of a short job, and the profile's step is the optimistic one (an
+    accelerator, or one idle core, where the pilot's copies share the CPU), so a pilot it
+    already prices out would not be affordable measured either."""
+    if not run_minibatches or options.max_cost is None or pilot_len <= 0:
+        return None
+    how = "measured"
+    if step_s is None:
+        if options.plan is None:
+            return None
+        step_s = sum(st.compute_s * st.replicas for st in options.plan.stages)
+        how = "the profile's compute"
+    flush, _ = periods(("1f1b-flush",), replicas, plan=options.plan, profile=options.profile,
+                       microbatches=microbatches)
+    n = len(share_of(options.candidates, 0, world))  # the largest share
+    cost, run = budget(step_s, n, pilot_len, run_minibatches, flush["1f1b-flush"],
+                       None if options.plan is not None else 3.0 * num_stages)
+    if cost <= options.max_cost * run:
+        return None
+    return Decision("1f1b-flush", f"a pilot would cost about {cost:.3g} s ({n} candidates x "
+                    f"{pilot_len} minibatches x {step_s * 1e3:.3g} ms, {how}), more than "
+                    f"{options.max_cost:.0%} of the run's predicted {run:.3g} s of training: "
+                    f"{SAFE}")
+
+
+def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
+           optimizer: Callable[..., Any], batches: Sequence[Any], options: AutoOptions, *,
+           microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None,
+           share: tuple[int, int] = (0, 1), gather: Gather | None = None,
+           lr_scheduler: Callable[[Any], Any] | None = None,
+           run_minibatches: int | None = None) -> Decision:
+    """The whole of auto for one pipeline and the first minibatches of its data. ``share``:
+    (this rank, ranks): each rank trains its :func:`share_of` the candidates and ``gather``
+    brings every rank's curves together, so the pilot's wall time falls with the number of
+    ranks (every rank then decides alike: the same curves, the same simulation).
+    ``run_minibatches``: the run's length; with ``options.max_cost``, a pilot predicted to cost
+    more than that fraction of the run's training time (:func:`price`: by the plan's profile,
+    then by a :func:`probe`) is not run."""
+    if len(stages) == 1:
+        return Decision("pipedream", ONE_STAGE)
+    if options.pilot <= 0 or len(batches) < options.min_pilot:
+        why = ("the pilot is disabled" if options.pilot <= 0 else
+               f"only {len(batches)} minibatches for a pilot (min_pilot={options.min_pilot})")
+        return Decision("1f1b-flush", f"{why}: {SAFE}")
+    require_baseline(options.candidates)
+    t0 = time.perf_counter()
+    index, world = share
+    if world > 1 and gather is None:
+        raise RuntimeConfigError(f"auto's pilot split over {world} ranks without a gather",
+                                 "pass gather= (every rank's object, in rank order)")
+    P = min(options.pilot, len(batches))
+    args = (options, replicas, len(stages), P, run_minibatches, world, microbatches)
+    early = price(*args)  # from the plan's profile: no probe where it already prices out
+    if early is None and run_minibatches and options.max_cost is not None and batches:
+        step = probe(stages, replicas, loss_fn, optimizer, batches[:5], step_options=step_options)
+        step = max(gather(step, "auto: pilot probe")) if gather is not None else step
+        early = price(*args, step_s=step)
+    if early is not None:
+        return replace(early, pilot_seconds=time.perf_counter() - t0)
+    per, source = periods(options.candidates, replicas, plan=options.plan,
+                          profile=options.profile, microbatches=microbatches)
+    mine = pilot(stages, replicas, loss_fn, optimizer, batches[:P],
+                 share_of(options.candidates, index, world), microbatches=microbatches,
+                 seed=seed, step_options=step_options, lr_scheduler=lr_scheduler)
+    curves, notes = merge(gather(mine, "auto: pilot curves") if gather is not None else [mine],
+                          options.candidates)
+    d = decide(curves, {c: per[c] for c in curves}, margin=options.margin, notes=notes)
+    rows = d.rows + tuple(Row(c, math.nan, math.inf, math.inf, n) for c, n in notes.items())
+    return Decision(d.schedule, d.reason, rows, d.pilot_minibatches,
+                    time.perf_counter() - t0, d.level, source,
+                    min(world, len(trained(options.candidates))))

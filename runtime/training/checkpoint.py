@@ -1,0 +1,246 @@
+"""Pipeline checkpoints: one file per stage, a manifest per checkpoint, atomic writes.
+
+Layout: ``DIR/e{epoch:04d}-m{minibatch:07d}/stage{s}.pt`` (written by replica 0 of stage s) and
+``.../manifest.json`` (written by global rank 0 once every stage file exists: it lists each
+stage's file, size and SHA-256 and the training position). The position ``(epoch, minibatch)``
+is the NEXT minibatch to train: a checkpoint taken at the end of epoch 2 is ``(3, 0)``.
+
+Why this shape:
+* each process writes only its own stage, so nothing has to be gathered to save;
+* every file is written to a temporary name, fsynced, then renamed (atomic on POSIX), so a crash
+  leaves either the old state or the new one, never a torn file; older checkpoints are deleted
+  (only when ``keep`` is set) after a newer manifest is complete;
+* a checkpoint without a manifest, or whose files do not match it, is incomplete: resume falls
+  back to the newest one that every stage finished.
+
+Loading uses ``torch.load(weights_only=True)``: a checkpoint is data, never code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fxpipe.errors import FxpipeError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"^e(\d{4,})-m(\d{7,})$")
+
+
+class CheckpointError(FxpipeError):
+    """No usable checkpoint, a corrupt one, or one made for a different pipeline."""
+
+
+def checkpoint_name(epoch: int, minibatch: int) -> str:
+    return f"e{epoch:04d}-m{minibatch:07d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Any], None]) -> None:
+    """Write ``path`` through ``write(file)`` into a temporary file in the same folder, fsync,
+    rename over ``path``: readers see the old file or the complete new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save_stage(directory: str | os.PathLike[str], epoch: int, minibatch: int, stage: int,
+               state: dict[str, Any]) -> Path:
+    """Write stage ``stage``'s state (weights, buffers, optimizer, ...) of checkpoint
+    ``(epoch, minibatch)`` atomically; returns its path."""
+    path = Path(directory) / checkpoint_name(epoch, minibatch) / f"stage{stage}.pt"
+    atomic_write(path, lambda f: torch.save({"format": FORMAT, "stage": stage, **state}, f))
+    log.info("checkpoint %s: stage %d written", path.parent.name, stage)
+    return path
+
+
+def write_manifest(directory: str | os.PathLike[str], epoch: int, minibatch: int,
+                   num_stages: int, info: dict[str, Any]) -> Path:
+    """Record that every stage of checkpoint ``(epoch, minibatch)`` finished (call after all
+    stage files exist, e.g. after a barrier). ``info``: JSON-able extras (history, plan...)."""
+    folder = Path(directory) / checkpoint_name(epoch, minibatch)
+    stages = {}
+    for s in range(num_stages):
+        f = folder / f"stage{s}.pt"
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {folder} lacks {f.name}",
+                                  "every stage must save before the manifest is written")
+        stages[str(s)] = {"file": f.name, "bytes": f.stat().st_size, "sha256": _sha256(f)}
+    doc = {"format": FORMAT, "epoch": epoch, "minibatch": minibatch, "num_stages": num_stages,
+           "stages": stages, **info}
+    path = folder / "manifest.json"
+    atomic_write(path, lambda f: f.write(json.dumps(doc, indent=1, sort_keys=True).encode()))
+    log.info("checkpoint %s complete", folder.name)
+    return path
+
+
+@dataclass(frozen=True)
+class Found:
+    """A complete checkpoint: its folder, position and manifest."""
+
+    folder: Path
+    epoch: int
+    minibatch: int
+    manifest: dict[str, Any]
+
+    def stage_file(self, stage: int) -> Path:
+        return self.folder / self.manifest["stages"][str(stage)]["file"]
+
+
+def check_folder(folder: Path, num_stages: int | None, verify: bool) -> Found:
+    """Parse and verify one checkpoint folder, or raise CheckpointError saying what is wrong.
+    ``num_stages``: required to match the manifest, or None to take any plan's checkpoint (a
+    resume under another plan re-partitions it: :mod:`fxpipe.runtime.training.repartition`)."""
+    mpath = folder / "manifest.json"
+    if not mpath.is_file():
+        raise CheckpointError(f"{folder.name}: no manifest (a stage did not finish)")
+    try:
+        doc = json.loads(mpath.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder.name}: unreadable manifest: {err}") from err
+    if num_stages is None and isinstance(doc.get("num_stages"), int):
+        num_stages = doc["num_stages"]
+    if doc.get("format") != FORMAT or doc.get("num_stages") != num_stages:
+        raise CheckpointError(f"{folder.name}: format {doc.get('format')} with "
+                              f"{doc.get('num_stages')} stages, expected format {FORMAT} with "
+                              f"{num_stages}", "it was made for a different pipeline")
+    for s in range(num_stages):
+        entry = doc["stages"].get(str(s)) if isinstance(doc.get("stages"), dict) else None
+        f = folder / entry["file"] if entry else None
+        if f is None or not f.is_file() or f.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{folder.name}: stage {s}'s file is missing or truncated")
+        if verify and _sha256(f) != entry["sha256"]:
+            raise CheckpointError(f"{folder.name}: stage {s}'s file does not match its checksum")
+    return Found(folder, int(doc["epoch"]), int(doc["minibatch"]), doc)
+
+
+def find_latest(directory: str | os.PathLike[str], num_stages: int | None, *,
+                verify: bool = True) -> Found:
+    """The newest checkpoint that every stage finished (older ones when newer are incomplete or
+    corrupt); :class:`CheckpointError` listing what was wrong when there is none.
+    ``num_stages`` None: a checkpoint of any plan (see :func:`check_folder`)."""
+    root = Path(directory)
+    folders = []
+    if root.is_dir():
+        for p in root.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_dir():
+                folders.append(((int(m.group(1)), int(m.group(2))), p))
+    problems = []
+    for _, folder in sorted(folders, reverse=True):
+        try:
+            found = check_folder(folder, num_stages, verify)
+        except CheckpointError as err:
+            log.warning("skipping checkpoint: %s", err.message)
+            problems.append(err.message)
+            continue
+        if problems:
+            log.warning("resuming from older checkpoint %s", folder.name)
+        return found
+    raise CheckpointError(f"no complete checkpoint in {root}"
+                          + (": " + "; ".join(problems) if problems else ""),
+                          "train without resume=True to start from scratch")
+
+
+def load_stage(found: Found, stage: int) -> dict[str, Any]:
+    """Stage ``stage``'s state from a complete checkpoint (``weights_only=True``)."""
+    path = found.stage_file(stage)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file
+        raise CheckpointError(f"cannot load {path}: {type(err).__name__}: {err}",
+                              "the file is corrupt; delete that checkpoint folder to fall back "
+                              "to an older one") from err
+    if not isinstance(state, dict) or state.get("stage") != stage or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not fxpipe stage {stage}'s checkpoint")
+    return state
+
+
+def prune(directory: str | os.PathLike[str], keep: int, num_stages: int) -> None:
+    """Delete all but the newest ``keep`` COMPLETE checkpoints, plus incomplete ones older than
+    the newest complete one. Never touches anything newer than the newest complete checkpoint
+    (it may be in the middle of being written)."""
+    root = Path(directory)
+    items = sorted(((int(m.group(1)), int(m.group(2))), p) for p in root.iterdir()
+                   if (m := _NAME.match(p.name)) and p.is_dir())
+    complete = [(pos, p) for pos, p in items if (p / "manifest.json").is_file()]
+    if not complete:
+        return
+    newest = complete[-1][0]
+    keep_set = {p for _, p in complete[-keep:]} if keep > 0 else {complete[-1][1]}
+    for pos, p in items:
+        if pos < newest and p not in keep_set:
+            shutil.rmtree(p, ignore_errors=True)
+            log.info("deleted old checkpoint %s", p.name)
+
+
+def load_model_state(directory: str | os.PathLike[str], num_stages: int | None = None, *,
+                     verify: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model's weights and buffers (the stage GraphModules' names) re-assembled from
+    the newest complete checkpoint's per-stage files: what ``model.load_state_dict`` takes after
+    a pipelined run, without any process of the run holding the whole model. ``num_stages``:
+    checked against the manifest when given."""
+    root = Path(directory)
+    if num_stages is None:
+        found = _newest_manifest(root)
+        num_stages = int(found.get("num_stages", 0)) if found else 0
+    latest = find_latest(root, num_stages, verify=verify)
+    out: dict[str, torch.Tensor] = {}
+    for s in range(num_stages):
+        state = load_stage(latest, s)
+        for key in ("weights", "buffers"):
+            for name, t in (state.get(key) or {}).items():
+                out.setdefault(name, t)  # a tied weight: the lowest stage's copy (identical)
+    return out
+
+
+def _newest_manifest(root: Path) -> dict[str, Any] | None:
+    """The newest readable manifest in ``root`` (to learn the number of stages)."""
+    names = sorted((p for p in root.iterdir() if _NAME.match(p.name) and p.is_dir()),
+                   reverse=True) if root.is_dir() else []
+    for p in names:
+        try:
+            return json.loads((p / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+    return None

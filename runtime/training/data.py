@@ -1,0 +1,321 @@
+"""Feeding a pipeline: each rank takes only the part of a minibatch it needs.
+
+Why: in a pipeline only the ranks of stages that read model inputs need the inputs, and only the
+output stage needs the targets. Every rank runs the same script, so the simplest contract is that
+every rank that needs data iterates the SAME deterministic loader and keeps its part:
+
+* any iterable of ``(inputs, target)`` works (a ``torch.utils.data.DataLoader`` included) as long
+  as it yields the same minibatches in the same order on every rank for a given epoch. The
+  trainer seeds torch's global RNG with ``(seed, epoch)`` right before ``iter(loader)`` and calls
+  ``set_epoch(epoch)`` on the loader or its sampler when they have one, so a ``DataLoader`` with
+  ``shuffle=True`` and no private generator is deterministic across ranks and across restarts;
+* a loader with an ``iter_parts(epoch, need_inputs, need_targets, start)`` method (such as
+  :class:`ShardedDataset`) yields only what a rank asked for, and can skip to a position without
+  materialising the skipped minibatches: the output stage then never loads images, the input
+  stage never loads labels, and ranks of middle stages read nothing at all.
+
+Pairing: minibatch k's inputs (read by an input-stage rank) and its targets (read by an
+output-stage rank) meet only if both ranks read the SAME minibatch k, which is why the pipeline,
+not the loader, decides who trains on what (minibatch k goes to replica k % r of every stage).
+A loader that shards by rank itself (``DistributedSampler``, as for data parallelism) would pair
+one shard's inputs with another shard's labels and train on garbage without any error, so
+:func:`check_loader` refuses it. As a cheap guard against any other rank-dependent loader, a
+plain loader's minibatches are fingerprinted (:class:`PartStream`) on every rank that reads
+them and the trainer compares the fingerprints of each segment before training on it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from ..errors import RuntimeConfigError
+from ..execution.contract import Batch
+
+log = logging.getLogger(__name__)
+
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (seed, epoch, position, rank...): stable across processes and
+    Python versions (unlike ``hash``), so every rank and every restart derives the same value."""
+    h = hashlib.sha256(",".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def _set_epoch(loader: Any, epoch: int) -> None:
+    """Call ``set_epoch`` where a loader (or its sampler) offers it, as DistributedSampler does."""
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        fn = getattr(obj, "set_epoch", None)
+        if callable(fn):
+            fn(epoch)
+            return
+
+
+_SHARDING_HINT = ("fxpipe pairs minibatch k's inputs and targets across stages itself (it goes to "
+                  "replica k % r of each stage): give every rank the SAME loader over the whole "
+                  "dataset, e.g. DataLoader(dataset, batch_size=..., shuffle=True) (fxpipe seeds "
+                  "the shuffle identically on every rank), or fxpipe.runtime.ShardedDataset")
+
+
+def check_loader(loader: Any) -> None:
+    """Refuse a loader that gives each rank a different share of the data (see the module doc):
+    a ``DistributedSampler``, or any sampler with ``num_replicas > 1``, on the loader or its
+    batch sampler (one replica is a plain sampler: allowed)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for obj in (getattr(loader, "sampler", None), batch_sampler,
+                getattr(batch_sampler, "sampler", None)):
+        replicas = getattr(obj, "num_replicas", None)
+        if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas > 1:
+            raise RuntimeConfigError(
+                f"the loader's {type(obj).__name__} shards the data by rank (num_replicas="
+                f"{replicas}, rank={getattr(obj, 'rank', '?')}): the input stage would train "
+                "on one shard's inputs with another shard's targets", _SHARDING_HINT)
+
+
+class PartStream:
+    """This rank's parts of an epoch's minibatches (an iterator), plus, for a plain loader, a
+    fingerprint of every minibatch it read (inputs AND targets, before keeping its part):
+    :meth:`digest` returns the fingerprint of the minibatches read since the last call, which
+    every rank reading the loader computes alike if, and only if, they read the same data.
+    None for a loader with ``iter_parts`` (it serves parts, not whole minibatches; its pairing
+    is by construction: one seeded order for all ranks)."""
+
+    def __init__(self, loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: bool,
+                 need_targets: bool, start: int = 0, prefetch: int = 0) -> None:
+        check_loader(loader)
+        torch.manual_seed(derive_seed(seed, epoch, -1))
+        _set_epoch(loader, epoch)
+        parts = getattr(loader, "iter_parts", None)
+        self.checked = not callable(parts)
+        self._hash = hashlib.blake2b(digest_size=16) if self.checked else None
+        self._count = 0
+        self._it: Iterator[tuple[Batch, Any]] = (
+            ((p, None) for p in parts(epoch, need_inputs, need_targets, start)) if callable(parts)
+            else self._plain(loader, need_inputs, need_targets, start))
+        self._prefetcher: Any = None
+        if prefetch:  # a thread reads ahead (fxpipe.runtime.training.prefetch); hashing stays here
+            from .prefetch import Prefetcher
+
+            self._it = self._prefetcher = Prefetcher(self._it, prefetch)
+
+    def _plain(self, loader: Iterable[Any], need_inputs: bool, need_targets: bool,
+               start: int) -> Iterator[tuple[Batch, Any]]:
+        """(this rank's part, what to fingerprint: hashed when CONSUMED, in :meth:`__next__`,
+        so that reading ahead does not change a segment's digest)."""
+        for k, item in enumerate(loader):
+            if k < start:
+                continue
+            if isinstance(item, Mapping):  # keyword inputs, labels among them (a HF batch)
+                yield (item if need_inputs or need_targets else None, None), dict(item)
+                continue
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise RuntimeConfigError(f"the loader yielded {type(item).__name__} at "
+                                         f"minibatch {k}",
+                                         "a training loader yields (inputs, target) pairs or "
+                                         "dicts of keyword inputs")
+            yield (item[0] if need_inputs else None, item[1] if need_targets else None), item
+
+    def __iter__(self) -> PartStream:
+        return self
+
+    def __next__(self) -> Batch:
+        part, raw = next(self._it)
+        if self._hash is not None:
+            _feed(self._hash, raw)
+        self._count += 1
+        return part
+
+    def close(self) -> None:
+        """Stop reading ahead (the epoch ends or is left early)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+    def digest(self) -> str | None:
+        """Fingerprint of the minibatches read since the previous call (None: not checked)."""
+        if self._hash is None:
+            return None
+        out = f"{self._count}:{self._hash.hexdigest()}"
+        self._hash, self._count = hashlib.blake2b(digest_size=16), 0
+        return out
+
+
+_SAMPLE = 4096  # elements of a tensor that go into its fingerprint (evenly strided)
+
+
+def _feed(h: Any, value: Any) -> None:
+    """Add ``value`` (tensors, nested tuples/lists/dicts, scalars) to the hash ``h``: type,
+    shape, dtype and up to _SAMPLE evenly spaced elements of each host tensor (so the cost does
+    not grow with the batch; device tensors add shape and dtype only, reading them would
+    synchronise the device)."""
+    if isinstance(value, torch.Tensor):
+        h.update(repr((tuple(value.shape), str(value.dtype))).encode())
+        if value.device.type == "cpu" and value.numel() > 0:
+            flat = value.detach().reshape(-1)
+            step = max(1, flat.numel() // _SAMPLE)
+            sample = flat[::step][:_SAMPLE].contiguous()
+            if sample.dtype == torch.bfloat16:
+                sample = sample.view(torch.int16)
+            h.update(sample.numpy().tobytes())
+    elif isinstance(value, (tuple, list)):
+        h.update(f"{type(value).__name__}{len(value)}".encode())
+        for v in value:
+            _feed(h, v)
+    elif isinstance(value, dict):
+        h.update(f"dict{len(value)}".encode())
+        for k in sorted(value, key=repr):
+            h.update(repr(k).encode())
+            _feed(h, value[k])
+    else:
+        h.update(repr(value).encode())
+
+
+def iter_parts(loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: bool,
+               need_targets: bool, start: int = 0) -> Iterator[Batch]:
+    """Yield this rank's part of every minibatch of ``epoch`` from minibatch ``start`` on.
+
+    The global RNG is seeded from ``(seed, epoch)`` before the loader is iterated, so a shuffling
+    ``DataLoader`` orders the epoch the same way on every rank and after a restart.
+    """
+    return PartStream(loader, epoch, seed, need_inputs=need_inputs, need_targets=need_targets,
+                      start=start)
+
+
+def batch_size_of(inputs: Any) -> int:
+    """Samples in a minibatch: dim 0 of its first tensor input (0 if there is none)."""
+    values = (inputs.values() if isinstance(inputs, Mapping)
+              else inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+    for x in values:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return 0
+
+
+def split_part(part: Batch, k: int, size: int) -> list[Batch]:
+    """``part`` of a minibatch of ``size`` samples as ``k`` microbatches, as
+    torch.distributed.pipelining splits a step's batch: every tensor whose first dimension is
+    ``size`` is cut along it (``torch.tensor_split``: sizes differ by at most one, so every
+    rank cuts the same minibatch alike, whichever part of it it holds); anything else (scalars,
+    tensors of another length, None) goes whole to every microbatch. Nested tuples, lists and
+    dicts keep their structure."""
+    if k == 1:
+        return [part]
+    if size < k:
+        what = (f"a minibatch of {size} sample(s)" if size else
+                "a minibatch without a batch-sized tensor input (dim 0)")
+        raise RuntimeConfigError(f"{what} cannot be split into {k} microbatches",
+                                 "give every minibatch at least as many samples, or pass "
+                                 "microbatches= to train on the loader's minibatches as "
+                                 "microbatches")
+    inputs, target = part
+    return list(zip(_cut(inputs, k, size), _cut(target, k, size)))
+
+
+def split_segment(parts: list[Batch], sizes: list[int], k: int) -> list[Batch]:
+    """A segment's minibatches (of ``sizes`` samples) as ``k`` microbatches each, in order
+    (:func:`split_part`). Its last minibatch may be short (a loader without drop_last): it
+    becomes as many microbatches as it has samples, the schedule's last, partial, group; a
+    short one anywhere else would shift every later update's group, so it is refused."""
+    if k == 1:
+        return parts
+    last = len(parts) - 1
+    return [mb for i, (p, size) in enumerate(zip(parts, sizes))
+            for mb in split_part(p, min(k, size) if i == last and size else k, size)]
+
+
+def _cut(value: Any, k: int, size: int) -> list[Any]:
+    """``value`` as ``k`` pieces (see :func:`split_part`)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
+        return list(value.tensor_split(k))
+    if isinstance(value, (tuple, list)):
+        cols = [_cut(v, k, size) for v in value]
+        return [type(value)(c[i] for c in cols) if type(value) in (tuple, list)
+                else tuple(c[i] for c in cols) for i in range(k)]
+    if isinstance(value, Mapping):
+        cols_by_key = {key: _cut(v, k, size) for key, v in value.items()}
+        return [{key: c[i] for key, c in cols_by_key.items()} for i in range(k)]
+    return [value] * k
+
+
+class ShardedDataset:
+    """A deterministic minibatch loader over indexable inputs and targets that reads only the
+    part a rank needs (see the module doc).
+
+    ``inputs`` / ``targets``: tensors (or tuples of tensors for several model inputs) indexed by
+    sample on dim 0, or callables ``f(indices: LongTensor) -> batch`` that load just those
+    samples (e.g. from disk). The order of epoch e is a permutation seeded by ``(seed, e)`` when
+    ``shuffle`` (identical on every rank and after a restart); ``drop_last`` drops a final partial
+    minibatch (keeping every minibatch the same shape avoids a second wire signature).
+    """
+
+    def __init__(self, inputs: Any, targets: Any, *, batch_size: int,
+                 num_samples: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        if batch_size < 1:
+            raise RuntimeConfigError(f"batch_size={batch_size}", "use a batch size >= 1")
+        n = num_samples if num_samples is not None else self._length(inputs, targets)
+        if n is None:
+            raise RuntimeConfigError("cannot tell how many samples the dataset has",
+                                     "pass num_samples= when inputs and targets are callables")
+        self.inputs, self.targets, self.num_samples = inputs, targets, int(n)
+        self.batch_size, self.shuffle = batch_size, shuffle
+        self.seed, self.drop_last = seed, drop_last
+
+    @staticmethod
+    def _length(*sources: Any) -> int | None:
+        for src in sources:
+            first = src[0] if isinstance(src, (tuple, list)) and src else src
+            if isinstance(first, torch.Tensor):
+                return int(first.shape[0])
+        return None
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """Sample indices of ``epoch`` in the order they are served."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator().manual_seed(derive_seed(self.seed, epoch))
+        return torch.randperm(self.num_samples, generator=g)
+
+    @staticmethod
+    def _take(src: Any, idx: torch.Tensor) -> Any:
+        if callable(src) and not isinstance(src, torch.Tensor):
+            return src(idx)
+        if isinstance(src, (tuple, list)):
+            return tuple(t[idx] for t in src)
+        return src[idx]
+
+    def iter_parts(self, epoch: int, need_inputs: bool, need_targets: bool,
+                   start: int = 0) -> Iterator[Batch]:
+        """This rank's part of minibatches ``start..`` of ``epoch``; skipped ones are not read."""
+        order = self.order(epoch)
+        for k in range(start, len(self)):
+            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
+            yield (self._take(self.inputs, idx) if need_inputs else None,
+                   self._take(self.targets, idx) if need_targets else None)
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Plain iteration (epoch 0, both parts): usable as an ordinary loader too."""
+        return self.iter_parts(0, True, True)
+
+
+def take(it: Iterator[Batch], n: int) -> list[Batch]:
+    """Up to ``n`` items of ``it`` (fewer at the end of the epoch)."""
+    out: list[Batch] = []
+    for item in it:
+        out.append(item)
+        if len(out) == n:
+            break
+    return out
+
+
+def synthetic_loader(make_batch: Callable[..., Any], batch_size: int, num_batches: int,
+                     seed: int = 0) -> Sequence[tuple[Any, Any]]:
+    """``num_batches`` minibatches from a zoo ``ModelSpec.make_batch`` (seeded, deterministic)."""
+    return [make_batch(batch_size, seed=derive_seed(seed, k) % (2**31)) for k in range(num_batches)]

@@ -1,0 +1,123 @@
+"""Named parameters for the optimizer factory: parameter groups as nanoGPT and the Hugging Face
+Trainer make them (no weight decay on biases and normalisation weights).
+
+Each stage replica builds its own optimizer over the stage's trainable tensors. A factory that
+takes a ``names`` keyword also receives, in the same order, each tensor's name IN THE MODEL
+(``model.named_parameters()``'s, when the trainer comes from ``CompiledModel.trainer``), so it
+can build groups exactly as it would for the unsplit model::
+
+    def adamw(params, names):
+        return torch.optim.AdamW(fxpipe.runtime.weight_decay_groups(params, names, 0.1), lr=3e-4)
+
+A tied parameter (GPT's ``wte.weight`` = ``lm_head.weight``) has one name on every stage holding
+a copy (the model's first name for it), so every copy lands in the same group and the copies take
+the same steps.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from fxpipe.codegen.split import StageSpec
+
+from ..errors import RuntimeConfigError
+from ..replica.stage import tied_parameters
+
+NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d, torch.nn.BatchNorm2d,
+              torch.nn.BatchNorm3d, torch.nn.RMSNorm)
+
+
+def takes_names(factory: Callable[..., Any]) -> bool:
+    """Whether the optimizer factory declares a ``names`` parameter."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("names")
+    return p is not None and p.kind is not inspect.Parameter.POSITIONAL_ONLY
+
+
+def model_names(stages: Sequence[StageSpec],
+                state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None
+                ) -> dict[int, list[str]]:
+    """Per stage, the model-level name of each trainable parameter, in the order the stage's
+    optimizer receives them (``named_parameters()`` of the stage, trainable only)."""
+    first: dict[tuple[int, str], str] = {}
+    for key, where in (state_keys or {}).items():
+        if isinstance(where, tuple):
+            first.setdefault(where, key)
+    alias: dict[tuple[int, str], tuple[int, str]] = {}
+    for t in tied_parameters(stages):
+        low = min(t.names)
+        for s, n in t.names.items():
+            alias[(s, n)] = (low, t.names[low])
+    out: dict[int, list[str]] = {}
+    for st in stages:
+        names = []
+        for n, p in st.gm.named_parameters():
+            if not p.requires_grad:
+                continue
+            home = alias.get((st.index, n), (st.index, n))
+            names.append(first.get(home, home[1]))
+        out[st.index] = names
+    return out
+
+
+class NamedFactory:
+    """The user's factory, given ``names=`` for the stage it is called for (picklable when the
+    user's factory is). Takes ``stage`` and ``delay`` so that :func:`bind_optimizer` passes
+    them; forwards them when the user's factory takes them."""
+
+    def __init__(self, factory: Callable[..., torch.optim.Optimizer],
+                 names: Mapping[int, Sequence[str]]) -> None:
+        from ..replica.mitigation import accepted_keywords
+
+        self.factory, self.names = factory, {s: list(v) for s, v in names.items()}
+        self.keywords = accepted_keywords(factory)
+
+    def __call__(self, params: list[torch.Tensor], stage: int = 0,
+                 delay: int = 0) -> torch.optim.Optimizer:
+        names = self.names[stage]
+        if len(names) != len(params):
+            raise RuntimeConfigError(f"stage {stage}: {len(params)} parameters but {len(names)} "
+                                     "names", "a bug: the stage's parameters changed after the "
+                                     "trainer was made")
+        kw = {k: v for k, v in (("stage", stage), ("delay", delay)) if k in self.keywords}
+        return self.factory(params, names=list(names), **kw)
+
+
+def wrap_factory(factory: Callable[..., torch.optim.Optimizer], stages: Sequence[StageSpec],
+                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None
+                 ) -> Callable[..., torch.optim.Optimizer]:
+    """``factory`` as is, or a :class:`NamedFactory` when it takes ``names``."""
+    return NamedFactory(factory, model_names(stages, state_keys)) if takes_names(factory) \
+        else factory
+
+
+def no_decay_names(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s parameters the HF Trainer exempts from weight decay: biases and the
+    weights of normalisation layers (for a model at hand; see :func:`weight_decay_groups`)."""
+    out = set()
+    for mname, mod in model.named_modules():
+        for pname, _ in mod.named_parameters(recurse=False):
+            full = f"{mname}.{pname}" if mname else pname
+            if pname == "bias" or isinstance(mod, NORM_TYPES):
+                out.add(full)
+    return out
+
+
+def weight_decay_groups(params: Sequence[torch.Tensor], names: Sequence[str],
+                        weight_decay: float,
+                        exempt: Callable[[str, torch.Tensor], bool] | None = None
+                        ) -> list[dict[str, Any]]:
+    """Two parameter groups: ``exempt(name, tensor)`` True -> no weight decay. Default:
+    nanoGPT's rule (tensors of fewer than 2 dimensions: biases, norm weights). Empty groups
+    are left out."""
+    rule = exempt or (lambda _n, p: p.dim() < 2)
+    decay = [p for p, n in zip(params, names) if not rule(n, p)]
+    rest = [p for p, n in zip(params, names) if rule(n, p)]
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]

@@ -1,0 +1,69 @@
+"""Ready-made pieces of a language-model recipe (nanoGPT, the Hugging Face Trainer): AdamW with
+parameter groups by name, and a per-update linear warm-up followed by a cosine decay. Picklable
+classes (not closures), so they travel to spawned ranks; ``fxpipe train`` builds them from its
+flags (``--optimizer adamw --weight-decay 0.1 --warmup 20 --schedule-lr cosine``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from ..errors import RuntimeConfigError
+from .param_names import weight_decay_groups
+
+OPTIMIZERS = ("sgd", "adamw")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+class OptimizerRecipe:
+    """``(params, names) -> optimizer``: SGD with momentum, or AdamW with two groups (weight
+    decay on tensors of 2+ dimensions only, nanoGPT's rule) when ``weight_decay`` > 0."""
+
+    def __init__(self, kind: str, lr: float, *, weight_decay: float = 0.0,
+                 momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.95)) -> None:
+        if kind not in OPTIMIZERS:
+            raise RuntimeConfigError(f"optimizer {kind!r}", f"use one of {OPTIMIZERS}")
+        if not lr > 0 or weight_decay < 0:
+            raise RuntimeConfigError(f"lr={lr}, weight_decay={weight_decay}",
+                                     "use a positive learning rate and weight decay >= 0")
+        self.kind, self.lr, self.weight_decay = kind, lr, weight_decay
+        self.momentum, self.betas = momentum, betas
+
+    def __call__(self, params: list[torch.Tensor], names: Sequence[str]) -> torch.optim.Optimizer:
+        groups = weight_decay_groups(params, names, self.weight_decay)
+        if self.kind == "adamw":
+            return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum)
+
+
+class WarmupCosine:
+    """LR multiplier of update k (0-based, as ``LambdaLR`` counts): ``(k + 1) / warmup`` for
+    the first ``warmup`` updates, then a cosine from 1 down to ``min_ratio`` at update
+    ``total``, and ``min_ratio`` after it. ``cosine=False``: constant 1 after the warm-up."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float = 0.1,
+                 cosine: bool = True) -> None:
+        if warmup < 0 or total < 1 or not 0 <= min_ratio <= 1:
+            raise RuntimeConfigError(f"warmup={warmup}, total={total}, min_ratio={min_ratio}",
+                                     "use warmup >= 0, total >= 1 updates, 0 <= min_ratio <= 1")
+        self.warmup, self.total, self.min_ratio, self.cosine = warmup, total, min_ratio, cosine
+
+    def __call__(self, k: int) -> float:
+        if k < self.warmup:
+            return (k + 1) / self.warmup
+        if not self.cosine:
+            return 1.0
+        progress = min(1.0, (k - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class SchedulerRecipe:
+    """``optimizer -> LambdaLR(optimizer, WarmupCosine(...))`` (the Trainer's ``lr_scheduler``)."""
+
+    def __init__(self, fn: WarmupCosine) -> None:
+        self.fn = fn
+
+    def __call__(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(opt, self.fn)

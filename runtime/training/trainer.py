@@ -1,0 +1,412 @@
+"""The user-facing training loop: ``Trainer.fit(loader, epochs, eval_loader, resume)``.
+
+    # train.py, launched by: torchrun --nproc-per-node 4 train.py
+    compiled = fxpipe.compile(model, fxpipe.Cluster.from_env(), example_inputs=(x,), loss_fn=...)
+    trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                               checkpoint_dir="ckpt/", checkpoint_every=100)
+    history = trainer.fit(loader, epochs=3, eval_loader=val_loader, resume=True)
+    state = trainer.state_dict()        # every rank calls it; rank 0 gets the whole model
+
+Every rank runs the same script; rank i is the i-th (stage, replica) in stage-major,
+replica-minor order (ranks past the plan's size are idle and return at once). Only ranks of
+stages that read model inputs keep inputs, only the output stage keeps targets (see
+:mod:`fxpipe.runtime.training.data` for the loader contract: every rank iterates the SAME loader;
+sharding samplers are refused, and plain loaders are checked by fingerprint every segment).
+
+**Segments and checkpoints.** Training proceeds in *segments* of ``segment`` minibatches (default:
+``checkpoint_every``, else :data:`DEFAULT_SEGMENT`); each segment is one complete schedule, so the
+pipeline drains at its end (for pipedream that costs a fill and drain per segment), and only one
+segment's minibatches are in memory at a time, however long the epoch. A checkpoint is taken
+only at a segment end, so it is a consistent cut: no minibatch is half-trained and no stashed
+weight version is needed afterwards. Resuming from a checkpoint at position k replays exactly the
+segments an uninterrupted run with the same settings performs after k, so it reaches
+bit-identical parameters. Dropout is reproducible too: the global RNG of each rank is reseeded at
+every segment start from ``(seed, epoch, position, rank)``, so no RNG state needs saving.
+
+**LR schedulers** (``lr_scheduler=lambda opt: ...``) get each stage replica's own optimizer and by
+default step right after every optimizer step of that stage (``lr_scheduler_interval="step"``,
+as torch and Hugging Face users expect of a warm-up); ``"epoch"`` steps them once per epoch.
+Under pipedream a stage with r replicas updates once per r minibatches, so a schedule counted in
+updates advances r times slower on it; the flushing kinds update every stage once per batch.
+
+**Modes.** ``fit`` trains in train mode and gives every module of the stages back the mode it had
+(a model compiled in eval mode is in eval mode after ``fit``); evaluation runs in eval mode.
+
+**State.** Trained weights stay where they were trained: at the end of ``fit`` each rank writes
+its own stage's weights into its stage's modules (the user's Parameters when compiled in the
+same process) and nothing is gathered. :meth:`Trainer.state_dict` gathers on request;
+checkpoints are written per stage (:func:`fxpipe.runtime.training.checkpoint.load_model_state`
+re-assembles one).
+
+**Layout.** This module is the loop (construction, data exchange, ``fit``, evaluation); its
+mixins hold the rest: :mod:`.trainer_schedule` (the schedule and the segments of an epoch),
+:mod:`.trainer_checkpoint` (save and resume), :mod:`.trainer_results` (write-back, gathering,
+timelines, metrics); :mod:`.trainer_backends` carries segments out on the executors;
+:mod:`.trainer_switch` re-plans in place (``replan="auto"``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from fxpipe.codegen.split import MODEL, StageSpec
+
+from ..errors import RuntimeConfigError
+from ..execution.contract import Batch
+from ..execution.trainer_backends import (DistributedBackend, IdleBackend, ReferenceBackend,
+                                          surplus_rank)
+from ..execution.wire import make_wire_plan
+from ..replica.stage import LossFn, StageReplica, check_stages
+from ..replica.stash import OptimizerFactory
+from ..replica.step_options import StepOptions
+from ..schedules.placement import PLACED_KINDS
+from ..schedules.schedule import Schedule
+from ..schedules.spec import AUTO, parse_schedule
+from ..schedules.staleness import own_delays
+from .auto import AutoOptions, Decision
+from .auto_resolve import resolve as resolve_auto
+from .data import PartStream, batch_size_of, derive_seed, split_segment, take
+from .metrics import MetricsLog
+from .param_names import wrap_factory
+from .trainer_checkpoint import CheckpointMixin
+from .trainer_progress import Progress
+from .trainer_results import ResultsMixin
+from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin, check_placed_executor
+from .trainer_switch import Replanner, make_replanner
+
+__all__ = ["DEFAULT_SEGMENT", "FIRST_SEGMENT", "History", "LR_INTERVALS", "Trainer",
+           "make_trainer"]
+
+log = logging.getLogger(__name__)
+
+History = list[dict[str, float]]
+_EVAL_CHUNK = 64  # eval minibatches per exchange
+LR_INTERVALS = ("step", "epoch")
+
+
+class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
+    """Trains the stages of a plan with a PipeDream schedule (see the module doc).
+
+    ``stages``/``replicas``: the CompiledModel's ``stage_specs`` and ``plan.replicas``.
+    ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica; a factory that
+    also takes ``stage`` and ``delay`` keywords receives the stage index and its weight delay).
+    ``schedule``: a kind (``pipedream``, ``1f1b-flush``, ``gpipe``, ``2bw``), ``pipedream`` with
+    staleness mitigations (``"pipedream+predict"``, :mod:`fxpipe.runtime.replica.mitigation`), or
+    ``"auto"``: chosen at the start of :meth:`fit` by a pilot (:mod:`fxpipe.runtime.training.auto`,
+    ``auto_options``), recorded in :attr:`auto_decision` (the default of
+    ``CompiledModel.trainer``; this class defaults to ``pipedream``).
+    ``executor``: "distributed" (this process is one torchrun rank) or "reference" (every rank
+    in this process, deterministic: the oracle). ``device``: None (``cuda:LOCAL_RANK`` when
+    CUDA is available, else the CPU), "cpu", "cuda" or "cuda:N". ``timeout_s`` bounds every
+    pipeline message and collective; ``data_timeout_s`` the control messages a rank may wait
+    on while another reads its loader. ``on_checkpoint(epoch, minibatch)`` is called
+    on every rank after a checkpoint is complete. ``timeline=True`` (distributed executor)
+    records this rank's forwards, backwards, updates, sends, receives and all-reduces: one
+    ``(events, background)`` pair per segment in :attr:`timelines`, in seconds since
+    :attr:`timeline_origin` (a ``time.perf_counter()`` value; compute spans timed with CUDA
+    events on a GPU).
+
+    The training loop practitioners expect (README, "The training loop practitioners expect"):
+    an optimizer factory with a ``names`` parameter gets the model's names of its tensors
+    (:mod:`fxpipe.runtime.training.param_names`); ``clip_grad_norm`` clips by norm
+    (:mod:`fxpipe.runtime.replica.clipping`: the whole model's norm for 1f1b-flush and gpipe, each
+    stage's own for pipedream and 2bw); ``precision="bf16"`` runs forwards under autocast
+    (:mod:`fxpipe.runtime.replica.precision`); ``master_weights`` (None: on exactly for
+    float16/bfloat16 parameters) steps float32 masters of low-precision parameters
+    (:mod:`fxpipe.runtime.replica.master`); ``precision="fp16"`` adds dynamic loss scaling
+    (:mod:`fxpipe.runtime.replica.loss_scale`, ``loss_scaler``: GradScaler's keywords; flushing
+    schedules only); ``recompute`` (True or one bool per stage) recomputes
+    activations in the backward; ``metrics_path``/``metrics_every``/``tensorboard_dir`` write
+    metrics (:mod:`fxpipe.runtime.training.metrics`); ``prefetch`` reads that many minibatches ahead
+    in a thread (:mod:`fxpipe.runtime.training.prefetch`). ``replan`` (made by
+    ``CompiledModel.trainer( replan="auto", replan_threshold=0.05)``): switch to a re-solved plan at
+    a segment boundary when the measured stage times predict it faster
+    (:mod:`fxpipe.runtime.training.trainer_switch`).
+    """
+
+    def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
+                 optimizer: OptimizerFactory, *,
+                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 lr_scheduler_interval: str = "step",
+                 schedule: str = "pipedream", vertical_sync: bool = False,
+                 microbatches: int | None = None, checkpoint_dir: str | None = None,
+                 checkpoint_every: int | None = None, keep_checkpoints: int | None = None,
+                 segment: int | None = None, executor: str = "distributed",
+                 timeout_s: float = 60.0, data_timeout_s: float = 600.0, seed: int = 0,
+                 device: str | None = None, progress: bool = True, stashing: bool = True,
+                 on_checkpoint: Callable[[int, int], None] | None = None,
+                 timeline: bool = False,
+                 fingerprint: str | None = None,
+                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None,
+                 auto_options: AutoOptions | Mapping[str, Any] | None = None,
+                 clip_grad_norm: float | None = None, precision: str = "fp32",
+                 recompute: bool | Sequence[bool] | None = None,
+                 metrics_path: str | None = None, metrics_every: int = 1,
+                 tensorboard_dir: str | None = None, prefetch: int = 0,
+                 master_weights: bool | None = None,
+                 loss_scaler: Mapping[str, Any] | None = None,
+                 replan: Replanner | None = None) -> None:
+        if loss_fn is None:
+            raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
+        spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
+        if spec.kind == AUTO and vertical_sync:
+            raise RuntimeConfigError("vertical_sync=True with schedule='auto'",
+                                     "name the schedule: schedule='pipedream', vertical_sync=True")
+        if executor not in ("distributed", "reference"):
+            raise RuntimeConfigError(f"unknown executor {executor!r}",
+                                     "use 'distributed' (torchrun) or 'reference' (one process)")
+        if lr_scheduler_interval not in LR_INTERVALS:
+            raise RuntimeConfigError(f"lr_scheduler_interval={lr_scheduler_interval!r}",
+                                     f"use one of {LR_INTERVALS}")
+        for name, v in (("checkpoint_every", checkpoint_every), ("segment", segment)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise RuntimeConfigError(f"{name}={v!r}", "use a positive number of minibatches")
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise RuntimeConfigError("checkpoint_every without checkpoint_dir",
+                                     "pass checkpoint_dir='ckpt/'")
+        self.stages, self.replicas = list(stages), list(replicas)
+        check_stages(self.stages, self.replicas)
+        self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
+        self.split = 1  # microbatches per loader minibatch: set by schedule="auto" (_lead)
+        self.options = StepOptions.make(len(self.stages), clip_grad_norm=clip_grad_norm,
+                                        precision=precision, recompute=recompute,
+                                        master_weights=master_weights,
+                                        loss_scaler=loss_scaler)
+        self.options.check_kind(spec.kind)  # fp16: a flushing schedule, named
+        optimizer = wrap_factory(optimizer, self.stages, state_keys)  # `names=` (param_names)
+        self._set_segments(spec.kind)
+        self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync
+        self.schedule_name, self.mitigation = spec.name, spec.mitigation
+        self.optimizer, self.stashing, self._lr_scheduler = optimizer, stashing, lr_scheduler
+        self.auto_options = AutoOptions.make(auto_options)
+        self.auto_decision: Decision | None = None  # what schedule="auto" chose, and why
+        self._schedules: dict[int, Schedule] = {}
+        self._check_tied_cadence()  # before any process group: a clear error, not a hang
+        self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
+        self.keep_checkpoints, self.seed, self.progress = keep_checkpoints, seed, progress
+        self.on_checkpoint, self.fingerprint = on_checkpoint, fingerprint
+        self.state_keys = dict(state_keys) if state_keys is not None else None
+        self.history: History = []
+        self._wire_cache: dict[Any, Any] = {}
+        check_placed_executor(spec.kind, executor)
+        # auto: 1f1b-flush until fit() chooses; the placed kinds have 1f1b-flush's semantics
+        kind = "1f1b-flush" if spec.kind in (AUTO,) + PLACED_KINDS else spec.kind
+        empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in
+                         ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
+        mitigated = dict(mitigation=spec.mitigation, delays=own_delays(
+            kind, self.replicas, vertical_sync=vertical_sync, microbatches=microbatches))
+        if executor == "reference" and timeline:
+            raise RuntimeConfigError("timeline=True needs executor='distributed'",
+                                     "the reference executor is the oracle, not a timing")
+        job = surplus_rank() if executor == "distributed" else None
+        if executor == "reference":
+            self.backend: Any = ReferenceBackend(self.stages, self.replicas, loss_fn, optimizer,
+                                                 empty, stashing=stashing, options=self.options,
+                                                 **mitigated)
+        elif job is not None and job[0] >= len(empty.ranks):
+            self.backend = IdleBackend(job[0], job[1], len(empty.ranks))
+        else:
+            self.backend = DistributedBackend(self.stages, self.replicas, loss_fn, optimizer,
+                                              empty, stashing=stashing, timeout_s=timeout_s,
+                                              data_timeout_s=data_timeout_s, timeline=timeline,
+                                              device=device, options=self.options,
+                                              **mitigated)
+        self.idle = isinstance(self.backend, IdleBackend)
+        self.replanner = replan.bind(self) if replan is not None else None  # trainer_switch
+        self.local: dict[tuple[int, int], StageReplica] = self.backend.local
+        self.lr_interval = lr_scheduler_interval
+        self.schedulers = {r: lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
+                           if lr_scheduler is not None and w.stash.optimizer is not None}
+        if lr_scheduler_interval == "step":
+            for r, sch in self.schedulers.items():
+                self.local[r].on_update = sch.step
+        last = len(self.stages) - 1
+        ref = executor == "reference"
+        mine = {s for s, _ in self.local}
+        self.index = self.backend.index
+        self.need_inputs = ref or self.index == 0 or any(
+            MODEL in self.stages[s].sources for s in mine)
+        self.need_targets = ref or last in mine
+        self.metrics = MetricsLog(metrics_path, metrics_every, tensorboard_dir, len(self.stages),
+                                  write=self.index == 0 and not self.idle)
+        self._busy_seen: dict[tuple[int, int], float] = {}
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise RuntimeConfigError(f"prefetch={prefetch!r}", "use 0 (no reading ahead) or a "
+                                     "positive number of minibatches")
+        self.prefetch = prefetch  # minibatches read ahead by a thread (training/prefetch.py)
+
+    # ------------------------------------------------------------------ data
+    def _lead(self, it: PartStream, n: int, what: str, wire: bool = True, split: bool = True
+              ) -> tuple[list[Batch], int]:
+        """Every rank that reads data takes up to ``n`` minibatches itself (all at the same
+        time); then the ranks exchange how many they read and their fingerprints (one message
+        each), rank 0 adding the wire shapes and the minibatches' sizes. ``split``: cut each into
+        :attr:`split` microbatches (:func:`~.data.split_segment`), which ``schedule="auto"``
+        sets when it picks a microbatched schedule and the user gave no ``microbatches``: an
+        update still covers one of the loader's minibatches, as pipedream's does. Ranks that
+        read different data stop here. Returns the parts and how many minibatches were read."""
+        reads = self.need_inputs or self.need_targets
+        parts = take(it, n) if reads else []
+        read, plan, samples, sizes = len(parts), None, 0, None
+        if self.index == 0:  # rank 0 reads the inputs: it sizes the minibatches for all
+            sizes = [batch_size_of(p[0]) for p in parts]
+            parts = split_segment(parts, sizes, self.split) if split else parts
+            plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache,
+                                   precision=self.options.precision,
+                                   device=self.backend.device.type)
+                    if wire and parts and isinstance(self.backend, DistributedBackend) else None)
+            samples = sum(sizes)
+        mine = (read, it.digest(), plan, samples, sizes) if reads else None
+        infos = self.backend.exchange(mine, f"{what} size")
+        count, digest0, plan, samples, sizes = infos[0]
+        for i, info in enumerate(infos):
+            if info is None:
+                continue
+            if info[0] != count:
+                raise RuntimeConfigError(f"rank {i} read {info[0]} minibatches of {what}, rank 0 "
+                                         f"read {count}", "the loader must yield the same "
+                                         "minibatches on every rank (deterministic)")
+            if info[1] != digest0:
+                raise RuntimeConfigError(
+                    f"rank {i} read different minibatches of {what} than rank 0 (fingerprint "
+                    f"{info[1]} vs {digest0}): its inputs or targets would be paired with "
+                    "another minibatch's", "give every rank the same deterministic loader over "
+                    "the whole dataset (no DistributedSampler, no per-rank seed or shard): "
+                    "fxpipe decides which replica trains on which minibatch")
+        if not reads:
+            parts = [(None, None)] * (count * (self.split if split else 1))
+        elif self.index != 0 and split:
+            parts = split_segment(parts, sizes, self.split)
+        self._wire, self._samples = plan, samples
+        return parts, count
+
+    # ------------------------------------------------------------------ training
+    def fit(self, train_loader: Iterable[Any], epochs: int = 1,
+            eval_loader: Iterable[Any] | None = None, resume: bool = False) -> History:
+        """Train for ``epochs`` (counting from 0, so resuming a 3-epoch run with epochs=3 only
+        finishes it); returns the per-epoch history, also in ``self.history``."""
+        if self.idle:
+            return self.history
+        saved = [(m, m.training) for st in self.stages for m in st.gm.modules()]
+        for st in self.stages:
+            st.gm.train()
+        try:
+            self._fit(train_loader, epochs, eval_loader, resume)
+        finally:
+            for m, was in saved:
+                m.training = was
+        return self.history
+
+    def _fit(self, train_loader: Iterable[Any], epochs: int, eval_loader: Iterable[Any] | None,
+             resume: bool) -> None:
+        epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
+        if self.kind == AUTO:
+            resolve_auto(self, train_loader, resume, epochs)
+        if resume:
+            epoch0, pos0, partial = self._resume()
+        total = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore
+        for epoch in range(epoch0, epochs):
+            pos = pos0 if epoch == epoch0 else 0
+            acc = list(partial) if epoch == epoch0 else [0.0, 0.0, 0.0, 0.0]
+            it = PartStream(train_loader, epoch, self.seed, need_inputs=self.need_inputs,
+                            need_targets=self.need_targets, start=pos,
+                            prefetch=self.prefetch if self.need_inputs or self.need_targets
+                            else 0)
+            bar = Progress(f"epoch {epoch + 1}/{epochs}", total, pos,
+                           enabled=self.progress and self.index == 0)
+            try:
+                while True:
+                    want = self._segment_at(pos)
+                    parts, n = self._lead(it, want, f"epoch {epoch} segment at {pos}")
+                    if n == 0:
+                        break
+                    torch.manual_seed(derive_seed(self.seed, epoch, pos, self.index))
+                    t0 = time.perf_counter()
+                    losses = self.backend.run_segment(self._schedule(len(parts)), parts,
+                                                      self._wire)
+                    del parts  # one segment's minibatches in memory at a time
+                    dt = time.perf_counter() - t0
+                    # one exchange for the loss and the stages' busy time (metrics): every
+                    # rank takes part whether or not it was given a metrics path
+                    got = self.backend.all_sum([sum(losses.values()), len(losses),
+                                                *self._busy()], "loss sum")
+                    acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
+                    if self.metrics.enabled:
+                        self._record(epoch, n, got, dt)
+                    pos += n
+                    bar.update(n, acc[0] / max(acc[1], 1), acc[2] / max(acc[3], 1e-9))
+                    if n < want:
+                        break
+                    if self.checkpoint_every and pos % self.checkpoint_every == 0:
+                        self._checkpoint(epoch, pos, acc)
+                    if self.replanner is not None:  # may switch plans here (trainer_switch)
+                        it = self.replanner.after_segment(self, it, train_loader, epoch, pos, n,
+                                                          dt)
+            finally:
+                it.close()
+                bar.close()
+            if self.lr_interval == "epoch":
+                for sch in self.schedulers.values():
+                    sch.step()
+            entry = {"epoch": float(epoch + 1), "loss": acc[0] / max(acc[1], 1),
+                     "samples": acc[2], "time_s": acc[3],
+                     "samples_per_s": acc[2] / acc[3] if acc[3] > 0 else 0.0}
+            if eval_loader is not None:
+                entry.update(self.evaluate(eval_loader))
+                self.metrics.evaluation(epoch, {k: v for k, v in entry.items()
+                                                if k.startswith("eval_")})
+            self.history.append(entry)
+            log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k} {v:.4g}" for k, v in entry.items()))
+            if self.checkpoint_dir is not None:
+                self._checkpoint(epoch + 1, 0, [0.0, 0.0, 0.0, 0.0])
+        self._write_back()
+
+    def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
+        """Mean loss (and top-1 accuracy for classification) of the latest weights, computed on
+        the output stage and shared with every rank."""
+        if self.idle:
+            return {}
+        it = PartStream(loader, 0, self.seed, need_inputs=self.need_inputs,
+                        need_targets=self.need_targets)
+        total = [0.0] * 4
+        while True:
+            parts, n = self._lead(it, _EVAL_CHUNK, "evaluation", split=False)
+            if n == 0:
+                break
+            total = [a + b for a, b in zip(total, self.backend.evaluate(parts, self._wire))]
+            if n < _EVAL_CHUNK:
+                break
+        total = self.backend.all_sum(total, "evaluation metrics")
+        out = {"eval_loss": total[0] / max(total[1], 1)}
+        if total[3] > 0:
+            out["eval_accuracy"] = total[2] / total[3]
+        return out
+
+    def close(self) -> None:
+        """Leave the process group (distributed): call once training is over."""
+        self.metrics.close()
+        self.backend.close()
+
+
+def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
+    """``CompiledModel.trainer(**kwargs)``: a Trainer for the compiled plan and stages."""
+    loss_fn = kwargs.pop("loss_fn", None) or compiled.loss_fn
+    if loss_fn is None:
+        raise RuntimeConfigError("this model was compiled without loss_fn",
+                                 "pass loss_fn=... to fxpipe.compile or to trainer()")
+    own = compiled.model.state_dict()
+    keys = {k: own[k] if where is None else where
+            for k, where in compiled.state_locations().items()}
+    kwargs.setdefault("schedule", "auto")  # the default for a compiled model: see training/auto.py
+    report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
+    auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
+            **dict(kwargs.pop("auto_options", None) or {})}
+    replan = make_replanner(compiled, kwargs)  # replan="auto": issue 13 (trainer_switch)
+    if replan is not None:
+        replan.kwargs.update(loss_fn=loss_fn, auto_options=auto)
+    return Trainer(compiled.stage_specs, compiled.plan.replicas, loss_fn,
+                   fingerprint=compiled.plan.model_fingerprint, state_keys=keys,
+                   auto_options=auto, replan=replan, **kwargs)

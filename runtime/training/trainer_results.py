@@ -1,0 +1,110 @@
+"""Where a Trainer's results go: its weights written back into the stages, the whole model
+gathered on request (:meth:`ResultsMixin.state_dict`), and the recorded timelines.
+
+A mixin of :class:`~fxpipe.runtime.training.trainer.Trainer`, kept apart so the training loop reads
+on its own. Trained weights stay where they were trained (nothing is gathered unless asked for).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..execution.trainer_backends import DistributedBackend
+from ..replica.stage import StageReplica
+from ..timeline import TimelineEvent
+
+
+class ResultsMixin:
+    """Result methods of the Trainer (it provides the attributes declared here)."""
+
+    stages: list[Any]
+    local: dict[tuple[int, int], StageReplica]
+    backend: Any
+    idle: bool
+    state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None
+    replicas: list[int]
+    metrics: Any
+    _busy_seen: dict[tuple[int, int], float]
+    _schedule: Any
+
+    def _write_back(self) -> None:
+        """Copy the trained weights into this process's stage GraphModules (the user's own
+        Parameters when compiled in this process): every stage this rank trained, nothing
+        more, and no communication (the whole model is gathered only when asked for)."""
+        with torch.no_grad():
+            for (s, _), w in sorted(self.local.items(), key=lambda kv: kv[0][1], reverse=True):
+                gm = self.stages[s].gm  # replica 0 last: the one every checkpoint keeps
+                for n, t in [*gm.named_parameters(), *gm.named_buffers()]:
+                    src = w.stash.latest.get(n, w.buffers.get(n))
+                    if src is not None:
+                        t.copy_(src)
+
+    def _busy(self) -> list[float]:
+        """This rank's busy seconds per stage since the last call (mean over a stage's
+        replicas once summed over the ranks)."""
+        busy = [0.0] * len(self.stages)
+        for r, w in self.local.items():
+            busy[r[0]] += (w.busy_s - self._busy_seen.get(r, 0.0)) / self.replicas[r[0]]
+            self._busy_seen[r] = w.busy_s
+        return busy
+
+    def _record(self, epoch: int, n: int, got: list[float], dt: float) -> None:
+        """One segment into the metrics log (:mod:`fxpipe.runtime.training.metrics`); ``got``: the
+        segment's summed [loss sum, losses, busy seconds per stage...]; rank 0 writes."""
+        busy = got[2:]
+        updates = sum(a.kind == "U" for a in self._schedule(n).actions[(0, 0)])
+        first = self.local.get((0, 0))
+        opt = first.stash.optimizer if first is not None else None
+        lr = float(opt.param_groups[0]["lr"]) if opt is not None else None
+        self.metrics.segment(epoch=epoch, updates=updates, loss_sum=got[0], losses=got[1],
+                             minibatches=n, samples=self._samples, time_s=dt, busy=busy, lr=lr)
+
+    @property
+    def timelines(self) -> list[tuple[list[TimelineEvent], list[TimelineEvent]]]:
+        """Per segment so far, this rank's (events, background) when ``timeline=True``."""
+        return getattr(self.backend, "timelines", [])
+
+    @property
+    def timeline_origin(self) -> float:
+        """The ``perf_counter()`` the timelines count from (the same clock on every process of
+        one machine, so ranks on one machine line up)."""
+        return self.backend.comm.recorder.t0
+
+    def state_dict(self, *, gather: bool = True) -> dict[str, torch.Tensor]:
+        """Weights and buffers by the model's own names: with ``state_keys`` (a compiled model's
+        trainer: the model's ``state_dict`` keys -> (stage, name there), or the tensor itself
+        for state no stage holds) exactly the model's keys, tied aliases included, so that
+        ``model.load_state_dict(trainer.state_dict())`` takes it strictly; else the stage
+        GraphModules' names.
+
+        With the distributed executor and ``gather=True`` (default) this is a COLLECTIVE: call
+        it on every rank (a rank calling it alone waits ``data_timeout_s`` and fails naming a
+        peer). Rank 0 then receives every stage's weights from replica 0 of that stage and
+        returns the whole model; every other rank returns its own stage's entries. With
+        ``gather=False`` each rank returns its own stage's entries without any communication
+        (what a rank can save on its own). The reference executor and idle ranks never
+        communicate: the former returns every stage, the latter nothing."""
+        if self.idle:
+            return {}
+        mine = {s: {n: t.detach() for n, t in self.stages[s].gm.state_dict().items()}
+                for s in sorted({s for s, _ in self.local})}
+        if gather and isinstance(self.backend, DistributedBackend):
+            shares = {s: {n: t.cpu() for n, t in sd.items()} for s, sd in mine.items()
+                      if (s, 0) in self.local}
+            got = self.backend.gather(shares, "state_dict() gathering every stage (call it on "
+                                      "every rank)")
+            for share in got or []:
+                for s, sd in share.items():
+                    mine.setdefault(s, sd)
+        out: dict[str, torch.Tensor] = {}
+        if self.state_keys is None:
+            for s in sorted(mine):
+                out.update(mine[s])
+            return out
+        for key, where in self.state_keys.items():
+            if isinstance(where, torch.Tensor):
+                out[key] = where.detach()
+            elif where[0] in mine:
+                out[key] = mine[where[0]][where[1]]
+        return out

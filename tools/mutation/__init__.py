@@ -1,0 +1,1 @@
+"""Mutation testing: ``python -m tools.mutation`` (from the repository root); see ``run.py``."""
