@@ -2,7 +2,7 @@
 the cost of making schedules, measured side by side in one run.
 
 Run from the repository root:  .venv/bin/python -m bench.data_streaming
-Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
+Writes its page benchmarks/data_streaming.md (``--out FILE`` writes the markdown there instead).
 
 1. Memory: a 2-stage MLP (16 -> 64 -> 4, gloo, 2 torchrun ranks) trains one epoch from a LAZY
    loader (each minibatch made when asked for, nothing held) of N minibatches, N = 10,000 and
@@ -166,7 +166,8 @@ def main() -> None:
     ap.add_argument("--epochs-of", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--schedule-sizes", type=int, nargs="+",
                     default=[1_000, 4_000, 16_000, 64_000, 100_000])
-    ap.add_argument("--out", default=None, help="write the markdown here instead of BENCHMARKS.md")
+    ap.add_argument("--out", default=None, help="write the markdown here instead of "
+                    "benchmarks/data_streaming.md")
     args = ap.parse_args()
     if args.worker:
         worker(args)

@@ -20,7 +20,7 @@ Checks (printed, and the script exits non-zero when one fails):
 * the elastic run's final evaluation loss against an uninterrupted 3-host run (1f1b-flush trains
   the same sums under every plan, so they agree to float rounding).
 
-Needs root (network namespaces). Results go to BENCHMARKS.md (section "elastic").
+Needs root (network namespaces). Results go to benchmarks/elastic.md.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--kill-at", type=int, default=16, help="kill after this checkpoint (epoch 1)")
     p.add_argument("--work", default=None, help="keep the run's files here")
-    p.add_argument("--out", default=None, help="write the markdown here, not BENCHMARKS.md")
+    p.add_argument("--out", default=None, help="write the markdown here, not benchmarks/elastic.md")
     a = p.parse_args(argv)
     work = Path(a.work or tempfile.mkdtemp(prefix="fxp-elastic-"))
     work.mkdir(parents=True, exist_ok=True)

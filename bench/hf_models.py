@@ -5,7 +5,7 @@ Run from the repository root (one core, as the test matrix's "under 5 s" is stat
 
     taskset -c 0 .venv/bin/python -m bench.hf_models
 
-Writes its section of BENCHMARKS.md. Each compile is timed whole (trace, cost, plan, split),
+Writes its page benchmarks/hf-models.md. Each compile is timed whole (trace, cost, plan, split),
 once with measured costs and once estimated for V100s, after one untimed warm-up compile per
 architecture (first imports, torch.export's caches); the Llama plan is timed cold, phase by phase.
 """
@@ -93,7 +93,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--svg", default=str(ROOT / "docs" / "llama-7b-plan.svg"))
-    p.add_argument("--out", default=None, help="write the section here, not to BENCHMARKS.md")
+    p.add_argument("--out", default=None, help="write the markdown here, not to "
+                   "benchmarks/hf-models.md")
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = compile_times(args.repeats)

@@ -4,7 +4,7 @@ at 1.0, bf16 autocast), by ``fxpipe train`` on 2 and 4 gloo ranks, beside the sa
 eagerly in one process.
 
 Run from the repository root:  .venv/bin/python -m bench.lm_demo
-Writes docs/figures/lm_stdlib_val_loss.png and its section of BENCHMARKS.md (``--out FILE``
+Writes docs/figures/lm_stdlib_val_loss.png and its page benchmarks/lm_demo.md (``--out FILE``
 writes the markdown there instead).
 
 The model and data are docs/examples/lm_stdlib.py. Under ``1f1b-flush`` each update is the mean
@@ -150,7 +150,7 @@ def plot(curves: dict[str, list[tuple[int, float]]]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--out", default=None, help="write the markdown here, not BENCHMARKS.md")
+    p.add_argument("--out", default=None, help="write the markdown here, not benchmarks/lm_demo.md")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     curves: dict[str, list[tuple[int, float]]] = {}

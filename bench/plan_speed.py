@@ -3,7 +3,7 @@ the literal PipeDream DP beside it, and measured profiling of a 94-node CNN (the
 ``fxpipe.compile`` that runs the model).
 
 Run from the repository root:  .venv/bin/python -m bench.plan_speed
-Writes its section of BENCHMARKS.md (a markdown table with the exact command at the top).
+Writes its page benchmarks/plan_speed.md (a markdown table with the exact command at the top).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def profiling_seconds(repeats: int = 3) -> tuple[int, list[float]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=None, help="write here instead of BENCHMARKS.md's section")
+    ap.add_argument("--out", default=None, help="write here instead of benchmarks/plan_speed.md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []

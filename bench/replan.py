@@ -24,7 +24,7 @@ one thread each), 1f1b-flush:
 
 Every run records timelines (so the three pay the same) and the seconds per minibatch of every
 segment; throughput excludes the first segment of each plan (warm-up). Results go to
-BENCHMARKS.md (section "replan", or "replan-cluster" with ``--hosts``). The three runs of a
+benchmarks/replan.md (benchmarks/replan-cluster.md with ``--hosts``). The three runs of a
 repeat go in rotating order (repeat k starts with run k mod 3).
 """
 from __future__ import annotations
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work", default=None)
-    p.add_argument("--out", default=None, help="write the markdown here, not BENCHMARKS.md")
+    p.add_argument("--out", default=None, help="write the markdown here, not benchmarks/replan.md")
     a = p.parse_args(argv)
     L = a.layers
     if a.worker:

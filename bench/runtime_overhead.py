@@ -1,7 +1,7 @@
 """Runtime overhead: one stage on one process (fxpipe's runtime) against a plain eager loop.
 
 Run from the repository root:  .venv/bin/python -m bench.runtime_overhead
-Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
+Writes its page benchmarks/runtime_overhead.md (``--out FILE`` writes the markdown there instead).
 
 Both sides train the same model from the same initial weights on the same minibatches with the
 same optimizer (SGD, lr 0.01, momentum 0.9), each in a freshly spawned process with one thread:
@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="short runs (a smoke test)")
-    ap.add_argument("--out", default=None, help="write the markdown here instead of BENCHMARKS.md")
+    ap.add_argument("--out", default=None, help="write the markdown here instead of "
+                    "benchmarks/runtime_overhead.md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """The plan's prediction against the runtime's measurement: time per minibatch, busy fractions.
 
 Run from the repository root:  .venv/bin/python -m bench.runtime_prediction
-Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
+Writes its page benchmarks/runtime_prediction.md (``--out FILE`` writes the markdown there instead).
 
 ``fxpipe.compile`` profiles the model on this machine (one thread, as each rank runs) and plans a
 1-stage and a 2-stage (straight) pipeline; the plan predicts the time per minibatch (its
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--minibatches", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--out", default=None, help="write the markdown here instead of BENCHMARKS.md")
+    ap.add_argument("--out", default=None, help="write the markdown here instead of "
+                    "benchmarks/runtime_prediction.md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # profile with one thread, as each rank runs

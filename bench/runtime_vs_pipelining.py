@@ -1,7 +1,8 @@
 """Two stages on two processes: fxpipe's PipeDream runtime against torch.distributed.pipelining.
 
 Run from the repository root:  .venv/bin/python -m bench.runtime_vs_pipelining
-Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
+Writes its page benchmarks/runtime_vs_pipelining.md (``--out FILE`` writes the markdown there
+instead).
 
 Same model (a mid-size MLP, 512-4x1024-10), same split (fxpipe's 2-stage plan: the pipelining
 stages wrap the very stage GraphModules fxpipe produced), same initial weights, same minibatches
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--target", type=float, default=0.5, help="target running-mean training loss")
-    ap.add_argument("--out", default=None, help="write the markdown here instead of BENCHMARKS.md")
+    ap.add_argument("--out", default=None, help="write the markdown here instead of "
+                    "benchmarks/runtime_vs_pipelining.md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)

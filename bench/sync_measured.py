@@ -2,7 +2,7 @@
 pipedream, and torch.distributed.pipelining's own schedules on fxpipe's split.
 
 Run from the repository root:  .venv/bin/python -m bench.sync_measured
-Writes its section of BENCHMARKS.md (``--out FILE`` writes the markdown there instead).
+Writes its page benchmarks/sync-measured.md (``--out FILE`` writes the markdown there instead).
 
 For S = 2 and 4 ranks (gloo on 127.0.0.1, one thread per process) and two models:
 
@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, default=14, help="optimizer updates per run")
     ap.add_argument("--warmup", type=int, default=3, help="updates left out of the rate")
     ap.add_argument("--batch", type=int, default=16, help="samples per microbatch")
-    ap.add_argument("--out", default=None, help="write the markdown here instead of BENCHMARKS.md")
+    ap.add_argument("--out", default=None, help="write the markdown here instead of "
+                    "benchmarks/sync-measured.md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)

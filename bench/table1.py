@@ -1,6 +1,6 @@
 """PipeDream's Table 1, predicted by fxpipe's plan simulator for clusters we do not have.
 
-    .venv/bin/python -m bench.table1            # writes the "table1" section of BENCHMARKS.md
+    .venv/bin/python -m bench.table1            # writes benchmarks/table1.md
     .venv/bin/python -m bench.table1 --no-write # print only
 
 For each model (PipeDream's published GPU profiles, plus the zoo's full-size GPT estimated for a
@@ -100,7 +100,8 @@ def choice_note(rows: list[list[str]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--no-write", action="store_true", help="print, do not touch BENCHMARKS.md")
+    ap.add_argument("--no-write", action="store_true", help="print, do not touch "
+                    "benchmarks/table1.md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Turn the ablation's results into BENCHMARKS.md's ``statistical-efficiency`` section + figures.
+"""Turn the ablation's results into benchmarks/statistical-efficiency.md + figures.
 
     .venv/bin/python -m bench.ablation.report [--results bench/ablation/results.jsonl]
 
@@ -320,7 +320,7 @@ def figure(data: dict, stats: dict, tasks: list[str], opts: list[str], path: Pat
     axes[0][0].legend(fontsize=8, loc="upper left")
     what = "Updates" if key == "updates" else "Predicted time (simulated commodity cluster)"
     fig.suptitle(f"{what} to target relative to 1f1b-flush (mean over the seeds run, 1 to 3: "
-                 "see BENCHMARKS.md; x = never within the budget; dashed: 1.1x)", fontsize=11)
+                 "see benchmarks/statistical-efficiency.md; x = never within the budget; dashed: 1.1x)", fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -471,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=DEFAULT_OUT)
     p.add_argument("--pilot", type=int, default=100,
                    help="updates auto's pilot sees (the trainer's rule: at most 1/2 of the run)")
-    p.add_argument("--out", default=None, help="write the section here, not BENCHMARKS.md")
+    p.add_argument("--out", default=None, help="write the markdown here, not "
+                   "benchmarks/statistical-efficiency.md")
     p.add_argument("--figure", default=str(ROOT / "docs/figures/statistical-efficiency.png"))
     p.add_argument("--minutes", default="?", help="how long the sweep took (for the text)")
     p.add_argument("--sweep", action="append", default=None,

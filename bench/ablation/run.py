@@ -9,7 +9,7 @@ appends one JSON line to ``--out`` (default bench/ablation/results.jsonl, in the
 commit it with the report, so the published section can be regenerated); configurations
 already there are skipped, so an interrupted run resumes. ``--workers`` processes run in
 parallel (one torch thread each). ``python -m bench.ablation.report`` turns the results into
-the BENCHMARKS.md section and the figure.
+benchmarks/statistical-efficiency.md and the figure.
 
 gpipe is not trained separately: on the reference executor it performs exactly 1f1b-flush's
 arithmetic (same microbatches, same weight version, gradients summed in the same order), which

@@ -13,7 +13,7 @@ logs and the hosts' interface counters, and tears the cluster down. Then the do-
 made first, on ONE core (bench/experiment/plan.py), and loaded by every rank.
 
 Writes OUT/summary.json (default OUT=/tmp/fxpipe-cluster-experiment) and, unless --smoke or
---no-report, docs/figures/cluster-*.png and the "cluster-experiment" section of BENCHMARKS.md.
+--no-report, docs/figures/cluster-*.png and benchmarks/cluster-experiment.md.
 """
 from __future__ import annotations
 
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="/tmp/fxpipe-cluster-experiment")
     p.add_argument("--smoke", action="store_true", help="1 epoch at the first bandwidth")
     p.add_argument("--no-report", action="store_true",
-                   help="don't write BENCHMARKS.md or docs/figures")
+                   help="don't write benchmarks/cluster-experiment.md or docs/figures")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--seeds", type=int, default=3,
                    help="seeds per mode (model init and minibatch order 0..N-1)")

@@ -18,7 +18,7 @@ cost it with the planner's formulas (``fxpipe.passes.plan_for``) and simulate it
 host, and collect each rank's timeline; (4) reduce the measured timeline exactly as the simulator
 reduces its own (``plansim.steady_state`` over stage 0's backward completions) and report both
 predictions' errors. Writes OUT/traces/<plan>-{measured,simulated}.json (open both in
-ui.perfetto.dev), OUT/summary.json and the ``simulator-validation`` section of BENCHMARKS.md.
+ui.perfetto.dev), OUT/summary.json and benchmarks/simulator-validation.md.
 """
 from __future__ import annotations
 

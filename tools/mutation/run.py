@@ -32,7 +32,7 @@ from the copy, no bytecode cache), stops at the first failure, and records
 Lines inside ``log.*(...)`` calls are not mutated (a log message's text is not behaviour any test
 could or should pin down). Results go to ``tools/mutation/results/<module>.json`` (in the
 repository: commit them with the report, so it can be regenerated); ``--report`` turns them
-into the ``mutation-testing`` section of BENCHMARKS.md, listing every survivor. Why the argued
+into benchmarks/mutation-testing.md, listing every survivor. Why the argued
 survivors are equivalent is data, ``tools/mutation/equivalent.json`` (keyed by module and line
 text; loaded by ``equivalent.py``), so a rerun after a code change shows which arguments no
 longer apply.
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pending", action="store_true",
                     help="count the mutants --reuse (with --survivors: --survivors) would run, "
                          "and the seconds that would take at most, running nothing")
-    ap.add_argument("--out", help="write the report here instead of BENCHMARKS.md")
+    ap.add_argument("--out", help="write the report here instead of benchmarks/mutation-testing.md")
     args = ap.parse_args(argv)
     if args.report:
         from bench._report import publish
