@@ -166,7 +166,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc = workers
     if nproc is None or nproc < 1:
         raise ConfigError(f"--nproc {nproc}", "give the number of processes, e.g. --nproc 4")
-    from fxpipe.runtime.execution.launch import free_port
+    from fxpipe.runtime.execution.ports import free_port  # torch-free: the launcher stays light
 
     worker = _worker_argv(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",

@@ -12,7 +12,6 @@ beyond a job's placement sits that job out, joining only its barrier.
 from __future__ import annotations
 
 import logging
-import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -35,17 +34,11 @@ from ..schedules.schedule import Schedule
 from .comm import make_groups, synchronized_start
 from .contract import Batch, RunResult, check_schedule
 from .hosted import ProcessExecutor, check_hostable
+from .ports import free_port
 from .wire import WirePlan, make_wire_plan
 from .worker import WorkerConfig, fail_child, warm_imports, worker_main
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (for the rendezvous)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],

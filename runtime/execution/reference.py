@@ -33,6 +33,7 @@ from .contract import Batch, RunResult, check_schedule, planned_reads, tied_dela
 
 log = logging.getLogger(__name__)
 
+
 def tied_update(totals: dict[Rank, torch.Tensor], locals_: dict[Rank, torch.Tensor],
                 workers: dict[Rank, StageReplica], tied: Sequence[TiedParameter]) -> None:
     """Reference semantics of tied parameters at one update: in every rank's ``totals`` (its

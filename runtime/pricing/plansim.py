@@ -53,8 +53,8 @@ from ..schedules.kinds import make_schedule
 from ..schedules.placement import PLACED_KINDS
 from ..schedules.schedule import tie_delay
 from ..timeline import busy_between
-from .core import (PlanSimulation, StageCosts, TiedSync, cut_bandwidth, stage_costs,
-                   tied_from_profile, EventLoop, split_backward)
+from .core import (EventLoop, PlanSimulation, StageCosts, TiedSync, cut_bandwidth, split_backward,
+                   stage_costs, tied_from_profile)
 from .placed_sim import simulate_placed_plan
 from .sim_measure import peak_in_flight, steady_state
 
@@ -63,6 +63,7 @@ __all__ = ["PlanSimulation", "StageCosts", "TiedSync", "cut_bandwidth", "data_pa
            "tied_from_profile"]
 
 log = logging.getLogger(__name__)
+
 
 def minibatches_for(replicas: list[int], floor: int = 200, cap: int = 2000) -> int:
     """Enough minibatches to measure a plan's steady state: several whole round-robin rounds

@@ -51,6 +51,7 @@ from .stash import OptimizerFactory, WeightStash
 
 log = logging.getLogger(__name__)
 
+
 def accepted_keywords(factory: Callable[..., Any]) -> frozenset[str]:
     """Which of ``stage`` and ``delay`` the optimizer factory takes (by its signature)."""
     try:

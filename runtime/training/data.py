@@ -37,7 +37,6 @@ from ..execution.contract import Batch
 log = logging.getLogger(__name__)
 
 
-
 def derive_seed(*parts: int) -> int:
     """A 63-bit seed from integers (seed, epoch, position, rank...): stable across processes and
     Python versions (unlike ``hash``), so every rank and every restart derives the same value."""
