@@ -142,35 +142,25 @@ def split_graph(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> list[StageSp
     stage_inputs: list[dict[fx.Node, int]] = [{} for _ in range(num_stages)]  # node -> source
     stage_outputs: list[dict[fx.Node, set[int]]] = [{} for _ in range(num_stages)]
     baked: list[dict[fx.Node, Any]] = [{} for _ in range(num_stages)]
+    recomputed: list[set[fx.Node]] = [set() for _ in range(num_stages)]  # sizes, see _provide
     for n in nodes:
         src = stage_of[n.name]
         is_input = n.op == "placeholder"
         user_stages = sorted({stage_of[u.name] for u in n.users
                               if u.op in _PLACED_OPS and not is_guard_node(u)})
         for c in user_stages:
-            if is_input:
-                stage_inputs[c][n] = MODEL
-            elif c > src:
-                kind, value = value_kind(n)
-                if kind == "static":
-                    baked[c][n] = value
-                elif kind == "unsendable":
-                    raise ConfigError(
-                        f"value {n.name!r} (stage {src}) is not sendable (a tuple of tensors or "
-                        f"an opaque object) but stage {c} uses it",
-                        hint="move the cut so that no stage boundary falls while it is live")
-                else:
-                    stage_inputs[c][n] = src
-                    stage_outputs[src].setdefault(n, set()).add(c)
+            if is_input or c > src:
+                _provide(n, c, stage_of, stage_inputs, stage_outputs, baked, recomputed)
         if n.name in model_out:
             _route_model_output(n, src, num_stages - 1, stage_inputs, stage_outputs, baked)
 
     specs: list[StageSpec] = []
     for k in range(num_stages):
-        body = [n for n in nodes if n.op != "placeholder" and stage_of[n.name] == k]
+        body = [n for n in nodes if n.op != "placeholder"
+                and (stage_of[n.name] == k or n in recomputed[k])]
         ins = sorted(stage_inputs[k], key=order.__getitem__)
         outs = sorted(stage_outputs[k], key=order.__getitem__)
-        stage_gm = _build_stage_gm(gm, k, ins, body, outs, baked[k])
+        stage_gm = _build_stage_gm(gm, k, ins, body, outs, baked[k], recomputed[k])
         consumers = tuple(tuple(sorted(c for c in stage_outputs[k][n] if c != MODEL))
                           + ((MODEL,) if MODEL in stage_outputs[k][n] else ()) for n in outs)
         specs.append(StageSpec(index=k, gm=stage_gm, inputs=tuple(n.name for n in ins),
@@ -179,6 +169,48 @@ def split_graph(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> list[StageSp
         log.debug("stage %d: %d nodes, inputs %s, outputs %s", k, len(body),
                   specs[-1].inputs, specs[-1].outputs)
     return specs
+
+
+def _provide(n: fx.Node, c: int, stage_of: Mapping[str, int],
+             stage_inputs: list[dict[fx.Node, int]], stage_outputs: list[dict[fx.Node, set[int]]],
+             baked: list[dict[fx.Node, Any]], recomputed: list[set[fx.Node]]) -> None:
+    """Make ``n`` available to stage ``c``: a model input is read there, a tensor is sent
+    there, a constant is baked in, and a number computed from tensors (a size: the batch, which
+    differs between microbatches and from the example) is recomputed there from its inputs,
+    provided in turn. Why not bake a size: it would fix the stage to the example's batch."""
+    if n.op == "get_attr" or (n.op != "placeholder" and stage_of[n.name] == c):
+        return
+    if n.op == "placeholder":
+        stage_inputs[c][n] = MODEL
+        return
+    kind, value = value_kind(n)
+    if kind == "static" and _from_tensors(n):
+        if n not in recomputed[c]:
+            recomputed[c].add(n)
+            for a in n.all_input_nodes:
+                _provide(a, c, stage_of, stage_inputs, stage_outputs, baked, recomputed)
+    elif kind == "static":
+        baked[c][n] = value
+    elif kind == "unsendable":
+        raise ConfigError(
+            f"value {n.name!r} (stage {stage_of[n.name]}) is not sendable (a tuple of tensors or "
+            f"an opaque object) but stage {c} uses it",
+            hint="move the cut so that no stage boundary falls while it is live")
+    else:
+        stage_inputs[c][n] = stage_of[n.name]
+        stage_outputs[stage_of[n.name]].setdefault(n, set()).add(c)
+
+
+def _from_tensors(n: fx.Node, seen: dict[fx.Node, bool] | None = None) -> bool:
+    """Is the static value of ``n`` computed from a tensor (a model input or any tensor value),
+    directly or through other static values?"""
+    seen = {} if seen is None else seen
+    if n not in seen:
+        seen[n] = False
+        seen[n] = any(a.op == "placeholder" or value_kind(a)[0] != "static"
+                      or _from_tensors(a, seen) for a in n.all_input_nodes
+                      if a.op != "get_attr")
+    return seen[n]
 
 
 def _route_model_output(n: fx.Node, src: int, last: int, stage_inputs: list[dict[fx.Node, int]],
@@ -213,8 +245,12 @@ def _route_model_output(n: fx.Node, src: int, last: int, stage_inputs: list[dict
 
 
 def _build_stage_gm(gm: fx.GraphModule, k: int, ins: list[fx.Node], body: list[fx.Node],
-                    outs: list[fx.Node], baked: Mapping[fx.Node, Any]) -> fx.GraphModule:
-    """Copy stage ``k``'s nodes into a fresh graph; get_attr nodes are re-created on demand."""
+                    outs: list[fx.Node], baked: Mapping[fx.Node, Any],
+                    recomputed: set[fx.Node] | frozenset[fx.Node] = frozenset()
+                    ) -> fx.GraphModule:
+    """Copy stage ``k``'s nodes into a fresh graph; get_attr nodes are re-created on demand.
+    A ``recomputed`` node (a size made on an earlier stage, see :func:`_provide`) is copied
+    under a name of its own (``<name>_here``): node names stay unique across the stages."""
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
     for n in ins:
@@ -235,7 +271,12 @@ def _build_stage_gm(gm: fx.GraphModule, k: int, ins: list[fx.Node], body: list[f
         raise AssertionError(f"stage {k}: {a.name!r} is neither computed nor received here")
 
     for n in body:
-        env[n] = graph.node_copy(n, lookup)
+        if n in recomputed:
+            env[n] = graph.create_node(n.op, n.target, fx.node.map_arg(n.args, lookup),
+                                       fx.node.map_arg(n.kwargs, lookup), name=f"{n.name}_here")
+            env[n].meta = dict(n.meta)
+        else:
+            env[n] = graph.node_copy(n, lookup)
     graph.output(tuple(lookup(n) for n in outs))
     graph.lint()
     return fx.GraphModule(gm, graph, class_name=f"Stage{k}")

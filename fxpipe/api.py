@@ -243,7 +243,9 @@ class CompiledModel:
         spans = [module_span(st.gm) for st in self.stage_specs]
         text = self.plan.summary(spans if all(spans) else None)
         decision = getattr(self, "auto_decision", None)  # set by a trainer's schedule="auto"
-        return text if decision is None else f"{text}\n\n{decision.summary()}"
+        recipe = getattr(self, "recipe", None)  # what a trainer's fit trains (trainer_cut)
+        return "\n\n".join([text] + ([decision.summary()] if decision is not None else [])
+                           + ([f"fxpipe trains:\n{recipe}"] if recipe else []))
 
     def __repr__(self) -> str:
         return (f"CompiledModel({type(self.model).__name__}, stages={len(self.stage_specs)}, "

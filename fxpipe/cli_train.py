@@ -272,8 +272,9 @@ def _recipe(args: argparse.Namespace, compiled: Any, train: Any) -> dict[str, An
                 raise ConfigError("--schedule-lr cosine over a loader without a length",
                                   "give --total-steps")
             kind = parse_schedule(args.schedule).kind
-            group = 1 if kind == "pipedream" else (args.microbatches
-                                                   or sum(compiled.plan.replicas))
+            # auto and pipedream update once per minibatch (auto cuts minibatches itself)
+            group = 1 if kind == "pipedream" or (kind == "auto" and not args.microbatches) else (
+                args.microbatches or sum(compiled.plan.replicas))
             total = args.epochs * math.ceil(len(train) / group)
         out["lr_scheduler"] = SchedulerRecipe(WarmupCosine(
             args.warmup, total, args.min_lr_ratio, cosine=args.schedule_lr == "cosine"))
@@ -342,6 +343,8 @@ def run_worker(args: argparse.Namespace) -> int:
     state = trainer.state_dict() if args.save else None  # collective: rank 0 gets every stage
     if rank == 0 and trainer.auto_decision is not None:
         print(trainer.auto_decision.summary(), flush=True)
+    if rank == 0 and getattr(compiled, "recipe", None):
+        print(f"fxpipe trains:\n{compiled.recipe}", flush=True)
     if rank == 0 and not trainer.idle:
         for h in history:
             extra = "".join(f", {k} {h[k]:.4f}" for k in ("eval_loss", "eval_accuracy") if k in h)

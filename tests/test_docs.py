@@ -115,8 +115,9 @@ FILES = {("README.md", "# train.py: the same script on every rank (torchrun star
 # (page, first line) of a python block that only compiles -> why it cannot run alone
 FRAGMENTS: dict[tuple[str, str], str] = {
     ("huggingface.md", "# train.py, launched by: torchrun --nproc-per-node 4 train.py"):
-        "uses the reader's config and loader; tests/api/test_api_third_party.py trains such "
-        "models",
+        "uses the reader's config and loader; tests/runtime/test_recipe_dist.py trains this "
+        "recipe (a Llama, no schedule named, -100 padding) on 2 torchrun ranks against plain "
+        "PyTorch",
     ("training.md", "# train.py, launched by: torchrun --nproc-per-node 4 train.py   (or "
                     "--nnodes N ... across machines)"):
         "a sketch over the reader's model and loaders; the README's train.py is the complete "

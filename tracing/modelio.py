@@ -51,7 +51,7 @@ class ModelIO:
     output_template: Any
     in_spec: pytree.TreeSpec | None = None
     out_spec: pytree.TreeSpec | None = None
-    fixed_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    fixed_shapes: tuple[tuple[str, tuple[int | None, ...]], ...] = ()
 
     @staticmethod
     def from_graph_module(gm: fx.GraphModule) -> "ModelIO":
@@ -62,11 +62,13 @@ class ModelIO:
         template = _to_template(outputs[0].args[0]) if outputs else None
         codegen = gm.graph._codegen
         in_spec = out_spec = None
-        fixed: tuple[tuple[str, tuple[int, ...]], ...] = ()
+        fixed: tuple[tuple[str, tuple[int | None, ...]], ...] = ()
         if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info is not None:
             in_spec = codegen.pytree_info.in_spec
             out_spec = codegen.pytree_info.out_spec
-            fixed = tuple((n.name, tuple(int(d) for d in n.meta["val"].shape))
+            # a dimension export kept symbolic (the batch, see tracing.batchdims) is free: None
+            fixed = tuple((n.name, tuple(d if isinstance(d, int) else None
+                                         for d in n.meta["val"].shape))
                           for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor))
         return ModelIO(input_names=tuple(n.name for n in placeholders),
                        arg_names=tuple(str(n.target) for n in placeholders),
@@ -88,14 +90,21 @@ class ModelIO:
         bound = dict(zip(self.input_names, flat))
         for name, shape in self.fixed_shapes:
             value = bound[name]
-            if isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+            if isinstance(value, torch.Tensor) and not _fits(tuple(value.shape), shape):
+                free = [d for d, n in enumerate(shape) if n is None]
+                traced = tuple("*" if n is None else n for n in shape)
+                who = (f"fxpipe exported it with dimension(s) {free} free (the batch) and the "
+                       "others fixed, so the other dimensions of your batch differ from the "
+                       "example's" if free else
+                       "fxpipe could not leave its batch dimension free (no dimension of the "
+                       "example splits, or torch.export specialised it), so every dimension "
+                       "is fixed")
                 raise InputMismatchError(
                     f"input {name!r} has shape {tuple(value.shape)}, but the model was traced with "
-                    f"torch.export for shape {shape}, and an exported graph is specialised to "
-                    "its example shapes",
-                    hint="feed batches of the traced shape (DataLoader(drop_last=True), pad "
+                    f"torch.export for shape {traced}: {who}",
+                    hint="feed batches whose non-batch dimensions match the example (pad "
                          "sequences to a fixed length), or compile with example inputs of the "
-                         "shape you train on")
+                         "shape you train on" + ("" if free else " (at least 2 samples)"))
         return bound
 
     def _flatten_with_spec(self, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
@@ -167,7 +176,7 @@ class ModelIO:
                 defaults=tuple((str(k), _decode(v, path)) for k, v in data["defaults"]),
                 output_template=_decode(data["output_template"], path),
                 in_spec=_load_spec(data["in_spec"]), out_spec=_load_spec(data["out_spec"]),
-                fixed_shapes=tuple((str(n), tuple(int(d) for d in shape))
+                fixed_shapes=tuple((str(n), tuple(None if d is None else int(d) for d in shape))
                                    for n, shape in data.get("fixed_shapes", [])))
         except PlanFormatError:
             raise
@@ -311,3 +320,8 @@ def _decode(d: Any, path: str) -> Any:
             log.warning("%s: cannot import %s (%s); using a plain tuple", path, d["namedtuple"], exc)
             return tuple(items)
     raise PlanFormatError(f"{path}: unknown encoded value {d!r}", hint="re-export the stages")
+
+
+def _fits(shape: tuple[int, ...], traced: tuple[int | None, ...]) -> bool:
+    """``shape`` matches ``traced`` (None: any size)."""
+    return len(shape) == len(traced) and all(t is None or t == n for n, t in zip(shape, traced))

@@ -20,7 +20,12 @@ So this pass puts modules back (one call from ``trace._export``; it records noth
   :class:`ScaledDotProductAttention`, which applies that probability in train mode only.
 
 The rest of the graph is untouched. For the result to know the training values of p, trace in
-train mode (:func:`exported_in_train_mode`); the graph is then given the model's own mode.
+train mode (:func:`exported_in_train_mode`); the graph is then given the model's own modes, module
+by module, as eager runs it: the model's own modules (BatchNorm, dropout) are the very objects the
+graph calls and keep the mode the user gave each (a BatchNorm put in ``eval()`` keeps its frozen
+statistics while the rest trains), and a module made here for a functional op takes the mode of
+the module the op was traced in (Hugging Face's ``F.dropout(..., training=self.training)`` inside
+an attention module the user put in ``eval()`` stays off), as that mode was at tracing time.
 """
 from __future__ import annotations
 
@@ -114,9 +119,12 @@ def exported_in_train_mode(model: nn.Module) -> Iterator[None]:
 
 def follow_modes(gm: fx.GraphModule, model: nn.Module) -> ModesReport:
     """Rewrite ``gm`` (exported from ``model``) in place so that its dropout, attention dropout
-    and BatchNorm follow ``gm.train()`` / ``gm.eval()`` (see the module doc); then put every
-    module of ``gm`` in ``model``'s mode."""
+    and BatchNorm follow ``gm.train()`` / ``gm.eval()`` (see the module doc); then give every
+    module of ``gm`` the mode eager would run it in: the model's own modules keep theirs, a
+    module made here takes that of the module its op was traced in, the rest ``model``'s."""
+    modes = {id(m): m.training for m in model.modules()}  # the user's, before anything is set
     graph = gm.graph
+    made: list[tuple[nn.Module, fx.Node]] = []  # modules made here, with the op they replace
     drops: list[str] = []
     norms: list[str] = []
     atts: list[str] = []
@@ -124,7 +132,9 @@ def follow_modes(gm: fx.GraphModule, model: nn.Module) -> ModesReport:
         if node.op != "call_function":
             continue
         if node.target in _DROPOUTS:
-            _replace(gm, node, _dropout_module(gm, model, node), (node.args[0],))
+            path = _dropout_module(gm, model, node)
+            made.append((gm.get_submodule(path), node))
+            _replace(gm, node, path, (node.args[0],))
             drops.append(node.name)
         elif node.target is _aten.batch_norm.default:
             if _batch_norm(gm, model, node):
@@ -137,6 +147,7 @@ def follow_modes(gm: fx.GraphModule, model: nn.Module) -> ModesReport:
             if p:
                 mod = ScaledDotProductAttention(float(p), bool(causal), kw.get("scale"),
                                                 bool(kw.get("enable_gqa", False)))
+                made.append((mod, node))
                 _replace(gm, node, _new_module(gm, node, mod), (a[0], a[1], a[2], mask))
                 atts.append(node.name)
     graph.eliminate_dead_code()
@@ -144,14 +155,18 @@ def follow_modes(gm: fx.GraphModule, model: nn.Module) -> ModesReport:
     gm.recompile()
     for method in ("train", "eval"):  # ExportedProgram.module() makes these raise: the graph
         gm.__dict__.pop(method, None)  # follows the modes now, so the Module methods are back
-    for mod in gm.modules():
-        mod.training = model.training
-    for name, sub in model.named_modules():  # the model's own modules keep their own modes
+    for mod in gm.modules():  # the model's own modules (the same objects) keep their modes
+        if id(mod) not in modes:
+            mod.training = model.training
+    for name, sub in model.named_modules():  # copies export made of the model's modules
         if name:
             try:
-                gm.get_submodule(name).training = sub.training
+                gm.get_submodule(name).training = modes[id(sub)]
             except AttributeError:
                 pass
+    for mod, node in made:  # the mode eager ran the op in: that of the module it came from
+        if id(mod) not in modes:
+            mod.training = _origin_mode(model, node, modes)
     log.debug("modes: %d dropout, %d batch norm, %d attention ops follow train/eval",
               len(drops), len(norms), len(atts))
     return ModesReport(tuple(drops), tuple(norms), tuple(atts))
@@ -161,6 +176,18 @@ def _origin(node: fx.Node) -> str | None:
     """Qualified name of the innermost module the op was traced in (None at the top)."""
     stack = node.meta.get("nn_module_stack") or {}
     return next(reversed(list(stack.values())))[0] if stack else None
+
+
+def _origin_mode(model: nn.Module, node: fx.Node, modes: dict[int, bool]) -> bool:
+    """The mode (as it was before tracing) of the innermost module of ``model`` that ``node``
+    was traced in (its nearest ancestor the model still has; the model's own at the top)."""
+    path = _origin(node) or ""
+    while path:
+        try:
+            return modes.get(id(model.get_submodule(path)), model.training)
+        except AttributeError:
+            path = path.rpartition(".")[0]
+    return modes.get(id(model), model.training)
 
 
 def _dropout_module(gm: fx.GraphModule, model: nn.Module, node: fx.Node) -> str:

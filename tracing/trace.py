@@ -31,6 +31,7 @@ from torch import nn
 from fxpipe.errors import ConfigError, InputMismatchError, TracingError
 
 from .leaves import rebuildable
+from .batchdims import BatchDims, export_dynamic_shapes, infer_batch_dims, record_batch_dims
 from .modelio import ModelIO
 from .modes import exported_in_train_mode, follow_modes
 from .shapes import preserved_state, propagate_shapes
@@ -61,6 +62,7 @@ class TracedGraph:
     input_names: tuple[str, ...]
     io: ModelIO | None = None
     flat_inputs: tuple[Any, ...] = ()
+    batch_dims: BatchDims = BatchDims(note="not tested")
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -249,10 +251,20 @@ def _quiet_export() -> Iterator[None]:
             lg.setLevel(lv)
 
 
-def _export(model: nn.Module, inputs: tuple[Any, ...],
-            kwargs: Mapping[str, Any]) -> torch.fx.GraphModule:
+def _export(model: nn.Module, inputs: tuple[Any, ...], kwargs: Mapping[str, Any],
+            dims: BatchDims | None = None) -> torch.fx.GraphModule:
+    """torch.export with the batch dimension left free where ``dims`` found one (so the stages
+    take microbatches of any size); a model whose code pins it is exported as it stands."""
+    dynamic = export_dynamic_shapes(model, inputs, kwargs, dims) if dims is not None else None
     with _quiet_export(), exported_in_train_mode(model):  # every dropout and its p in the graph
-        ep = torch.export.export(model, inputs, dict(kwargs) or None, strict=False)
+        try:
+            ep = torch.export.export(model, inputs, dict(kwargs) or None, strict=False,
+                                     dynamic_shapes=dynamic)
+        except Exception:  # noqa: BLE001 - the batch cannot be symbolic: the static graph
+            if dynamic is None:
+                raise
+            log.info("torch.export could not leave the batch dimension free; static shapes")
+            ep = torch.export.export(model, inputs, dict(kwargs) or None, strict=False)
         gm = ep.module()
     _strip_checks(gm)
     _rebind_to_originals(gm, model)
@@ -407,6 +419,9 @@ def trace(model: nn.Module, example_inputs: Any = (), *, example_kwargs: Mapping
                               hint="use tracer='export' (or 'auto')")
     else:
         _check_eager(model, inputs, kwargs)
+    with _hf_training_config(model):
+        dims = (infer_batch_dims(lambda a, k: model(*a, **k), inputs, kwargs, module=model)
+                if not meta else BatchDims(note="a model on the meta device has no values"))
 
     errors: list[tuple[str, BaseException]] = []
     gm: torch.fx.GraphModule | None = None
@@ -424,7 +439,7 @@ def trace(model: nn.Module, example_inputs: Any = (), *, example_kwargs: Mapping
         used = "export"
         try:
             with _hf_training_config(model):
-                gm = _export(model, inputs, kwargs)
+                gm = _export(model, inputs, kwargs, dims)
             flat = _flat_inputs(gm, inputs, kwargs)
             propagate_shapes(gm, flat)
         except Exception as exc:  # noqa: BLE001
@@ -435,8 +450,9 @@ def trace(model: nn.Module, example_inputs: Any = (), *, example_kwargs: Mapping
     _assert_same_parameters(gm, model, used)
     names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     log.info("traced %s with %s: %d nodes", type(model).__name__, used, len(gm.graph.nodes))
+    record_batch_dims(gm, inputs, kwargs, flat, dims)
     return TracedGraph(gm=gm, method=used, input_names=names,
-                       io=ModelIO.from_graph_module(gm), flat_inputs=flat)
+                       io=ModelIO.from_graph_module(gm), flat_inputs=flat, batch_dims=dims)
 
 
 def _flat_inputs(gm: torch.fx.GraphModule, inputs: tuple[Any, ...],

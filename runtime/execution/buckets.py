@@ -17,6 +17,12 @@ Invariants that keep every replica's collectives matched and the result exact:
 * the minibatch count of the round is the last element of the last bucket (launched when the
   backward ends), so the mean stays sum / count when replicas ran different numbers of
   minibatches; a replica without a backward in the round fills and launches everything at ``U``;
+* with presence flags (``flags=True``, what the executor builds), the last bucket also holds one
+  flag per parameter just before the count (1: this replica has a gradient sum of the round, 0:
+  its slot is zeros); summed, a 0 says no replica had one, and :meth:`GradBuckets.grads` gives
+  that parameter None so it is not stepped, as torch.optim skips ``grad=None``
+  (:mod:`fxpipe.runtime.replica.stage_update`). The flags are known only when the backward ends,
+  where the last bucket launches anyway, so they cost no extra collective;
 * the elementwise sums are those of the single flat all-reduce (only the packing differs), and
   :meth:`GradBuckets.flat` rebuilds exactly :meth:`StageReplica.local_gradient`'s layout, so the
   update code is shared with the flat path; :meth:`GradBuckets.grads` gives the same values as
@@ -52,7 +58,9 @@ class BucketLayout:
 
     ``names``: trainable parameter names in the replica's own (forward) order; ``buckets[i]``:
     the names in bucket i (reverse order of use); ``sizes[i]``: its number of elements (the last
-    one has one more: the minibatch count); ``dtypes[i]``: its dtype (a bucket holds one dtype).
+    one has one more: the minibatch count, and with ``flags`` one more per name: the presence
+    flags, in ``names`` order, just before the count); ``dtypes[i]``: its dtype (a bucket holds
+    one dtype).
     """
 
     names: tuple[str, ...]
@@ -60,13 +68,15 @@ class BucketLayout:
     buckets: tuple[tuple[str, ...], ...]
     sizes: tuple[int, ...]
     dtypes: tuple[torch.dtype, ...]
+    flags: bool = False
 
     @classmethod
     def build(cls, params: Mapping[str, torch.Tensor], names: Sequence[str],
               cap_bytes: int = DEFAULT_BUCKET_BYTES,
-              count_dtype: torch.dtype = torch.float32) -> BucketLayout:
+              count_dtype: torch.dtype = torch.float32, flags: bool = False) -> BucketLayout:
         """Greedy packing of ``names`` (reversed) into buckets of at most ``cap_bytes`` (a larger
-        parameter gets a bucket of its own; a dtype change starts a new bucket)."""
+        parameter gets a bucket of its own; a dtype change starts a new bucket); ``flags``: room
+        for the presence flags in the last bucket (see the module doc)."""
         buckets: list[list[str]] = []
         sizes: list[int] = []
         dtypes: list[torch.dtype] = []
@@ -88,11 +98,18 @@ class BucketLayout:
             buckets.append([])
             sizes.append(0)
             dtypes.append(count_dtype)
-        sizes[-1] += 1
-        return cls(tuple(names), slots, tuple(map(tuple, buckets)), tuple(sizes), tuple(dtypes))
+        sizes[-1] += 1 + (len(names) if flags else 0)
+        return cls(tuple(names), slots, tuple(map(tuple, buckets)), tuple(sizes), tuple(dtypes),
+                   flags)
 
     def __len__(self) -> int:
         return len(self.buckets)
+
+    @property
+    def tail(self) -> int:
+        """Elements at the end of the last bucket that are not gradient sums: the presence
+        flags (with ``flags``) and the count."""
+        return 1 + (len(self.names) if self.flags else 0)
 
 
 @dataclass
@@ -110,6 +127,7 @@ class GradBuckets:
     active: bool = field(init=False, default=False)
     _missing: list[int] = field(init=False, default_factory=list)
     _filled: set[str] = field(init=False, default_factory=set)
+    _present: set[str] = field(init=False, default_factory=set)
     _views: dict[str, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,7 +143,7 @@ class GradBuckets:
         if self.active:
             raise RuntimeError("gradient buckets: a round is already open (missing wait at U)")
         self.active = True
-        self.pending, self._filled = [], set()
+        self.pending, self._filled, self._present = [], set(), set()
         self._missing = [len(names) for names in self.layout.buckets]
         self._missing[-1] += 1  # the count
 
@@ -136,12 +154,14 @@ class GradBuckets:
             raise RuntimeError(f"gradient of {name!r} reported twice in one round")
         self._views[name].copy_(grad_sum.reshape(-1))
         self._filled.add(name)
+        self._present.add(name)
         self._missing[self.layout.slots[name].bucket] -= 1
         self._launch_complete()
 
     def finish(self, grad_sums: Mapping[str, torch.Tensor], count: int) -> None:
-        """The backward ended: fill the slots no hook filled (their sum of the round, or zeros)
-        and the count, and launch the remaining buckets, in order."""
+        """The backward ended: fill the slots no hook filled (their sum of the round, or zeros),
+        the presence flags (with ``layout.flags``) and the count, and launch the remaining
+        buckets, in order."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for n in self.layout.names:
@@ -152,11 +172,17 @@ class GradBuckets:
                 else:
                     dst.append(self._views[n])
                     src.append(g.reshape(-1))
+                    self._present.add(n)
                 self._filled.add(n)
                 self._missing[self.layout.slots[n].bucket] -= 1
         if dst:  # one dispatch for all of them (the usual case: no hooks, one bucket)
             torch._foreach_copy_(dst, src)
-        self.bufs[-1][-1:].fill_(float(count))
+        last = self.bufs[-1]
+        if self.layout.flags:  # one host-to-device copy for flags and count together
+            tail = [1.0 if n in self._present else 0.0 for n in self.layout.names]
+            last[-self.layout.tail:].copy_(torch.tensor(tail + [float(count)], dtype=last.dtype))
+        else:
+            last[-1:].fill_(float(count))
         self._missing[-1] -= 1
         self._launch_complete()
         assert len(self.pending) == len(self.bufs), "every bucket must be launched"
@@ -177,20 +203,29 @@ class GradBuckets:
         bucket, as on a small model, no parameter needs a hook at all)."""
         return frozenset(self.layout.names) - frozenset(self.layout.buckets[-1])
 
-    def grads(self, params: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    def grads(self, params: Mapping[str, torch.Tensor]
+              ) -> tuple[dict[str, torch.Tensor | None], float]:
         """The mean gradients (each bucket divided in place by the summed count, once per
         bucket rather than once per parameter; count 0: the sums as they are) as views into
-        the buckets, shaped like ``params[name]``, and the summed count (closes the round; call
-        after every bucket's all-reduce was waited for). Why views: the optimizer takes them
-        as they are, which saves the pass over gradient memory :meth:`flat` costs; the buckets
-        are refilled completely next round, so writing into them is harmless. The division is
-        elementwise, so the values equal dividing each parameter's sum on its own."""
+        the buckets, shaped like ``params[name]`` (with ``layout.flags``: None for a parameter
+        no replica had a gradient for, so it takes no step), and the summed count (closes the
+        round; call after every bucket's all-reduce was waited for). Why views: the optimizer
+        takes them as they are, which saves the pass over gradient memory :meth:`flat` costs;
+        the buckets are refilled completely next round, so writing into them is harmless. The
+        division is elementwise, so the values equal dividing each parameter's sum on its
+        own."""
         lay = self.layout
-        count = float(self.bufs[-1][-1])
+        last = self.bufs[-1]
+        if lay.flags:  # one device-to-host read for the flags and the count
+            *present, count = last[-lay.tail:].tolist()
+        else:
+            count, present = float(last[-1]), [1.0] * len(lay.names)
         if count > 0 and count != 1:
             for i, b in enumerate(self.bufs):
-                (b[:-1] if i == len(self.bufs) - 1 else b).div_(count)
-        out = {n: self._views[n].view(params[n].shape) for n in lay.names}
+                (b[:-lay.tail] if i == len(self.bufs) - 1 else b).div_(count)
+        out: dict[str, torch.Tensor | None] = {
+            n: self._views[n].view(params[n].shape) if f > 0 else None
+            for n, f in zip(lay.names, present)}
         self.active = False
         return out, count
 
@@ -199,7 +234,7 @@ class GradBuckets:
         round; call after every bucket's all-reduce was waited for)."""
         parts = [self._views[n] for n in self.layout.names]
         self.active = False
-        return torch.cat([*parts, self.bufs[-1][-1:].to(_flat_dtype(self.bufs))])
+        return torch.cat([*parts, self.bufs[-1][-self.layout.tail:].to(_flat_dtype(self.bufs))])
 
 
 def _flat_dtype(bufs: Sequence[torch.Tensor]) -> torch.dtype:

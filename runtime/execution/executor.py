@@ -10,7 +10,10 @@ group) and steps the optimizer; tied parameters also sum their gradients over ev
 them (under pipedream ``d`` rounds later, see :func:`fxpipe.runtime.execution.contract.tied_delay`).
 With ``overlap_allreduce`` (default) the replicas' sum is bucketed and launched from hooks during
 the last backward before the update, as DDP does (:mod:`fxpipe.runtime.execution.buckets`); ``U``
-then only waits for it.
+then only waits for it. Either way the summed buffer carries one presence flag per parameter, so
+every replica (and every holder of a tied parameter) agrees which parameters got no gradient at
+all in the round: those take no step, as torch.optim skips ``grad=None``
+(:mod:`fxpipe.runtime.replica.stage_update`).
 
 WHEN each message is posted follows :mod:`fxpipe.runtime.schedules.commplan`: one global order that
 every rank follows, receives posted as early as that order allows (so data arrives while the rank
@@ -43,7 +46,8 @@ from ..replica.clipping import GROUP, counted, stage_clipper
 from ..replica.device import to_device
 from ..replica.global_step import step_hook
 from ..replica.mitigation import make_replica
-from ..replica.stage import LossFn, model_env, sync_components, tie_sets, tied_parameters
+from ..replica.stage import (LossFn, detached_values, model_env, sync_components, tie_sets,
+                             tied_parameters)
 from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.commplan import Issuer, Msg, RankPlan, comm_plans, links_of
@@ -111,12 +115,15 @@ class RankExecutor:
         self._inbox: dict[Msg, _Pending] = {}
         self._out: dict[str, torch.Tensor] = {}
         last = len(self.stages) - 1
+        # values no gradient flows back along: no message planned, none computed or sent
+        self._detached = detached_values(self.stages)
         self._split = False  # this run's B computes input gradients only, W the rest (see run)
         self.replica = make_replica(self.spec, optimizer_factory, delay=delay,  # mitigation.py
                                     mitigation=mitigation,
                                     loss_fn=loss_fn if me[0] == last else None,
                                     stashing=stashing, planned_reads=planned_reads(schedule, me),
                                     model_input_grads=False,  # sent nowhere: not computed
+                                    detached=self._detached,
                                     device=self.device, **options.replica_kwargs(me[0]))
 
     def _configure(self, kind: str) -> None:
@@ -144,6 +151,11 @@ class RankExecutor:
 
     # ------------------------------------------------------------------ messages
     def _grad_ok(self, name: str, k: int) -> bool:
+        """Whether value ``name`` of minibatch k has a gradient message: floating point on the
+        wire, and not only detached by its consumers (:func:`detached_values`). Every rank
+        answers alike (the same stages), so both ends plan the same messages."""
+        if name in self._detached:
+            return False
         dt = self.wire.spec(name, k).dtype
         return dt.is_floating_point or dt.is_complex
 
@@ -198,7 +210,8 @@ class RankExecutor:
                     torch.empty(t.shape, dtype=stash.grad_dtypes[n], device="meta")
                     for n, t in stash.latest.items()}
             ref = next(iter(like.values()), torch.zeros(()))
-            layout = BucketLayout.build(like, stash.trainable, self.bucket_bytes, ref.dtype)
+            layout = BucketLayout.build(like, stash.trainable, self.bucket_bytes, ref.dtype,
+                                        flags=True)  # presence flags: see stage_update
             peers = [(s, j) for j in range(reps[s])]
             self._buckets = GradBuckets(
                 layout, self.device,
@@ -264,8 +277,9 @@ class RankExecutor:
                 self.replica.apply_local_update()
             return
         with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
-            buf = self.replica.local_gradient() if bk is None or self.tied else None
-            segs = [(key, names, self.replica.segment(buf, names)) for key, names in self.tied]
+            buf = self.replica.local_gradient(flags=True) if bk is None or self.tied else None
+            segs = [(key, names, self.replica.segment(buf, names, flags=True))
+                    for key, names in self.tied]
         if bk is not None:
             self.comm.wait_all_reduces(bk.pending, f"allreduce {a}", group=str(s))
             if not self.tied:  # the buckets' views go to the optimizer (no flat copy)
@@ -281,11 +295,11 @@ class RankExecutor:
         if self._delay == 0:
             for key, names, seg in segs:
                 self.comm.all_reduce(seg, key, self._holders(key), f"tied {names} U{a.minibatch}")
-                self.replica.put_segment(buf, names, seg)
+                self.replica.put_segment(buf, names, seg, flags=True)
         else:
             late = self._tied_round(a.minibatch, segs, float(buf[-1]))
         with self.rec.span("optimizer", str(a), update=a.minibatch):
-            self.replica.apply_update(buf, late)
+            self.replica.apply_update(buf, late, flags=True)
 
     def _holders(self, key: tuple[int, ...]) -> list[Rank]:
         return [(t, j) for t in key for j in range(self.schedule.replicas[t])]
@@ -308,8 +322,8 @@ class RankExecutor:
         pend, count = self._rounds.pop((key, j))
         self.comm.wait_all_reduces([pend], f"tied round {j}", group=str(key))
         total = pend.tensor
-        mean = total / count if count > 0 and count != 1 else total
-        return self.replica.split_segment(mean, names)
+        mean = total / count if count > 0 and count != 1 else total  # flags stay > 0 or 0
+        return self.replica.split_segment(mean, names, flags=True)
 
     def _finish_tied_rounds(self) -> None:
         """Run end: apply the last ``d`` tied rounds (tied-only steps, as the reference)."""

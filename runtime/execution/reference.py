@@ -21,8 +21,8 @@ from fxpipe.codegen.split import MODEL, StageSpec
 from ..replica.clipping import stage_clipper
 from ..replica.global_step import reference_step
 from ..replica.mitigation import MitigatedReplica, check_mitigation, make_replica
-from ..replica.stage import (LossFn, StageReplica, TiedParameter, model_env, sync_components,
-                             tie_sets, tied_parameters)
+from ..replica.stage import (LossFn, StageReplica, TiedParameter, detached_values, model_env,
+                             sync_components, tie_sets, tied_parameters)
 from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.schedule import SCHEDULE_KINDS, Rank, Schedule, execution_order, split_ranks
@@ -37,13 +37,17 @@ log = logging.getLogger(__name__)
 def tied_update(totals: dict[Rank, torch.Tensor], locals_: dict[Rank, torch.Tensor],
                 workers: dict[Rank, StageReplica], tied: Sequence[TiedParameter]) -> None:
     """Reference semantics of tied parameters at one update: in every rank's ``totals`` (its
-    stage's replica-summed gradient buffer), replace the tied parameters' part by the sum over
-    ALL ranks holding them of their LOCAL sums (``locals_``), in rank order."""
+    stage's replica-summed gradient buffer, with presence flags), replace the tied parameters'
+    part and flags by the sum over ALL ranks holding them of their LOCAL sums and flags
+    (``locals_``), in rank order: a tied parameter takes no step only when no holder had a
+    gradient for it."""
     for stages, ts in tie_sets(tied).items():
         ranks = [r for r in sorted(totals) if r[0] in stages]
-        seg = _sum([workers[r].segment(locals_[r], [t.names[r[0]] for t in ts]) for r in ranks])
+        seg = _sum([workers[r].segment(locals_[r], [t.names[r[0]] for t in ts], flags=True)
+                    for r in ranks])
         for r in ranks:
-            workers[r].put_segment(totals[r], [t.names[r[0]] for t in ts], seg)  # type: ignore
+            workers[r].put_segment(totals[r], [t.names[r[0]] for t in ts], seg,  # type: ignore
+                                   flags=True)
 
 
 class ReferenceExecutor:
@@ -77,12 +81,13 @@ class ReferenceExecutor:
         check_mitigation(self.mitigation, kind=schedule.kind, stashing=stashing,
                          vertical_sync=vertical_sync, stages=self.stages, delays=self.delays)
         last = len(self.stages) - 1
+        detached = detached_values(self.stages)  # no gradient flows back along these
         self.workers: dict[Rank, StageReplica] = {
             rank: make_replica(self.stages[rank[0]], optimizer_factory,
                                delay=self.delays[rank[0]], mitigation=self.mitigation,
                                loss_fn=loss_fn if rank[0] == last else None, stashing=stashing,
                                planned_reads=planned_reads(self.schedule, rank),
-                               **options.replica_kwargs(rank[0]))
+                               detached=detached, **options.replica_kwargs(rank[0]))
             for rank in self.schedule.ranks}
         self.tied = tied_parameters(self.stages)
         self._sync = sync_components(self.tied)
@@ -185,15 +190,18 @@ class ReferenceExecutor:
     def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder], i: int) -> None:
         """Update ``i`` of every rank in ``ranks`` (all replicas of a set of stages updating
         together): replicas sum their gradients, tied parameters sum across stages (now, or
-        ``self._delay`` rounds later: see :func:`tied_delay`)."""
+        ``self._delay`` rounds later: see :func:`tied_delay`). The buffers carry presence flags
+        (:mod:`fxpipe.runtime.replica.stage_update`), as the distributed executor's do: a
+        parameter none of the replicas had a gradient for takes no step."""
         t0 = {r: recs[r].now() for r in ranks}
-        locals_ = {r: self.workers[r].local_gradient() for r in sorted(ranks)}
+        locals_ = {r: self.workers[r].local_gradient(flags=True) for r in sorted(ranks)}
         totals = {r: _sum([locals_[q] for q in sorted(ranks) if q[0] == r[0]]).clone()
                   for r in ranks}  # type: ignore[union-attr]
         if self._delay == 0:
             tied_update(totals, locals_, self.workers, self.tied)
         if self._global:  # every rank of the pipeline is in ``ranks`` (see _sync)
-            grads = {r: self.workers[r].update_grads(totals[r]) for r in sorted(ranks)}
+            grads = {r: self.workers[r].update_grads(totals[r], flags=True)
+                     for r in sorted(ranks)}
             for r, g in reference_step(grads, self.workers, self.tied,
                                        self.options.clip_grad_norm).items():
                 self.workers[r].step(g)
@@ -202,7 +210,7 @@ class ReferenceExecutor:
             return
         for r in sorted(ranks):
             late = self._delayed_round(r, i, locals_[r], float(totals[r][-1]))
-            self.workers[r].apply_update(totals[r], late)
+            self.workers[r].apply_update(totals[r], late, flags=True)
             recs[r].add("optimizer", f"U{i}", t0[r], recs[r].now(), stage=r[0], replica=r[1],
                         update=i)
 
@@ -218,7 +226,8 @@ class ReferenceExecutor:
             if r[0] not in key:
                 continue
             names = [t.names[r[0]] for t in ts]
-            self._rounds.setdefault((key, i), {})[r] = (w.segment(local, names), count)
+            self._rounds.setdefault((key, i), {})[r] = (w.segment(local, names, flags=True),
+                                                        count)
             out.update(self._round_grads(r, key, names, i - self._delay))
         return out
 
@@ -232,8 +241,8 @@ class ReferenceExecutor:
         total = _sum([got[q][0] for q in sorted(got)])
         assert total is not None
         count = got[r][1]
-        mean = total / count if count > 0 and count != 1 else total
-        return self.workers[r].split_segment(mean, names)
+        mean = total / count if count > 0 and count != 1 else total  # flags stay > 0 or 0
+        return self.workers[r].split_segment(mean, names, flags=True)
 
     def _finish_tied_rounds(self) -> None:
         """Segment end: apply the last ``delay`` tied rounds (tied-only steps, in order)."""

@@ -36,10 +36,44 @@ from .stage_set import (LossFn, TiedParameter, check_stages, model_env, sync_com
 from .stage_update import UpdateMixin
 from .stash import OptimizerFactory, WeightStash, swapped_call, tensor_slots
 
-__all__ = ["LossFn", "StageReplica", "TiedParameter", "check_stages", "is_differentiable",
-           "model_env", "modes", "sync_components", "tie_sets", "tied_parameters"]
+__all__ = ["LossFn", "StageReplica", "TiedParameter", "check_stages", "detached_values",
+           "is_differentiable", "model_env", "modes", "sync_components", "tie_sets",
+           "tied_parameters"]
 
 log = logging.getLogger(__name__)
+
+_DETACH_FUNCTIONS = (torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default)
+
+
+def _is_detach(node: torch.fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "detach") or (
+        node.op == "call_function" and node.target in _DETACH_FUNCTIONS)
+
+
+def detached_values(stages: Sequence[StageSpec]) -> frozenset[str]:
+    """Values sent between stages that every stage consuming them only ``.detach()``es (each
+    use of its input is a detach): no gradient can flow back along them.
+
+    Why it matters: PyTorch gives a parameter whose output is detached no gradient at all
+    (``grad=None``: the optimizer skips it), and fxpipe keeps that rule within a stage (see
+    :mod:`.stage_update`). Across a cut, the consumer would compute a gradient for its input
+    anyway (zeros: the input did not influence its outputs) and send it back, and the producer's
+    parameters would then get a zero gradient, which weight decay and momentum step. So both
+    executors treat these values as carrying no gradient: the consumer does not differentiate
+    them, no gradient message is planned for them, and the producer's backward has nothing to
+    seed them with. The rule is deliberately narrow (a detach as the only use of the input, the
+    usual shape of a cut right before ``.detach()``): a value reaching the outputs through any
+    other op keeps its gradient message, zeros included, as before."""
+    uses: dict[str, list[bool]] = {}
+    for st in stages:
+        placeholders = [n for n in st.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(st.inputs):  # not split_graph's layout: assume nothing
+            return frozenset()
+        for name, src, ph in zip(st.inputs, st.sources, placeholders):
+            if src != MODEL:
+                uses.setdefault(name, []).append(
+                    bool(ph.users) and all(_is_detach(u) for u in ph.users))
+    return frozenset(n for n, only in uses.items() if only and all(only))
 
 
 @dataclass
@@ -59,8 +93,8 @@ class StageReplica(UpdateMixin):
                  planned_reads: Mapping[int, int] | None = None,
                  model_input_grads: bool = True, device: torch.device | None = None,
                  precision: str = "fp32", recompute: bool = False,
-                 master_weights: bool | None = None, scaler: ScalerConfig | None = None
-                 ) -> None:
+                 master_weights: bool | None = None, scaler: ScalerConfig | None = None,
+                 detached: Collection[str] = ()) -> None:
         """``device``: where this replica's weights, buffers and gradients live. The stage's
         GraphModule is NOT moved: its own tensors are never used for compute (every call swaps
         the replica's in), so a device holds the weights once (the stash), not twice.
@@ -71,7 +105,9 @@ class StageReplica(UpdateMixin):
         precision, so gradients are those of the stored-activation run (bitwise on the CPU).
         ``master_weights``: float32 masters for low-precision parameters (:mod:`.master`).
         ``scaler``: dynamic loss scaling (fp16, :mod:`.loss_scale`): the last stage seeds its
-        backwards with the scale; the executor unscales, checks and steps at each update."""
+        backwards with the scale; the executor unscales, checks and steps at each update.
+        ``detached``: input values that carry no gradient (:func:`detached_values`): not
+        differentiated, their backward gradient None (nothing is sent back for them)."""
         self.spec = spec
         self.precision, self.recompute = precision, recompute
         self.scaler = LossScaler(scaler) if scaler is not None else None
@@ -90,8 +126,10 @@ class StageReplica(UpdateMixin):
         # consumes it in the distributed executor, and for the input stage it is a whole extra
         # product with the first layer's weights per backward; parameter gradients do not
         # depend on it.
-        self._no_grad_in = frozenset() if model_input_grads else frozenset(
-            i for i, src in enumerate(spec.sources) if src == MODEL)
+        self._no_grad_in = (frozenset() if model_input_grads else frozenset(
+            i for i, src in enumerate(spec.sources) if src == MODEL)) | frozenset(
+            i for i, (n, src) in enumerate(zip(spec.inputs, spec.sources))
+            if src != MODEL and n in detached)
         self.is_last = loss_fn is not None
         self.loss_fn = loss_fn
         params = dict(spec.gm.named_parameters())

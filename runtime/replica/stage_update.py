@@ -7,6 +7,16 @@ the round: :mod:`fxpipe.runtime.execution.buckets`) and the update uses sum / co
 gradient over the minibatches of the group (= plain SGD for one replica updating after every
 minibatch).
 
+A parameter without a gradient is not stepped, as ``torch.optim`` skips ``grad=None`` (so weight
+decay or momentum does not move a parameter whose output was ``.detach()``ed): in an update it
+gets None when no replica of its stage produced a gradient for it since the previous update; if
+some did, the missing ones count as zeros (DDP's rule). So that the replicas agree without another
+collective, the flat buffer of the executors (``flags=True``) carries one presence flag per
+trainable parameter between the sums and the count, summed with them by the same all-reduce (a
+flag > 0: some replica had a gradient); a tied parameter's flag travels in its segment, so the
+rule holds across the tie. The flags never touch the sums, so where every parameter has a
+gradient the results are those of the layout without flags, bit for bit.
+
 Why the update path avoids copies: on a one-stage run the gradient memory is touched by the
 backward and by the optimizer anyway; every extra pass (concatenating, dividing into a new tensor,
 cloning) costs as much again, and every fresh allocation of a large tensor pays page faults. So
@@ -40,8 +50,11 @@ class UpdateMixin:
     _owned: set[str]
     _count: int
 
-    def local_gradient(self) -> torch.Tensor:
-        """Flat buffer [sum of gradients of every trainable parameter..., minibatch count]."""
+    def local_gradient(self, flags: bool = False) -> torch.Tensor:
+        """Flat buffer [sum of gradients of every trainable parameter..., minibatch count]; with
+        ``flags``, one presence flag per trainable parameter (1: it has a gradient sum this
+        round, 0: none, its part is zeros) between the sums and the count (see the module doc:
+        what lets summed replicas tell "no gradient anywhere" from "a zero gradient")."""
         parts = []
         dts = self.stash.grad_dtypes
         for n in self.stash.trainable:
@@ -50,7 +63,8 @@ class UpdateMixin:
             parts.append((torch.zeros_like(p, dtype=dts[n]) if g is None else g).reshape(-1))
         ref = next(iter(self.stash.latest.values()), torch.zeros(()))
         dtype = next((dts[n] for n in self.stash.trainable), ref.dtype)  # the gradients' dtype
-        parts.append(torch.tensor([float(self._count)], dtype=dtype, device=ref.device))
+        tail = [1.0 if n in self._grad_sum else 0.0 for n in self.stash.trainable] if flags else []
+        parts.append(torch.tensor(tail + [float(self._count)], dtype=dtype, device=ref.device))
         return torch.cat(parts)
 
     def _offsets(self) -> dict[str, tuple[int, int]]:
@@ -61,43 +75,72 @@ class UpdateMixin:
             off += out[n][1]
         return out
 
-    def segment(self, flat: torch.Tensor, names: Sequence[str]) -> torch.Tensor:
-        """The parts of ``flat`` (a :meth:`local_gradient` layout) for ``names``, concatenated
-        (a copy): what a tied-parameter all-reduce sends."""
-        offs = self._offsets()
-        return torch.cat([flat[offs[n][0]:offs[n][0] + offs[n][1]] for n in names])
+    def _flag_offsets(self) -> dict[str, int]:
+        """name -> index of its presence flag in a ``local_gradient(flags=True)`` buffer."""
+        start = sum(self.stash.latest[n].numel() for n in self.stash.trainable)
+        return {n: start + i for i, n in enumerate(self.stash.trainable)}
 
-    def split_segment(self, seg: torch.Tensor, names: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The parts of ``seg`` (a :meth:`segment` layout) by name, shaped like the weights."""
-        out, pos = {}, 0
+    def segment(self, flat: torch.Tensor, names: Sequence[str], *,
+                flags: bool = False) -> torch.Tensor:
+        """The parts of ``flat`` (a :meth:`local_gradient` layout) for ``names``, concatenated
+        (a copy): what a tied-parameter all-reduce sends. ``flags``: ``flat`` has presence
+        flags, and the segment ends with those of ``names`` (so the sum over the tie's holders
+        tells whether any of them had a gradient)."""
+        offs = self._offsets()
+        parts = [flat[offs[n][0]:offs[n][0] + offs[n][1]] for n in names]
+        if flags:
+            fo = self._flag_offsets()
+            parts += [flat[fo[n]:fo[n] + 1] for n in names]
+        return torch.cat(parts)
+
+    def split_segment(self, seg: torch.Tensor, names: Sequence[str], *,
+                      flags: bool = False) -> dict[str, torch.Tensor | None]:
+        """The parts of ``seg`` (a :meth:`segment` layout) by name, shaped like the weights;
+        with ``flags``, None for a name whose flag is 0 (no holder had a gradient: no step)."""
+        out: dict[str, torch.Tensor | None] = {}
+        pos = 0
         for n in names:
             p = self.stash.latest[n]
             out[n] = seg[pos:pos + p.numel()].view(p.shape)
             pos += p.numel()
+        if flags:
+            present = seg[pos:pos + len(names)].tolist()
+            out.update({n: None for n, f in zip(names, present) if not f > 0})
         return out
 
-    def put_segment(self, flat: torch.Tensor, names: Sequence[str], seg: torch.Tensor) -> None:
-        """Write ``seg`` (the layout of :meth:`segment`) back into ``flat`` in place."""
+    def put_segment(self, flat: torch.Tensor, names: Sequence[str], seg: torch.Tensor, *,
+                    flags: bool = False) -> None:
+        """Write ``seg`` (the layout of :meth:`segment`, same ``flags``) back into ``flat`` in
+        place."""
         offs, pos = self._offsets(), 0
         for n in names:
             off, numel = offs[n]
             flat[off:off + numel] = seg[pos:pos + numel]
             pos += numel
+        if flags:
+            fo = self._flag_offsets()
+            for n in names:
+                flat[fo[n]] = seg[pos]
+                pos += 1
 
     def apply_update(self, total: torch.Tensor,
-                     tied: Mapping[str, torch.Tensor | None] | None = None) -> int:
+                     tied: Mapping[str, torch.Tensor | None] | None = None, *,
+                     flags: bool = False) -> int:
         """Step the optimizer with the mean gradient in ``total`` (the sum over the stage's
-        replicas of :meth:`local_gradient`); returns the new weight version. ``total`` is
-        consumed: its parts are divided in place and handed to the optimizer as views.
-        ``tied``: gradients (already means) used instead of ``total``'s for those names, None
-        for "no step for this parameter now" (delayed tied rounds, see reference.tied_delay)."""
-        return self.finish_update(self.update_grads(total, tied))
+        replicas of :meth:`local_gradient`, with presence flags when ``flags``); returns the new
+        weight version. ``total`` is consumed: its parts are divided in place and handed to the
+        optimizer as views. ``tied``: gradients (already means) used instead of ``total``'s for
+        those names, None for "no step for this parameter now" (delayed tied rounds, see
+        reference.tied_delay)."""
+        return self.finish_update(self.update_grads(total, tied, flags=flags))
 
     def update_grads(self, total: torch.Tensor,
-                     tied: Mapping[str, torch.Tensor | None] | None = None
-                     ) -> dict[str, torch.Tensor | None]:
+                     tied: Mapping[str, torch.Tensor | None] | None = None, *,
+                     flags: bool = False) -> dict[str, torch.Tensor | None]:
         """The mean gradients :meth:`apply_update` steps with (before clipping); resets the
-        round's sums. The reference executor clips them over all stages in between."""
+        round's sums. ``flags``: ``total`` carries presence flags; a parameter whose summed flag
+        is 0 (no replica had a gradient) gets None, so it takes no step. The reference executor
+        clips them over all stages in between."""
         count = float(total[-1])
         grads: dict[str, torch.Tensor | None] = {}
         offset = 0
@@ -105,6 +148,9 @@ class UpdateMixin:
             p = self.stash.latest[n]
             grads[n] = total[offset:offset + p.numel()].reshape(p.shape)
             offset += p.numel()
+        if flags:
+            present = total[offset:offset + len(self.stash.trainable)].tolist()
+            grads.update({n: None for n, f in zip(self.stash.trainable, present) if not f > 0})
         fixed = dict(tied or {})
         grads.update(fixed)
         return self.mean_grads(grads, count, writable=grads, fixed=fixed)
@@ -112,12 +158,11 @@ class UpdateMixin:
     def apply_local_update(self) -> int:
         """The update of a replica that sums with nobody (one replica, no tied parameters):
         its own gradient sums go straight to the optimizer, with no flat buffer; the same
-        values as ``apply_update(local_gradient())``."""
-        latest = self.stash.latest
-        dts = self.stash.grad_dtypes
-        grads = {n: self._grad_sum[n] if n in self._grad_sum
-                 else torch.zeros_like(latest[n], dtype=dts[n]) for n in self.stash.trainable}
-        writable = {n for n in grads if n in self._owned or n not in self._grad_sum}
+        values as ``apply_update(local_gradient(flags=True), flags=True)``: a parameter
+        without a gradient sum gets None (not stepped, as torch.optim skips ``grad=None``)."""
+        grads: dict[str, torch.Tensor | None] = {n: self._grad_sum.get(n)
+                                                 for n in self.stash.trainable}
+        writable = {n for n in grads if n in self._owned}
         return self.apply_grads(grads, float(self._count), writable=writable)
 
     def apply_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,

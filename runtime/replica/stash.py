@@ -134,8 +134,11 @@ class WeightStash:
 
     # ------------------------------------------------------------------ updating
     def update(self, grads: Mapping[str, torch.Tensor | None]) -> int:
-        """Apply one optimizer step with ``grads`` (by name, trainable params only) to the latest
-        weights; returns the new version number."""
+        """Apply one optimizer step with ``grads`` (by name, every trainable param) to the latest
+        weights; returns the new version number. A None gradient leaves that parameter exactly
+        in place (the optimizer sees ``grad=None`` and skips it, as torch.optim does for a
+        parameter that got no gradient: no weight decay, no momentum); all None skips the
+        step, but the version still advances."""
         copied = False
         if self.optimizer is None:
             if self._needed(self.version):  # nothing trainable: every version is the same dict

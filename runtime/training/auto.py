@@ -12,12 +12,13 @@
   ``max_fraction`` = 1/2 of the run's minibatches; from as many epochs of the loader as that
   takes: the loader must be re-iterable), on the reference executor (the distributed runtime's
   single-process oracle; CPU, in this process; the trainer's per-update LR scheduler stepped as
-  in training). The training losses are smoothed (trailing mean over ``pilot // 8``
-  minibatches); the level is where the synchronous baseline (``1f1b-flush``) ends the pilot; a
-  candidate's count is the first minibatch whose smoothed loss reaches the level. One that does
-  not within the pilot is not chosen: extrapolating its progress (an earlier rule) picked stale
-  schedules that were fast early and then stalled short of the target (bench/ablation: 4 of 24
-  rows, one seed).
+  in training), reading them again for each candidate a training segment at a time
+  (:mod:`~fxpipe.runtime.training.auto_data`). The training losses are smoothed (trailing
+  mean over ``pilot // 8`` minibatches); the level is where the synchronous baseline
+  (``1f1b-flush``) ends the pilot; a candidate's count is the first minibatch whose smoothed
+  loss reaches the level. One that does not within the pilot is not chosen: extrapolating its
+  progress (an earlier rule) picked stale schedules that were fast early and then stalled short
+  of the target (bench/ablation: 4 of 24 rows, one seed).
 * **The choice**: the smallest predicted time, except that an asynchronous candidate must beat
   the best synchronous one (``1f1b-flush``, ``gpipe``, ``zb-h1``, ``zb-h2``) by ``margin``
   (default 5%): a pilot sees the start of training only, and staleness costs more later
@@ -38,7 +39,9 @@ in a long job: before it starts it is priced (:func:`price`, :func:`budget`), fi
 plan's profile and, where that lets it through, from a few timed steps (:func:`probe`), and a
 pilot predicted to cost more than ``max_cost`` (default a quarter) of the run's predicted
 training time is not run, and auto picks the synchronous baseline, as it does with
-``auto_options={"pilot": 0}`` and for a run with fewer than ``min_pilot`` minibatches. A single
+``auto_options={"pilot": 0}`` and for a run with fewer than ``min_pilot`` minibatches; so it
+does where the pilot's copies of the model would not fit in a rank's memory, priced before
+anything is read or copied (:mod:`~fxpipe.runtime.training.auto_memory`). A single
 stage has nothing stale: auto trains it with pipedream (an update after every minibatch, no
 flush) without a pilot. Opt out altogether with an explicit schedule. LocalSGD is not a
 candidate: the distributed executor does not run it.
@@ -60,6 +63,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TYPE_CHECKING
 from ..errors import RuntimeConfigError
 from ..schedules.kinds import make_schedule
 from ..schedules.spec import parse_schedule
+from .auto_data import PilotData
 from .auto_pilot import budget, pilot, probe, split_for
 
 if TYPE_CHECKING:
@@ -85,7 +89,11 @@ class AutoOptions:
     """How ``auto`` decides (see the module doc). ``max_cost``: the most the pilot may cost, as
     a fraction of the run's predicted training time (``None``: no limit); ``plan``/``profile``:
     the compiled model's (``CompiledModel.trainer`` passes them); ``report``: called with the
-    :class:`Decision`."""
+    :class:`Decision`. Memory (:mod:`~fxpipe.runtime.training.auto_memory`): the pilot's copies
+    must fit in a rank's available memory less ``memory_margin`` of it, and add at most
+    ``max_memory`` to what the rank's training holds (``None``: that check is off);
+    ``available_bytes``: what a rank may use (default
+    :func:`~fxpipe.runtime.training.auto_memory.available_bytes`; None from it: unknown)."""
 
     pilot: int = 200
     min_pilot: int = 40
@@ -96,6 +104,9 @@ class AutoOptions:
     plan: Any = None
     profile: Any = None
     report: Callable[[Decision], None] | None = None
+    memory_margin: float | None = 0.25
+    max_memory: float | None = 0.2
+    available_bytes: Callable[[], int | None] | None = None
 
     @classmethod
     def make(cls, value: AutoOptions | Mapping[str, Any] | None) -> AutoOptions:
@@ -135,6 +146,7 @@ class Decision:
     periods_from: str = ""
     pilot_ranks: int = 1
     split: int = 1  # microbatches each minibatch is cut into (auto_pilot.split_for)
+    memory: str = ""  # what the pilot's copies were priced at, and against what (auto_memory)
 
     def summary(self) -> str:
         cut = (f" (each minibatch cut into {self.split} microbatches: one update per minibatch)"
@@ -146,6 +158,8 @@ class Decision:
             lines.append(f"  pilot: {self.pilot_minibatches} minibatches per candidate on the "
                          f"reference executor ({self.pilot_seconds:.1f} s{split}); loss level "
                          f"{self.level:.4g}; seconds per minibatch from {self.periods_from}")
+            if self.memory:
+                lines.append(f"  memory: {self.memory}")
             lines.append(f"  {'candidate':<28}{'s/minibatch':>12}{'to level':>10}"
                          f"{'predicted':>12}")
             for r in sorted(self.rows, key=lambda r: r.time_s):
@@ -314,23 +328,30 @@ def price(options: AutoOptions, replicas: Sequence[int], num_stages: int, pilot_
 
 
 def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
-           optimizer: Callable[..., Any], batches: Sequence[Any], options: AutoOptions, *,
-           microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None,
-           share: tuple[int, int] = (0, 1), gather: Gather | None = None,
-           lr_scheduler: Callable[[Any], Any] | None = None,
-           run_minibatches: int | None = None) -> Decision:
-    """The whole of auto for one pipeline and the first minibatches of its data. ``share``:
-    (this rank, ranks): each rank trains its :func:`share_of` the candidates and ``gather``
-    brings every rank's curves together, so the pilot's wall time falls with the number of
-    ranks (every rank then decides alike: the same curves, the same simulation).
+           optimizer: Callable[..., Any], batches: Sequence[Any] | PilotData,
+           options: AutoOptions, *, microbatches: int | None = None, seed: int = 0,
+           step_options: StepOptions | None = None, share: tuple[int, int] = (0, 1),
+           gather: Gather | None = None, lr_scheduler: Callable[[Any], Any] | None = None,
+           run_minibatches: int | None = None,
+           cut: Callable[[list[Any]], Any] | None = None) -> Decision:
+    """The whole of auto for one pipeline and the first minibatches of its data (a list, or a
+    :class:`~.auto_data.PilotData` streamed from the loader: nothing is read before the pilot
+    is priced). ``share``: (this rank, ranks): each rank trains its :func:`share_of` the
+    candidates and ``gather`` brings every rank's curves together, so the pilot's wall time
+    falls with the number of ranks (every rank then decides alike: the same curves, the same
+    simulation); a rank with no share neither probes nor copies the model.
     ``run_minibatches``: the run's length; with ``options.max_cost``, a pilot predicted to cost
     more than that fraction of the run's training time (:func:`price`: by the plan's profile,
-    then by a :func:`probe`) is not run."""
+    then by a :func:`probe`) is not run. ``cut(first minibatches)``: the trainer's
+    :class:`~.loss_split.Cut` (a collective: every rank calls it, just before the pilot), with
+    which the microbatched candidates cut minibatches."""
     if len(stages) == 1:
         return Decision("pipedream", ONE_STAGE)
-    if options.pilot <= 0 or len(batches) < options.min_pilot:
+    data = batches if isinstance(batches, PilotData) else PilotData.held(batches)
+    count = data.count() if options.pilot > 0 else 0
+    if options.pilot <= 0 or count < max(options.min_pilot, 1):
         why = ("the pilot is disabled" if options.pilot <= 0 else
-               f"only {len(batches)} minibatches for a pilot (min_pilot={options.min_pilot})")
+               f"only {count} minibatches for a pilot (min_pilot={options.min_pilot})")
         return Decision("1f1b-flush", f"{why}: {SAFE}")
     require_baseline(options.candidates)
     t0 = time.perf_counter()
@@ -338,22 +359,27 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     if world > 1 and gather is None:
         raise RuntimeConfigError(f"auto's pilot split over {world} ranks without a gather",
                                  "pass gather= (every rank's object, in rank order)")
-    P = min(options.pilot, len(batches))
+    P = min(options.pilot, count)
+    mine = share_of(options.candidates, index, world)
     args = (options, replicas, len(stages), P, run_minibatches, world, microbatches)
     early = price(*args)  # from the plan's profile: no probe where it already prices out
-    if early is None and run_minibatches and options.max_cost is not None and batches:
-        step = probe(stages, replicas, loss_fn, optimizer, batches[:5], step_options=step_options)
+    if early is None and run_minibatches and options.max_cost is not None:
+        step = (probe(stages, replicas, loss_fn, optimizer, data.first(5),
+                      step_options=step_options) if mine else 0.0)
         step = max(gather(step, "auto: pilot probe")) if gather is not None else step
         early = price(*args, step_s=step)
     if early is not None:
         return replace(early, pilot_seconds=time.perf_counter() - t0)
     per, source = periods(options.candidates, replicas, plan=options.plan,
                           profile=options.profile, microbatches=microbatches)
-    mine = pilot(stages, replicas, loss_fn, optimizer, batches[:P],
-                 share_of(options.candidates, index, world), microbatches=microbatches,
-                 seed=seed, step_options=step_options, lr_scheduler=lr_scheduler)
-    curves, notes = merge(gather(mine, "auto: pilot curves") if gather is not None else [mine],
-                          options.candidates)
+    curves_notes = pilot(stages, replicas, loss_fn, optimizer, data.limited(P), mine,
+                         microbatches=microbatches, seed=seed, step_options=step_options,
+                         lr_scheduler=lr_scheduler,
+                         cut=cut(data.first(1)) if cut is not None and any(
+                             split_for(c, replicas, microbatches) > 1
+                             for c in options.candidates) else None)
+    curves, notes = merge(gather(curves_notes, "auto: pilot curves") if gather is not None
+                          else [curves_notes], options.candidates)
     d = decide(curves, {c: per[c] for c in curves}, margin=options.margin, notes=notes)
     rows = d.rows + tuple(Row(c, math.nan, math.inf, math.inf, n) for c, n in notes.items())
     return Decision(d.schedule, d.reason, rows, d.pilot_minibatches,

@@ -6,12 +6,13 @@ the pilot against the run (:func:`fxpipe.runtime.training.auto.price` applies it
 Every candidate sees the same samples per update: pipedream updates after each minibatch, and a
 microbatched kind (flush, gpipe, the zero-bubble kinds, 2bw) cuts each minibatch into
 :func:`split_for` microbatches unless the user gave ``microbatches`` (the trainer then trains
-exactly so: :func:`fxpipe.runtime.training.data.split_segment`). Its curve is the mean loss of each
+exactly so: :mod:`fxpipe.runtime.training.trainer_cut`, the same cut). Its curve is the mean loss of each
 minibatch's microbatches, one value per minibatch like pipedream's.
 """
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from typing import Any, Callable, Sequence, TYPE_CHECKING
 
@@ -19,9 +20,12 @@ import torch
 
 from fxpipe.errors import FxpipeError
 
+from ..errors import RuntimeConfigError
+
 from ..schedules.kinds import make_schedule
 from ..schedules.spec import parse_schedule
-from .data import batch_size_of, split_part
+from .auto_data import PilotData
+from .loss_split import Cut, WeightedLoss
 
 if TYPE_CHECKING:
     from ..replica.step_options import StepOptions
@@ -38,25 +42,40 @@ def split_for(schedule: str, replicas: Sequence[int], microbatches: int | None) 
     return sum(replicas)
 
 
+def shared_copy(stages: Sequence[Any]) -> list[Any]:
+    """CPU copies of ``stages`` for the pilot that share the stages' own weights and buffers
+    where they already live on the CPU: the replicas the executor builds copy them anyway
+    (each :class:`~fxpipe.runtime.replica.stage.StageReplica` owns its tensors and swaps them
+    into the module for every call), so a deep copy of them would be a whole model's bytes
+    spent on tensors nothing reads. The modules themselves are copied (a call swaps tensors
+    into their dicts; a module keeping Python state keeps it on the copy)."""
+    memo: dict[int, Any] = {id(t): t for st in stages
+                            for t in (*st.gm.parameters(), *st.gm.buffers())
+                            if t.device.type == "cpu"}
+    copies = copy.deepcopy(list(stages), memo)
+    for st in copies:
+        if any(t.device.type != "cpu" for t in (*st.gm.parameters(), *st.gm.buffers())):
+            st.gm.to("cpu")  # its own copies (the memo shares CPU tensors only)
+    return copies
+
+
 def _on_a_copy(stages: Sequence[Any], replicas: Sequence[int], sched: Any,
                loss_fn: Callable[..., Any], optimizer: Callable[..., Any],
                step_options: StepOptions | None, mitigation: Any = None) -> Any:
     """A reference executor of ``sched`` on CPU copies of ``stages`` (the user's model and its
-    optimizer state stay untouched)."""
+    optimizer state stay untouched: :func:`shared_copy`)."""
     from ..execution.reference import ReferenceExecutor
     from ..replica.step_options import DEFAULT
 
-    copies = copy.deepcopy(list(stages))
-    for st in copies:
-        st.gm.to("cpu")
-    return ReferenceExecutor(copies, replicas, sched, loss_fn, optimizer, mitigation=mitigation,
-                             options=step_options or DEFAULT)
+    return ReferenceExecutor(shared_copy(stages), replicas, sched, loss_fn, optimizer,
+                             mitigation=mitigation, options=step_options or DEFAULT)
 
 
 def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
-          optimizer: Callable[..., Any], batches: Sequence[Any], candidates: Sequence[str], *,
-          microbatches: int | None = None, seed: int = 0, step_options: StepOptions | None = None,
-          lr_scheduler: Callable[[Any], Any] | None = None
+          optimizer: Callable[..., Any], batches: Sequence[Any] | PilotData,
+          candidates: Sequence[str], *, microbatches: int | None = None, seed: int = 0,
+          step_options: StepOptions | None = None,
+          lr_scheduler: Callable[[Any], Any] | None = None, cut: Cut | None = None
           ) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Training-loss curves of each of ``candidates`` on ``batches`` (copies of ``stages`` on
     the CPU, reference executor, same dropout seed for all, the trainer's clipping/precision/
@@ -70,40 +89,92 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     minibatch. A minibatch too small to cut (an epoch's short last one: a pilot may span
     epochs, where training would end a segment with it) is left out of every candidate's
     pilot, so the curves stay aligned; a minibatch that cannot be cut at all (no batch-sized
-    tensor) is an error, not a candidate left out."""
+    tensor) is an error, not a candidate left out.
+
+    ``batches``: a list (one run over all of it, as before streaming) or a :class:`PilotData`,
+    which each candidate reads again in chunks of at most a training segment: the candidate's
+    executor persists across its chunks (weights, optimizer state, LR scheduler), each chunk
+    one complete schedule, as the trainer runs successive segments. A microbatched kind's
+    numbers do not depend on the chunks (every minibatch is one complete update); pipedream's
+    drain at each chunk end, as training drains at each segment end, so a pilot longer than a
+    segment sees the drains the run has. Only one candidate's copy is alive at a time."""
+    data = batches if isinstance(batches, PilotData) else PilotData.held(batches)
+    if not isinstance(loss_fn, WeightedLoss):  # cut targets carry their loss scales
+        loss_fn = WeightedLoss(loss_fn)
+    k_cut = split_for("1f1b-flush", replicas, microbatches)
+    if cut is None and k_cut > 1 and any(split_for(c, replicas, microbatches) > 1
+                                         for c in candidates):
+        from .trainer_cut import find_cut  # called alone (not by a trainer): test it here
+
+        first = data.first(1)
+        cut = Cut(*find_cut(stages, loss_fn, first[0])[:2]) if first else None
     curves: dict[str, list[float]] = {}
     notes: dict[str, str] = {}
-    cut = split_for("1f1b-flush", replicas, microbatches)  # every microbatched kind's cut
-    sizes = [batch_size_of(b[0]) for b in batches]
-    if cut > 1:  # the same filter on every rank, whatever its share of the candidates
-        batches = [b for b, n in zip(batches, sizes) if not 0 < n < cut]
-        sizes = [n for n in sizes if not 0 < n < cut]
-    pieces: list[Any] | None = None  # cut once, for all the microbatched candidates
     rng = torch.get_rng_state()
     try:
         for c in candidates:
-            spec = parse_schedule(c)
             torch.manual_seed(seed)
-            k = split_for(c, replicas, microbatches)
-            if k > 1 and pieces is None:
-                pieces = [mb for b, n in zip(batches, sizes) for mb in split_part(b, k, n)]
-            parts = list(pieces) if k > 1 and pieces is not None else list(batches)
             try:
-                sched = make_schedule(spec.kind, list(replicas), len(parts),
-                                      microbatches=None if spec.kind == "pipedream"
-                                      else k if k > 1 else microbatches)
+                curves[c] = _candidate(c, data, k_cut, stages, replicas, loss_fn, optimizer,
+                                       microbatches, step_options, lr_scheduler, cut)
+            except _NotRun as err:
+                notes[c] = f"not run: {err.error.message}"
+            gc.collect()  # this candidate's copy is gone before the next one's is made
+    finally:
+        torch.set_rng_state(rng)
+    return curves, notes
+
+
+class _NotRun(Exception):
+    """A candidate this model cannot train (its executor refused): a note, not an error."""
+
+    def __init__(self, error: FxpipeError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def _candidate(c: str, data: PilotData, cut: int, stages: Sequence[Any],
+               replicas: Sequence[int], loss_fn: Callable[..., Any],
+               optimizer: Callable[..., Any], microbatches: int | None,
+               step_options: StepOptions | None,
+               lr_scheduler: Callable[[Any], Any] | None, how: Cut | None = None) -> list[float]:
+    """One candidate's curve over ``data``, chunk by chunk on one executor (see :func:`pilot`).
+    Cutting errors propagate (the data is at fault, for every candidate alike); the executor's
+    refusals become :class:`_NotRun`."""
+    spec = parse_schedule(c)
+    k = split_for(c, replicas, microbatches)
+    curve: list[float] = []
+    ex = None
+    for chunk in data.read():
+        if k > 1 and how is None:
+            raise RuntimeConfigError(f"auto's pilot would cut minibatches for {c!r} without "
+                                     "the trainer's cut", "report this as an fxpipe bug")
+        sizes = how.sizes(chunk) if how is not None else [0] * len(chunk)
+        if cut > 1 and how is not None:  # the same filter on every rank, whatever its share of the candidates
+            chunk = [b for b, n in zip(chunk, sizes) if not 0 < n < cut]
+            sizes = [n for n in sizes if not 0 < n < cut]
+        parts = how.pieces(chunk, sizes, k) if k > 1 and how is not None else chunk
+        del chunk  # the chunk's minibatches live in ``parts`` only, until the next read
+        if not parts:
+            continue
+        try:
+            sched = make_schedule(spec.kind, list(replicas), len(parts),
+                                  microbatches=None if spec.kind == "pipedream"
+                                  else k if k > 1 else microbatches)
+            if ex is None:
                 ex = _on_a_copy(stages, replicas, sched, loss_fn, optimizer, step_options,
                                 spec.mitigation)
                 for w in ex.workers.values():
                     if lr_scheduler is not None and w.stash.optimizer is not None:
                         w.on_update = lr_scheduler(w.stash.optimizer).step
-                losses = ex.run(parts).losses  # one per microbatch: a mean per minibatch
-                curves[c] = [sum(losses[i:i + k]) / k for i in range(0, len(losses), k)]
-            except FxpipeError as err:
-                notes[c] = f"not run: {err.message}"
-    finally:
-        torch.set_rng_state(rng)
-    return curves, notes
+            else:
+                ex.schedule = sched  # weights carry over; versions restart (ReferenceExecutor.run)
+            losses = ex.run(parts).losses  # one per microbatch, scaled: k of them per minibatch
+        except FxpipeError as err:
+            raise _NotRun(err) from err
+        del parts
+        curve += [sum(losses[i:i + k]) / k for i in range(0, len(losses), k)]
+    return curve
 
 
 def probe(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
@@ -111,7 +182,7 @@ def probe(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
           step_options: StepOptions | None = None) -> float:
     """Seconds per minibatch of a whole-model training step in this process, as the pilot takes
     them: pipedream on a copy (CPU, reference executor) over ``batches`` (a few), timed after
-    the copy is made; the first step's warm-up is part of it."""
+    the copy is made; the first step's warm-up is part of it. The copy is gone on return."""
     rng = torch.get_rng_state()
     try:
         ex = _on_a_copy(stages, replicas, make_schedule("pipedream", list(replicas), len(batches)),
@@ -120,6 +191,8 @@ def probe(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
         ex.run(list(batches))
         return (time.perf_counter() - t0) / len(batches)
     finally:
+        ex = None
+        gc.collect()
         torch.set_rng_state(rng)
 
 

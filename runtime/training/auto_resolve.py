@@ -1,5 +1,5 @@
-"""``schedule="auto"`` on the trainer's side: read the pilot's minibatches, split the pilot over
-the ranks, agree on one decision and adopt it (the rule itself:
+"""``schedule="auto"`` on the trainer's side: price the pilot, stream its minibatches, split it
+over the ranks, agree on one decision and adopt it (the rule itself:
 :mod:`fxpipe.runtime.training.auto`)."""
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from typing import Any
 
 from ..errors import RuntimeConfigError
 from ..schedules.spec import parse_schedule
-from .auto import ONE_STAGE, SAFE, AutoOptions, Decision, choose, price, split_for
+from .auto import ONE_STAGE, SAFE, AutoOptions, Decision, choose, price, share_of, split_for
+from .auto_data import PilotData, loader_length
+from .auto_memory import (available_bytes, optimizer_state_factor, rank_estimate,
+                          training_bytes)
+from .loss_split import Cut
 
 log = logging.getLogger("fxpipe.runtime.training.auto")
 
@@ -29,12 +33,14 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
     candidate's time); the curves are exchanged and rank 0's decision is broadcast. A rank
     with a smaller share waits at the exchange for at most one candidate's pilot (bounded by the
     trainer's ``data_timeout_s``). Resuming takes the schedule the checkpoint was trained with,
-    without a pilot."""
-    from .data import iter_parts, take
-
+    without a pilot. Before anything is read or copied, the pilot is priced in time (by the
+    plan's profile) and in memory (:func:`pilot_memory`); its minibatches are then streamed
+    a training segment at a time (:class:`~.auto_data.PilotData`, ``trainer.segment``)."""
     opts: AutoOptions = trainer.auto_options
-    total = epochs * len(loader) if hasattr(loader, "__len__") else None  # the run's minibatches
+    length = loader_length(loader)
+    total = epochs * length if length is not None else None  # the run's minibatches
     decision = None
+    memory = ""
     if resume and trainer.checkpoint_dir is not None:
         found = _checkpoint_schedule(trainer) if trainer.index == 0 else None
         found = trainer.backend.broadcast(found, "auto: checkpoint schedule")
@@ -49,25 +55,28 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
                              trainer.backend.world, trainer.microbatches)
         if decision is None and 0 < want < opts.min_pilot:
             decision = Decision("1f1b-flush", f"a pilot may read {want} minibatches of this run "
-                                f"(at most {opts.max_fraction:.0%} of {epochs} x {len(loader)}), "
+                                f"(at most {opts.max_fraction:.0%} of {epochs} x {length}), "
                                 f"fewer than min_pilot={opts.min_pilot}: {SAFE}")
+        if decision is None and want >= opts.min_pilot and opts.pilot > 0:
+            decision, memory = pilot_memory(trainer, opts)
     if decision is None:
-        batches: list[Any] = []
-        for epoch in range(want if want >= opts.min_pilot else 0):  # small datasets: more epochs
-            got = take(iter_parts(loader, epoch, trainer.seed, need_inputs=True,
-                                  need_targets=True), want - len(batches))
-            batches += got
-            if not got or len(batches) >= want:
-                break
+        data = PilotData(loader, want, chunk=trainer.segment, seed=trainer.seed)
+
+        def cut(first: list[Any]) -> Cut | None:
+            """The trainer's cut and loss rule, tested once (trainer_cut), for the pilot."""
+            trainer._prepare_cut(first[0] if first else None)
+            return Cut(trainer.cut_spec, trainer.loss_rule) if trainer.cut_spec else None
+
         decision = choose(trainer.stages, trainer.replicas, trainer.loss_fn, trainer.optimizer,
-                          batches, replace(opts, pilot=min(opts.pilot, max(want, 1))),
+                          data, replace(opts, pilot=min(opts.pilot, max(want, 1))),
                           microbatches=trainer.microbatches, seed=trainer.seed,
                           step_options=trainer.options,
                           share=(trainer.backend.index, trainer.backend.world),
                           gather=trainer.backend.exchange,
                           lr_scheduler=trainer._lr_scheduler if trainer.lr_interval == "step"
                           else None,
-                          run_minibatches=total)
+                          run_minibatches=total, cut=cut)
+        decision = replace(decision, memory=memory) if decision.rows else decision
         decision = trainer.backend.broadcast(decision, "auto: decision")  # rank 0's
     decision = replace(decision, split=split_for(decision.schedule, trainer.replicas,
                                                  trainer.microbatches))
@@ -77,6 +86,47 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
     if opts.report is not None:
         opts.report(decision)
     return decision
+
+
+def pilot_memory(trainer: Any, opts: AutoOptions) -> tuple[Decision | None, str]:
+    """(``1f1b-flush`` where some rank's share of the pilot would not fit, else None; a note of
+    the figures). Every rank prices its own share (:mod:`.auto_memory`: the largest copy it
+    would make) against what it has (less ``opts.memory_margin``) and against what its training
+    holds (times ``opts.max_memory``); the ranks exchange their figures, so that all of them
+    make the same call (one that skipped the pilot while another ran it would meet it at a
+    different collective). What is skipped and why is logged and becomes the reason."""
+    from fxpipe.units import format_bytes as fmt
+
+    if opts.memory_margin is None and opts.max_memory is None:
+        return None, ""
+    backend = trainer.backend
+    mine = share_of(opts.candidates, backend.index, backend.world)
+    factor = optimizer_state_factor(trainer.optimizer, trainer.stages)
+    need, what = rank_estimate(mine, trainer.stages, trainer.replicas, trainer.optimizer,
+                               opts.profile, factor=factor)
+    have = (opts.available_bytes or available_bytes)() if opts.memory_margin is not None else None
+    held = training_bytes(trainer.stages, [s for s, _ in trainer.local], factor)
+    figures = backend.exchange((need, have, held, what), "auto: pilot memory")
+    room = None if opts.memory_margin is None else 1.0 - opts.memory_margin
+    for i, (n, h, t, w) in enumerate(figures):
+        if room is not None and h is not None and n > room * h:
+            why = f"more than {room:.0%} of the {fmt(h)} available to it"
+        elif opts.max_memory is not None and n > opts.max_memory * t:
+            why = (f"more than max_memory={opts.max_memory:.0%} of the {fmt(t)} its training "
+                   "holds")
+        else:
+            continue
+        reason = (f"no pilot: its copies of the model would take about {fmt(n)} on rank {i} "
+                  f"({w}), {why}: {SAFE}")
+        log.warning("auto: %s", reason)
+        return Decision("1f1b-flush", reason), ""
+    known = [h for _, h, _, _ in figures if h is not None]
+    note = (f"the largest pilot copy on a rank about {fmt(max(n for n, _, _, _ in figures))}, "
+            f"training at least {fmt(min(t for _, _, t, _ in figures))} a rank"
+            + (f", at least {fmt(min(known))} available on each" if known
+               else "; available memory unknown, not checked"))
+    log.info("auto: pilot memory: %s", note)
+    return None, note
 
 
 def _checkpoint_schedule(trainer: Any) -> str | None:

@@ -92,6 +92,8 @@ class PartStream:
         self.checked = not callable(parts)
         self._hash = hashlib.blake2b(digest_size=16) if self.checked else None
         self._count = 0
+        self._first: Batch | None = None  # the first whole minibatch read (plain loaders)
+        self._source = (loader, epoch, start)
         self._it: Iterator[tuple[Batch, Any]] = (
             ((p, None) for p in parts(epoch, need_inputs, need_targets, start)) if callable(parts)
             else self._plain(loader, need_inputs, need_targets, start))
@@ -125,8 +127,19 @@ class PartStream:
         part, raw = next(self._it)
         if self._hash is not None:
             _feed(self._hash, raw)
+            if self._first is None:
+                self._first = (raw, None) if isinstance(raw, Mapping) else (raw[0], raw[1])
         self._count += 1
         return part
+
+    def first_whole(self) -> Batch | None:
+        """The first minibatch this stream read, whole (inputs AND target, whatever this rank
+        keeps): what the trainer tests its cut on (:mod:`.trainer_cut`). A loader with
+        ``iter_parts`` serves parts: its first minibatch is read again, whole."""
+        if self._first is None and not self.checked:
+            loader, epoch, start = self._source
+            self._first = next(iter(loader.iter_parts(epoch, True, True, start)), None)
+        return self._first
 
     def close(self) -> None:
         """Stop reading ahead (the epoch ends or is left early)."""
@@ -184,59 +197,15 @@ def iter_parts(loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: boo
 
 
 def batch_size_of(inputs: Any) -> int:
-    """Samples in a minibatch: dim 0 of its first tensor input (0 if there is none)."""
+    """Samples in a minibatch for throughput figures: dim 0 of its first tensor input (0 if
+    there is none). Cutting minibatches never guesses so: :mod:`.minibatch` cuts along the
+    batch dimensions the graph and the loss were tested for."""
     values = (inputs.values() if isinstance(inputs, Mapping)
               else inputs if isinstance(inputs, (tuple, list)) else (inputs,))
     for x in values:
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             return int(x.shape[0])
     return 0
-
-
-def split_part(part: Batch, k: int, size: int) -> list[Batch]:
-    """``part`` of a minibatch of ``size`` samples as ``k`` microbatches, as
-    torch.distributed.pipelining splits a step's batch: every tensor whose first dimension is
-    ``size`` is cut along it (``torch.tensor_split``: sizes differ by at most one, so every
-    rank cuts the same minibatch alike, whichever part of it it holds); anything else (scalars,
-    tensors of another length, None) goes whole to every microbatch. Nested tuples, lists and
-    dicts keep their structure."""
-    if k == 1:
-        return [part]
-    if size < k:
-        what = (f"a minibatch of {size} sample(s)" if size else
-                "a minibatch without a batch-sized tensor input (dim 0)")
-        raise RuntimeConfigError(f"{what} cannot be split into {k} microbatches",
-                                 "give every minibatch at least as many samples, or pass "
-                                 "microbatches= to train on the loader's minibatches as "
-                                 "microbatches")
-    inputs, target = part
-    return list(zip(_cut(inputs, k, size), _cut(target, k, size)))
-
-
-def split_segment(parts: list[Batch], sizes: list[int], k: int) -> list[Batch]:
-    """A segment's minibatches (of ``sizes`` samples) as ``k`` microbatches each, in order
-    (:func:`split_part`). Its last minibatch may be short (a loader without drop_last): it
-    becomes as many microbatches as it has samples, the schedule's last, partial, group; a
-    short one anywhere else would shift every later update's group, so it is refused."""
-    if k == 1:
-        return parts
-    last = len(parts) - 1
-    return [mb for i, (p, size) in enumerate(zip(parts, sizes))
-            for mb in split_part(p, min(k, size) if i == last and size else k, size)]
-
-
-def _cut(value: Any, k: int, size: int) -> list[Any]:
-    """``value`` as ``k`` pieces (see :func:`split_part`)."""
-    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
-        return list(value.tensor_split(k))
-    if isinstance(value, (tuple, list)):
-        cols = [_cut(v, k, size) for v in value]
-        return [type(value)(c[i] for c in cols) if type(value) in (tuple, list)
-                else tuple(c[i] for c in cols) for i in range(k)]
-    if isinstance(value, Mapping):
-        cols_by_key = {key: _cut(v, k, size) for key, v in value.items()}
-        return [{key: c[i] for key, c in cols_by_key.items()} for i in range(k)]
-    return [value] * k
 
 
 class ShardedDataset:

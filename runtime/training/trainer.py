@@ -29,8 +29,12 @@ as torch and Hugging Face users expect of a warm-up); ``"epoch"`` steps them onc
 Under pipedream a stage with r replicas updates once per r minibatches, so a schedule counted in
 updates advances r times slower on it; the flushing kinds update every stage once per batch.
 
-**Modes.** ``fit`` trains in train mode and gives every module of the stages back the mode it had
-(a model compiled in eval mode is in eval mode after ``fit``); evaluation runs in eval mode.
+**Modes.** ``fit`` trains in the modes the modules are in, as a plain PyTorch loop does: it never
+calls ``train()``, so a module the user put in ``eval()`` (a frozen BatchNorm, a dropout turned
+off) stays so while training, and a model meant to train in train mode must be in it
+(``model.train()`` or ``compiled.train()``, as before a plain loop; a Hugging Face
+``from_pretrained`` model starts in eval mode). Evaluation runs in eval mode and gives every
+module back the mode it had.
 
 **State.** Trained weights stay where they were trained: at the end of ``fit`` each rank writes
 its own stage's weights into its stage's modules (the user's Parameters when compiled in the
@@ -53,6 +57,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from fxpipe.codegen.split import MODEL, StageSpec
+from fxpipe.tracing.batchdims import BatchDims
 
 from ..errors import RuntimeConfigError
 from ..execution.contract import Batch
@@ -68,10 +73,12 @@ from ..schedules.spec import AUTO, parse_schedule
 from ..schedules.staleness import own_delays
 from .auto import AutoOptions, Decision
 from .auto_resolve import resolve as resolve_auto
-from .data import PartStream, batch_size_of, derive_seed, split_segment, take
+from .data import PartStream, derive_seed, take
+from .loss_split import WeightedLoss
 from .metrics import MetricsLog
 from .param_names import wrap_factory
 from .trainer_checkpoint import CheckpointMixin
+from .trainer_cut import CutMixin, check_split
 from .trainer_progress import Progress
 from .trainer_results import ResultsMixin
 from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin, check_placed_executor
@@ -87,7 +94,7 @@ _EVAL_CHUNK = 64  # eval minibatches per exchange
 LR_INTERVALS = ("step", "epoch")
 
 
-class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
+class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
     """Trains the stages of a plan with a PipeDream schedule (see the module doc).
 
     ``stages``/``replicas``: the CompiledModel's ``stage_specs`` and ``plan.replicas``.
@@ -125,6 +132,13 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
     ``CompiledModel.trainer( replan="auto", replan_threshold=0.05)``): switch to a re-solved plan at
     a segment boundary when the measured stage times predict it faster
     (:mod:`fxpipe.runtime.training.trainer_switch`).
+
+    Cutting minibatches (``auto`` on 2+ stages, or ``split=k`` with a flushing kind named
+    without ``microbatches``): each loader minibatch becomes k microbatches and one update, equal
+    to plain PyTorch's step on the whole minibatch (:mod:`.trainer_cut`: batch dimensions from
+    the graph, ``input_batch_dims``, or stated as ``batch_dims=(inputs_dims, target_dims)``; the
+    loss's reduction tested on the first minibatch). ``on_recipe(text)`` receives what fit
+    trains (:meth:`recipe`).
     """
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
@@ -148,7 +162,9 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
                  tensorboard_dir: str | None = None, prefetch: int = 0,
                  master_weights: bool | None = None,
                  loss_scaler: Mapping[str, Any] | None = None,
-                 replan: Replanner | None = None) -> None:
+                 replan: Replanner | None = None, split: int | None = None,
+                 batch_dims: Any = None, input_batch_dims: BatchDims | None = None,
+                 on_recipe: Callable[[str], None] | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
@@ -170,7 +186,11 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
         self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
-        self.split = 1  # microbatches per loader minibatch: set by schedule="auto" (_lead)
+        self.split = check_split(split, spec.kind, microbatches)  # microbatches per minibatch
+        self.batch_dims, self.input_batch_dims = batch_dims, input_batch_dims  # trainer_cut
+        self.cut_spec, self.loss_rule, self.on_recipe = None, None, on_recipe
+        self._bn_warned, self._bns, self._probe_size, self._share = False, None, 0, []
+        self.user_loss_fn, loss_fn = loss_fn, WeightedLoss(loss_fn)  # scales ride with targets
         self.options = StepOptions.make(len(self.stages), clip_grad_norm=clip_grad_norm,
                                         precision=precision, recompute=recompute,
                                         master_weights=master_weights,
@@ -197,7 +217,7 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in
                          ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
         mitigated = dict(mitigation=spec.mitigation, delays=own_delays(
-            kind, self.replicas, vertical_sync=vertical_sync, microbatches=microbatches))
+            kind, self.replicas, vertical_sync=vertical_sync, microbatches=self._per_update()))
         if executor == "reference" and timeline:
             raise RuntimeConfigError("timeline=True needs executor='distributed'",
                                      "the reference executor is the oracle, not a timing")
@@ -244,16 +264,19 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         """Every rank that reads data takes up to ``n`` minibatches itself (all at the same
         time); then the ranks exchange how many they read and their fingerprints (one message
         each), rank 0 adding the wire shapes and the minibatches' sizes. ``split``: cut each into
-        :attr:`split` microbatches (:func:`~.data.split_segment`), which ``schedule="auto"``
+        :attr:`split` microbatches (:meth:`~.trainer_cut.CutMixin._cut`), which ``schedule="auto"``
         sets when it picks a microbatched schedule and the user gave no ``microbatches``: an
         update still covers one of the loader's minibatches, as pipedream's does. Ranks that
         read different data stop here. Returns the parts and how many minibatches were read."""
         reads = self.need_inputs or self.need_targets
         parts = take(it, n) if reads else []
+        if split and self.split > 1 and self.cut_spec is None:  # tested once (trainer_cut)
+            self._prepare_cut(it.first_whole() if parts else None)
         read, plan, samples, sizes = len(parts), None, 0, None
+        share = [1.0] * len(parts)
         if self.index == 0:  # rank 0 reads the inputs: it sizes the minibatches for all
-            sizes = [batch_size_of(p[0]) for p in parts]
-            parts = split_segment(parts, sizes, self.split) if split else parts
+            sizes = self._sizes(parts)
+            parts, share = self._cut(parts, sizes) if split else (parts, share)
             plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache,
                                    precision=self.options.precision,
                                    device=self.backend.device.type)
@@ -277,10 +300,10 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
                     "the whole dataset (no DistributedSampler, no per-rank seed or shard): "
                     "fxpipe decides which replica trains on which minibatch")
         if not reads:
-            parts = [(None, None)] * (count * (self.split if split else 1))
+            parts, share = [(None, None)] * (count * (self.split if split else 1)), []
         elif self.index != 0 and split:
-            parts = split_segment(parts, sizes, self.split)
-        self._wire, self._samples = plan, samples
+            parts, share = self._cut(parts, sizes)
+        self._wire, self._samples, self._share = plan, samples, share
         return parts, count
 
     # ------------------------------------------------------------------ training
@@ -290,14 +313,10 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         finishes it); returns the per-epoch history, also in ``self.history``."""
         if self.idle:
             return self.history
-        saved = [(m, m.training) for st in self.stages for m in st.gm.modules()]
-        for st in self.stages:
-            st.gm.train()
-        try:
-            self._fit(train_loader, epochs, eval_loader, resume)
-        finally:
-            for m, was in saved:
-                m.training = was
+        # no train() here: as a plain PyTorch loop, training runs in the modes the user's modules
+        # are in (a BatchNorm put in eval() keeps its frozen statistics); evaluation switches to
+        # eval mode itself and gives the modes back (StageReplica.evaluate)
+        self._fit(train_loader, epochs, eval_loader, resume)
         return self.history
 
     def _fit(self, train_loader: Iterable[Any], epochs: int, eval_loader: Iterable[Any] | None,
@@ -305,6 +324,7 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
         epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
         if self.kind == AUTO:
             resolve_auto(self, train_loader, resume, epochs)
+        told = False
         if resume:
             epoch0, pos0, partial = self._resume()
         total = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore
@@ -321,6 +341,8 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
                 while True:
                     want = self._segment_at(pos)
                     parts, n = self._lead(it, want, f"epoch {epoch} segment at {pos}")
+                    if not told:  # what trains, once the cut is known (trainer_cut)
+                        told = self._tell()
                     if n == 0:
                         break
                     torch.manual_seed(derive_seed(self.seed, epoch, pos, self.index))
@@ -331,8 +353,10 @@ class Trainer(ScheduleMixin, ResultsMixin, CheckpointMixin):
                     dt = time.perf_counter() - t0
                     # one exchange for the loss and the stages' busy time (metrics): every
                     # rank takes part whether or not it was given a metrics path
-                    got = self.backend.all_sum([sum(losses.values()), len(losses),
-                                                *self._busy()], "loss sum")
+                    share = self._share or [1.0] * len(losses)  # per minibatch (trainer_cut)
+                    got = self.backend.all_sum([sum(v * share[k] for k, v in losses.items()),
+                                                sum(share[k] for k in losses), *self._busy()],
+                                               "loss sum")
                     acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
                     if self.metrics.enabled:
                         self._record(epoch, n, got, dt)
@@ -407,6 +431,8 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     replan = make_replanner(compiled, kwargs)  # replan="auto": issue 13 (trainer_switch)
     if replan is not None:
         replan.kwargs.update(loss_fn=loss_fn, auto_options=auto)
+    kwargs.setdefault("input_batch_dims", compiled.traced.batch_dims)  # tested at compile
+    kwargs.setdefault("on_recipe", lambda text: setattr(compiled, "recipe", text))  # summary()
     return Trainer(compiled.stage_specs, compiled.plan.replicas, loss_fn,
                    fingerprint=compiled.plan.model_fingerprint, state_keys=keys,
                    auto_options=auto, replan=replan, **kwargs)

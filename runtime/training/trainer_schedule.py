@@ -104,7 +104,7 @@ class ScheduleMixin:
         """Switch to ``schedule`` before training (what ``schedule="auto"`` chose): new stage
         replicas with the same initial weights, optimizers made for the new schedule's delays.
         ``split``: microbatches each loader minibatch is cut into (one update per minibatch;
-        :func:`~fxpipe.runtime.training.data.split_segment`)."""
+        :mod:`fxpipe.runtime.training.trainer_cut`)."""
         spec = parse_schedule(schedule)
         if split > 1 and (spec.kind == "pipedream" or self.microbatches is not None):
             raise RuntimeConfigError(f"split={split} with schedule {schedule!r} and "

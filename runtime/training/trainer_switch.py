@@ -270,7 +270,8 @@ class Replanner:
             new.backend._owns_group, old._owns_group = old._owns_group, False
             old.comm.groups.clear()
             old.control = None
-        keep = {"history", "metrics", "replanner", "progress"}
+        keep = {"history", "metrics", "replanner", "progress",
+                "cut_spec", "loss_rule", "_probe_size", "_bn_warned"}  # the cut: tested once
         for k, v in vars(new).items():
             if k not in keep:
                 setattr(trainer, k, v)

@@ -146,14 +146,49 @@ def test_train_hf_model_from_the_shell() -> None:
     assert "epoch 1: loss 4." in res.stdout  # ln(64) = 4.16: a fresh 64-token LM
 
 
-def test_an_exported_graph_refuses_other_shapes_with_a_hint() -> None:
+def test_an_exported_graph_takes_any_batch_and_refuses_other_lengths_with_a_hint() -> None:
+    """torch.export leaves the batch dimension free (tracing.batchdims found it), so a pipeline
+    can cut minibatches; another sequence length is refused, saying what fxpipe fixed."""
     spec = models.resolve(LLAMA, batch_size=2, seq_len=8)
     compiled = fxpipe.compile(spec.model, 2, example_inputs=spec.example_inputs, repeats=1)
     assert compiled.tracer == "export"
-    ids = torch.randint(0, 64, (3, 8))
+    for n in (1, 3):
+        ids = torch.randint(0, 64, (n, 8))
+        torch.testing.assert_close(compiled(input_ids=ids, labels=ids)["loss"],
+                                   spec.model(input_ids=ids, labels=ids).loss)
+    ids = torch.randint(0, 64, (2, 9))
     with pytest.raises(fxpipe.InputMismatchError,
-                       match=r"'input_ids' has shape \(3, 8\).*traced with torch.export for "
-                             r"shape \(2, 8\)(.|\n)*drop_last=True"):
+                       match=r"'input_ids' has shape \(2, 9\).*traced with torch.export for "
+                             r"shape \('\*', 8\): fxpipe exported it with dimension\(s\) \[0\] "
+                             r"free"):
         compiled(input_ids=ids, labels=ids)
-    ids = torch.randint(0, 64, (2, 8))
-    compiled(input_ids=ids, labels=ids)  # the traced shape runs
+
+
+def test_train_hf_model_from_the_shell_without_a_schedule_equals_plain(tmp_path: Path) -> None:
+    """`fxpipe train hf:... --nproc 2` names no schedule: auto trains 1f1b-flush with each
+    minibatch cut in 2, and the weights equal plain PyTorch SGD on the same batches."""
+    from fxpipe.runtime.training.data import synthetic_loader
+
+    arch = "hf:LlamaForCausalLM:hidden_size=32,intermediate_size=64,num_hidden_layers=2," \
+           "num_attention_heads=4,num_key_value_heads=2,vocab_size=64"
+    res = subprocess.run(
+        [sys.executable, "-m", "fxpipe.cli", "train", arch, "--data", "synthetic", "--nproc", "2",
+         "--batch-size", "5", "--seq-len", "8", "--num-batches", "6", "--eval-batches", "1",
+         "--stages", "2", "--straight", "--lr", "0.2", "--no-progress",
+         "--save", str(tmp_path / "w.pt")],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "schedule: 1f1b-flush" in res.stdout and "5 samples -> [3, 2]" in res.stdout
+    model = hf.build(arch)  # the same architecture and seed; trained below in plain PyTorch
+    batches = synthetic_loader(hf.batch_maker(model, 8), 5, 6, 0)  # the CLI's data
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for x, _ in batches:
+        opt.zero_grad()
+        model(**x).loss.backward()
+        opt.step()
+    got = torch.load(tmp_path / "w.pt", weights_only=True)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=2e-5, atol=2e-5)
+
+

@@ -1,5 +1,5 @@
 """schedule="auto" keeps the user's samples per update: a microbatched schedule it picks cuts each
-of the loader's minibatches into sum(replicas) microbatches (runtime/data.split_part), so the run
+of the loader's minibatches into sum(replicas) microbatches (runtime/training/minibatch.cut_part, along the tested batch dimensions), so the run
 updates once per minibatch, as pipedream does and as torch.distributed.pipelining splits a step's
 batch. Checked against hand-written pieces, plain single-process SGD on the whole minibatches,
 and the explicit schedule fed the same microbatches by the loader."""
@@ -13,7 +13,7 @@ import torch
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
 from fxpipe.runtime.training.auto import pilot
-from fxpipe.runtime.training.data import split_part
+from fxpipe.runtime.training.minibatch import CutSpec, cut_part
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.training.trainer import Trainer
 
@@ -41,12 +41,15 @@ def plain(data: list) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def test_split_part_by_hand() -> None:
+def test_cut_part_by_hand() -> None:
+    """Tensors with a batch dimension are cut along it (tensor_split sizes), the others go
+    whole; structure kept; a rank holding only targets cuts them alike."""
     x = torch.arange(10.0).reshape(5, 2)
     y = torch.arange(5)
-    mask = torch.ones(2, 2)  # not batch-sized: every microbatch gets it whole
+    mask = torch.ones(2, 2)  # no batch dimension: every microbatch gets it whole
     part = ((x, {"ids": y * 10, "scale": 3.0, "mask": mask}), y)
-    got = split_part(part, 3, 5)  # tensor_split: 2, 2 and 1 rows
+    spec = CutSpec({"[0][0]": 0, "[0][1]['ids']": 0, "[0][1]['mask']": None}, {"": 0})
+    got = cut_part(part, 3, 5, spec)  # tensor_split: 2, 2 and 1 rows
     rows = [[0, 1], [2, 3], [4]]
     assert len(got) == 3
     for (inputs, target), r in zip(got, rows):
@@ -54,12 +57,15 @@ def test_split_part_by_hand() -> None:
         assert torch.equal(inputs[1]["ids"], torch.tensor([10 * i for i in r]))
         assert inputs[1]["scale"] == 3.0 and inputs[1]["mask"] is mask
         assert torch.equal(target, torch.tensor(r))
-    assert split_part(part, 1, 5) == [part]
-    only_targets = split_part((None, y), 2, 5)  # a rank that holds the targets alone
+    assert cut_part(part, 1, 5, spec) == [part]
+    only_targets = cut_part((None, y), 2, 5, spec)  # a rank that holds the targets alone
     assert [t.tolist() for _, t in only_targets] == [[0, 1, 2], [3, 4]]
     assert [i for i, _ in only_targets] == [None, None]
     with pytest.raises(RuntimeConfigError, match="minibatch of 2 sample.*into 3 microbatches"):
-        split_part(((x[:2],), y[:2]), 3, 2)
+        cut_part(((x[:2],), y[:2]), 3, 2, spec)
+    with pytest.raises(RuntimeConfigError, match=r"batch dimension 0 should hold the "
+                                                 r"minibatch's 4 samples"):
+        cut_part(((x, {"ids": y, "scale": 1.0, "mask": mask}), y), 2, 4, spec)
 
 
 def test_auto_flush_updates_once_per_minibatch_of_the_loader(tmp_path: Path) -> None:
@@ -134,6 +140,6 @@ def test_the_pilot_leaves_out_a_minibatch_too_small_to_cut() -> None:
     assert notes == {} and set(got) == set(cands)
     for c in cands:
         assert len(got[c]) == 10 and got[c] == want[c], c
-    with pytest.raises(RuntimeConfigError, match="without a batch-sized tensor"):
+    with pytest.raises(RuntimeConfigError, match="cannot tell which dimension of the model inputs"):
         pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, sgd,
               [((3.0,), y) for _, y in whole], cands)

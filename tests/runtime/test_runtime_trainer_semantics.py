@@ -186,9 +186,11 @@ def test_forward_returns_the_loss_on_the_device_not_a_number() -> None:
     assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
 
 
-def test_export_traced_model_compiled_in_eval_mode_trains_evaluates_and_stays_in_eval() -> None:
-    """The Hugging Face path (torch.export): a model handed over in eval mode trains with its
-    dropout and BatchNorm in train mode, evaluates in eval mode, and is in eval mode after."""
+def test_export_traced_model_trains_in_the_modes_it_has_as_plain_pytorch_does() -> None:
+    """The Hugging Face path (torch.export): fit trains in the modes the user's modules have,
+    as a plain loop does (issue 23: it used to switch everything to train mode): a model handed
+    over in eval mode trains in eval mode (BatchNorm's statistics untouched), one put back in
+    train mode trains in train mode; evaluation runs in eval mode and gives the modes back."""
     from fxpipe.codegen.split import placed_nodes, split_graph
     from fxpipe.tracing.trace import trace
 
@@ -202,10 +204,15 @@ def test_export_traced_model_compiled_in_eval_mode_trains_evaluates_and_stays_in
     got = trainer.fit(data, epochs=1, eval_loader=held)[0]["eval_loss"]
     assert [m.training for st in stages for m in st.gm.modules()] == before
     assert not model.bn.training and not model.drop.training
-    assert int(model.bn.num_batches_tracked) == 6  # one per training minibatch, none in eval
+    assert int(model.bn.num_batches_tracked) == 0  # eval mode: no statistics updated
     with torch.no_grad():
         want = sum(float(loss_fn(model(x), y)) for x, y in held) / len(held)
     assert got == pytest.approx(want, rel=1e-6)
+    model.train()
+    trainer = Trainer(stages, [1, 1], loss_fn, momentum, executor="reference", progress=False)
+    trainer.fit(data, epochs=1, eval_loader=held)
+    assert model.bn.training and model.drop.training  # given back after evaluation
+    assert int(model.bn.num_batches_tracked) == 6  # one per training minibatch, none in eval
 
 
 def test_default_segments_ramp_up_in_whole_update_groups() -> None:

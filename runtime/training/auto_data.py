@@ -1,0 +1,159 @@
+"""The pilot's minibatches as a stream (``schedule="auto"``, :mod:`.auto_pilot`): read from the
+loader again for every candidate, a training segment at a time, so that deciding holds no more
+minibatches than training does.
+
+Why a stream: the pilot reads up to 200 minibatches (half the run at most), and training holds one
+segment of them at a time (``Trainer.segment``, :mod:`.trainer_schedule`). Holding the whole pilot
+in memory for all candidates made the decision step dearer than the training it decides about; a
+minibatch of images or long sequences is not small. The price is reading the pilot's minibatches
+once per candidate a rank trains (two or three), against the run's thousands of minibatches.
+
+What a candidate sees is what one pass over the loader gives, as before: the first ``minibatches``
+of epoch 0, then of epoch 1 and so on when the epoch is shorter (a re-iterable loader), each epoch
+seeded by :class:`~.data.PartStream` as training seeds it. Reading is kept out of the candidates'
+random numbers: the global RNG the loader draws from (a shuffling ``DataLoader``) is swapped in
+around every read and out again, so the loader sees one uninterrupted stream per pass and a
+candidate's dropout sees its own, exactly as when the whole pilot was read before training. Every
+pass must give the same minibatches: a plain loader's are fingerprinted (``PartStream.digest``)
+at every chunk and compared with the first complete pass's.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from ..errors import RuntimeConfigError
+from ..execution.contract import Batch
+from .data import PartStream, take
+
+
+def loader_length(loader: Any) -> int | None:
+    """``len(loader)``, or None where it has none (a ``DataLoader`` over an iterable dataset
+    raises ``TypeError`` from ``__len__``)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+class PilotData:
+    """The first ``minibatches`` of a loader, or minibatches held in a list (:meth:`held`: the
+    callers that already have them), read in chunks of at most ``chunk`` (None: one chunk).
+    ``seed``: the trainer's, which seeds each epoch's order (see the module doc)."""
+
+    def __init__(self, loader: Iterable[Any] | None, minibatches: int, *,
+                 chunk: int | None = None, seed: int = 0,
+                 held: Sequence[Batch] | None = None) -> None:
+        if chunk is not None and chunk < 1:
+            raise RuntimeConfigError(f"a pilot chunk of {chunk} minibatches",
+                                     "use a positive chunk (a training segment)")
+        self.loader, self.minibatches, self.chunk, self.seed = loader, minibatches, chunk, seed
+        self._held = held
+        self._count: int | None = None if held is None else min(len(held), minibatches)
+        self._marks: list[str | None] | None = None  # the first complete pass's fingerprints
+
+    @classmethod
+    def held(cls, batches: Sequence[Batch], chunk: int | None = None) -> PilotData:
+        """Minibatches already in memory (a list): no loader is read."""
+        return cls(None, len(batches), chunk=chunk, held=batches)
+
+    def limited(self, n: int) -> PilotData:
+        """The first ``n`` of these minibatches (the same loader, chunks and seed)."""
+        if n >= self.minibatches:
+            return self
+        out = PilotData(self.loader, n, chunk=self.chunk, seed=self.seed, held=self._held)
+        if self._count is not None:
+            out._count = min(self._count, n)
+        return out
+
+    def count(self) -> int:
+        """How many minibatches a pass gives: ``minibatches`` where the loader has a length (it
+        is read over as many epochs as it takes), else what one pass, a chunk at a time,
+        reads (the loader may end sooner)."""
+        if self._count is None:
+            n = loader_length(self.loader)
+            if n is not None:
+                self._count = self.minibatches if n > 0 else 0
+            else:
+                self._count = sum(len(c) for c in self.read())
+        return self._count
+
+    def first(self, n: int) -> list[Batch]:
+        """The first ``n`` minibatches (what the probe times), read on their own."""
+        if self._held is not None:
+            return list(self._held[:min(n, self.minibatches)])
+        return next(self.limited(n)._chunks(None, record=False), [])
+
+    def read(self) -> Iterator[list[Batch]]:
+        """One pass, in chunks of at most :attr:`chunk` minibatches. The caller drops each
+        chunk before asking for the next: nothing here keeps one."""
+        if self._held is not None:
+            step = self.chunk or max(self.minibatches, 1)
+            for i in range(0, self.minibatches, step):
+                yield list(self._held[i:min(i + step, self.minibatches)])
+            return
+        yield from self._chunks(self.chunk, record=True)
+
+    # ------------------------------------------------------------------ a pass over the loader
+    def _chunks(self, chunk: int | None, *, record: bool) -> Iterator[list[Batch]]:
+        marks: list[str | None] = []
+        streams: list[PartStream] = []
+        it = self._parts(marks, streams)
+        loader_rng: torch.Tensor | None = None  # the loader's RNG state between reads
+        got = 0
+        while got < self.minibatches:
+            mine = torch.get_rng_state()
+            if loader_rng is not None:
+                torch.set_rng_state(loader_rng)
+            try:
+                out = take(it, min(chunk or self.minibatches, self.minibatches - got))
+                if streams:
+                    marks.append(streams[-1].digest())
+            finally:
+                loader_rng = torch.get_rng_state()
+                torch.set_rng_state(mine)
+            if record:
+                self._check(marks)
+            if not out:
+                break
+            got += len(out)
+            yield out
+            out = []  # the caller's chunk is dropped before the next read
+        if record and self._marks is None:
+            self._marks = marks
+            self._count = got if self._count is None else self._count
+
+    def _parts(self, marks: list[str | None], streams: list[PartStream]) -> Iterator[Batch]:
+        """The pass's minibatches over as many epochs as it takes (see the module doc); an
+        epoch's fingerprint goes to ``marks`` when it ends inside a chunk."""
+        n = 0
+        for epoch in range(max(self.minibatches, 1)):
+            stream = PartStream(self.loader, epoch, self.seed, need_inputs=True,
+                                need_targets=True)
+            streams[:] = [stream]
+            start = n
+            try:
+                for part in stream:
+                    n += 1
+                    yield part
+                    if n == self.minibatches:
+                        return
+            finally:
+                stream.close()
+            marks.append(stream.digest())
+            if n == start:  # an empty epoch: the loader has nothing more to give
+                return
+
+    def _check(self, marks: Sequence[str | None]) -> None:
+        """Compare this pass's fingerprints so far with the first complete pass's."""
+        if self._marks is None:
+            return
+        for i, (a, b) in enumerate(zip(marks, self._marks)):
+            if a != b:
+                raise RuntimeConfigError(
+                    f"the loader gave different minibatches when auto's pilot read it again "
+                    f"(chunk {i}: fingerprint {a} vs {b})", "auto trains every candidate on the "
+                    "same minibatches, read once per candidate: give a loader that yields the "
+                    "same minibatches each time it is iterated for an epoch (fxpipe seeds a "
+                    "shuffling DataLoader alike every time), or name a schedule")

@@ -1,0 +1,220 @@
+"""How the Trainer cuts a loader minibatch, and the block that tells the user.
+
+A mixin of :class:`~fxpipe.runtime.training.trainer.Trainer`. When the trainer itself cuts
+minibatches into microbatches (``schedule="auto"`` on 2+ stages, or ``split=``), it must train
+exactly what plain PyTorch trains with one optimizer step per loader minibatch. Before the first
+segment (and before auto's pilot, which trains the same cut) the ranks that compute the loss run
+:func:`.loss_split.probe` on the first minibatch: the inputs' batch dimensions (from the graph,
+:mod:`fxpipe.tracing.batchdims`, or ``batch_dims=``), the target's, and the loss's reduction;
+the verdict (or the refusal) is shared with every rank, so all cut alike or all stop with the
+same error. BatchNorm in train mode sees each microbatch's statistics, not the minibatch's:
+warned once, and a cut that leaves it one sample is refused.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from fxpipe.codegen.pipeline import run_stages
+from fxpipe.errors import FxpipeError
+from fxpipe.tracing.batchdims import BatchDims, as_call, infer_batch_dims
+
+from ..errors import RuntimeConfigError
+from ..execution.contract import Batch
+from ..replica.stage_call import modes
+from ..schedules.spec import AUTO
+from .loss_split import LossRule, LossSplitError, cut_segment, piece_sizes, probe
+from .minibatch import BATCH_DIMS_HINT, CutSpec, minibatch_size, user_dims
+
+log = logging.getLogger("fxpipe.runtime.training.trainer")
+
+
+def check_split(split: int | None, kind: str, microbatches: int | None) -> int:
+    """``split=`` (microbatches each loader minibatch is cut into, one update per minibatch)
+    for a named schedule: a flushing kind, without ``microbatches``; 1 when not given."""
+    if split is None:
+        return 1
+    if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+        raise RuntimeConfigError(f"split={split!r}", "use a positive number of microbatches "
+                                 "per minibatch")
+    if split > 1 and (kind in (AUTO, "pipedream") or microbatches is not None):
+        raise RuntimeConfigError(
+            f"split={split} with schedule {kind!r} and microbatches={microbatches}",
+            "split= cuts each minibatch for a flushing schedule (1f1b-flush, gpipe, zb-h1, "
+            "...) named without microbatches=; auto chooses its own cut, pipedream updates "
+            "after every minibatch")
+    return split
+
+
+def whole_model(stages: Sequence[Any], inputs: Any) -> Any:
+    """``stages`` run in order on a batch's ``inputs`` in eval mode, without gradients (the
+    modes given back after)."""
+    args, kwargs = as_call(inputs)
+    with contextlib.ExitStack() as stack:
+        for st in stages:
+            stack.enter_context(modes(st.gm, training=False))
+        stack.enter_context(torch.no_grad())
+        return run_stages(stages, args, kwargs)
+
+
+def find_cut(stages: Sequence[Any], loss_fn: Any, part: Batch, batch_dims: Any = None,
+             input_dims: BatchDims | None = None) -> tuple[CutSpec, LossRule, int]:
+    """The cut of ``part`` (a whole minibatch) and its loss's rule (see the module doc):
+    the inputs' batch dimensions from ``batch_dims`` (the user's), else ``input_dims`` (the
+    compiled graph's), else tested on ``stages`` now; and the minibatch's size."""
+    args, kwargs = as_call(part[0])
+    if batch_dims is not None and not (isinstance(batch_dims, (tuple, list))
+                                       and len(batch_dims) == 2):
+        raise RuntimeConfigError(f"batch_dims={batch_dims!r}", BATCH_DIMS_HINT)
+    if batch_dims is not None:
+        in_dims = user_dims(batch_dims[0], (args, kwargs), "inputs")
+    else:
+        found = input_dims
+        if found is None or not found.known:
+            found = infer_batch_dims(lambda a, k: whole_model(stages, k if k else a),
+                                     args, kwargs)
+        if not found.known:
+            raise RuntimeConfigError(f"cannot tell which dimension of the model inputs is the "
+                                     f"batch: {found.note}", BATCH_DIMS_HINT)
+        in_dims = found.input_dims()
+    target_dims = (user_dims(batch_dims[1], part[1], "target")
+                   if batch_dims is not None and part[1] is not None else None)
+    spec, rule = probe(lambda inputs: whole_model(stages, inputs), loss_fn, part, in_dims,
+                       target_dims)
+    return spec, rule, minibatch_size(part, spec)
+
+
+class CutMixin:
+    """Cut methods of the Trainer (it provides the attributes declared here)."""
+
+    stages: list[Any]
+    kind: str
+    split: int
+    microbatches: int | None
+    need_targets: bool
+    backend: Any
+    seed: int
+    loss_fn: Any
+    user_loss_fn: Any
+    batch_dims: Any
+    input_batch_dims: BatchDims | None
+    cut_spec: CutSpec | None
+    loss_rule: LossRule | None
+    _bn_warned: bool
+    _bns: list[str] | None
+    _probe_size: int
+    schedule_name: str
+    on_recipe: Any
+
+    def _may_cut(self) -> bool:
+        """Will (or, under auto, may) this run cut minibatches?"""
+        return (len(self.stages) > 1 and self.microbatches is None
+                and (self.kind == AUTO or self.split > 1))
+
+    def _prepare_cut(self, first: Batch | None) -> None:
+        """Find the cut and the loss rule once, from ``first`` (a whole minibatch: inputs and
+        target; None on ranks that do not compute the loss): see the module doc. Every rank
+        calls it at the same point (the verdict is exchanged)."""
+        if self.cut_spec is not None or not self._may_cut():
+            return
+        verdict: Any = None
+        if self.need_targets and first is not None:
+            try:
+                verdict = ("ok",) + self._probe(first)
+            except FxpipeError as err:
+                verdict = ("error", isinstance(err, LossSplitError), err.message, err.hint)
+        got = next((v for v in self.backend.exchange(verdict, "cut probe") if v is not None), None)
+        if got is None:  # nothing was read (an empty epoch): nothing to cut yet
+            return
+        if got[0] == "error":
+            raise (LossSplitError if got[1] else RuntimeConfigError)(got[2], got[3])
+        self.cut_spec, self.loss_rule, self._probe_size = got[1], got[2], got[3]
+
+    def _probe(self, part: Batch) -> tuple[CutSpec, LossRule, int]:
+        return find_cut(self.stages, self.user_loss_fn, part, self.batch_dims,
+                        self.input_batch_dims)
+
+    def _cut(self, parts: list[Batch], sizes: Sequence[int]) -> tuple[list[Batch], list[float]]:
+        """A segment's minibatches cut into :attr:`split` microbatches each (their targets
+        weighted on the ranks that compute the loss), and each one's share of its minibatch."""
+        if self.split == 1 or not parts:
+            return parts, [1.0] * len(parts)
+        if self.cut_spec is None:
+            raise RuntimeConfigError("a cut was asked for before fit() tested how to cut",
+                                     "report this as an fxpipe bug")
+        self._check_batchnorm(sizes)
+        return cut_segment(parts, sizes, self.split, self.cut_spec,
+                           self.loss_rule if self.need_targets else None)
+
+    def _sizes(self, parts: Sequence[Batch]) -> list[int]:
+        """Samples of each minibatch (rank 0 holds the inputs; it sizes them for everyone)."""
+        from .data import batch_size_of
+
+        if self.cut_spec is None:
+            return [batch_size_of(p[0]) for p in parts]
+        return [minibatch_size(p, self.cut_spec) for p in parts]
+
+    def batchnorms(self) -> list[str]:
+        """Names of the BatchNorm layers in train mode (modules, or export's aten calls)."""
+        out = []
+        for st in self.stages:
+            for name, m in st.gm.named_modules():
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training:
+                    out.append(name)
+            for n in st.gm.graph.nodes:
+                if n.op == "call_function" and "batch_norm" in str(n.target) and st.gm.training:
+                    stack = n.meta.get("nn_module_stack") or {}
+                    out.append(next(reversed(stack.values()))[0] if stack else n.name)
+        return list(dict.fromkeys(out))
+
+    def _check_batchnorm(self, sizes: Sequence[int]) -> None:
+        if self._bns is None:
+            self._bns = self.batchnorms()
+        if not self._bns or not any(sizes):
+            return
+        smallest = min(min(piece_sizes(n, min(self.split, n))) for n in sizes if n)
+        named = ", ".join(self._bns[:4]) + (" ..." if len(self._bns) > 4 else "")
+        if smallest < 2:
+            raise RuntimeConfigError(
+                f"a cut into {self.split} microbatches leaves BatchNorm ({named}) {smallest} "
+                "sample: it cannot normalise one sample in train mode",
+                "give minibatches of at least 2 samples per microbatch, or name a schedule "
+                "with microbatches= (each loader minibatch one microbatch)")
+        if not self._bn_warned:
+            self._bn_warned = True
+            log.warning("BatchNorm in train mode (%s) normalises each microbatch (%d samples or "
+                        "more) with its own statistics, not the %d-sample minibatch's, so "
+                        "training differs from the unsplit minibatch's; name a schedule with "
+                        "microbatches= to keep minibatches whole", named, smallest, max(sizes))
+
+    def _tell(self) -> bool:
+        """Log :meth:`recipe` (and hand it to ``on_recipe``: ``compiled.summary()``)."""
+        text = self.recipe()
+        log.info("fxpipe trains:\n%s", text)
+        if self.on_recipe is not None:
+            self.on_recipe(text)
+        return True
+
+    def recipe(self) -> str:
+        """What fit trains, in a few lines: the schedule, the cut and the loss's combination
+        (logged at the start of fit, shown by ``compiled.summary()``)."""
+        decision = getattr(self, "auto_decision", None)
+        lines = [f"schedule: {self.schedule_name}"
+                 + (f" (chosen by auto: {decision.reason})" if decision is not None else "")]
+        if self.split > 1 and self.cut_spec is not None:
+            n = self._probe_size
+            sizes = f" ({n} samples -> {piece_sizes(n, self.split)})" if n else ""
+            lines += [f"cut: each minibatch into {self.split} microbatches{sizes}, one update "
+                      f"per minibatch, along {self.cut_spec.describe()}",
+                      f"loss: {self.loss_rule.describe() if self.loss_rule else '?'}; the "
+                      "update is the whole minibatch's gradient, the logged loss its loss"]
+        elif self.kind == "pipedream" and self.microbatches is None:
+            lines.append("cut: none; an update after every minibatch (on each replica group)")
+        else:
+            m = self.microbatches or sum(getattr(self, "replicas", [1]))
+            lines.append(f"cut: none; each minibatch is one microbatch and an update averages "
+                         f"the gradients of {m} minibatches (gradient accumulation)")
+        return "\n".join(lines)
