@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,6 +114,21 @@ def run_fxpipe(specs, batches) -> dict:
             "losses": res.losses, "setup": first}
 
 
+def run_baseline(root: str, plan_path: str, n: int) -> dict:
+    """fxpipe pipedream as another checkout runs it (``root``, with its own ``.venv`` and a copy
+    of this script), on the same plan and minibatches: the side-by-side against older code."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([str(Path(root) / ".venv" / "bin" / "python"), "-m",
+                        "bench.runtime_vs_pipelining", "--fxpipe-only", f.name, "--plan",
+                        plan_path, "--minibatches", str(n)], cwd=root, check=True,
+                       timeout=900)
+        return json.loads(Path(f.name).read_text())
+
+
 def time_to_target(done_at: list[float], losses: list[float], target: float,
                    window: int = POOL) -> tuple[float, int] | None:
     """(seconds, minibatch) when the running mean of the last ``window`` losses first reaches
@@ -121,6 +137,15 @@ def time_to_target(done_at: list[float], losses: list[float], target: float,
         if sum(losses[k - window + 1:k + 1]) / window <= target:
             return done_at[k], k
     return None
+
+
+def _describe(root: str) -> str:
+    """The baseline checkout's commit, for the page."""
+    import subprocess
+
+    out = subprocess.run(["git", "-C", root, "log", "-1", "--format=%h"], capture_output=True,
+                         text=True)
+    return out.stdout.strip() or root
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.5, help="target running-mean training loss")
     ap.add_argument("--out", default=None, help="write the markdown here instead of "
                     "benchmarks/runtime_vs_pipelining.md")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also run fxpipe pipedream from the checkout DIR (its .venv, a copy of "
+                    "this script) in every round, on the same plan: old code side by side")
+    ap.add_argument("--fxpipe-only", default=None, help=argparse.SUPPRESS)  # a baseline's run
+    ap.add_argument("--plan", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
@@ -140,9 +170,18 @@ def main(argv: list[str] | None = None) -> int:
 
     model = rc.mlp()
     pool = rc.teacher_pool((512,), BATCH, POOL)
+    plan = fxpipe.Plan.load(args.plan) if args.plan else None
     compiled = fxpipe.compile(model, fxpipe.Cluster(workers=2), example_inputs=(pool[0][0],),
-                              loss_fn=rc.cross_entropy, stages=2, straight=True)
+                              loss_fn=rc.cross_entropy, stages=2, straight=True, plan=plan)
     specs = compiled.stage_specs
+    if args.fxpipe_only:  # a baseline checkout's run (see run_baseline)
+        import json
+
+        res = run_fxpipe(specs, rc.cycle(pool, args.minibatches))
+        Path(args.fxpipe_only).write_text(json.dumps(res))
+        return 0
+    plan_file = Path(tempfile.mkdtemp(prefix="fxp-rvp-")) / "plan.json"
+    compiled.plan.save(plan_file)
     assert len(specs) == 2 and specs[0].outputs and len(specs[1].inputs) == 1, specs
     split = [f"stage {s.index}: {list(compiled.plan.stages[s.index].nodes)[0]}.."
              f"{list(compiled.plan.stages[s.index].nodes)[-1]}" for s in specs]
@@ -164,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     # 2. measured rounds: fxpipe, 1F1B at its best m, GPipe at its best m, interleaved
     names = ["fxpipe pipedream", f"pipelining Schedule1F1B (m={best['1f1b']})",
              f"pipelining ScheduleGPipe (m={best['gpipe']})"]
+    if args.baseline:
+        names.append(f"fxpipe pipedream, baseline {_describe(args.baseline)}")
     rate: dict[str, list[float]] = {n: [] for n in names}
     ttt: dict[str, list[float]] = {n: [] for n in names}
     tt_mb: dict[str, list[int]] = {n: [] for n in names}
@@ -177,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         if rnd % 2:
             pp_cfgs.reverse()
         steps = ["fx", "pp"] if rnd % 2 == 0 else ["pp", "fx"]
+        if args.baseline:
+            steps.insert(rnd % 3, "base")
         for s in steps:
-            if s == "fx":
+            if s == "base":
+                got[names[3]] = run_baseline(args.baseline, str(plan_file), n)
+            elif s == "fx":
                 got[names[0]] = run_fxpipe(specs, batches)
             else:
                 for r in run_pipelining(gms, batches, pp_cfgs):
@@ -198,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cmd = f"{rc.PY} -m bench.runtime_vs_pipelining" + "".join(
         f" --{k.replace('_', '-')} {v}" for k, v in
-        dict(rounds=args.rounds, minibatches=args.minibatches, target=args.target).items()
+        dict(rounds=args.rounds, minibatches=args.minibatches, target=args.target,
+             baseline=args.baseline).items()
         if v != ap.get_default(k))
     rows = []
     for name in names:
@@ -238,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
+        *([f"The baseline row is fxpipe pipedream as the checkout of commit "
+           f"{_describe(args.baseline)} runs it, in the same rounds, on the same plan and "
+           "minibatches: its speed-up column is this code's samples/s over the baseline's.", ""]
+          if args.baseline else []),
         "Cells: median [min-max] over the rounds; ratios are per round. Set-up not counted above: "
         f"fxpipe's input-stage rank spent {rc.spread(setup, '{:.2f}')} s between the runtime's "
         "post-rendezvous barrier (its timeline's zero) and its first forward (building the "

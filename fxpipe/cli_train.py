@@ -98,9 +98,23 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None,
                    help="minibatches per update (flushing schedules)")
     p.add_argument("--segment", type=int, default=None, help="minibatches per segment")
+    p.add_argument("--noam", default=None, type=_noam,
+                   help="minibatches in flight at the input stage of pipedream and 2bw: a "
+                        "number, or auto (the fewest that hide the plan's communication round "
+                        "trips; default: PipeDream's NOAM)")
     p.add_argument("--prefetch", type=int, default=0, help="minibatches read ahead by a thread")
     p.add_argument("--metrics", default=None, metavar="FILE.jsonl", help="JSON-lines metrics log")
     p.add_argument("--metrics-every", type=int, default=1, help="updates between records")
+
+
+def _noam(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--noam {text!r}: a number of minibatches, or auto"
+                                         ) from None
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -331,7 +345,7 @@ def run_worker(args: argparse.Namespace) -> int:
                            clip_grad_norm=args.clip, precision=args.precision,
                            recompute=True if args.recompute else None,
                            microbatches=args.microbatches, segment=args.segment,
-                           prefetch=args.prefetch, metrics_path=args.metrics,
+                           noam=args.noam, prefetch=args.prefetch, metrics_path=args.metrics,
                            metrics_every=args.metrics_every)
     resume = args.resume
     if args.elastic:

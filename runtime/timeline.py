@@ -232,6 +232,47 @@ def busy_between(events: Iterable[TimelineEvent], lo: float, hi: float,
     return min(1.0, busy / (hi - lo))
 
 
+WAITS = ("peer", "transfer", "late", "unmatched")
+
+
+def wait_breakdown(timeline: Timeline) -> dict[int, dict[str, float]]:
+    """Per rank, what its receive waits waited for, in seconds (issue 27): ``peer``, the peer had
+    not posted the send yet (it was still computing: the pipeline's own bubble); ``late``, the
+    data was ready (its send posted) before this rank posted the receive, and a transfer only
+    starts once both ends have posted (gloo's rendezvous; NCCL's pairing), so the part of the
+    wait that posting the receive when the data was ready would have saved; ``transfer``, the
+    rest: a transfer posted in time (the link's own time); ``unmatched``, waits whose send is not
+    in ``timeline``. Needs every rank's events (the senders' ``send`` spans list their messages
+    as ``msgs``; a ``recv`` wait names ``src``, ``tag`` and when it was ``posted``), on clocks
+    that agree (one machine, or the common start of :func:`synchronized_start`). A tag may recur
+    in a later schedule: each wait takes the latest send of its message posted before it ended."""
+    sent: dict[tuple[int, int, int], list[float]] = {}
+    for rank, evs in timeline.items():
+        for e in evs:
+            if e.category == "send":
+                for dst, tag in e.args.get("msgs", ()):
+                    sent.setdefault((rank, int(dst), int(tag)), []).append(e.end)
+    out: dict[int, dict[str, float]] = {}
+    for rank, evs in timeline.items():
+        acc = dict.fromkeys(WAITS, 0.0)
+        for e in evs:
+            if e.category != "recv" or "tag" not in e.args:
+                continue
+            times = [t for t in sent.get((int(e.args["src"]), rank, int(e.args["tag"])), ())
+                     if t <= e.end + 1e-3]
+            if not times:
+                acc["unmatched"] += e.duration
+                continue
+            t, p = max(times), float(e.args.get("posted", e.start))
+            peer = min(max(0.0, t - e.start), e.duration)
+            late = min(max(0.0, p - t), e.duration - peer)
+            acc["peer"] += peer
+            acc["late"] += late
+            acc["transfer"] += e.duration - peer - late
+        out[rank] = acc
+    return out
+
+
 def totals(events: Iterable[TimelineEvent]) -> dict[str, float]:
     """Seconds per category (for logs and benchmark tables)."""
     out = {c: 0.0 for c in CATEGORIES}

@@ -17,7 +17,8 @@ import torch
 from fxpipe.codegen.split import StageSpec
 
 from ..errors import RuntimeConfigError
-from ..replica.stage import TiedParameter, check_stages, sync_components, tied_parameters
+from ..replica.stage import (StageReplica, TiedParameter, check_stages, sync_components,
+                             tied_parameters)
 from ..schedules.schedule import Rank, Schedule, execution_order, tie_delay, validate
 from ..timeline import TimelineEvent
 
@@ -45,7 +46,7 @@ class RunResult:
     timeline: dict[int, list[TimelineEvent]] = field(default_factory=dict)
     background: dict[int, list[TimelineEvent]] = field(default_factory=dict)
     comm_logs: dict[int, list[tuple]] = field(default_factory=dict)
-    """Distributed runs with ``record_comm``: every rank's log (see commplan.check_logs)."""
+    """Distributed runs with ``record_comm``: every rank's log (see ncclcheck.check_logs)."""
 
     def merged_params(self) -> dict[str, torch.Tensor]:
         """Every stage's weights in one dict (the model's state after training)."""
@@ -59,6 +60,21 @@ def planned_reads(sched: Schedule, rank: Rank) -> dict[int, int]:
     """version -> number of forwards of ``rank`` reading it (what its stash must keep)."""
     return dict(Counter(a.version for a in sched.actions[rank]
                         if a.kind == "F" and a.version is not None))
+
+
+def prepare_window(replica: StageReplica, sched: Schedule, rank: Rank) -> None:
+    """Before ``rank`` runs ``sched`` (a complete schedule, or a window of a stretch): a
+    stretch's first window counts weight versions from 0 again; the stash learns the versions
+    the forwards of the window and of its lookahead (``Window.ahead``) will read, so none is
+    dropped before a later window reads it; weight prediction learns its horizons."""
+    acts = (*sched.actions[rank], *getattr(sched, "ahead", {}).get(rank, ()))
+    if getattr(sched, "start", 0) == 0:
+        replica.stash.rebase()
+    replica.stash.set_planned_reads(Counter(a.version for a in acts
+                                            if a.kind == "F" and a.version is not None))
+    prepare = getattr(replica, "prepare", None)  # a MitigatedReplica's (weight prediction)
+    if prepare is not None:
+        prepare(acts)
 
 
 def tied_delay(sched: Schedule, tied: Sequence[TiedParameter]) -> int:

@@ -9,16 +9,19 @@ producers; ``U i`` all-reduces the stage's gradient sums among its replicas (the
 group) and steps the optimizer; tied parameters also sum their gradients over every rank holding
 them (under pipedream ``d`` rounds later, see :func:`fxpipe.runtime.execution.contract.tied_delay`).
 With ``overlap_allreduce`` (default) the replicas' sum is bucketed and launched from hooks during
-the last backward before the update, as DDP does (:mod:`fxpipe.runtime.execution.buckets`); ``U``
-then only waits for it. Either way the summed buffer carries one presence flag per parameter, so
-every replica (and every holder of a tied parameter) agrees which parameters got no gradient at
-all in the round: those take no step, as torch.optim skips ``grad=None``
-(:mod:`fxpipe.runtime.replica.stage_update`).
+the last backward before the update, as DDP does; ``U`` then only waits for it
+(:mod:`fxpipe.runtime.execution.rank_update`).
+
+A stretch of an asynchronous schedule runs a window at a time (:meth:`RankExecutor.run_window`,
+:mod:`fxpipe.runtime.schedules.stream`): receives posted, weight versions stashed, tied rounds and
+minibatches not yet forwarded carry over from one window to the next, and only the stretch's
+final window waits for every send and meets the other ranks at a barrier.
 
 WHEN each message is posted follows :mod:`fxpipe.runtime.schedules.commplan`: one global order that
-every rank follows, receives posted as early as that order allows (so data arrives while the rank
-computes), which is what makes the same code safe on NCCL (order-matched, one stream) and gloo
-(tag-matched). All transport goes through :class:`~fxpipe.runtime.execution.comm.Comm`; all compute
+every rank follows on each of two channels (activations, gradients: a process group each),
+receives posted as early as that order allows and paced by the plan's timing (so data arrives
+while the rank computes), which is what makes the same code safe on NCCL (order-matched, a
+stream per channel) and gloo (tag-matched). All transport goes through :class:`~fxpipe.runtime.execution.comm.Comm`; all compute
 through the same :class:`StageReplica` the reference executor uses; every part is stamped on the
 rank's timeline.
 
@@ -50,13 +53,16 @@ from ..replica.stage import (LossFn, detached_values, model_env, sync_components
                              tied_parameters)
 from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
-from ..schedules.commplan import Issuer, Msg, RankPlan, comm_plans, links_of
-from ..schedules.schedule import Action, Rank, Schedule, split_ranks
+from ..schedules.commplan import (Issuer, Msg, RankPlan, StretchPlanner, comm_plans,
+                                  links_of)
+from ..schedules.schedule import Action, Rank, Schedule, execution_order, split_ranks
 from ..schedules.spec import Mitigation
+from ..schedules.stream import Window
 from ..timeline import Recorder, TimelineEvent
-from .buckets import DEFAULT_BUCKET_BYTES, BucketLayout, GradBuckets, last_backwards
+from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, last_backwards
 from .comm import Comm, _Pending
-from .contract import Batch, planned_reads, tied_delay
+from .contract import Batch, planned_reads, prepare_window, tied_delay
+from .rank_update import UpdateMixin
 from .wire import WirePlan
 
 log = logging.getLogger(__name__)
@@ -78,7 +84,7 @@ class RankResult:
     comm_log: list[tuple] | None = None
 
 
-class RankExecutor:
+class RankExecutor(UpdateMixin):
     """Carry out ``schedule.actions[me]`` (see the module doc)."""
 
     def __init__(self, stages: Sequence[StageSpec], schedule: Schedule, me: Rank,
@@ -112,7 +118,10 @@ class RankExecutor:
         self.comm = comm
         self.device = device or torch.device("cpu")
         self.fault = fault
-        self._inbox: dict[Msg, _Pending] = {}
+        self._inbox: dict[Msg, _Pending] = {}  # receives posted, not yet waited for
+        self._data: dict[int, Batch] = {}  # minibatches this rank forwards, not yet forwarded
+        self._planner: StretchPlanner | None = None  # set while a stretch runs
+        self._sent: list[tuple[int, int]] = []  # (dst, tag) of the messages an action posted
         self._out: dict[str, torch.Tensor] = {}
         last = len(self.stages) - 1
         # values no gradient flows back along: no message planned, none computed or sent
@@ -160,7 +169,8 @@ class RankExecutor:
         return dt.is_floating_point or dt.is_complex
 
     def plan(self, sched: Schedule) -> RankPlan:
-        """This rank's messages for ``sched`` in the global order (see commplan)."""
+        """This rank's messages for the complete schedule ``sched``, in the global order (see
+        :mod:`~fxpipe.runtime.schedules.commplan`)."""
         index = {n: i for i, n in enumerate(self.wire.values)}
         return comm_plans(self.links, sched, index, self._grad_ok, self._sync, self._delay,
                           ranks=[self.me])[self.me]
@@ -174,8 +184,9 @@ class RankExecutor:
         t = self._out.get(m.name)
         if t is None:
             raise RuntimeError(f"{self.comm.who}: no {m.describe()} to send (a bug)")
-        self.comm.send(t, m.peer, self.comm.tag(m.minibatch, m.value, m.direction),
-                       m.describe(), self.wire.spec(m.name, m.minibatch))
+        self._sent.append(self.comm.send(t, m.peer,
+                                         self.comm.tag(m.minibatch, m.value, m.direction),
+                                         m.describe(), self.wire.spec(m.name, m.minibatch)))
 
     def _received(self, msgs: Sequence[Msg]) -> dict[Msg, torch.Tensor]:
         self._issuer.require(msgs, self._inbox)
@@ -196,30 +207,6 @@ class RankExecutor:
         self._out = dict(zip(st.outputs, outs))
         log.debug("%s: F%d done (stage %d)", self.comm.who, k, self.me[0])
         return loss
-
-    def buckets(self) -> GradBuckets | None:
-        """The stage's gradient buckets, or None when its replicas' sum is not overlapped (one
-        replica, or ``overlap_allreduce=False``: one flat all-reduce at ``U``)."""
-        s, reps = self.me[0], self.schedule.replicas
-        if not self.overlap_allreduce or reps[s] < 2:
-            return None
-        if self._buckets is None:
-            stash = self.replica.stash
-            # shaped like the weights, in the gradients' dtype (float32 for master weights)
-            like = {n: t if n not in stash.grad_dtypes or stash.grad_dtypes[n] == t.dtype else
-                    torch.empty(t.shape, dtype=stash.grad_dtypes[n], device="meta")
-                    for n, t in stash.latest.items()}
-            ref = next(iter(like.values()), torch.zeros(()))
-            layout = BucketLayout.build(like, stash.trainable, self.bucket_bytes, ref.dtype,
-                                        flags=True)  # presence flags: see stage_update
-            peers = [(s, j) for j in range(reps[s])]
-            self._buckets = GradBuckets(
-                layout, self.device,
-                lambda i, buf: self.comm.all_reduce_async(buf, s, peers,
-                                                          f"bucket {i} of {self._round}"))
-            log.debug("%s: %d gradient buckets of sizes %s", self.comm.who, len(layout),
-                      layout.sizes)
-        return self._buckets
 
     def backward(self, a: Action, recvs: Sequence[Msg] = (), *,
                  update: Action | None = None) -> None:
@@ -256,111 +243,45 @@ class RankExecutor:
                 hooked=None if bk is None else bk.early)
         self._finish_buckets(bk, update)
 
-    def _finish_buckets(self, bk: GradBuckets | None, update: Action | None) -> None:
-        if bk is not None:  # parameters without a gradient this time, the count: last buckets
-            with self.rec.span("allreduce", f"post buckets {update}", group=str(self.me[0])):
-                bk.finish(self.replica.grad_sums, self.replica.count)
-
-    def update(self, a: Action) -> None:
-        """Replicas sum their gradients (the stage's group); tied parameters sum their LOCAL
-        gradients over every rank holding them (their own group), as the reference does: at
-        this update, or (delay d > 0) asynchronously, applying round ``i - d`` now."""
-        s = self.me[0]
-        reps = self.schedule.replicas
-        bk = self.buckets()
-        if bk is not None and not bk.active:  # no backward this round: post everything now
-            self._round = str(a)
-            bk.start()
-            bk.finish(self.replica.grad_sums, self.replica.count)
-        if reps[s] == 1 and not self.tied:  # nobody to sum with: no flat buffer at all
-            with self.rec.span("optimizer", str(a), update=a.minibatch):
-                self.replica.apply_local_update()
-            return
-        with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
-            buf = self.replica.local_gradient(flags=True) if bk is None or self.tied else None
-            segs = [(key, names, self.replica.segment(buf, names, flags=True))
-                    for key, names in self.tied]
-        if bk is not None:
-            self.comm.wait_all_reduces(bk.pending, f"allreduce {a}", group=str(s))
-            if not self.tied:  # the buckets' views go to the optimizer (no flat copy)
-                grads, count = bk.grads(self.replica.stash.latest)  # already the mean
-                with self.rec.span("optimizer", str(a), update=a.minibatch):
-                    self.replica.apply_grads(grads, min(count, 1.0), writable=grads)
-                return
-            buf = bk.flat()
-        elif reps[s] > 1:
-            self.comm.all_reduce(buf, s, [(s, j) for j in range(reps[s])], f"U{a.minibatch}")
-        assert buf is not None
-        late: dict[str, torch.Tensor | None] | None = None
-        if self._delay == 0:
-            for key, names, seg in segs:
-                self.comm.all_reduce(seg, key, self._holders(key), f"tied {names} U{a.minibatch}")
-                self.replica.put_segment(buf, names, seg, flags=True)
-        else:
-            late = self._tied_round(a.minibatch, segs, float(buf[-1]))
-        with self.rec.span("optimizer", str(a), update=a.minibatch):
-            self.replica.apply_update(buf, late, flags=True)
-
-    def _holders(self, key: tuple[int, ...]) -> list[Rank]:
-        return [(t, j) for t in key for j in range(self.schedule.replicas[t])]
-
-    def _tied_round(self, i: int, segs: list[tuple[tuple[int, ...], list[str], torch.Tensor]],
-                    count: float) -> dict[str, torch.Tensor | None]:
-        """Delayed tied rounds: post round i's sums (asynchronous), return round i-d's means."""
-        out: dict[str, torch.Tensor | None] = {}
-        for key, names, seg in segs:
-            pend = self.comm.all_reduce_async(seg, key, self._holders(key),
-                                              f"tied {names} round {i}")
-            self._rounds[(key, i)] = (pend, count)
-            out.update(self._round_means(key, names, i - self._delay))
-        return out
-
-    def _round_means(self, key: tuple[int, ...], names: list[str], j: int
-                     ) -> dict[str, torch.Tensor | None]:
-        if j < 0:
-            return {n: None for n in names}
-        pend, count = self._rounds.pop((key, j))
-        self.comm.wait_all_reduces([pend], f"tied round {j}", group=str(key))
-        total = pend.tensor
-        mean = total / count if count > 0 and count != 1 else total  # flags stay > 0 or 0
-        return self.replica.split_segment(mean, names, flags=True)
-
-    def _finish_tied_rounds(self) -> None:
-        """Run end: apply the last ``d`` tied rounds (tied-only steps, as the reference)."""
-        if self._delay == 0 or not self.tied:
-            return
-        done = self.replica.stash.version
-        for j in range(max(0, done - self._delay), done):
-            grads: dict[str, torch.Tensor | None] = {}
-            for key, names in self.tied:
-                grads.update(self._round_means(key, names, j))
-            with self.rec.span("optimizer", f"tied round {j}", update=j):
-                self.replica.apply_tied_only({n: g for n, g in grads.items() if g is not None})
-        assert not self._rounds, self._rounds
-
     # ------------------------------------------------------------------ runs
     def run(self, batches: Sequence[Batch], *, collect_params: bool = True) -> RankResult:
-        """Walk the action list; then wait for every send and for all ranks to finish.
-        ``collect_params``: copy the latest weights to the host into the result (the trainer
-        does not: its weights stay on the device between segments)."""
-        sched = self.schedule
+        """Carry out :attr:`schedule`, a complete schedule (a stretch of one window)."""
+        return self.run_window(self.schedule, batches, collect_params=collect_params)
+
+    def run_window(self, sched: Schedule, batches: Sequence[Batch], *,
+                   collect_params: bool = True) -> RankResult:
+        """Walk this rank's actions of ``sched``: a complete schedule, or a window of a stretch
+        (:class:`~fxpipe.runtime.schedules.stream.Window`, ``batches`` its new minibatches
+        ``[start, stop)``). Messages, stashed versions and tied rounds in flight carry over
+        to the stretch's next window; a stretch's final window ends with every send received
+        and a barrier of all ranks. ``collect_params``: copy the latest weights to the host
+        into the result (the trainer does not: its weights stay on the device)."""
+        start, final = getattr(sched, "start", 0), getattr(sched, "final", True)
         actions = sched.actions[self.me]
-        self._delay = tied_delay(sched, self._tied_all)
-        self._configure(sched.kind)
-        plan = self.plan(sched)
+        if start == 0:
+            self._begin(sched)
+        elif self._planner is None:
+            raise RuntimeError(f"{self.comm.who}: a window at minibatch {start} of a stretch "
+                               "that did not start (a bug)")
+        self.schedule = sched
+        self._data.update((start + k, b) for k, b in enumerate(batches)
+                          if self._forwards(start + k))
+        prepare_window(self.replica, sched, self.me)
+        order = (sched.order if isinstance(sched, Window)
+                 else execution_order(sched, self._sync, self._delay))
+        plan = self._planner.window(sched, order)[self.me]
         self._final_b = last_backwards([b.kind for b in actions])
-        self._inbox.clear()
         losses: dict[int, torch.Tensor] = {}
         issuer = self._issuer = Issuer(plan, self._post_recv, self._post_send)
         if plan.ops:
             with self.rec.span("recv", "post receives"):
                 issuer.start()
-        self._split = self.me in split_ranks(sched)
         for i, a in enumerate(actions):
             if self.fault is not None and i == self.fault[1]:
                 _inject(self.fault[0], self.comm.who, a)
+            issuer.at(i)  # the receives due by now (commplan.Issuer)
             if a.kind == "F":
-                loss = self.forward(a, batches[a.minibatch], plan.recvs[i])
+                loss = self.forward(a, self._data.pop(a.minibatch), plan.recvs[i])
                 if loss is not None:
                     losses[a.minibatch] = loss
             elif a.kind == "B":
@@ -372,24 +293,49 @@ class RankExecutor:
             else:
                 self.update(a)
             if plan.sends[i]:
-                with self.rec.span("send", f"post {a}", minibatch=a.minibatch):
+                self._sent = []
+                with self.rec.span("send", f"post {a}", minibatch=a.minibatch) as span:
                     for m in plan.sends[i]:
                         issuer.send(m)
-        assert issuer.done and not self._inbox, "every planned message was posted and used"
-        self._finish_tied_rounds()
-        self.comm.flush()
-        self.comm.barrier()
+                    span.args["msgs"] = tuple(self._sent)  # (dst, tag): see wait_breakdown
+        issuer.finish()  # receives of this window waited for in the next one
+        assert issuer.done, "every planned message of the window was posted"
+        log_ = None
+        if final:
+            assert not self._inbox and not self._data, "every message and minibatch was used"
+            self._finish_tied_rounds()
+            self.comm.flush()
+            self.comm.barrier()
+            self._planner = None
+            if self.comm.log is not None:  # the whole stretch's host calls (the NCCL checker)
+                log_ = list(self.comm.log)
+                self.comm.log.clear()
         background = sorted(self.comm.background, key=lambda e: e.start)
         self.comm.background.clear()
-        keys = sorted(losses)  # one device-to-host read for the whole run
+        keys = sorted(losses)  # one device-to-host read for the whole window
         values = torch.stack([losses[k] for k in keys]).tolist() if keys else []
         params = ({n: t.detach().cpu() for n, t in self.replica.parameters().items()}
                   if collect_params else {})
-        log_ = None if self.comm.log is None else list(self.comm.log)
-        if self.comm.log is not None:
-            self.comm.log.clear()
         return RankResult(dict(zip(keys, map(float, values))), params,
                           self.replica.stash.peak_bytes, self._take_timeline(), background, log_)
+
+    def _begin(self, sched: Schedule) -> None:
+        """A new stretch: nothing may be in flight; its plan, clipping and tied delay."""
+        if self._inbox or self._data:
+            raise RuntimeError(f"{self.comm.who}: a new schedule while the last stretch has "
+                               "messages or minibatches in flight (its final window did not "
+                               "run: a bug)")
+        self._delay = tied_delay(sched, self._tied_all)
+        self._configure(sched.kind)
+        index = {n: i for i, n in enumerate(self.wire.values)}
+        self._planner = StretchPlanner(self.links, sched.replicas, index, self._grad_ok,
+                                       ranks=[self.me], split=split_ranks(sched),
+                                       sync=self._sync, delay=self._delay)
+        self._split = self.me in split_ranks(sched)
+
+    def _forwards(self, k: int) -> bool:
+        """Whether this rank forwards minibatch k (and so keeps its inputs until then)."""
+        return self.schedule.owner(self.me[0], k) == self.me
 
     def forward_only(self, parts: Sequence[Batch], metric: Any) -> list[Any]:
         """Evaluation: every owned minibatch's forward in increasing order with the latest
@@ -400,16 +346,17 @@ class RankExecutor:
         ranks = [(s, j) for s, r in enumerate(reps) for j in range(r)]
         sched = Schedule("eval", reps, n, {
             (s, j): tuple(Action("F", k) for k in range(j, n, reps[s])) for s, j in ranks})
-        delay, self._delay = self._delay, 0
-        try:
-            plan = self.plan(sched)
-        finally:
-            self._delay = delay
+        if self._planner is not None:
+            raise RuntimeError(f"{self.comm.who}: evaluation inside a stretch (a bug: the "
+                               "trainer drains before it evaluates)")
+        index = {n: i for i, n in enumerate(self.wire.values)}
+        plan = comm_plans(self.links, sched, index, self._grad_ok, ranks=[self.me])[self.me]
         st, out = self.spec, []
         self._inbox.clear()
         issuer = self._issuer = Issuer(plan, self._post_recv, self._post_send)
         issuer.start()
         for i, a in enumerate(sched.actions[self.me]):
+            issuer.at(i)
             x, y = parts[a.minibatch]
             env = model_env(self.stages, x) if MODEL in st.sources else {}
             got = {m.name: t for m, t in self._received(plan.recvs[i]).items()}
@@ -421,6 +368,7 @@ class RankExecutor:
                 issuer.send(m)
             if self.me[0] == len(self.stages) - 1:
                 out.append(metric(self._out, to_device(y, self.device)))
+        issuer.finish()
         assert issuer.done and not self._inbox
         self.comm.flush()
         self.comm.barrier()

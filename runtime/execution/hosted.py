@@ -114,7 +114,8 @@ class HostedRankExecutor(RankExecutor):
             self._inbox[m] = LOCAL  # type: ignore[assignment]
             return
         spec = self.wire.spec(m.name, m.minibatch)
-        self._inbox[m] = self.comm.post_recv(spec, m.peer, self._tag(m), m.describe())
+        self._inbox[m] = self.comm.post_recv(spec, m.peer, self._tag(m), m.describe(),
+                                             m.direction)
 
     def _post_send(self, m: Msg) -> None:
         t = self._out.get(m.name)
@@ -123,7 +124,8 @@ class HostedRankExecutor(RankExecutor):
         if m.peer in self.local:  # a copy: the consumer's graph must not share the producer's
             self.mailbox[self._key(m)] = t.detach().clone()
             return
-        self.comm.send(t, m.peer, self._tag(m), m.describe(), self.wire.spec(m.name, m.minibatch))
+        self.comm.send(t, m.peer, self._tag(m), m.describe(), self.wire.spec(m.name, m.minibatch),
+                       m.direction)
 
     def _received(self, msgs: Sequence[Msg]) -> dict[Msg, torch.Tensor]:
         self._issuer.require([m for m in msgs if m.peer not in self.local], self._inbox)

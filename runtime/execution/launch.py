@@ -60,7 +60,7 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
     ("die" | "hang", action index). Raises :class:`WorkerFailedError` if any rank failed.
     ``device``: "cpu" (gloo), or "cuda" (NCCL; rank i on GPU i, see fxpipe.runtime.replica.device).
     ``record_comm``: return every rank's communication log in ``RunResult.comm_logs`` (for
-    :func:`fxpipe.runtime.schedules.commplan.check_logs`).
+    :func:`fxpipe.runtime.schedules.ncclcheck.check_logs`).
 
     A :class:`~fxpipe.runtime.schedules.placement.PlacedSchedule` (``interleaved-1f1b``, ``zb-v``:
     several stages per process) runs on its processes instead (:func:`run_placed`: gloo only; no
@@ -161,7 +161,7 @@ class PlacedJob:
     wire: WirePlan | None = field(default=None)
     faults: dict[int, tuple[str, int]] = field(default_factory=dict)
     """Tests: process index -> ("die" | "hang", index in its merged list)."""
-    record_comm: bool = False  # keep every process's host calls (commplan.check_logs)
+    record_comm: bool = False  # keep every process's host calls (ncclcheck.check_logs)
 
 
 def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s: float,
@@ -265,7 +265,7 @@ def run_placed(stages: Sequence[StageSpec], placed: PlacedSchedule, loss_fn: Los
     the others fail with a :class:`~fxpipe.runtime.errors.PeerError` naming it, and this call
     raise :class:`WorkerFailedError` (``faults``, tests: process -> ("die" | "hang", step)).
     ``record_comm``: every process's host calls in ``RunResult.comm_logs`` (by process), for
-    :func:`fxpipe.runtime.schedules.commplan.check_logs`."""
+    :func:`fxpipe.runtime.schedules.ncclcheck.check_logs`."""
     check_hostable(stages, placed, device, options)
     return run_placed_jobs([PlacedJob(list(stages), placed, loss_fn, optimizer_factory,
                                       list(batches), options, faults=dict(faults or {}),

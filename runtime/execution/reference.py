@@ -20,7 +20,7 @@ from fxpipe.codegen.split import MODEL, StageSpec
 
 from ..replica.clipping import stage_clipper
 from ..replica.global_step import reference_step
-from ..replica.mitigation import MitigatedReplica, check_mitigation, make_replica
+from ..replica.mitigation import check_mitigation, make_replica
 from ..replica.stage import (LossFn, StageReplica, TiedParameter, detached_values, model_env,
                              sync_components, tie_sets, tied_parameters)
 from ..replica.stash import OptimizerFactory
@@ -28,8 +28,10 @@ from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.schedule import SCHEDULE_KINDS, Rank, Schedule, execution_order, split_ranks
 from ..schedules.spec import Mitigation
 from ..schedules.staleness import own_delays
+from ..schedules.stream import Window
 from ..timeline import Recorder, TimelineEvent
-from .contract import Batch, RunResult, check_schedule, planned_reads, tied_delay
+from .contract import (Batch, RunResult, check_schedule, planned_reads, prepare_window,
+                       tied_delay)
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +94,13 @@ class ReferenceExecutor:
         self.tied = tied_parameters(self.stages)
         self._sync = sync_components(self.tied)
         self._global = False  # set per run (see _configure_clipping)
-        self._runs = 0
+        # what a stretch has in flight between its windows (see run_window)
+        self._data: dict[int, Batch] = {}  # minibatch -> (inputs, target), until forwarded
+        self._envs: dict[int, dict[str, Any]] = {}  # minibatch -> its model inputs by name
+        self._acts: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, k, consumer stage)
+        self._grads: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, k, consumer stage)
+        self._pending: dict[tuple[int, int], list[Rank]] = {}  # an update's ranks so far
+        self.last_losses: dict[int, float] = {}
         # delayed tied rounds (see tied_delay): (tie set, round) -> rank -> (local segment,
         # that rank's stage count of the round)
         self._rounds: dict[tuple[tuple[int, ...], int], dict[Rank, tuple[torch.Tensor, float]]] = {}
@@ -104,73 +112,94 @@ class ReferenceExecutor:
     def run(self, batches: Sequence[Batch]) -> RunResult:
         """Run the whole schedule on ``batches`` (one per minibatch); weights carry over between
         runs, weight versions restart at 0."""
-        sched = self.schedule
-        check_schedule(self.stages, self.replicas, sched, len(batches))
-        if self._runs:
-            for rank, w in self.workers.items():
-                w.stash.rebase()
-                w.stash.set_planned_reads(planned_reads(sched, rank))
-        self._runs += 1
-        self._configure_clipping(sched.kind)
+        check_schedule(self.stages, self.replicas, self.schedule, len(batches))
+        return self.run_window(self.schedule, batches)
+
+    def run_window(self, sched: Schedule, batches: Sequence[Batch]) -> RunResult:
+        """Run ``sched``: a complete schedule, or a window of a stretch
+        (:class:`~fxpipe.runtime.schedules.stream.Window`; ``batches`` are its new minibatches
+        ``[start, stop)``), in its execution order. Activations, gradients, stashed versions
+        and tied rounds in flight carry over to the stretch's next window. ``losses`` of the
+        result: those of the minibatches whose forward reached the last stage in this run, in
+        minibatch order (:attr:`last_losses` has them by minibatch)."""
+        start, final = getattr(sched, "start", 0), getattr(sched, "final", True)
+        if start == 0:
+            self._begin(sched)
+        self.schedule = sched
         for rank, w in self.workers.items():
-            if isinstance(w, MitigatedReplica):
-                w.prepare(sched, rank)
-        envs: dict[int, dict[str, Any]] = {}
-        acts: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, minibatch, consumer stage)
-        grads: dict[tuple[str, int, int], torch.Tensor] = {}  # (value, minibatch, consumer stage)
+            prepare_window(w, sched, rank)
+        self._data.update((start + k, b) for k, b in enumerate(batches))
+        order = (sched.order if isinstance(sched, Window)
+                 else execution_order(sched, self._sync, self._delay))
         losses: dict[int, torch.Tensor] = {}
-        pending: dict[tuple[int, int], list[Rank]] = {}
-        index = {rank: i for i, rank in enumerate(sched.ranks)}
-        split = split_ranks(sched)
-        recs = {rank: Recorder(args={"stage": rank[0], "replica": rank[1]}) for rank in index}
-        self._delay = tied_delay(sched, self.tied)
-        self._rounds.clear()
-        for rank, i in execution_order(sched, self._sync, self._delay):
+        recs = {rank: Recorder(args={"stage": rank[0], "replica": rank[1]})
+                for rank in self._index}
+        last = len(self.stages) - 1
+        for rank, i in order:
             a = sched.actions[rank][i]
             s, st, w = rank[0], self.stages[rank[0]], self.workers[rank]
             k = a.minibatch
             t0 = recs[rank].now()
             if a.kind == "F":
-                if k not in envs:
-                    envs[k] = model_env(self.stages, batches[k][0])
-                ins = [envs[k][n] if src == MODEL else acts.pop((n, k, s))
+                if k not in self._envs:
+                    self._envs[k] = model_env(self.stages, self._data[k][0])
+                ins = [self._envs[k][n] if src == MODEL else self._acts.pop((n, k, s))
                        for n, src in zip(st.inputs, st.sources)]
-                outs, loss = w.forward(k, a.version, ins, batches[k][1])
+                outs, loss = w.forward(k, a.version, ins, self._data[k][1])
                 if loss is not None:
                     losses[k] = loss
+                if s == last:  # every stage forwarded it: its inputs are no longer needed
+                    del self._envs[k], self._data[k]
                 recs[rank].add("forward", str(a), t0, recs[rank].now(), minibatch=k,
                                version=a.version)
                 for n, o, cons in zip(st.outputs, outs, st.consumers):
                     for c in cons:
                         if c != MODEL:
-                            acts[(n, k, c)] = o
+                            self._acts[(n, k, c)] = o
             elif a.kind == "B":
-                out_grads = [_sum([grads.pop((n, k, c), None) for c in cons if c != MODEL])
+                out_grads = [_sum([self._grads.pop((n, k, c), None) for c in cons if c != MODEL])
                              for n, cons in zip(st.outputs, st.consumers)]
-                in_grads = w.backward(k, out_grads, split=rank in split)
+                in_grads = w.backward(k, out_grads, split=rank in self._split)
                 recs[rank].add("backward", str(a), t0, recs[rank].now(), minibatch=k,
                                version=a.version)
                 for n, src, g in zip(st.inputs, st.sources, in_grads):
                     if src != MODEL and g is not None:
-                        grads[(n, k, s)] = g
+                        self._grads[(n, k, s)] = g
             elif a.kind == "W":
                 w.backward_weight(k)
                 recs[rank].add("backward", str(a), t0, recs[rank].now(), minibatch=k,
                                version=a.version)
             else:
                 comp = next((c for c in self._sync if s in c), (s,)) if self._delay == 0 else (s,)
-                group = pending.setdefault((comp[0], k), [])
+                group = self._pending.setdefault((comp[0], k), [])
                 group.append(rank)
                 if len(group) == sum(self.replicas[t] for t in comp):
                     self._update(group, recs, k)
-                    del pending[(comp[0], k)]
-        if acts or grads:
-            log.warning("undelivered tensors at the end: %s", sorted(acts) + sorted(grads))
-        self._finish_tied_rounds()
-        timeline = {index[r]: rec.finish() for r, rec in recs.items()}
-        values = [float(v) for v in torch.stack([losses[k] for k in range(sched.num_minibatches)]
-                                                ).tolist()] if losses else []
+                    del self._pending[(comp[0], k)]
+        if final:
+            if self._acts or self._grads:
+                log.warning("undelivered tensors at the end: %s",
+                            sorted(self._acts) + sorted(self._grads))
+            self._acts.clear()
+            self._grads.clear()
+            self._envs.clear()
+            self._data.clear()
+            self._finish_tied_rounds()
+        timeline = {self._index[r]: rec.finish() for r, rec in recs.items()}
+        keys = sorted(losses)
+        values = ([float(v) for v in torch.stack([losses[k] for k in keys]).tolist()]
+                  if keys else [])
+        self.last_losses = dict(zip(keys, values))
         return self.result(values, timeline)
+
+    def _begin(self, sched: Schedule) -> None:
+        """A new stretch (nothing in flight): its clipping, tied delay and order."""
+        self._configure_clipping(sched.kind)
+        self._delay = tied_delay(sched, self.tied)
+        self._rounds.clear()
+        self._pending.clear()
+        self._split = split_ranks(sched)
+        self._index = {rank: i for i, rank in enumerate(sched.ranks)}
 
     def _configure_clipping(self, kind: str) -> None:
         """Gradient clipping for ``kind`` (see :mod:`fxpipe.runtime.replica.clipping`): the global

@@ -10,9 +10,11 @@ once and the reference executor stays the oracle of the distributed one:
   :class:`RankExecutor`. Small control messages are exchanged as objects; pipeline tensors
   never are (the trained state only when :meth:`Trainer.state_dict` asks for it).
 
-A *segment* is one complete schedule over ``n`` minibatches: it ends with every backward done
-and a barrier, so the weights and optimizer states at its end are a consistent cut (what a
-checkpoint saves).
+A *segment* runs one schedule on its new minibatches: a complete schedule, which ends with every
+backward done and a barrier (the weights and optimizer states at its end are a consistent cut,
+what a checkpoint saves), or a window of an asynchronous stretch
+(:mod:`fxpipe.runtime.schedules.stream`), after which minibatches are still in flight; the
+stretch's final window drains it.
 
 Control messages (segment sizes, data fingerprints, the wire plan, loss sums, checkpoint
 decisions, gathered state) travel on a gloo group of their own, even when the pipeline's tensors
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import logging
 import os
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -40,7 +44,6 @@ from fxpipe.codegen.split import StageSpec
 from ..errors import PeerError, RuntimeConfigError
 from ..replica.clipping import GROUP
 from ..replica.device import CudaClock, pinned, rank_device
-from ..replica.mitigation import MitigatedReplica
 from ..replica.precision import autocast
 from ..replica.stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
 from ..replica.stash import OptimizerFactory
@@ -48,13 +51,20 @@ from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.schedule import Rank, Schedule
 from ..schedules.spec import Mitigation
 from ..timeline import Recorder, TimelineEvent
-from .allocator import keep_freed_memory
+from .allocator import keep_freed_memory, release_freed_memory
 from .comm import Comm, make_groups, rank_name
-from .contract import Batch, planned_reads
+from .contract import Batch
 from .reference import ReferenceExecutor
-from .wire import WirePlan, crossing_values
+from .wire import StretchWire, WirePlan, crossing_values
 
 log = logging.getLogger(__name__)
+
+COMM_LOG_ENV = "FXPIPE_COMM_LOG_DIR"
+"""Debugging and tests: when set to a folder, every rank records its host calls (posts, waits,
+collectives) and writes one JSON file per stretch and per evaluation
+(``<port>-b<backend>-rank<i>-<n>.json``) for :func:`fxpipe.runtime.schedules.ncclcheck.check_logs`
+to replay under NCCL's rules (``tests/runtime/conftest.py`` does, after every test)."""
+_BACKENDS = 0
 
 Metrics = list[float]  # [loss sum, minibatches, correct predictions, samples with a label]
 
@@ -76,14 +86,6 @@ def eval_metrics(loss_fn: LossFn, out: Any, target: Any) -> torch.Tensor:
 
 def _total(metrics: Sequence[torch.Tensor]) -> Metrics:
     return [float(v) for v in torch.stack(list(metrics)).sum(0).tolist()] if metrics else [0.0] * 4
-
-
-def prepare_segment(replica: StageReplica, sched: Schedule, rank: Rank) -> None:
-    """A new schedule counts weight versions from 0 and declares its forwards to the stash."""
-    replica.stash.rebase()
-    replica.stash.set_planned_reads(planned_reads(sched, rank))
-    if isinstance(replica, MitigatedReplica):  # weight prediction needs the schedule's horizons
-        replica.prepare(sched, rank)
 
 
 class ReferenceBackend:
@@ -112,11 +114,11 @@ class ReferenceBackend:
 
     def run_segment(self, sched: Schedule, parts: list[Batch], wire: WirePlan | None
                     ) -> dict[int, float]:
-        for rank, w in self.local.items():
-            prepare_segment(w, sched, rank)
-        self.ex.schedule = sched
-        self.ex._runs = 0  # our prepare_segment did what run() would redo
-        return dict(enumerate(self.ex.run(parts).losses))
+        """Run ``sched`` (a complete schedule, or a window of a stretch) on ``parts`` (its new
+        minibatches); the losses of the minibatches that reached the last stage, by their
+        number in the schedule (a stretch counts from its start)."""
+        self.ex.run_window(sched, parts)
+        return dict(self.ex.last_losses)
 
     def evaluate(self, parts: list[Batch], wire: WirePlan | None) -> Metrics:
         found = []
@@ -222,11 +224,18 @@ class DistributedBackend:
         groups = make_groups(list(replicas), self.rank_of, ties, timeout_s,
                              extra=(GROUP,) if options.global_group else ())
         clock = CudaClock(dev) if timeline and dev.type == "cuda" else None
+        self._log_dir = os.environ.get(COMM_LOG_ENV) or None
+        self._stretches = 0
+        global _BACKENDS
+        _BACKENDS += 1  # every rank builds its backends in the same order: a job-wide name
+        self._log_name = f"{os.environ.get('MASTER_PORT', '0')}-b{_BACKENDS}-rank{self.index}"
         self.comm = Comm(self.me, self.rank_of, len(crossing_values(self.stages)), timeout_s, dev,
-                         groups, recorder=Recorder(enabled=timeline, device_clock=clock))
+                         groups, recorder=Recorder(enabled=timeline, device_clock=clock),
+                         record=self._log_dir is not None)
         # per segment: this rank's (events, background all-reduces); see Trainer(timeline=)
         self.timelines: list[tuple[list[TimelineEvent], list[TimelineEvent]]] = []
         self.empty = empty
+        self._wire = StretchWire()  # the running stretch's (see run_segment)
         self.rebuild(optimizer_factory, stashing=stashing, mitigation=mitigation, delays=delays)
         log.info("%s ready on %s", self.comm.who, dev)
 
@@ -295,14 +304,24 @@ class DistributedBackend:
     # ------------------------------------------------------------------ work
     def run_segment(self, sched: Schedule, parts: list[Batch], wire: WirePlan | None
                     ) -> dict[int, float]:
-        assert wire is not None
+        assert wire is not None or not parts
         if self.device.type == "cuda":  # page-locked: the executor's copies do not block
             parts = [(pinned(x), pinned(y)) for x, y in parts]
-        prepare_segment(self.ex.replica, sched, self.me)
-        self.ex.schedule, self.ex.wire = sched, wire
-        res = self.ex.run(parts, collect_params=False)
+        start = getattr(sched, "start", 0)
+        if start == 0:
+            self._wire = StretchWire()
+        if wire is not None:  # None: a window with no new minibatch (a stretch's drain)
+            self._wire.add(start, wire)
+        self.ex.wire = self._wire
+        res = self.ex.run_window(sched, parts, collect_params=False)
+        release_freed_memory()  # the segment's freed blocks go back (allocator: fragmentation)
+        ahead = getattr(sched, "ahead", {})  # what a later window may still send about
+        self._wire.forget_before(min((a.minibatch for acts in ahead.values() for a in acts
+                                      if a.kind != "U"), default=sched.num_minibatches))
         if self.comm.recorder.enabled:
             self.timelines.append((res.timeline, res.background))
+        if res.comm_log is not None and self._log_dir is not None:  # a stretch ended
+            self._write_log(res.comm_log)
         return res.losses
 
     def evaluate(self, parts: list[Batch], wire: WirePlan | None) -> Metrics:
@@ -314,7 +333,17 @@ class DistributedBackend:
         assert io is not None
         found = self.ex.forward_only(
             parts, lambda outs, y: self._metric(io.build_output(outs), y))
+        if self.comm.log is not None and self._log_dir is not None:  # its own message order
+            self._write_log(list(self.comm.log))
+            self.comm.log.clear()
         return _total(found)
+
+    def _write_log(self, events: list[tuple]) -> None:
+        """One stretch's host calls (see COMM_LOG_ENV), named by job, backend and rank."""
+        assert self._log_dir is not None
+        path = Path(self._log_dir) / f"{self._log_name}-{self._stretches:05d}.json"
+        path.write_text(json.dumps(events))
+        self._stretches += 1
 
     def _metric(self, out: Any, y: Any) -> torch.Tensor:
         with autocast(self.options.precision, self.device):  # the loss as in training

@@ -161,3 +161,31 @@ def make_wire_plan(stages: Sequence[StageSpec], inputs: Sequence[Any], *,
             specs.append(found)
         signature_of.append(sigs[sig])
     return WirePlan(values, tuple(specs), tuple(signature_of))
+
+
+class StretchWire:
+    """The wire plans of a stretch's windows (:mod:`fxpipe.runtime.schedules.stream`), by
+    minibatch number from the stretch's start: a window's messages may be of minibatches an
+    earlier window forwarded, so each window's plan (made for its new minibatches) stays until
+    nothing in flight is older than its last minibatch."""
+
+    def __init__(self) -> None:
+        self.values: tuple[str, ...] = ()
+        self._plans: list[tuple[int, WirePlan]] = []  # (first minibatch, plan), in order
+
+    def add(self, start: int, plan: WirePlan) -> None:
+        self.values = plan.values
+        self._plans.append((start, plan))
+
+    def spec(self, name: str, minibatch: int) -> TensorSpec:
+        for start, plan in reversed(self._plans):
+            if start <= minibatch < start + len(plan.signature_of):
+                return plan.spec(name, minibatch - start)
+        raise KeyError(f"no wire plan holds minibatch {minibatch}")
+
+    def index(self, name: str) -> int:
+        return self.values.index(name)
+
+    def forget_before(self, minibatch: int) -> None:
+        """Drop the plans of windows whose minibatches are all older than ``minibatch``."""
+        self._plans = [(s, p) for s, p in self._plans if s + len(p.signature_of) > minibatch]

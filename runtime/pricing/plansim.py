@@ -59,8 +59,8 @@ from .placed_sim import simulate_placed_plan
 from .sim_measure import peak_in_flight, steady_state
 
 __all__ = ["PlanSimulation", "StageCosts", "TiedSync", "cut_bandwidth", "data_parallel_plan",
-           "minibatches_for", "peak_in_flight", "simulate_plan", "stage_costs", "steady_state",
-           "tied_from_profile"]
+           "minibatches_for", "noam_for", "peak_in_flight", "simulate_plan", "stage_costs",
+           "steady_state", "tied_from_profile"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +129,35 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
         activation_bytes_per_minibatch=sim.cut_bytes / n, sync_bytes_per_minibatch=sim.sync_bytes / n,
         events={g: tuple(sorted(evs, key=lambda e: (e.start, e.end))) for g, evs in sim.events.items()},
         rank_names={g: f"stage {s} replica {j}" for (s, j), g in sim.gid.items()})
+
+
+def noam_for(plan: Plan, profile: Profile | None = None, *, schedule: str = "pipedream",
+             most: int | None = None, tolerance: float = 0.02) -> int:
+    """The fewest minibatches in flight at the input stage that make ``plan``'s pipeline as
+    fast as more would (within ``tolerance``), by simulation (:func:`simulate_plan`).
+
+    Why not PipeDream's NOAM: ``ceil(workers / input replicas)`` keeps the pipeline full when a
+    minibatch's round trip through the later stages (their forwards and backwards, and the
+    activations and gradients on the links) takes no longer than the input stage's own work on
+    the minibatches admitted meanwhile. On a slow link it takes longer, so the input stage idles
+    each time it waits for a gradient, although the link is not the bottleneck: Little's law,
+    minibatches in flight = throughput x round-trip time. Each extra one costs a stashed weight
+    version on the input stage (memory) and one update of staleness there. ``most``: the
+    largest tried (default: twice PipeDream's plus 2)."""
+    base = max(1, math.ceil(sum(plan.replicas) / plan.replicas[0]))
+    top = most if most is not None else 2 * base + 2
+    n = minibatches_for(list(plan.replicas))
+    period: dict[int, float] = {}
+    for w in range(base, max(top, base) + 1):
+        try:
+            period[w] = simulate_plan(plan, profile, schedule=schedule, noam=w,
+                                      minibatches=n).steady_state_period
+        except ConfigError:  # a window the kind cannot run (2bw keeps two versions only)
+            break
+    if not period:
+        return base
+    best = min(period.values())
+    return min(w for w, p in period.items() if p <= best * (1 + tolerance))
 
 
 def data_parallel_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",

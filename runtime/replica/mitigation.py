@@ -43,7 +43,7 @@ import torch
 from fxpipe.codegen.split import StageSpec
 
 from ..errors import RuntimeConfigError, StashError
-from ..schedules.schedule import Rank, Schedule
+from ..schedules.schedule import Action
 from ..schedules.spec import Mitigation
 from .compensate import spike_compensate
 from .stage import StageReplica
@@ -165,22 +165,24 @@ class MitigatedReplica(StageReplica):
         self._point: Mapping[str, torch.Tensor] | None = None  # weights the gradient read
         self._ms: dict[str, torch.Tensor] = {}
 
-    def prepare(self, sched: Schedule, rank: Rank) -> None:
-        """Before a schedule runs: for each minibatch of ``rank``, how many updates of the stage
-        happen between its forward's read and the update applying its gradient (prediction's
-        horizon: ``u - v`` for a forward reading version v applied by ``U<u>``)."""
+    def prepare(self, actions: Sequence[Action]) -> None:
+        """Before a schedule (or a window of a stretch, with its lookahead) runs: for each
+        minibatch this rank forwards in ``actions``, how many updates of the stage happen
+        between its forward's read and the update applying its gradient (prediction's horizon:
+        ``u - v`` for a forward reading version v applied by ``U<u>``). Minibatches forwarded
+        earlier keep theirs; a backward of one is skipped here."""
         if not isinstance(self.stash, _PredictingStash):
             return
         read: dict[int, int] = {}
         pending: list[int] = []
         horizon: dict[int, int] = {}
-        for a in sched.actions[rank]:
+        for a in actions:
             if a.kind == "F":
                 read[a.minibatch] = a.version or 0
             elif a.kind == "B":
                 pending.append(a.minibatch)
-            else:
-                horizon.update((k, a.minibatch - read[k]) for k in pending)
+            elif a.kind == "U":
+                horizon.update((k, a.minibatch - read[k]) for k in pending if k in read)
                 pending = []
         self.stash.horizon = horizon
 

@@ -1,4 +1,4 @@
-"""The order of every rank's point-to-point messages, as data, and a checker of NCCL's rules.
+"""The order of every rank's point-to-point messages, as data (NCCL's rules: :mod:`.ncclcheck`).
 
 Why this exists: NCCL ignores tags. A rank's sends and receives run on a CUDA stream in the order
 they were issued (one stream per rank pair by default; with an eagerly initialised process group
@@ -8,38 +8,48 @@ whatever their tags. A rank that posts a gradient receive ahead of an activation
 waiting for (what pre-posting receives used to do) therefore deadlocks on a GPU, while gloo,
 which matches by tag, runs it fine.
 
-The rule, correct by construction: all ranks agree on ONE global order of all messages (the
-position of a message is that of its sending action in the schedule's execution order
-``execution_order``, a topological order, then the message's sort key), and every rank issues its
-own sends and receives in that order. A send is issued right after its action's compute; the
-receives before it (in the order) are issued first, and after each send every receive up to the
-rank's next send is issued at once (so data arrives while the rank computes). Why this cannot
-deadlock, even with one stream per rank: the first unfinished message in the global order is at
-the head of both its ends' streams, both ends have issued it (the sender computed its action,
-whose inputs are earlier messages; the receiver issues receives in order before it waits on any),
-so it completes; by induction all do.
+The rule, correct by construction: all ranks agree on ONE global order of all messages (a
+message sits at its sending action's place in a timed execution order, see
+:class:`StretchPlanner`, then the message's sort key), and every rank issues its own sends and
+receives in that order. A send is issued right after its action's compute; the receives before
+it (in the order) are issued first, and after each send every receive up to the rank's next send
+is issued at once. Why this cannot deadlock, even with one stream per rank: the first unfinished
+message in the global order is at the head of both its ends' streams, both ends have issued it
+(the sender computed its action, whose inputs are earlier messages; the receiver issues receives
+in order before it waits on any), so it completes; by induction all do.
 
-:func:`check_logs` replays every rank's recorded host calls under the strictest of these rules
-(one stream per rank) and proves that the sends of each ordered rank pair meet the receives of
-the other in order with equal tags, shapes and dtypes, and that nothing waits forever.
+Posting and progress (issue 27): a transfer starts only once both ends have posted it (gloo
+waits for the receiver's "ready" before it sends the data; NCCL pairs the two), so WHERE a
+receive sits in the order decides whether its transfer overlaps the receiver's compute. The
+order follows the schedule's timing, so each receive is posted before the actions that run while
+its data is produced and sent, and a stretch's windows (:mod:`.stream`) continue one order: a
+message sent in a window may be waited for in a later one.
 
 Pure Python (no torch): the executor, the tests and the checker build the same plan.
 """
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from fxpipe.errors import FxpipeError
 
-from .schedule import Action, Rank, execution_order
+from .schedule import Action, Rank, execution_order, split_ranks
+from .simulate import Clock
 
 log = logging.getLogger(__name__)
 
 MODEL = -1  # fxpipe.codegen.split.MODEL: a model input (as a source) or output (as a consumer)
 FORWARD, BACKWARD = 0, 1
+CHANNELS = {FORWARD: "activations", BACKWARD: "gradients"}
+"""The channel (a world process group of its own) each direction's messages travel on."""
+LEAD = 2.0
+"""How early a receive is posted: once the rank's clock (its actions' start times in the plan's
+timing) is within this many stage-minibatches (a forward and a backward of the slowest stage)
+of the start of the action that sends it. Early enough that the sender finds the receive
+posted when its data is ready; bounded, so a channel with nothing to send (stage 0's
+gradients) does not post a whole segment's receive buffers at once."""
 
 
 class CommOrderError(FxpipeError):
@@ -112,61 +122,169 @@ def action_messages(links: Sequence[StageLinks], owner: Owner, me: Rank, a: Acti
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's messages: ``recvs[i]`` / ``sends[i]`` of its action i, and ``ops``: all of
-    them in the global order (see the module doc), the order the rank issues them in."""
+    them in the global order (see the module doc), the order the rank issues them in, channel
+    by channel. ``times[j]``: when op j's sending action starts in the plan's timing, and
+    ``starts[i]`` when the rank's action i does (the :class:`Issuer` posts a receive once the
+    rank is within ``lead`` of its time); empty: no timing (every receive as early as the
+    order allows)."""
 
     recvs: tuple[tuple[Msg, ...], ...]
     sends: tuple[tuple[Msg, ...], ...]
     ops: tuple[Msg, ...]
+    times: tuple[float, ...] = ()
+    starts: tuple[float, ...] = ()
+    lead: float = 0.0
 
     @property
     def receives_any(self) -> bool:
         return any(self.recvs)
 
 
+class StretchPlanner:
+    """Every rank's message plan, a window at a time, in ONE global order over a stretch.
+
+    Each message sits at its sending action's place in a timed execution order: the action's
+    simulated start (:class:`~fxpipe.runtime.schedules.simulate.Clock`; unit costs unless
+    ``clock`` is given), then its place in the execution order, then (receiver, direction,
+    minibatch, value). Why timed: the receives a rank may post at a point are exactly those
+    before its next send in the order, so the order decides how early a transfer can start; an
+    order that follows the run's timing puts each receive before the sends of the actions that
+    run while its data is produced (the greedy execution order put stage 0's next forward ahead
+    of the gradient it waits for, so that gradient's receive was posted only once the forward
+    had run, and on a slow link its whole transfer became a stall). Any topological order
+    keeps NCCL's rule; this one is topological and executable: a receive comes before every
+    send of the actions that wait for it, because those start after its sender started (every
+    action that sends takes time). Windows of a stretch (:mod:`.stream`) are planned in turn,
+    so a message a window sends may be received in a later one (the receive is posted in the
+    sender's window, in the global order); ``ranks``: whose plans to make (default: all)."""
+
+    def __init__(self, links: Sequence[StageLinks], replicas: Sequence[int],
+                 index: Mapping[str, int], grad_ok: Callable[[str, int], bool], *,
+                 ranks: Sequence[Rank] | None = None, clock: Clock | None = None,
+                 split: frozenset[Rank] = frozenset(), sync: Sequence[Sequence[int]] = (),
+                 delay: int = 0) -> None:
+        self.links, self.index, self.grad_ok = links, index, grad_ok
+        self.replicas = tuple(replicas)
+        everyone = [(s, j) for s, r in enumerate(self.replicas) for j in range(r)]
+        self.ranks = list(everyone if ranks is None else ranks)
+        self.clock = clock or Clock.unit(self.replicas, split=split, sync=sync, delay=delay)
+        self.lead = LEAD * max(f + b for f, b in zip(self.clock.fwd, self.clock.bwd))
+        self.delay = delay
+        self.position = 0  # actions planned so far (the global order's tie-break)
+
+    def owner(self, stage: int, minibatch: int) -> Rank:
+        return (stage, minibatch % self.replicas[stage])
+
+    def window(self, sched: Any, order: Sequence[tuple[Rank, int]]) -> dict[Rank, RankPlan]:
+        """The plans of ``sched``'s actions (a complete schedule, or a window of a stretch),
+        executed in ``order`` ((rank, index) pairs, a valid execution order)."""
+        want = set(self.ranks)
+        keyed: dict[Rank, list[tuple[tuple[Any, ...], Msg]]] = {r: [] for r in self.ranks}
+        starts: dict[Rank, dict[int, float]] = {r: {} for r in self.ranks}
+        for rank, i in order:
+            a = sched.actions[rank][i]
+            start, _ = self.clock.time(rank, a)
+            if rank in want:
+                starts[rank][i] = start
+            self.position += 1
+            if a.kind in ("U", "W") or not (rank in want or self._sends_to(rank, want)):
+                continue
+            for m in action_messages(self.links, self.owner, rank, a, self.index,
+                                     self.grad_ok)[1]:
+                key = (start, self.position, m.peer, m.direction, m.minibatch, m.value)
+                if rank in want:
+                    keyed[rank].append((key, m))
+                if m.peer in want:
+                    keyed[m.peer].append((key, Msg(rank, m.direction, m.minibatch, m.value,
+                                                   m.name, False)))
+        self._forget(sched)
+        out: dict[Rank, RankPlan] = {}
+        for rank in self.ranks:
+            msgs = [action_messages(self.links, self.owner, rank, a, self.index, self.grad_ok)
+                    for a in sched.actions[rank]]
+            keyed[rank].sort(key=lambda t: t[0])
+            out[rank] = RankPlan(tuple(m[0] for m in msgs), tuple(m[1] for m in msgs),
+                                 tuple(m for _, m in keyed[rank]),
+                                 tuple(k[0] for k, _ in keyed[rank]),
+                                 tuple(starts[rank][i] for i in range(len(msgs))), self.lead)
+        return out
+
+    def _sends_to(self, rank: Rank, want: set[Rank]) -> bool:
+        """Whether ``rank`` may send to one of ``want`` (its neighbours in the stage graph)."""
+        st = self.links[rank[0]]
+        near = {c for cons in st.consumers for c in cons} | set(st.sources)
+        return any(r[0] in near for r in want)
+
+    def _forget(self, sched: Any) -> None:
+        """A window's timing state that no later action needs (see Clock.forget_before)."""
+        ahead = getattr(sched, "ahead", None)
+        if not ahead:
+            return
+        fb = [a.minibatch for acts in ahead.values() for a in acts if a.kind != "U"]
+        ups = [a.minibatch for acts in ahead.values() for a in acts if a.kind == "U"]
+        self.clock.forget_before(min(fb, default=sched.num_minibatches),
+                                 min(ups, default=0) - self.delay)
+
+
 def comm_plans(links: Sequence[StageLinks], sched: Any, index: Mapping[str, int],
                grad_ok: Callable[[str, int], bool], sync: Sequence[Sequence[int]] = (),
                delay: int = 0, ranks: Sequence[Rank] | None = None) -> dict[Rank, RankPlan]:
-    """The plans of ``ranks`` (default: all) for carrying out ``sched`` (linear in its size).
+    """The plans of ``ranks`` (default: all) for carrying out the complete schedule ``sched``
+    (linear in its size): :class:`StretchPlanner`'s one-window case, unit costs.
     ``sync``/``delay``: tied stages, as for ``execution_order``: the global order must be an
     order the ranks can really run in, collectives included."""
-    order = execution_order(sched, sync, delay)
-    when: dict[tuple[Rank, str, int], int] = {}
-    for pos, (rank, i) in enumerate(order):
-        a = sched.actions[rank][i]
-        if a.kind != "U":
-            when[(rank, a.kind, a.minibatch)] = pos
-    out: dict[Rank, RankPlan] = {}
-    for rank in (sched.ranks if ranks is None else ranks):
-        acts = sched.actions[rank]
-        msgs = [action_messages(links, sched.owner, rank, a, index, grad_ok) for a in acts]
-        keyed: list[tuple[tuple[int, Rank, int, int, int], Msg]] = []
-        for a, (recvs, sends) in zip(acts, msgs):
-            if a.kind == "U":
-                continue
-            # key: (position of the sending action, receiver, direction, minibatch, value),
-            # which both ends compute alike (a receive's sender is m.peer)
-            pos = when[(rank, a.kind, a.minibatch)]
-            keyed.extend(((pos, m.peer, m.direction, m.minibatch, m.value), m) for m in sends)
-            keyed.extend(((when[(m.peer, a.kind, a.minibatch)], rank, m.direction, m.minibatch,
-                           m.value), m) for m in recvs)
-        keyed.sort(key=lambda t: t[0])
-        out[rank] = RankPlan(tuple(m[0] for m in msgs), tuple(m[1] for m in msgs),
-                             tuple(m for _, m in keyed))
-    return out
+    planner = StretchPlanner(links, sched.replicas, index, grad_ok, ranks=ranks,
+                             split=split_ranks(sched), sync=sync, delay=delay)
+    return planner.window(sched, execution_order(sched, sync, delay))
 
 
 class Issuer:
-    """Issues one rank's messages in its plan's order (see the module doc): call :meth:`start`
-    before the first action, :meth:`send` for each send of an action right after its compute
-    (in ``RankPlan.sends[i]`` order). ``post_recv(m)`` / ``post_send(m)`` do the posting."""
+    """Issues one rank's messages in its plan's order, channel by channel (see the module doc).
+
+    Call :meth:`at` before each action i (the rank's clock moves to its start,
+    ``RankPlan.starts[i]``), :meth:`send` for each send of an action right after its compute (in ``RankPlan.sends[i]``
+    order) and :meth:`finish` after the last. ``post_recv(m)`` / ``post_send(m)`` post.
+
+    Activations and gradients travel on channels of their own (a process group each,
+    :data:`CHANNELS`), so the order binds within a channel only: each channel's ops are issued
+    in the global order restricted to it, a send when its action has computed, and a receive
+    as soon as everything before it on its channel is issued and the rank's clock is within
+    ``lead`` of its time (``RankPlan.times``; without times, at once). NCCL's argument carries
+    over channel by channel: the first unfinished message is at the head of its channel's
+    stream at both ends, and both ends have issued it (its receiver's clock passed its time
+    before waiting for anything later in the order; every send before it in the order comes
+    from an action before the one waiting for it, which the timed order gives: see
+    :class:`StretchPlanner`)."""
 
     def __init__(self, plan: RankPlan, post_recv: Callable[[Msg], None],
                  post_send: Callable[[Msg], None]) -> None:
-        self.ops, self.i = plan.ops, 0
+        self.ops = plan.ops
         self.post_recv, self.post_send = post_recv, post_send
+        times = plan.times or (float("-inf"),) * len(plan.ops)
+        self._streams: dict[int, list[tuple[float, Msg]]] = {}
+        for t, m in zip(times, plan.ops):
+            self._streams.setdefault(m.direction, []).append((t, m))
+        self._ptr = {d: 0 for d in self._streams}
+        self._lead = plan.lead
+        self._starts = plan.starts
+        self._now = float("-inf")
 
     def start(self) -> None:
-        self._receives()
+        """Post what is due before the first action (everything, without times)."""
+        for d in self._streams:
+            self._receives(d)
+
+    def at(self, i: int) -> None:
+        """The rank is about to start its action i: post the receives due by its start."""
+        if self._starts:
+            self._now = max(self._now, self._starts[i])
+        self.start()
+
+    def finish(self) -> None:
+        """After the rank's last action: post the receives still due later (a window's last
+        messages, waited for in the next window)."""
+        self._now = float("inf")
+        self.start()
 
     def require(self, msgs: Iterable[Msg], posted: Mapping[Msg, Any]) -> None:
         """An action is about to wait for ``msgs``: each must be posted already (it is, when
@@ -179,189 +297,23 @@ class Issuer:
                                      "a bug in the message order: report it")
 
     def send(self, m: Msg) -> None:
-        if self.i >= len(self.ops) or self.ops[self.i] != m:
-            got = self.ops[self.i] if self.i < len(self.ops) else None
+        ops, i = self._streams.get(m.direction, []), self._ptr.get(m.direction, 0)
+        if i >= len(ops) or ops[i][1] != m:
+            got = ops[i][1] if i < len(ops) else None
             raise CommOrderError(f"send of {m.describe()} to {m.peer} out of the global order "
-                                 f"(next in order: {got})", "a bug: report it")
+                                 f"(next on its channel: {got})", "a bug: report it")
         self.post_send(m)
-        self.i += 1
-        self._receives()
+        self._ptr[m.direction] = i + 1
+        self._receives(m.direction)
 
-    def _receives(self) -> None:
-        """Every receive up to this rank's next send: posted now, so data arrives early."""
-        while self.i < len(self.ops) and not self.ops[self.i].send:
-            self.post_recv(self.ops[self.i])
-            self.i += 1
+    def _receives(self, d: int) -> None:
+        """The receives of channel ``d`` up to its next send that are due."""
+        ops, due = self._streams[d], self._now + self._lead
+        while self._ptr[d] < len(ops) and not ops[self._ptr[d]][1].send and \
+                ops[self._ptr[d]][0] <= due:
+            self.post_recv(ops[self._ptr[d]][1])
+            self._ptr[d] += 1
 
     @property
     def done(self) -> bool:
-        return self.i == len(self.ops)
-
-
-# ----------------------------------------------------------------------------- the checker
-# A rank's log is the list of its host calls, as Comm records them:
-#   ("p2p", b, ((is_send, peer, tag, shape, dtype), ...))  post batch number b (one NCCL group)
-#   ("wait", b)                                           block until batch b completed
-#   ("coll", group, seq, members, numel)                  post collective seq of group
-#   ("cwait", group, seq)                                 block until it completed
-#   ("flush",)                                            block until every posted batch did
-Event = tuple
-
-
-@dataclass
-class _Kernel:
-    rank: int
-    stream: Any
-    key: Any  # batch number, or (group, seq)
-    ops: list[tuple[Any, ...]]
-    started: bool = False
-    done: bool = False
-
-
-def _pair_ops(logs: Mapping[int, Sequence[Event]]) -> dict[tuple[int, Any, int], tuple]:
-    """FIFO pairing: (rank, batch, op position) -> (peer rank, batch, op position) of the
-    matching op; raises unless every ordered pair's sends meet the receives in order with
-    equal tags, shapes and dtypes, and no op is left without a partner."""
-    sends: dict[tuple[int, int], list[tuple[int, Any, int, tuple]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[int, Any, int, tuple]]] = {}
-    for r, log_ in logs.items():
-        for ev in log_:
-            if ev[0] != "p2p":
-                continue
-            for j, (is_send, peer, tag, shape, dtype) in enumerate(ev[2]):
-                side = sends if is_send else recvs
-                pair = (r, peer) if is_send else (peer, r)
-                side.setdefault(pair, []).append((r, ev[1], j, (tag, tuple(shape), dtype)))
-    match: dict[tuple[int, Any, int], tuple] = {}
-    for pair in sorted(set(sends) | set(recvs)):
-        s, v = sends.get(pair, []), recvs.get(pair, [])
-        for i, (a, b) in enumerate(zip(s, v)):
-            if a[3] != b[3]:
-                raise CommOrderError(
-                    f"rank {pair[0]} -> rank {pair[1]}: send #{i} (tag, shape, dtype) {a[3]} "
-                    f"meets receive #{i} {b[3]}: NCCL pairs them by order, not by tag",
-                    "post each pair's messages in the same order on both ends")
-            match[(a[0], a[1], a[2])] = (b[0], b[1], b[2])
-            match[(b[0], b[1], b[2])] = (a[0], a[1], a[2])
-        if len(s) != len(v):
-            raise CommOrderError(f"rank {pair[0]} -> rank {pair[1]}: {len(s)} sends but "
-                                 f"{len(v)} receives", "every send needs its receive")
-    return match
-
-
-def check_logs(logs: Mapping[int, Sequence[Event]]) -> int:
-    """Replay every rank's log under NCCL's rules (see the module doc); return the number of
-    point-to-point operations checked, or raise :class:`CommOrderError` saying which pair does
-    not match or where every rank is stuck."""
-    match = _pair_ops(logs)
-    colls: dict[tuple[Any, int], dict[int, tuple]] = {}
-    for r, log_ in logs.items():
-        for ev in log_:
-            if ev[0] == "coll":
-                colls.setdefault((ev[1], ev[2]), {})[r] = (tuple(ev[3]), ev[4])
-    for (group, seq), who in colls.items():
-        members = next(iter(who.values()))[0]
-        if set(who) != set(members) or len({v for v in who.values()}) > 1:
-            raise CommOrderError(f"collective #{seq} of group {group}: posted by ranks "
-                                 f"{sorted(who)} as {sorted(set(who.values()))}, members "
-                                 f"{list(members)}", "every member must post the same collectives "
-                                 "in the same order")
-    ptr = {r: 0 for r in logs}
-    streams: dict[tuple[int, Any], deque[_Kernel]] = {}
-    kernels: dict[tuple[int, Any], _Kernel] = {}
-    posted: dict[int, list[_Kernel]] = {r: [] for r in logs}
-
-    def blocked(r: int, ev: Event) -> bool:
-        if ev[0] == "wait":
-            return not kernels[(r, ev[1])].done
-        if ev[0] == "cwait":
-            return not kernels[(r, (ev[1], ev[2]))].done
-        if ev[0] == "flush":
-            return not all(k.done for k in posted[r])
-        return False
-
-    progress = True
-    while progress:
-        progress = False
-        for r, log_ in logs.items():  # hosts run until they block
-            while ptr[r] < len(log_):
-                ev = log_[ptr[r]]
-                if ev[0] in ("p2p", "coll"):  # world collectives share the p2p stream (an
-                    # eagerly initialised NCCL group runs point-to-point on its own communicator)
-                    stream = (r, "p2p") if ev[0] == "p2p" or ev[1] == "world" else (r, ev[1])
-                    key = ev[1] if ev[0] == "p2p" else (ev[1], ev[2])
-                    k = _Kernel(r, stream, key, list(ev[2]) if ev[0] == "p2p" else [])
-                    kernels[(r, key)] = k
-                    streams.setdefault(stream, deque()).append(k)
-                    if ev[0] == "p2p":
-                        posted[r].append(k)
-                elif blocked(r, ev):
-                    break
-                ptr[r] += 1
-                progress = True
-        for q in streams.values():  # the head of each stream runs
-            if q and not q[0].started:
-                q[0].started = True
-                progress = True
-        for q in streams.values():  # a running kernel completes once all its partners run
-            k = q[0] if q else None
-            if k is None or not k.started:
-                continue
-            if isinstance(k.key, tuple):  # a collective: every member's copy is running
-                group, seq = k.key
-                members = colls[(group, seq)][k.rank][0]
-                ok = all((m, k.key) in kernels and kernels[(m, k.key)].started for m in members)
-            else:
-                ok = all((p[0], p[1]) in kernels and kernels[(p[0], p[1])].started for p in
-                         (match[(k.rank, k.key, j)] for j in range(len(k.ops))))
-            if ok:
-                k.done = True
-        for q in streams.values():
-            while q and q[0].done:
-                q.popleft()
-                progress = True
-    stuck = {r: logs[r][ptr[r]] for r in logs if ptr[r] < len(logs[r])}
-    pending = {s: q[0].key for s, q in streams.items() if q}
-    if stuck or pending:
-        raise CommOrderError(f"deadlock under NCCL's rules: hosts waiting at {stuck}, stream "
-                             f"heads not completing {pending}",
-                             "issue every rank's messages in one global order "
-                             "(fxpipe.runtime.schedules.commplan.comm_plans)")
-    return sum(len(ev[2]) for log_ in logs.values() for ev in log_ if ev[0] == "p2p")
-
-
-def plan_logs(links: Sequence[StageLinks], sched: Any, index: Mapping[str, int],
-              grad_ok: Callable[[str, int], bool], sync: Sequence[Sequence[int]] = (),
-              delay: int = 0,
-              collectives: Callable[[Rank, int, Action], Iterable[Event]] | None = None
-              ) -> dict[int, list[Event]]:
-    """The logs the executor's rule produces for ``sched`` without running anything (no shapes
-    or dtypes): to check many schedules quickly. ``collectives(rank, i, a)`` adds the collective
-    events of action i (default: none)."""
-    ranks = list(sched.ranks)
-    gid = {r: i for i, r in enumerate(ranks)}
-    nv = max(len(index), 1)
-    plans = comm_plans(links, sched, index, grad_ok, sync, delay)
-    out: dict[int, list[Event]] = {}
-    for rank in ranks:
-        log_: list[Event] = []
-        ids: dict[Msg, int] = {}
-
-        def post(m: Msg, log_: list[Event] = log_, ids: dict[Msg, int] = ids) -> None:
-            ids[m] = len(log_)
-            tag = (m.minibatch * nv + m.value) * 2 + m.direction
-            log_.append(("p2p", len(log_), ((m.send, gid[m.peer], tag, (), ""),)))
-
-        plan = plans[rank]
-        issuer = Issuer(plan, post, post)
-        issuer.start()
-        for i, a in enumerate(sched.actions[rank]):
-            issuer.require(plan.recvs[i], ids)
-            log_.extend(("wait", ids[m]) for m in plan.recvs[i])
-            if collectives is not None:
-                log_.extend(collectives(rank, i, a))
-            for m in plan.sends[i]:
-                issuer.send(m)
-        log_.append(("flush",))
-        out[gid[rank]] = log_
-    return out
+        return all(self._ptr[d] == len(ops) for d, ops in self._streams.items())

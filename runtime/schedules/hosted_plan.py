@@ -13,7 +13,7 @@ that of its sending step, then (receiver, direction, minibatch, value), which bo
 alike; each process issues all its remote sends and receives (of every hosted rank) in that
 order, receives as early as the order allows. Messages between two stages of one process are
 not in it (they go through the mailbox). :func:`placed_plan_logs` produces the host calls this
-rule makes, so :func:`~fxpipe.runtime.schedules.commplan.check_logs` can prove a placed schedule
+rule makes, so :func:`~fxpipe.runtime.schedules.ncclcheck.check_logs` can prove a placed schedule
 NCCL-safe without running it. Pure Python.
 """
 from __future__ import annotations
@@ -102,7 +102,7 @@ def placed_plan_logs(placed: PlacedSchedule, links: Sequence[StageLinks],
                      index: Mapping[str, int], grad_ok: Callable[[str, int], bool]
                      ) -> dict[int, list[Any]]:
     """The host calls (commplan's log format) each process makes under this rule, without
-    running anything: for :func:`~fxpipe.runtime.schedules.commplan.check_logs`. Replicated stages'
+    running anything: for :func:`~fxpipe.runtime.schedules.ncclcheck.check_logs`. Replicated stages'
     all-reduces and the final barrier included; tags as the hosted runtime's (consumer stage)."""
     S, nv = placed.schedule.num_stages, max(len(index), 1)
     where = {r: q for q, h in enumerate(placed.hosts) for r in h}

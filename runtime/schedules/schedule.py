@@ -33,24 +33,14 @@ from typing import Literal, Mapping, Sequence
 
 import networkx as nx
 
-from fxpipe.errors import ConfigError, FxpipeError
+from fxpipe.errors import ConfigError
+
+from .order import DeadlockError, OrderWalker, ScheduleError  # noqa: F401 (re-exported)
 
 Rank = tuple[int, int]
 ActionKind = Literal["F", "B", "W", "U"]
 SCHEDULE_KINDS = ("pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2")
 SYNCHRONOUS_KINDS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")  # flush every batch: minibatch SGD
-
-
-class ScheduleError(FxpipeError, ValueError):
-    """A schedule breaks a rule an executor relies on (missing backward, wrong order, ...)."""
-
-
-class DeadlockError(ScheduleError):
-    """Executing every rank's list in order gets stuck; ``stuck`` maps rank -> waiting action."""
-
-    def __init__(self, message: str, hint: str | None, stuck: dict[Rank, Action]) -> None:
-        super().__init__(message, hint)
-        self.stuck = stuck
 
 
 @dataclass(frozen=True)
@@ -291,63 +281,16 @@ def execution_order(sched: Schedule, sync: Sequence[Sequence[int]] = (),
     every replica of its stage at U<i>. Stages in one ``sync`` set share tied weights: with
     ``delay`` 0 their U<i> happen together (one all-reduce); with ``delay`` d > 0, U<i> of one
     of them needs U<i-d> done on every rank of the others (it applies round i-d's sum, see
-    :func:`fxpipe.runtime.execution.contract.tied_delay`)."""
-    S = sched.num_stages
-    together = {s: tuple(c) for c in sync for s in c} if delay == 0 else {}
-    lagged = {s: tuple(t for t in c if t != s) for c in sync for s in c} if delay > 0 else {}
-    updates = {rank: 0 for rank in sched.ranks}  # U's done (delay > 0)
-    ptr = {rank: 0 for rank in sched.ranks}
-    done: set[tuple[str, int, int]] = set()
-    order: list[tuple[Rank, int]] = []
-
-    def need(rank: Rank, a: Action) -> tuple[str, int, int] | None:
-        s = rank[0]
-        if a.kind == "F":
-            return None if s == 0 else ("F", s - 1, a.minibatch)
-        if a.kind == "W":  # its own B, earlier in the same list
-            return ("B", s, a.minibatch)
-        return ("F", s, a.minibatch) if s == S - 1 else ("B", s + 1, a.minibatch)
-
-    progress = True
-    while progress:
-        progress = False
-        for rank in sched.ranks:
-            acts = sched.actions[rank]
-            while ptr[rank] < len(acts):
-                a = acts[ptr[rank]]
-                if a.kind == "U":
-                    peers = [(t, j) for t in together.get(rank[0], (rank[0],))
-                             for j in range(sched.replicas[t])]
-                    if not all(ptr[p] < len(sched.actions[p]) and sched.actions[p][ptr[p]] == a
-                               for p in peers):
-                        break
-                    if any(updates[(t, j)] <= a.minibatch - delay for t in lagged.get(rank[0], ())
-                           for j in range(sched.replicas[t])):
-                        break
-                    for p in peers:
-                        order.append((p, ptr[p]))
-                        ptr[p] += 1
-                        updates[p] += 1
-                else:
-                    dep = need(rank, a)
-                    if dep is not None and dep not in done:
-                        break
-                    done.add((a.kind, rank[0], a.minibatch))
-                    order.append((rank, ptr[rank]))
-                    ptr[rank] += 1
-                progress = True
-    stuck = {rank: sched.actions[rank][i] for rank, i in ptr.items()
-             if i < len(sched.actions[rank])}
-    if stuck:
-        parts = []
-        for rank, a in sorted(stuck.items()):
-            dep = need(rank, a)
-            what = (f"all replicas of stage {rank[0]} (and tied stages) at {a}" if a.kind == "U"
-                    else f"{dep[0]}{dep[2]} on stage {dep[1]}" if dep else "nothing")
-            parts.append(f"stage {rank[0]} replica {rank[1]} stuck at {a} waiting for {what}")
-        raise DeadlockError("deadlock: " + "; ".join(parts),
-                            "reorder the lists so each rank's next action can become ready",
-                            stuck)
+    :func:`fxpipe.runtime.execution.contract.tied_delay`). The one-window case of
+    :class:`~fxpipe.runtime.schedules.order.OrderWalker`."""
+    walker = OrderWalker(sched.replicas, sync, delay, split_ranks(sched))
+    ran = walker.extend(sched.actions)
+    walker.check_done()
+    nxt = {rank: 0 for rank in sched.ranks}
+    order = []
+    for rank, _ in ran:
+        order.append((rank, nxt[rank]))
+        nxt[rank] += 1
     return order
 
 

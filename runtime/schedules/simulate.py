@@ -53,6 +53,75 @@ def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]
     return [float(v) for v in value]
 
 
+class Clock:
+    """When each action starts and ends, given the actions in an execution order: the timing
+    rule of :func:`simulate`, kept across calls so a stretch's windows
+    (:mod:`fxpipe.runtime.schedules.stream`) are timed as one schedule. Per-stage seconds as in
+    :func:`simulate` (already checked there); ``split``: the ranks whose backwards are split."""
+
+    def __init__(self, replicas: Sequence[int], fwd: Sequence[float], bwd: Sequence[float],
+                 comm: Sequence[float], upd: Sequence[float], wfr: Sequence[float], *,
+                 split: frozenset[Rank] = frozenset(), sync: Sequence[Sequence[int]] = (),
+                 delay: int = 0) -> None:
+        self.replicas, self.S = tuple(replicas), len(replicas)
+        self.fwd, self.bwd, self.comm, self.upd, self.wfr = fwd, bwd, comm, upd, wfr
+        self.split, self.delay = split, delay
+        self.free = {(s, j): 0.0 for s, r in enumerate(replicas) for j in range(r)}
+        self.end_of: dict[tuple[str, int, int], float] = {}
+        self.collective: dict[tuple[int, int], float] = {}
+        self.u_end: dict[tuple[int, int], float] = {}  # (stage, update) -> its end (all replicas)
+        self.comp = {s: tuple(c) for c in sync for s in c}
+
+    @classmethod
+    def unit(cls, replicas: Sequence[int], **kwargs: object) -> Clock:
+        """Forward 1, backward 2 (a split one: B 1 and W 1), no communication, free updates:
+        the proportions of a typical stage, for when nothing was measured."""
+        S = len(replicas)
+        return cls(replicas, [1.0] * S, [2.0] * S, [0.0] * max(S - 1, 0), [0.0] * S,
+                   [0.5] * S, **kwargs)  # type: ignore[arg-type]
+
+    def time(self, rank: Rank, a: Action) -> tuple[float, float]:
+        """(start, end) of ``a`` on ``rank``; call in an execution order."""
+        s = rank[0]
+        if a.kind == "U":
+            group = self.comp.get(s, (s,)) if self.delay == 0 else (s,)
+            key = (group[0], a.minibatch)
+            if key not in self.collective:  # every peer's earlier actions are already timed
+                self.collective[key] = max(self.free[(t, j)] for t in group
+                                           for j in range(self.replicas[t]))
+                if self.delay > 0 and a.minibatch >= self.delay:
+                    self.collective[key] = max([self.collective[key]] + [
+                        self.u_end[(t, a.minibatch - self.delay)]
+                        for t in self.comp.get(s, ()) if t != s])
+            start, dur = self.collective[key], self.upd[s]
+            self.u_end[(s, a.minibatch)] = max(self.u_end.get((s, a.minibatch), 0.0),
+                                               start + dur)
+        elif a.kind == "F":
+            ready = (0.0 if s == 0
+                     else self.end_of[("F", s - 1, a.minibatch)] + self.comm[s - 1])
+            start, dur = max(self.free[rank], ready), self.fwd[s]
+        elif a.kind == "W":  # after its own B, on the same rank
+            start, dur = self.free[rank], self.bwd[s] * self.wfr[s]
+        else:
+            ready = (self.end_of[("F", s, a.minibatch)] if s == self.S - 1
+                     else self.end_of[("B", s + 1, a.minibatch)] + self.comm[s])
+            start = max(self.free[rank], ready)
+            dur = self.bwd[s] * (1.0 - self.wfr[s]) if rank in self.split else self.bwd[s]
+        self.free[rank] = start + dur
+        if a.kind != "U":
+            self.end_of[(a.kind, s, a.minibatch)] = start + dur
+        return start, start + dur
+
+    def forget_before(self, minibatch: int, update: int) -> None:
+        """Drop what no later action can depend on: actions of minibatches < ``minibatch``
+        and updates < ``update`` (keeps a long stretch's memory bounded)."""
+        for key in [k for k in self.end_of if k[2] < minibatch]:
+            del self.end_of[key]
+        for d in (self.collective, self.u_end):
+            for key in [k for k in d if k[1] < update]:
+                del d[key]
+
+
 def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[float],
              comm_time: float | Sequence[float] = 0.0,
              update_time: float | Sequence[float] = 0.0, *,
@@ -67,47 +136,19 @@ def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[floa
     (zero-bubble kinds) W takes ``weight_fraction`` of the backward and B the rest (half each:
     ``dX = dY W^T`` and ``dW = X^T dY`` cost alike)."""
     S = sched.num_stages
-    fwd = _per_stage(fwd_time, S, "fwd_time")
-    bwd = _per_stage(bwd_time, S, "bwd_time")
-    upd = _per_stage(update_time, S, "update_time")
-    wfr = _per_stage(weight_fraction, S, "weight_fraction")
-    split = {rank for rank, acts in sched.actions.items() if any(a.kind == "W" for a in acts)}
-    comm = _per_stage(comm_time, max(S - 1, 0), "comm_time") if S > 1 else []
-    free = {rank: 0.0 for rank in sched.ranks}
-    end_of: dict[tuple[str, int, int], float] = {}
-    collective: dict[tuple[int, int], float] = {}
+    split = frozenset(rank for rank, acts in sched.actions.items()
+                      if any(a.kind == "W" for a in acts))
+    clock = Clock(sched.replicas, _per_stage(fwd_time, S, "fwd_time"),
+                  _per_stage(bwd_time, S, "bwd_time"),
+                  _per_stage(comm_time, max(S - 1, 0), "comm_time") if S > 1 else [],
+                  _per_stage(update_time, S, "update_time"),
+                  _per_stage(weight_fraction, S, "weight_fraction"),
+                  split=split, sync=sync, delay=delay)
     events: dict[Rank, list[Event]] = {rank: [] for rank in sched.ranks}
-    comp = {s: tuple(c) for c in sync for s in c}
-    u_end: dict[tuple[int, int], float] = {}  # (stage, update) -> its end (all replicas)
     for rank, i in execution_order(sched, sync, delay):
-        s = rank[0]
         a = sched.actions[rank][i]
-        if a.kind == "U":
-            group = comp.get(s, (s,)) if delay == 0 else (s,)
-            key = (group[0], a.minibatch)
-            if key not in collective:  # every peer's earlier actions are already timed
-                collective[key] = max(free[(t, j)] for t in group
-                                      for j in range(sched.replicas[t]))
-                if delay > 0 and a.minibatch >= delay:
-                    collective[key] = max([collective[key]] + [
-                        u_end[(t, a.minibatch - delay)] for t in comp.get(s, ()) if t != s])
-            start, dur = collective[key], upd[s]
-            u_end[(s, a.minibatch)] = max(u_end.get((s, a.minibatch), 0.0), start + dur)
-        elif a.kind == "F":
-            ready = 0.0 if s == 0 else end_of[("F", s - 1, a.minibatch)] + comm[s - 1]
-            start, dur = max(free[rank], ready), fwd[s]
-        elif a.kind == "W":  # after its own B, on the same rank
-            start, dur = free[rank], bwd[s] * wfr[s]
-        else:
-            ready = (end_of[("F", s, a.minibatch)] if s == S - 1
-                     else end_of[("B", s + 1, a.minibatch)] + comm[s])
-            start = max(free[rank], ready)
-            dur = bwd[s] * (1.0 - wfr[s]) if rank in split else bwd[s]
-        free[rank] = start + dur
-        if a.kind != "U":
-            end_of[(a.kind, s, a.minibatch)] = start + dur
-        events[rank].append(Event(a, start, start + dur))
-    makespan = max(free.values(), default=0.0)
+        events[rank].append(Event(a, *clock.time(rank, a)))
+    makespan = max(clock.free.values(), default=0.0)
     busy = {rank: (sum(e.end - e.start for e in evs) / makespan if makespan else 0.0)
             for rank, evs in events.items()}
     return Timeline({r: tuple(e) for r, e in events.items()}, makespan, busy,

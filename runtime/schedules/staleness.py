@@ -149,8 +149,10 @@ def schedule_staleness(sched: Schedule) -> Staleness:
 
 def variant_schedule(variant: str, replicas: Sequence[int], num_minibatches: int, *,
                      microbatches: int | None = None,
-                     average_every: int = DEFAULT_AVERAGE_EVERY) -> Schedule:
-    """The schedule of one of :data:`VARIANTS` (or a plain kind) for ``replicas``.
+                     average_every: int = DEFAULT_AVERAGE_EVERY,
+                     noam: int | None = None) -> Schedule:
+    """The schedule of one of :data:`VARIANTS` (or a plain kind) for ``replicas``, with
+    ``noam`` minibatches in flight at the input stage (default: PipeDream's).
     LocalSGD ignores ``replicas``' counts: it runs S replicas of the S-stage pipeline."""
     S = len(replicas)
     if variant == LOCALSGD:
@@ -158,7 +160,8 @@ def variant_schedule(variant: str, replicas: Sequence[int], num_minibatches: int
     kind, _, extra = variant.partition("+")
     if kind not in SCHEDULE_KINDS or extra not in ("", "vsync"):
         raise ConfigError(f"unknown schedule variant {variant!r}", f"use one of {VARIANTS}")
-    sched = make_schedule(kind, list(replicas), num_minibatches, microbatches=microbatches)
+    sched = make_schedule(kind, list(replicas), num_minibatches, microbatches=microbatches,
+                          noam=noam)
     return sched.with_vertical_sync() if extra else sched
 
 
@@ -189,12 +192,13 @@ def staleness_table(replicas: Sequence[int], variants: Sequence[str] = VARIANTS,
 
 
 def own_delays(kind: str, replicas: Sequence[int], *, vertical_sync: bool = False,
-               microbatches: int | None = None) -> list[int]:
-    """Each stage's own-update delay for a schedule kind: what the optimizer factory receives
-    as ``delay`` and what the mitigations scale by."""
+               microbatches: int | None = None, noam: int | None = None) -> list[int]:
+    """Each stage's own-update delay for a schedule kind (and ``noam``, the minibatches in
+    flight at the input stage): what the optimizer factory receives as ``delay`` and what
+    the mitigations scale by."""
     variant = kind + ("+vsync" if vertical_sync and kind != LOCALSGD else "")
-    n = steady_minibatches(replicas, microbatches)
-    sched = variant_schedule(variant, replicas, n, microbatches=microbatches)
+    n = steady_minibatches(replicas, microbatches) + 4 * (noam or 0)
+    sched = variant_schedule(variant, replicas, n, microbatches=microbatches, noam=noam)
     return [s.own for s in schedule_staleness(sched).stages]
 
 

@@ -24,6 +24,7 @@ from ..errors import RuntimeConfigError
 
 from ..schedules.kinds import make_schedule
 from ..schedules.spec import parse_schedule
+from ..schedules.stream import STREAM_KINDS, ScheduleStream
 from .auto_data import PilotData
 from .loss_split import Cut, WeightedLoss
 
@@ -94,10 +95,9 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     ``batches``: a list (one run over all of it, as before streaming) or a :class:`PilotData`,
     which each candidate reads again in chunks of at most a training segment: the candidate's
     executor persists across its chunks (weights, optimizer state, LR scheduler), each chunk
-    one complete schedule, as the trainer runs successive segments. A microbatched kind's
-    numbers do not depend on the chunks (every minibatch is one complete update); pipedream's
-    drain at each chunk end, as training drains at each segment end, so a pilot longer than a
-    segment sees the drains the run has. Only one candidate's copy is alive at a time."""
+    a window of one stretch for an asynchronous kind (:mod:`fxpipe.runtime.schedules.stream`)
+    and a complete schedule for a flushing one, as the trainer runs successive segments: no
+    candidate's numbers depend on the chunks. Only one candidate's copy is alive at a time."""
     data = batches if isinstance(batches, PilotData) else PilotData.held(batches)
     if not isinstance(loss_fn, WeightedLoss):  # cut targets carry their loss scales
         loss_fn = WeightedLoss(loss_fn)
@@ -143,8 +143,9 @@ def _candidate(c: str, data: PilotData, cut: int, stages: Sequence[Any],
     refusals become :class:`_NotRun`."""
     spec = parse_schedule(c)
     k = split_for(c, replicas, microbatches)
-    curve: list[float] = []
+    losses: dict[int, float] = {}
     ex = None
+    stream: ScheduleStream | None = None  # asynchronous kinds: one stretch over the chunks
     for chunk in data.read():
         if k > 1 and how is None:
             raise RuntimeConfigError(f"auto's pilot would cut minibatches for {c!r} without "
@@ -158,23 +159,29 @@ def _candidate(c: str, data: PilotData, cut: int, stages: Sequence[Any],
         if not parts:
             continue
         try:
-            sched = make_schedule(spec.kind, list(replicas), len(parts),
-                                  microbatches=None if spec.kind == "pipedream"
-                                  else k if k > 1 else microbatches)
+            mb = None if spec.kind == "pipedream" else k if k > 1 else microbatches
+            if stream is None and spec.kind in STREAM_KINDS:
+                stream = ScheduleStream(spec.kind, list(replicas), microbatches=mb)
+            sched = (stream.window(len(parts)) if stream is not None
+                     else make_schedule(spec.kind, list(replicas), len(parts), microbatches=mb))
             if ex is None:
-                ex = _on_a_copy(stages, replicas, sched, loss_fn, optimizer, step_options,
-                                spec.mitigation)
+                ex = _on_a_copy(stages, replicas, make_schedule(spec.kind, list(replicas), 0,
+                                                                microbatches=mb),
+                                loss_fn, optimizer, step_options, spec.mitigation)
                 for w in ex.workers.values():
                     if lr_scheduler is not None and w.stash.optimizer is not None:
                         w.on_update = lr_scheduler(w.stash.optimizer).step
-            else:
-                ex.schedule = sched  # weights carry over; versions restart (ReferenceExecutor.run)
-            losses = ex.run(parts).losses  # one per microbatch, scaled: k of them per minibatch
+            ex.run_window(sched, parts)  # weights carry over (and minibatches in flight)
         except FxpipeError as err:
             raise _NotRun(err) from err
+        base = 0 if stream is not None else len(losses)  # a stream numbers across chunks
+        losses.update((base + i, v) for i, v in ex.last_losses.items())
         del parts
-        curve += [sum(losses[i:i + k]) / k for i in range(0, len(losses), k)]
-    return curve
+    if stream is not None and ex is not None:  # the last minibatches finish, as training's do
+        ex.run_window(stream.window(0, final=True), [])
+        losses.update(ex.last_losses)
+    flat = [losses[i] for i in sorted(losses)]  # one per microbatch, scaled: k per minibatch
+    return [sum(flat[i:i + k]) / k for i in range(0, len(flat), k)]
 
 
 def probe(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],

@@ -16,8 +16,9 @@ those minibatches over the wall time of their segments; ``busy_s``: per stage, s
 replicas spent in forward, backward and optimizer steps since the previous record (mean over a
 stage's replicas): ``1 - busy_s / time_s`` is the stage's idle share (pipeline bubbles and
 waiting). Why records fall at segment ends (every ``metrics_every`` updates at the earliest):
-that is where the pipeline is drained and every loss of the minibatches before is known; pick
-``segment=`` to log more often (under pipedream each segment costs a fill and drain).
+that is where the ranks exchange the segment's losses; pick ``segment=`` to log more often (an
+asynchronous schedule does not drain at segment ends, so a shorter segment costs only the
+exchange; its minibatches still in flight are counted in the next record).
 """
 from __future__ import annotations
 

@@ -13,15 +13,20 @@ stages that read model inputs keep inputs, only the output stage keeps targets (
 :mod:`fxpipe.runtime.training.data` for the loader contract: every rank iterates the SAME loader;
 sharding samplers are refused, and plain loaders are checked by fingerprint every segment).
 
-**Segments and checkpoints.** Training proceeds in *segments* of ``segment`` minibatches (default:
-``checkpoint_every``, else :data:`DEFAULT_SEGMENT`); each segment is one complete schedule, so the
-pipeline drains at its end (for pipedream that costs a fill and drain per segment), and only one
-segment's minibatches are in memory at a time, however long the epoch. A checkpoint is taken
-only at a segment end, so it is a consistent cut: no minibatch is half-trained and no stashed
-weight version is needed afterwards. Resuming from a checkpoint at position k replays exactly the
-segments an uninterrupted run with the same settings performs after k, so it reaches
-bit-identical parameters. Dropout is reproducible too: the global RNG of each rank is reseeded at
-every segment start from ``(seed, epoch, position, rank)``, so no RNG state needs saving.
+**Segments and checkpoints.** Training reads its loader in *segments* of ``segment`` minibatches
+(default: ``checkpoint_every``, else :data:`DEFAULT_SEGMENT`, the first ones of an epoch ramping
+up), so only one segment's minibatches are in memory at a time, however long the epoch. A flushing
+schedule drains at every batch anyway: each segment is a complete schedule. An asynchronous one
+(``pipedream`` and its variants, ``2bw``) runs continuously across segments: they are windows of
+one schedule per *stretch* (:mod:`fxpipe.runtime.schedules.stream`), minibatches stay in flight
+over their boundaries, and what trains does not depend on ``segment``. The pipeline drains only
+where a boundary needs it: an epoch's end (as PipeDream's runtime drains per epoch), a checkpoint
+and a switch of plans. So a checkpoint is a consistent cut: no minibatch is half-trained and no
+stashed weight version is needed afterwards. Resuming from a checkpoint at position k replays
+exactly the segments an uninterrupted run with the same settings performs after k, so it reaches
+bit-identical parameters. Dropout is reproducible too: the global RNG of each rank is reseeded
+from ``(seed, epoch, position, rank)`` wherever a stretch starts (every segment of a flushing
+kind), so no RNG state needs saving.
 
 **LR schedulers** (``lr_scheduler=lambda opt: ...``) get each stage replica's own optimizer and by
 default step right after every optimizer step of that stage (``lr_scheduler_interval="step"``,
@@ -51,7 +56,6 @@ timelines, metrics); :mod:`.trainer_backends` carries segments out on the execut
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -63,7 +67,6 @@ from ..errors import RuntimeConfigError
 from ..execution.contract import Batch
 from ..execution.trainer_backends import (DistributedBackend, IdleBackend, ReferenceBackend,
                                           surplus_rank)
-from ..execution.wire import make_wire_plan
 from ..replica.stage import LossFn, StageReplica, check_stages
 from ..replica.stash import OptimizerFactory
 from ..replica.step_options import StepOptions
@@ -73,7 +76,7 @@ from ..schedules.spec import AUTO, parse_schedule
 from ..schedules.staleness import own_delays
 from .auto import AutoOptions, Decision
 from .auto_resolve import resolve as resolve_auto
-from .data import PartStream, derive_seed, take
+from .data import PartStream, derive_seed
 from .loss_split import WeightedLoss
 from .metrics import MetricsLog
 from .param_names import wrap_factory
@@ -81,7 +84,8 @@ from .trainer_checkpoint import CheckpointMixin
 from .trainer_cut import CutMixin, check_split
 from .trainer_progress import Progress
 from .trainer_results import ResultsMixin
-from .trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin, check_placed_executor
+from .trainer_schedule import (DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin, check_noam,
+                               check_placed_executor)
 from .trainer_switch import Replanner, make_replanner
 
 __all__ = ["DEFAULT_SEGMENT", "FIRST_SEGMENT", "History", "LR_INTERVALS", "Trainer",
@@ -133,6 +137,10 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
     a segment boundary when the measured stage times predict it faster
     (:mod:`fxpipe.runtime.training.trainer_switch`).
 
+    ``noam``: the minibatches in flight at the input stage of ``pipedream`` and ``2bw`` (None:
+    PipeDream's NOAM; a number; "auto", the fewest that hide the plan's communication round
+    trips, from ``compiled.trainer``: :func:`fxpipe.runtime.pricing.plansim.noam_for`).
+
     Cutting minibatches (``auto`` on 2+ stages, or ``split=k`` with a flushing kind named
     without ``microbatches``): each loader minibatch becomes k microbatches and one update, equal
     to plain PyTorch's step on the whole minibatch (:mod:`.trainer_cut`: batch dimensions from
@@ -164,7 +172,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                  loss_scaler: Mapping[str, Any] | None = None,
                  replan: Replanner | None = None, split: int | None = None,
                  batch_dims: Any = None, input_batch_dims: BatchDims | None = None,
-                 on_recipe: Callable[[str], None] | None = None) -> None:
+                 on_recipe: Callable[[str], None] | None = None,
+                 noam: int | str | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
@@ -196,14 +205,21 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                         master_weights=master_weights,
                                         loss_scaler=loss_scaler)
         self.options.check_kind(spec.kind)  # fp16: a flushing schedule, named
+        self._noam_spec = check_noam(noam, spec.kind)  # trainer_schedule
         optimizer = wrap_factory(optimizer, self.stages, state_keys)  # `names=` (param_names)
         self._set_segments(spec.kind)
         self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync
         self.schedule_name, self.mitigation = spec.name, spec.mitigation
         self.optimizer, self.stashing, self._lr_scheduler = optimizer, stashing, lr_scheduler
         self.auto_options = AutoOptions.make(auto_options)
+        self._noams: dict[str, int | None] = {}
         self.auto_decision: Decision | None = None  # what schedule="auto" chose, and why
         self._schedules: dict[int, Schedule] = {}
+        self._stream = None  # the running stretch of an asynchronous kind (trainer_schedule)
+        self._shares: dict[int, float] = {}  # minibatch -> its weight in the logged loss
+        self._acc, self._dt = [0.0, 0.0, 0.0, 0.0], 0.0  # the epoch's sums; a segment's seconds
+        self.harm: str | None = None  # why this plan is slower than one worker (trainer_schedule)
+        self._harm_segments = 0
         self._check_tied_cadence()  # before any process group: a clear error, not a hang
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.keep_checkpoints, self.seed, self.progress = keep_checkpoints, seed, progress
@@ -217,7 +233,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         empty = Schedule(kind, tuple(self.replicas), 0, {r: () for r in
                          ((s, j) for s, n in enumerate(self.replicas) for j in range(n))})
         mitigated = dict(mitigation=spec.mitigation, delays=own_delays(
-            kind, self.replicas, vertical_sync=vertical_sync, microbatches=self._per_update()))
+            kind, self.replicas, vertical_sync=vertical_sync, microbatches=self._per_update(),
+            noam=self._noam(kind)))
         if executor == "reference" and timeline:
             raise RuntimeConfigError("timeline=True needs executor='distributed'",
                                      "the reference executor is the oracle, not a timing")
@@ -258,54 +275,6 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                      "positive number of minibatches")
         self.prefetch = prefetch  # minibatches read ahead by a thread (training/prefetch.py)
 
-    # ------------------------------------------------------------------ data
-    def _lead(self, it: PartStream, n: int, what: str, wire: bool = True, split: bool = True
-              ) -> tuple[list[Batch], int]:
-        """Every rank that reads data takes up to ``n`` minibatches itself (all at the same
-        time); then the ranks exchange how many they read and their fingerprints (one message
-        each), rank 0 adding the wire shapes and the minibatches' sizes. ``split``: cut each into
-        :attr:`split` microbatches (:meth:`~.trainer_cut.CutMixin._cut`), which ``schedule="auto"``
-        sets when it picks a microbatched schedule and the user gave no ``microbatches``: an
-        update still covers one of the loader's minibatches, as pipedream's does. Ranks that
-        read different data stop here. Returns the parts and how many minibatches were read."""
-        reads = self.need_inputs or self.need_targets
-        parts = take(it, n) if reads else []
-        if split and self.split > 1 and self.cut_spec is None:  # tested once (trainer_cut)
-            self._prepare_cut(it.first_whole() if parts else None)
-        read, plan, samples, sizes = len(parts), None, 0, None
-        share = [1.0] * len(parts)
-        if self.index == 0:  # rank 0 reads the inputs: it sizes the minibatches for all
-            sizes = self._sizes(parts)
-            parts, share = self._cut(parts, sizes) if split else (parts, share)
-            plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache,
-                                   precision=self.options.precision,
-                                   device=self.backend.device.type)
-                    if wire and parts and isinstance(self.backend, DistributedBackend) else None)
-            samples = sum(sizes)
-        mine = (read, it.digest(), plan, samples, sizes) if reads else None
-        infos = self.backend.exchange(mine, f"{what} size")
-        count, digest0, plan, samples, sizes = infos[0]
-        for i, info in enumerate(infos):
-            if info is None:
-                continue
-            if info[0] != count:
-                raise RuntimeConfigError(f"rank {i} read {info[0]} minibatches of {what}, rank 0 "
-                                         f"read {count}", "the loader must yield the same "
-                                         "minibatches on every rank (deterministic)")
-            if info[1] != digest0:
-                raise RuntimeConfigError(
-                    f"rank {i} read different minibatches of {what} than rank 0 (fingerprint "
-                    f"{info[1]} vs {digest0}): its inputs or targets would be paired with "
-                    "another minibatch's", "give every rank the same deterministic loader over "
-                    "the whole dataset (no DistributedSampler, no per-rank seed or shard): "
-                    "fxpipe decides which replica trains on which minibatch")
-        if not reads:
-            parts, share = [(None, None)] * (count * (self.split if split else 1)), []
-        elif self.index != 0 and split:
-            parts, share = self._cut(parts, sizes)
-        self._wire, self._samples, self._share = plan, samples, share
-        return parts, count
-
     # ------------------------------------------------------------------ training
     def fit(self, train_loader: Iterable[Any], epochs: int = 1,
             eval_loader: Iterable[Any] | None = None, resume: bool = False) -> History:
@@ -330,7 +299,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         total = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore
         for epoch in range(epoch0, epochs):
             pos = pos0 if epoch == epoch0 else 0
-            acc = list(partial) if epoch == epoch0 else [0.0, 0.0, 0.0, 0.0]
+            self._acc = list(partial) if epoch == epoch0 else [0.0, 0.0, 0.0, 0.0]
             it = PartStream(train_loader, epoch, self.seed, need_inputs=self.need_inputs,
                             need_targets=self.need_targets, start=pos,
                             prefetch=self.prefetch if self.need_inputs or self.need_targets
@@ -345,33 +314,26 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                         told = self._tell()
                     if n == 0:
                         break
-                    torch.manual_seed(derive_seed(self.seed, epoch, pos, self.index))
-                    t0 = time.perf_counter()
-                    losses = self.backend.run_segment(self._schedule(len(parts)), parts,
-                                                      self._wire)
+                    if not self.stretch_open:  # dropout reproducible from the position
+                        torch.manual_seed(derive_seed(self.seed, epoch, pos, self.index))
+                    final = n < want or self._drain_due(pos + n)  # trainer_schedule
+                    self._run(self._segment_schedule(len(parts), final), parts, epoch, n)
                     del parts  # one segment's minibatches in memory at a time
-                    dt = time.perf_counter() - t0
-                    # one exchange for the loss and the stages' busy time (metrics): every
-                    # rank takes part whether or not it was given a metrics path
-                    share = self._share or [1.0] * len(losses)  # per minibatch (trainer_cut)
-                    got = self.backend.all_sum([sum(v * share[k] for k, v in losses.items()),
-                                                sum(share[k] for k in losses), *self._busy()],
-                                               "loss sum")
-                    acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
-                    if self.metrics.enabled:
-                        self._record(epoch, n, got, dt)
                     pos += n
-                    bar.update(n, acc[0] / max(acc[1], 1), acc[2] / max(acc[3], 1e-9))
+                    bar.update(n, self._acc[0] / max(self._acc[1], 1),
+                               self._acc[2] / max(self._acc[3], 1e-9))
                     if n < want:
                         break
                     if self.checkpoint_every and pos % self.checkpoint_every == 0:
-                        self._checkpoint(epoch, pos, acc)
+                        self._checkpoint(epoch, pos, self._acc)
                     if self.replanner is not None:  # may switch plans here (trainer_switch)
                         it = self.replanner.after_segment(self, it, train_loader, epoch, pos, n,
-                                                          dt)
+                                                          self._dt)
+                self.drain(epoch)  # the epoch's last minibatches finish (trainer_schedule)
             finally:
                 it.close()
                 bar.close()
+            acc = self._acc
             if self.lr_interval == "epoch":
                 for sch in self.schedulers.values():
                     sch.step()

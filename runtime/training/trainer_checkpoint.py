@@ -1,6 +1,7 @@
 """The Trainer's checkpoints: save a consistent cut per stage, resume from the newest complete one.
 
-A checkpoint is taken only at a segment end (the pipeline drained): each stage's replica 0 writes
+A checkpoint is taken only at a segment end where the pipeline is drained (an asynchronous
+stretch ends there, :mod:`.trainer_schedule`): each stage's replica 0 writes
 its stage's weights, float32 master weights, buffers, optimizer, LR-scheduler and loss-scaler
 state (:mod:`fxpipe.runtime.training.checkpoint`: one file per stage, atomic), then rank 0 writes
 the manifest once every stage's file exists. A mixin of

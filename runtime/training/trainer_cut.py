@@ -1,4 +1,4 @@
-"""How the Trainer cuts a loader minibatch, and the block that tells the user.
+"""How the Trainer reads and cuts a loader minibatch, and the block that tells the user.
 
 A mixin of :class:`~fxpipe.runtime.training.trainer.Trainer`. When the trainer itself cuts
 minibatches into microbatches (``schedule="auto"`` on 2+ stages, or ``split=``), it must train
@@ -24,8 +24,11 @@ from fxpipe.tracing.batchdims import BatchDims, as_call, infer_batch_dims
 
 from ..errors import RuntimeConfigError
 from ..execution.contract import Batch
+from ..execution.trainer_backends import DistributedBackend
+from ..execution.wire import make_wire_plan
 from ..replica.stage_call import modes
 from ..schedules.spec import AUTO
+from .data import PartStream, take
 from .loss_split import LossRule, LossSplitError, cut_segment, piece_sizes, probe
 from .minibatch import BATCH_DIMS_HINT, CutSpec, minibatch_size, user_dims
 
@@ -108,6 +111,13 @@ class CutMixin:
     _probe_size: int
     schedule_name: str
     on_recipe: Any
+    need_inputs: bool
+    index: int
+    options: Any
+    _wire_cache: Any
+    _wire: Any
+    _samples: int
+    _share: list[float]
 
     def _may_cut(self) -> bool:
         """Will (or, under auto, may) this run cut minibatches?"""
@@ -217,4 +227,59 @@ class CutMixin:
             m = self.microbatches or sum(getattr(self, "replicas", [1]))
             lines.append(f"cut: none; each minibatch is one microbatch and an update averages "
                          f"the gradients of {m} minibatches (gradient accumulation)")
+        noam = self._noam() if hasattr(self, "_noam") else None
+        if noam is not None:
+            how = "noam='auto': the fewest that hide the plan's round trips" \
+                if self._noam_spec == "auto" else "noam="
+            lines.append(f"in flight: {noam} minibatches at the input stage ({how}"
+                         f"{'' if self._noam_spec == 'auto' else noam}; PipeDream's NOAM "
+                         f"would be {-(-sum(self.replicas) // self.replicas[0])})")
         return "\n".join(lines)
+
+    # ------------------------------------------------------------------ reading
+    def _lead(self, it: PartStream, n: int, what: str, wire: bool = True, split: bool = True
+              ) -> tuple[list[Batch], int]:
+        """Every rank that reads data takes up to ``n`` minibatches itself (all at the same
+        time); then the ranks exchange how many they read and their fingerprints (one message
+        each), rank 0 adding the wire shapes and the minibatches' sizes. ``split``: cut each into
+        :attr:`split` microbatches (:meth:`~.trainer_cut.CutMixin._cut`), which ``schedule="auto"``
+        sets when it picks a microbatched schedule and the user gave no ``microbatches``: an
+        update still covers one of the loader's minibatches, as pipedream's does. Ranks that
+        read different data stop here. Returns the parts and how many minibatches were read."""
+        reads = self.need_inputs or self.need_targets
+        parts = take(it, n) if reads else []
+        if split and self.split > 1 and self.cut_spec is None:  # tested once (trainer_cut)
+            self._prepare_cut(it.first_whole() if parts else None)
+        read, plan, samples, sizes = len(parts), None, 0, None
+        share = [1.0] * len(parts)
+        if self.index == 0:  # rank 0 reads the inputs: it sizes the minibatches for all
+            sizes = self._sizes(parts)
+            parts, share = self._cut(parts, sizes) if split else (parts, share)
+            plan = (make_wire_plan(self.stages, [p[0] for p in parts], cache=self._wire_cache,
+                                   precision=self.options.precision,
+                                   device=self.backend.device.type)
+                    if wire and parts and isinstance(self.backend, DistributedBackend) else None)
+            samples = sum(sizes)
+        mine = (read, it.digest(), plan, samples, sizes) if reads else None
+        infos = self.backend.exchange(mine, f"{what} size")
+        count, digest0, plan, samples, sizes = infos[0]
+        for i, info in enumerate(infos):
+            if info is None:
+                continue
+            if info[0] != count:
+                raise RuntimeConfigError(f"rank {i} read {info[0]} minibatches of {what}, rank 0 "
+                                         f"read {count}", "the loader must yield the same "
+                                         "minibatches on every rank (deterministic)")
+            if info[1] != digest0:
+                raise RuntimeConfigError(
+                    f"rank {i} read different minibatches of {what} than rank 0 (fingerprint "
+                    f"{info[1]} vs {digest0}): its inputs or targets would be paired with "
+                    "another minibatch's", "give every rank the same deterministic loader over "
+                    "the whole dataset (no DistributedSampler, no per-rank seed or shard): "
+                    "fxpipe decides which replica trains on which minibatch")
+        if not reads:
+            parts, share = [(None, None)] * (count * (self.split if split else 1)), []
+        elif self.index != 0 and split:
+            parts, share = self._cut(parts, sizes)
+        self._wire, self._samples, self._share = plan, samples, share
+        return parts, count

@@ -26,7 +26,6 @@ class ResultsMixin:
     replicas: list[int]
     metrics: Any
     _busy_seen: dict[tuple[int, int], float]
-    _schedule: Any
 
     def _write_back(self) -> None:
         """Copy the trained weights into this process's stage GraphModules (the user's own
@@ -49,11 +48,12 @@ class ResultsMixin:
             self._busy_seen[r] = w.busy_s
         return busy
 
-    def _record(self, epoch: int, n: int, got: list[float], dt: float) -> None:
-        """One segment into the metrics log (:mod:`fxpipe.runtime.training.metrics`); ``got``: the
-        segment's summed [loss sum, losses, busy seconds per stage...]; rank 0 writes."""
+    def _record(self, epoch: int, n: int, got: list[float], dt: float, sched: Any) -> None:
+        """One segment (schedule ``sched``, ``n`` minibatches) into the metrics log
+        (:mod:`fxpipe.runtime.training.metrics`); ``got``: the segment's summed [loss sum,
+        losses, busy seconds per stage...]; rank 0 writes."""
         busy = got[2:]
-        updates = sum(a.kind == "U" for a in self._schedule(n).actions[(0, 0)])
+        updates = sum(a.kind == "U" for a in sched.actions[(0, 0)])
         first = self.local.get((0, 0))
         opt = first.stash.optimizer if first is not None else None
         lr = float(opt.param_groups[0]["lr"]) if opt is not None else None

@@ -1,14 +1,23 @@
 """Which schedule a Trainer runs, and how an epoch is cut into segments of it.
 
 A mixin of :class:`~fxpipe.runtime.training.trainer.Trainer`, kept apart so the training loop reads
-on its own: the segment lengths (each segment is one complete, validated schedule; checkpoints
-happen only at segment ends), the check that tied weights update with one cadence on every stage
-that holds them (a clear error before any process group, not a hang), and :meth:`adopt`, the switch
-to the schedule ``schedule="auto"`` chose.
+on its own: the segment lengths, the schedule of each segment, the check that tied weights update
+with one cadence on every stage that holds them (a clear error before any process group, not a
+hang), and :meth:`adopt`, the switch to the schedule ``schedule="auto"`` chose.
+
+Segments and the pipeline (issue 27): a flushing kind drains at every batch anyway, so each
+segment (whole batches) is one complete, validated schedule. An asynchronous kind
+(``pipedream``, with its mitigations and vertical sync, ``2bw``) never drains inside a *stretch*:
+its segments are windows of one schedule (:mod:`fxpipe.runtime.schedules.stream`) and minibatches
+stay in flight across their boundaries, so what trains does not depend on ``segment``. A stretch
+ends, and the pipeline drains, only where a boundary needs it: the end of an epoch (as PipeDream's
+own runtime drains per epoch), a checkpoint, and a switch of plans (``replan="auto"``).
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any, Callable
 
 import torch
@@ -19,8 +28,10 @@ from ..replica.stage import StageReplica, tied_parameters
 from ..schedules.kinds import make_schedule
 from ..schedules.placement import PLACED_KINDS, make_placed_schedule
 from ..schedules.schedule import Schedule
+from ..schedules.schedule import sync_sets, tie_delay
 from ..schedules.spec import AUTO, parse_schedule
 from ..schedules.staleness import own_delays
+from ..schedules.stream import STREAM_KINDS, ScheduleStream, Window
 
 DEFAULT_SEGMENT = 256
 """Minibatches per segment when neither ``segment`` nor ``checkpoint_every`` is given: bounds the
@@ -31,6 +42,26 @@ even from a slow loader; boundaries depend only on the position, so a resume rep
 are rounded up to whole update groups (m minibatches for the batched kinds, lcm(replicas) for
 pipedream), so a boundary never cuts a batch in two."""
 FIRST_SEGMENT = 8
+
+log = logging.getLogger(__name__)
+
+
+def check_noam(noam: int | str | None, kind: str) -> int | str | None:
+    """``noam``: the minibatches in flight at the input stage of an asynchronous schedule
+    (``pipedream`` and its variants, ``2bw``): None for PipeDream's NOAM, a number, or "auto",
+    the fewest that hide the plan's communication round trips (:func:`fxpipe.runtime.pricing.
+    plansim.noam_for`: each one more costs a stashed version and an update of staleness at the
+    input stage)."""
+    if noam is None or noam == "auto":
+        return noam
+    if isinstance(noam, bool) or not isinstance(noam, int) or noam < 1:
+        raise RuntimeConfigError(f"noam={noam!r}", "use None (PipeDream's), a positive number "
+                                 "of minibatches in flight, or 'auto'")
+    if kind not in STREAM_KINDS + (AUTO,):
+        raise RuntimeConfigError(f"noam={noam} with schedule {kind!r}",
+                                 "noam sets an asynchronous schedule's window (pipedream, 2bw); "
+                                 "a flushing schedule's is its microbatches")
+    return noam
 
 
 def check_placed_executor(kind: str, executor: str) -> None:
@@ -66,6 +97,23 @@ class ScheduleMixin:
     _ramp: bool
     _first: int
     segment: int
+    _stream: ScheduleStream | None
+    checkpoint_every: int | None
+    need_targets: bool
+    metrics: Any
+    _shares: dict[int, float]
+    _share: list[float]
+    _wire: Any
+    _samples: int
+    _acc: list[float]
+    _dt: float
+    _busy: Callable[[], list[float]]
+    _record: Callable[..., None]
+    harm: str | None
+    _harm_segments: int
+    _noam_spec: int | str | None
+    _noams: dict[str, int | None]
+    auto_options: Any
 
     def _check_tied_cadence(self) -> None:
         """Stages sharing a tied weight must update equally often, or their tied all-reduces
@@ -114,18 +162,41 @@ class ScheduleMixin:
         self.kind, self.schedule_name, self.mitigation = spec.kind, spec.name, spec.mitigation
         self.split = split
         self._schedules.clear()
+        self._stream = None
         self._set_segments(spec.kind)  # the same segments as a run that named this schedule
         self._check_tied_cadence()
         self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
                              delays=own_delays(spec.kind, self.replicas,
                                                vertical_sync=self.vertical_sync,
-                                               microbatches=self._per_update()))
+                                               microbatches=self._per_update(),
+                                               noam=self._noam(spec.kind)))
         self.local = self.backend.local
         self.schedulers = {r: self._lr_scheduler(w.stash.optimizer) for r, w in self.local.items()
                            if self._lr_scheduler is not None and w.stash.optimizer is not None}
         if self.lr_interval == "step":
             for r, sch in self.schedulers.items():
                 self.local[r].on_update = sch.step
+
+    def _noam(self, kind: str | None = None) -> int | None:
+        """Minibatches in flight at the input stage of ``kind`` (default: this trainer's): the
+        user's ``noam``, or with "auto" the fewest that hide the plan's round trips (needs the
+        compiled model's plan: ``compiled.trainer(noam="auto")``); None: PipeDream's."""
+        kind = kind or self.kind
+        if self._noam_spec is None or kind not in STREAM_KINDS:
+            return None
+        if self._noam_spec != "auto":
+            return int(self._noam_spec)
+        if kind not in self._noams:
+            plan = self.auto_options.plan
+            if plan is None:
+                raise RuntimeConfigError("noam='auto' without a plan", "use compiled.trainer("
+                                         "noam='auto'), or give the number")
+            from ..pricing.plansim import noam_for
+
+            self._noams[kind] = noam_for(plan, self.auto_options.profile, schedule=kind)
+            log.info("noam='auto': %d minibatches in flight at the input stage (%s)",
+                     self._noams[kind], kind)
+        return self._noams[kind]
 
     def _per_update(self) -> int | None:
         """Microbatches per update of the batched kinds (None: the schedule's default)."""
@@ -140,11 +211,106 @@ class ScheduleMixin:
         if sched is None and self.kind in PLACED_KINDS:
             sched = self._placed(n)
         elif sched is None:
-            sched = make_schedule(self.kind, self.replicas, n, microbatches=self._per_update())
+            sched = make_schedule(self.kind, self.replicas, n, microbatches=self._per_update(),
+                                  noam=self._noam())
             sched = sched.with_vertical_sync() if self.vertical_sync else sched
             check_schedule(self.stages, self.replicas, sched)
             self._schedules[n] = sched
         return sched
+
+    def _segment_schedule(self, n: int, final: bool) -> Schedule:
+        """The schedule of the next segment, ``n`` microbatches: a window of the running
+        stretch for an asynchronous kind (``final``: the stretch ends with it and drains; see
+        the module doc), else a complete schedule (:meth:`_schedule`)."""
+        if self.kind not in STREAM_KINDS:
+            return self._schedule(n)
+        if self._stream is None:
+            self._stream = self._new_stream()
+        window = self._stream.window(n, final)
+        if final:
+            self._stream = None
+        return window
+
+    def _new_stream(self) -> ScheduleStream:
+        """A stretch of this trainer's asynchronous schedule; the tied stages' updates follow
+        the executors' rule (together, or ``d`` rounds apart under pipedream)."""
+        ties = [t.stages for t in tied_parameters(self.stages)]
+        stream = ScheduleStream(self.kind, self.replicas, microbatches=self._per_update(),
+                                vertical_sync=self.vertical_sync, noam=self._noam())
+        probe = Window(stream.name, tuple(self.replicas), 0, {r: () for r in
+                       ((s, j) for s, n in enumerate(self.replicas) for j in range(n))},
+                       windows=stream.windows)
+        if not ties:
+            return stream
+        return ScheduleStream(self.kind, self.replicas, microbatches=self._per_update(),
+                              vertical_sync=self.vertical_sync, noam=self._noam(),
+                              sync=tuple(sync_sets(ties)), delay=tie_delay(probe, ties))
+
+    @property
+    def stretch_open(self) -> bool:
+        """Whether minibatches are in flight between segments (an asynchronous stretch that
+        has not drained yet)."""
+        return self._stream is not None
+
+    def _drain_due(self, pos: int) -> bool:
+        """Whether the segment ending at epoch position ``pos`` must leave the pipeline drained
+        (a checkpoint follows it)."""
+        return bool(self.checkpoint_every) and pos % self.checkpoint_every == 0
+
+    def _run(self, sched: Schedule, parts: list[Any], epoch: int, n: int) -> None:
+        """Carry one segment out (``n`` of the loader's minibatches, cut into ``parts``) and
+        account its losses: those of the minibatches that reached the last stage in it (under
+        an asynchronous kind some of a segment's minibatches finish in the next one)."""
+        start = getattr(sched, "start", 0)
+        if start == 0:  # a new schedule numbers its minibatches from 0
+            self._shares = {}
+        if self.need_targets:  # each minibatch's weight in the loss (trainer_cut)
+            self._shares.update((start + k, v) for k, v in
+                                enumerate(self._share or [1.0] * len(parts)))
+        t0 = time.perf_counter()
+        losses = self.backend.run_segment(sched, parts, self._wire)
+        self._dt = dt = time.perf_counter() - t0
+        # one exchange for the loss and the stages' busy time (metrics): every rank takes part
+        # whether or not it was given a metrics path
+        weights = {k: self._shares.pop(k, 1.0) for k in losses}
+        got = self.backend.all_sum([sum(v * weights[k] for k, v in losses.items()),
+                                    sum(weights.values()), *self._busy()], "loss sum")
+        acc = self._acc
+        self._acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
+        if self.metrics.enabled:
+            self._record(epoch, n, got, dt, sched)
+        self._check_harm(got[2:], dt, n)
+
+    def _check_harm(self, busy: list[float], dt: float, n: int) -> None:
+        """Do no harm (issue 27): after the first segment (it fills the pipeline and warms up),
+        say once when a segment took longer than all its stages' compute together (``busy``:
+        seconds per stage, the mean over its replicas), i.e. one worker doing every stage's work
+        would have been as fast: the links, the bubbles or the per-message costs of this plan
+        cost more than splitting the model gains. Only processes can tell (the reference
+        executor runs every rank in turn); the verdict is :attr:`harm`."""
+        self._harm_segments += 1
+        if (self.harm is not None or self._harm_segments < 2 or n == 0
+                or sum(self.replicas) < 2 or getattr(self.backend, "world", 1) < 2):
+            return
+        total = sum(b * r for b, r in zip(busy, self.replicas))
+        if total <= 0 or dt <= total:
+            return
+        self.harm = (f"{sum(self.replicas)} workers took {dt:.3g} s for {n} minibatches while "
+                     f"their compute was {total:.3g} s in all: one worker would have been "
+                     f"{dt / total:.2f}x faster (the links, the pipeline's bubbles or its "
+                     "per-message costs cost more than the split gains); plan for fewer workers "
+                     "(fxpipe.Cluster(workers=1)), or let replan='auto' re-plan from measured "
+                     "stage times")
+        log.warning("this plan does harm: %s", self.harm)
+
+    def drain(self, epoch: int) -> None:
+        """Let an asynchronous stretch's minibatches in flight finish, so the pipeline is
+        drained (weights and optimizer states a consistent cut): at an epoch's end, before a
+        switch of plans. Nothing to do when no stretch runs; every rank calls it."""
+        if not self.stretch_open:
+            return
+        self._samples, self._share, self._wire = 0, [], None
+        self._run(self._segment_schedule(0, True), [], epoch, 0)
 
     def _placed(self, n: int) -> Schedule:
         """A placed kind's per-stage lists (the reference executor runs them; their order is

@@ -1,11 +1,11 @@
 """Re-plan a running job in place (issue 13, item 1): ``compiled.trainer(replan="auto")``.
 
-After the first ``replan_after`` segments of :meth:`Trainer.fit`, at a segment boundary (the
-pipeline drained), every rank measures its stage, the ranks agree on one proposal
+After the first ``replan_after`` segments of :meth:`Trainer.fit`, at a segment boundary, every
+rank measures its stage, the ranks agree on one proposal
 (:func:`measured_stage_times` below, :mod:`..pricing.replan`: the profile rescaled stage by stage to
 the measurements, re-solved for the SAME number of workers) and, when the proposal is predicted
-faster by more than ``replan_threshold``, the trainer switches to it without restarting a
-process:
+faster by more than ``replan_threshold``, the trainer drains the pipeline (an asynchronous
+stretch's minibatches in flight finish) and switches to it without restarting a process:
 
 1. the stages of the new plan are split from the compiled model's traced graph (codegen);
 2. every stage's state (weights, buffers, optimizer and LR-scheduler state) is written as a
@@ -150,8 +150,8 @@ class Replanner:
     # ------------------------------------------------------------------ the boundary hook
     def after_segment(self, trainer: Any, it: PartStream, loader: Iterable[Any], epoch: int,
                       pos: int, n: int, dt: float) -> PartStream:
-        """Called by ``fit`` on every rank after each segment (drained); returns the data
-        stream to continue with (a new one after a switch)."""
+        """Called by ``fit`` on every rank after each segment; returns the data stream to
+        continue with (a new one after a switch, which drains the pipeline first)."""
         self._segments.append(dt / max(n, 1))
         self.segment_times.append((sum(r.adopted for r in self.records), dt / max(n, 1)))
         if self.records and self.records[-1].adopted \
@@ -184,6 +184,7 @@ class Replanner:
         log.info("re-plan at epoch %d minibatch %d: %s", epoch, pos, proposal.summary())
         if not proposal.adopt:
             return it
+        trainer.drain(epoch)  # an asynchronous stretch's minibatches in flight finish first
         self.switch(trainer, proposal, epoch, pos)
         self._segments = []
         it.close()
@@ -270,7 +271,7 @@ class Replanner:
             new.backend._owns_group, old._owns_group = old._owns_group, False
             old.comm.groups.clear()
             old.control = None
-        keep = {"history", "metrics", "replanner", "progress",
+        keep = {"history", "metrics", "replanner", "progress", "_acc",  # the epoch's sums so far
                 "cut_spec", "loss_rule", "_probe_size", "_bn_warned"}  # the cut: tested once
         for k, v in vars(new).items():
             if k not in keep:

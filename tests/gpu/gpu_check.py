@@ -15,7 +15,7 @@ For each case (schedule x pipeline shape, 2 to 4 ranks, one GPU each: rank i on 
    ``ReferenceExecutor`` (one process, on the CPU) from the same weights on the same data, and
    compares every loss and every rank's final weights (TF32 off; tolerance ``--rtol``);
 2. replays every rank's recorded communication under NCCL's rules
-   (``fxpipe.runtime.schedules.commplan.check_logs``): the messages of each rank pair meet in order;
+   (``fxpipe.runtime.schedules.ncclcheck.check_logs``): the messages of each rank pair meet in order;
 3. times a longer run and prints steady-state samples/s (from the runtime's own timeline,
    compute spans timed with CUDA events);
 
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from fxpipe.codegen.split import placed_nodes, split_graph
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.execution.reference import ReferenceExecutor
-from fxpipe.runtime.schedules.commplan import check_logs
+from fxpipe.runtime.schedules.ncclcheck import check_logs
 from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.timeline import busy_fraction
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fxpipe.codegen.split import StageSpec
-from fxpipe.runtime.schedules.commplan import check_logs
+from fxpipe.runtime.schedules.ncclcheck import check_logs
 from fxpipe.runtime.errors import WorkerFailedError
 from fxpipe.runtime.execution.worker import WorkerConfig, fail, init_rank, run_rank
 from fxpipe.runtime.execution.launch import free_port
@@ -61,7 +61,7 @@ def _worker(index: int, cfgs: list[WorkerConfig], outdir: str) -> None:
 def run_jobs(jobs: Sequence[Job], timeout_s: float = 30.0,
              join_timeout_s: float = 240.0) -> list[RunResult]:
     """Every job's RunResult, as run_distributed would return it. Every rank records its
-    communication, and each job's logs must pass the NCCL checker (commplan.check_logs): so
+    communication, and each job's logs must pass the NCCL checker (ncclcheck.check_logs): so
     every schedule and pipeline shape run here is also proven NCCL-safe."""
     world = max(len(j.schedule.ranks) for j in jobs)
     with tempfile.TemporaryDirectory(prefix="fxpipe-jobs-") as outdir:

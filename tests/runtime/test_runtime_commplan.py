@@ -15,7 +15,8 @@ import itertools
 import pytest
 
 from fxpipe.runtime.schedules.commplan import (MODEL, CommOrderError, StageLinks, action_messages,
-                                               check_logs, comm_plans, plan_logs)
+                                               comm_plans)
+from fxpipe.runtime.schedules.ncclcheck import check_logs, plan_logs
 from fxpipe.runtime.schedules.schedule import Schedule
 from fxpipe.runtime.schedules.kinds import make_schedule
 
@@ -147,11 +148,11 @@ def test_a_plan_ordered_by_the_receivers_actions_is_rejected(monkeypatch) -> Non
     links = chain(4, skip=True)
     sched = make_schedule("pipedream", [1, 1, 1, 1], 12)
     check_logs(plan_logs(links, sched, index_of(links), always))
-    real, original = commplan.execution_order, commplan.comm_plans
+    real, original = commplan.execution_order, commplan.StretchPlanner.window
 
-    def mutated(links_, sched_, index, grad_ok, sync=(), delay=0, ranks=None):
-        plans = original(links_, sched_, index, grad_ok, sync, delay, ranks)
-        order = real(sched_, sync, delay)
+    def mutated(self, sched_, order_):
+        plans = original(self, sched_, order_)
+        order = real(sched_)
         pos = {(r, sched_.actions[r][i].kind, sched_.actions[r][i].minibatch): p
                for p, (r, i) in enumerate(order)}
         out = {}
@@ -159,10 +160,11 @@ def test_a_plan_ordered_by_the_receivers_actions_is_rejected(monkeypatch) -> Non
             def key(m):
                 kind = "F" if m.direction == 0 else "B"
                 return (pos[(rank, kind, m.minibatch)], m.peer, m.direction, m.value)
-            out[rank] = commplan.RankPlan(plan.recvs, plan.sends, tuple(sorted(plan.ops, key=key)))
+            out[rank] = commplan.RankPlan(plan.recvs, plan.sends, tuple(sorted(plan.ops, key=key)),
+                                          (), plan.starts, plan.lead)
         return out
 
-    monkeypatch.setattr(commplan, "comm_plans", mutated)
+    monkeypatch.setattr(commplan.StretchPlanner, "window", mutated)
     with pytest.raises(CommOrderError):
         check_logs(plan_logs(links, sched, index_of(links), always))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 
-from fxpipe.runtime.schedules.commplan import check_logs
+from fxpipe.runtime.schedules.ncclcheck import check_logs
 from fxpipe.runtime.errors import WorkerFailedError
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.execution.reference import ReferenceExecutor

@@ -15,7 +15,7 @@ import torch.nn as nn
 from rt_helpers import SkipMLP, batches, loss_fn, sgd, split, tiny_mlp
 from rt_tied import TiedLM, plain_sgd_groups
 
-from fxpipe.runtime.schedules.commplan import check_logs
+from fxpipe.runtime.schedules.ncclcheck import check_logs
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.execution.hosted import check_hostable
 from fxpipe.runtime.execution.launch import PlacedJob, run_placed_jobs

@@ -186,3 +186,21 @@ def test_tied_weights_are_priced_lockstep_when_synchronous_and_free_when_delayed
     assert delayed.sync_bytes_per_minibatch == pytest.approx(2000.0)
     flush = simulate_plan(plan, prof, schedule="1f1b-flush", minibatches=200)
     assert flush.sync_bytes_per_minibatch > 0  # synchronous there: priced as a barrier
+
+
+@pytest.mark.parametrize("x, period2, want", [(0.0, 3.0, 2), (750_000.0, 3.75, 3),
+                                              (1_500_000.0, 4.5, 3)])
+def test_the_window_that_hides_a_round_trip(x: float, period2: float, want: int) -> None:
+    """Two stages of 3 s per minibatch, one-way transfers T = x / B: stage 0 needs minibatch k's
+    gradient T + 3 + T after its forward, while PipeDream's NOAM of 2 gives it only the 3 s of
+    one other minibatch, so the period is (3 + 3 + 2T) / 2 (by hand: 3.75 at T = 0.75, 4.5 at
+    T = 1.5) though no link is busier than 1.5 s per 3 s; 3 in flight restore the 3 s and
+    noam_for picks the fewest that do (2 when nothing is on the wire)."""
+    from fxpipe.runtime.pricing.plansim import noam_for
+
+    prof, plan = two_stage(1.0, 2.0, 1.0, 2.0, x)
+    assert simulate_plan(plan, prof, minibatches=200).steady_state_period == \
+        pytest.approx(period2, rel=1e-9)
+    assert simulate_plan(plan, prof, noam=3, minibatches=200).steady_state_period == \
+        pytest.approx(3.0, rel=1e-9)
+    assert noam_for(plan, prof) == want

@@ -1,0 +1,148 @@
+"""The update of one rank of the distributed executor: the replicas' gradient sum, tied rounds.
+
+A mixin of :class:`~fxpipe.runtime.execution.executor.RankExecutor`, kept apart so the executor
+reads as the walk over its actions: ``U`` sums the stage's gradients over its replicas (bucketed
+and launched from hooks during the last backward before it, as DDP does,
+:mod:`fxpipe.runtime.execution.buckets`, or one flat all-reduce), sums tied parameters' LOCAL
+gradients over every rank holding them (at the update, or under pipedream ``d`` rounds later,
+:func:`fxpipe.runtime.execution.contract.tied_delay`), and steps the optimizer. Every summed buffer
+carries one presence flag per parameter, so a parameter no replica had a gradient for takes no
+step (:mod:`fxpipe.runtime.replica.stage_update`).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..replica.stage import StageReplica
+from ..schedules.schedule import Action, Rank, Schedule
+from ..timeline import Recorder
+from .buckets import BucketLayout, GradBuckets
+from .comm import Comm, _Pending
+
+log = logging.getLogger(__name__)
+
+
+class UpdateMixin:
+    """Update methods of the RankExecutor (it provides the attributes declared here)."""
+
+    me: Rank
+    schedule: Schedule
+    replica: StageReplica
+    comm: Comm
+    rec: Recorder
+    device: torch.device
+    overlap_allreduce: bool
+    bucket_bytes: int
+    tied: list[tuple[tuple[int, ...], list[str]]]
+    _buckets: GradBuckets | None
+    _round: str
+    _delay: int
+    _rounds: dict[tuple[tuple[int, ...], int], tuple[_Pending, float]]
+
+    def buckets(self) -> GradBuckets | None:
+        """The stage's gradient buckets, or None when its replicas' sum is not overlapped (one
+        replica, or ``overlap_allreduce=False``: one flat all-reduce at ``U``)."""
+        s, reps = self.me[0], self.schedule.replicas
+        if not self.overlap_allreduce or reps[s] < 2:
+            return None
+        if self._buckets is None:
+            stash = self.replica.stash
+            # shaped like the weights, in the gradients' dtype (float32 for master weights)
+            like = {n: t if n not in stash.grad_dtypes or stash.grad_dtypes[n] == t.dtype else
+                    torch.empty(t.shape, dtype=stash.grad_dtypes[n], device="meta")
+                    for n, t in stash.latest.items()}
+            ref = next(iter(like.values()), torch.zeros(()))
+            layout = BucketLayout.build(like, stash.trainable, self.bucket_bytes, ref.dtype,
+                                        flags=True)  # presence flags: see stage_update
+            peers = [(s, j) for j in range(reps[s])]
+            self._buckets = GradBuckets(
+                layout, self.device,
+                lambda i, buf: self.comm.all_reduce_async(buf, s, peers,
+                                                          f"bucket {i} of {self._round}"))
+            log.debug("%s: %d gradient buckets of sizes %s", self.comm.who, len(layout),
+                      layout.sizes)
+        return self._buckets
+
+    def _finish_buckets(self, bk: GradBuckets | None, update: Action | None) -> None:
+        if bk is not None:  # parameters without a gradient this time, the count: last buckets
+            with self.rec.span("allreduce", f"post buckets {update}", group=str(self.me[0])):
+                bk.finish(self.replica.grad_sums, self.replica.count)
+
+    def update(self, a: Action) -> None:
+        """Replicas sum their gradients (the stage's group); tied parameters sum their LOCAL
+        gradients over every rank holding them (their own group), as the reference does: at
+        this update, or (delay d > 0) asynchronously, applying round ``i - d`` now."""
+        s = self.me[0]
+        reps = self.schedule.replicas
+        bk = self.buckets()
+        if bk is not None and not bk.active:  # no backward this round: post everything now
+            self._round = str(a)
+            bk.start()
+            bk.finish(self.replica.grad_sums, self.replica.count)
+        if reps[s] == 1 and not self.tied:  # nobody to sum with: no flat buffer at all
+            with self.rec.span("optimizer", str(a), update=a.minibatch):
+                self.replica.apply_local_update()
+            return
+        with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
+            buf = self.replica.local_gradient(flags=True) if bk is None or self.tied else None
+            segs = [(key, names, self.replica.segment(buf, names, flags=True))
+                    for key, names in self.tied]
+        if bk is not None:
+            self.comm.wait_all_reduces(bk.pending, f"allreduce {a}", group=str(s))
+            if not self.tied:  # the buckets' views go to the optimizer (no flat copy)
+                grads, count = bk.grads(self.replica.stash.latest)  # already the mean
+                with self.rec.span("optimizer", str(a), update=a.minibatch):
+                    self.replica.apply_grads(grads, min(count, 1.0), writable=grads)
+                return
+            buf = bk.flat()
+        elif reps[s] > 1:
+            self.comm.all_reduce(buf, s, [(s, j) for j in range(reps[s])], f"U{a.minibatch}")
+        assert buf is not None
+        late: dict[str, torch.Tensor | None] | None = None
+        if self._delay == 0:
+            for key, names, seg in segs:
+                self.comm.all_reduce(seg, key, self._holders(key), f"tied {names} U{a.minibatch}")
+                self.replica.put_segment(buf, names, seg, flags=True)
+        else:
+            late = self._tied_round(a.minibatch, segs, float(buf[-1]))
+        with self.rec.span("optimizer", str(a), update=a.minibatch):
+            self.replica.apply_update(buf, late, flags=True)
+
+    def _holders(self, key: tuple[int, ...]) -> list[Rank]:
+        return [(t, j) for t in key for j in range(self.schedule.replicas[t])]
+
+    def _tied_round(self, i: int, segs: list[tuple[tuple[int, ...], list[str], torch.Tensor]],
+                    count: float) -> dict[str, torch.Tensor | None]:
+        """Delayed tied rounds: post round i's sums (asynchronous), return round i-d's means."""
+        out: dict[str, torch.Tensor | None] = {}
+        for key, names, seg in segs:
+            pend = self.comm.all_reduce_async(seg, key, self._holders(key),
+                                              f"tied {names} round {i}")
+            self._rounds[(key, i)] = (pend, count)
+            out.update(self._round_means(key, names, i - self._delay))
+        return out
+
+    def _round_means(self, key: tuple[int, ...], names: list[str], j: int
+                     ) -> dict[str, torch.Tensor | None]:
+        if j < 0:
+            return {n: None for n in names}
+        pend, count = self._rounds.pop((key, j))
+        self.comm.wait_all_reduces([pend], f"tied round {j}", group=str(key))
+        total = pend.tensor
+        mean = total / count if count > 0 and count != 1 else total  # flags stay > 0 or 0
+        return self.replica.split_segment(mean, names, flags=True)
+
+    def _finish_tied_rounds(self) -> None:
+        """Run end: apply the last ``d`` tied rounds (tied-only steps, as the reference)."""
+        if self._delay == 0 or not self.tied:
+            return
+        done = self.replica.stash.version
+        for j in range(max(0, done - self._delay), done):
+            grads: dict[str, torch.Tensor | None] = {}
+            for key, names in self.tied:
+                grads.update(self._round_means(key, names, j))
+            with self.rec.span("optimizer", f"tied round {j}", update=j):
+                self.replica.apply_tied_only({n: g for n, g in grads.items() if g is not None})
+        assert not self._rounds, self._rounds

@@ -1,0 +1,306 @@
+"""Asynchronous schedules run continuously across the trainer's segments (issue 27).
+
+The oracle is written here, without fxpipe: stale-weight SGD with momentum per each schedule's
+documented version rule, on a chain of S blocks (one per stage), float64. Under
+``pipedream``, ``vertical_sync``, ``stashing=False`` and ``2bw`` the trainer must give the
+oracle's weights to 1e-12 whatever its segments are (``segment=8``, the default ramp 8, 16, 32 ..,
+one segment per epoch): segments are how the loader is read, not a boundary of the pipeline. Before
+issue 27 every segment boundary drained the pipeline (the first forwards after it read fresh
+weights); ``test_draining_every_segment_is_another_rule`` seeds that back and sees it fail.
+
+Version rules on a straight pipeline of S stages (stage s admits w_s = S - s minibatches):
+* pipedream: minibatch k's forward and backward on stage s read version max(0, k - (S-1-s)) (s's
+  updates before it); stage s's update u applies minibatch u's gradient.
+* vertical sync: every stage reads stage 0's version of k, max(0, k - (S-1)).
+* stashing=False: forwards as pipedream; the backward on stage s comes after k updates of it and
+  recomputes the stage's forward with version k on the input it received, back-propagating the
+  gradient the next stage sent.
+* 2bw (m microbatches per update): every stage reads version max(0, k // m - 1); update t
+  applies the mean gradient of batch t.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fxpipe.codegen.split import placed_nodes, split_graph
+from fxpipe.runtime.training.trainer import Trainer
+
+LR, MOMENTUM, WIDTH, BATCH = 0.05, 0.5, 6, 4
+Weights = dict[str, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- the oracle
+def blocks(stages: int, seed: int = 0) -> nn.Sequential:
+    """``stages`` blocks of Linear + Tanh (the last one Linear only), float64."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for b in range(stages):
+        layers.append(nn.Linear(WIDTH, WIDTH if b < stages - 1 else 2))
+        if b < stages - 1:
+            layers.append(nn.Tanh())
+    return nn.Sequential(*layers).double()
+
+
+def block(w: Weights, b: int, x: torch.Tensor, last: bool) -> torch.Tensor:
+    """Block b of :func:`blocks` (its Linear is layer 2b) with weights ``w``."""
+    y = F.linear(x, w[f"{2 * b}.weight"], w[f"{2 * b}.bias"])
+    return y if last else torch.tanh(y)
+
+
+def data(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, WIDTH, generator=g, dtype=torch.float64),
+             torch.randn(BATCH, 2, generator=g, dtype=torch.float64)) for _ in range(n)]
+
+
+class MomentumSGD:
+    """torch.optim.SGD(lr, momentum) of one stage, written out: buf = g, then mu buf + g."""
+
+    def __init__(self) -> None:
+        self.buf: Weights = {}
+
+    def step(self, w: Weights, g: Weights) -> Weights:
+        self.buf = {n: g[n].clone() if n not in self.buf else MOMENTUM * self.buf[n] + g[n]
+                    for n in g}
+        return {n: w[n] - LR * self.buf[n] for n in w}
+
+
+def stage_grads(hist_fwd: list[Weights], hist_bwd: list[Weights], x: torch.Tensor,
+                y: torch.Tensor) -> list[Weights]:
+    """Each stage's gradient for one minibatch: forward activations with ``hist_fwd[s]``; each
+    stage's backward re-runs its block with ``hist_bwd[s]`` on the input its forward received
+    and back-propagates the gradient the next stage sent (with stashing the two are equal)."""
+    S = len(hist_fwd)
+    acts = [x]
+    with torch.no_grad():
+        for s in range(S):
+            acts.append(block(hist_fwd[s], s, acts[s], s == S - 1))
+    out: list[Weights] = [{} for _ in range(S)]
+    grad_out: torch.Tensor | None = None
+    for s in reversed(range(S)):
+        w = {n: t.detach().clone().requires_grad_(True) for n, t in hist_bwd[s].items()}
+        inp = acts[s].detach().requires_grad_(s > 0)
+        o = block(w, s, inp, s == S - 1)
+        wrt = ([inp] if s > 0 else []) + list(w.values())
+        gs = (torch.autograd.grad(F.mse_loss(o, y), wrt) if s == S - 1
+              else torch.autograd.grad(o, wrt, grad_out))
+        grad_out = gs[0] if s > 0 else None
+        out[s] = dict(zip(w, gs[1:] if s > 0 else gs))
+    return out
+
+
+def oracle(rule: str, stages: int, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+           m: int | None = None, noam: int | None = None) -> Weights:
+    """The final weights of one epoch under ``rule`` (see the module doc); ``noam``: stage 0
+    admits that many minibatches instead of S (its forward of k reads max(0, k - noam + 1))."""
+    S, w0 = stages, {n: p.detach().clone() for n, p in blocks(stages).named_parameters()}
+    hist = [[{n: t for n, t in w0.items() if n.split(".")[0] == str(2 * s)}] for s in range(S)]
+    opts = [MomentumSGD() for _ in range(S)]
+    pending: list[list[Weights]] = [[] for _ in range(S)]
+    for k, (x, y) in enumerate(batches):
+        if rule == "2bw":
+            v = [max(0, k // m - 1)] * S  # type: ignore[operator]
+        elif rule == "vsync":
+            v = [max(0, k - (S - 1))] * S
+        else:
+            v = [max(0, k - ((noam or S) - 1 if s == 0 else S - 1 - s)) for s in range(S)]
+        fwd = [hist[s][v[s]] for s in range(S)]
+        bwd = [hist[s][k] for s in range(S)] if rule == "nostash" else fwd
+        for s, g in enumerate(stage_grads(fwd, bwd, x, y)):
+            pending[s].append(g)
+            if rule != "2bw" or len(pending[s]) == m or k == len(batches) - 1:
+                mean = {n: sum(p[n] for p in pending[s]) / len(pending[s]) for n in g}
+                hist[s].append(opts[s].step(hist[s][-1], mean))
+                pending[s] = []
+    return {n: t for s in range(S) for n, t in hist[s][-1].items()}
+
+
+# ----------------------------------------------------------------------------- fxpipe
+def stages_of(model: nn.Module, stages: int) -> list:
+    """One block per stage: cut after every Tanh."""
+    gm = fx.symbolic_trace(model)
+    stage_of, s = {}, 0
+    for n in placed_nodes(gm):
+        stage_of[n.name] = s
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Tanh):
+            s += 1
+    return split_graph(gm, stage_of)
+
+
+def momentum(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def train(rule: str, stages: int, n: int, segment: int | None, m: int | None = None,
+          noam: int | None = None) -> Weights:
+    kind = "2bw" if rule == "2bw" else "pipedream"
+    model = blocks(stages)
+    trainer = Trainer(stages_of(model, stages), [1] * stages, F.mse_loss, momentum,
+                      schedule=kind, microbatches=m, segment=segment, executor="reference",
+                      progress=False, stashing=rule != "nostash",
+                      vertical_sync=rule == "vsync", noam=noam)
+    trainer.fit(data(n), epochs=1)
+    return {n_: p.detach().clone() for n_, p in model.named_parameters()}
+
+
+RULES = [("pipedream", None), ("vsync", None), ("nostash", None), ("2bw", "m")]
+
+
+@pytest.mark.parametrize("stages", [4, 8])
+@pytest.mark.parametrize("rule, m", RULES)
+@pytest.mark.parametrize("segment", [8, None, "epoch"])
+def test_async_schedules_equal_their_rule_whatever_the_segments(rule, m, stages, segment) -> None:
+    n = 48
+    mb = stages if m else None  # 2bw: one update per S microbatches (fxpipe's default m)
+    seg = n if segment == "epoch" else segment
+    want = oracle(rule, stages, data(n), mb)
+    got = train(rule, stages, n, seg, mb)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("segment", [3, None])
+def test_a_deeper_window_at_the_input_stage_is_its_rule(segment) -> None:
+    """noam=6 on 4 stages: stage 0 admits 6 minibatches (hiding a longer round trip), so its
+    forwards read versions 5 behind; the other stages keep theirs. Equal to the rule, and a
+    different run from PipeDream's window."""
+    want = oracle("pipedream", 4, data(40), noam=6)
+    got = train("pipedream", 4, 40, segment, noam=6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+    base = oracle("pipedream", 4, data(40))
+    assert max(float((base[k] - want[k]).abs().max()) for k in want) > 1e-4
+
+
+def test_noam_is_checked() -> None:
+    from fxpipe.runtime.errors import RuntimeConfigError
+
+    model = blocks(2)
+    for bad in (0, -1, 2.5, "deep", True):
+        with pytest.raises(RuntimeConfigError, match="noam="):
+            Trainer(stages_of(model, 2), [1, 1], F.mse_loss, momentum, noam=bad,
+                    executor="reference", progress=False)
+    with pytest.raises(RuntimeConfigError, match="flushing schedule"):
+        Trainer(stages_of(model, 2), [1, 1], F.mse_loss, momentum, schedule="1f1b-flush",
+                noam=3, executor="reference", progress=False)
+    with pytest.raises(RuntimeConfigError, match="without a plan"):
+        Trainer(stages_of(model, 2), [1, 1], F.mse_loss, momentum, noam="auto",
+                executor="reference", progress=False)
+
+
+def test_draining_every_segment_is_another_rule(monkeypatch) -> None:
+    """Seeded regression: every window final again (each segment a complete schedule that
+    fills and drains, as before issue 27). With segment=8 on 4 stages the weights leave the
+    oracle by far more than rounding; with one segment per epoch they would not."""
+    monkeypatch.setattr(Trainer, "_drain_due", lambda self, pos: True)  # every boundary
+    want = oracle("pipedream", 4, data(48))
+    got = train("pipedream", 4, 48, 8)
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert worst > 1e-3
+    same = train("pipedream", 4, 48, 48)
+    assert max(float((same[k] - want[k]).abs().max()) for k in want) < 1e-12
+
+
+def test_the_oracle_tells_the_rules_apart() -> None:
+    """Each rule's weights differ from the others' and from plain SGD's (rule 'sync': every
+    version the latest), so matching one is not matching any."""
+    batches = data(24)
+    finals = {r: oracle(r, 4, batches, 4 if r == "2bw" else None)
+              for r in ("pipedream", "vsync", "nostash", "2bw")}
+    S = 4
+    w = {n: p.detach().clone() for n, p in blocks(S).named_parameters()}
+    opt = MomentumSGD()
+    for x, y in batches:  # plain SGD with momentum, one step per minibatch
+        leaves = {n: t.clone().requires_grad_(True) for n, t in w.items()}
+        h = x
+        for s in range(S):
+            h = block(leaves, s, h, s == S - 1)
+        g = dict(zip(leaves, torch.autograd.grad(F.mse_loss(h, y), list(leaves.values()))))
+        w = opt.step(w, g)
+    finals["sync"] = w
+    names = sorted(finals)
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            fa, fb = finals[names[a]], finals[names[b]]
+            assert max(float((fa[n] - fb[n]).abs().max()) for n in fa) > 1e-4, names[a:b + 1]
+    assert math.isfinite(sum(float(t.sum()) for t in finals["sync"].values()))
+
+
+# ----------------------------------------------------------------------------- the rest
+def _final(model: nn.Module, stages: list, replicas: list[int], schedule: str,
+           batches: list, segment: int, **kw) -> Weights:
+    trainer = Trainer(stages, replicas, F.mse_loss if kw.pop("mse", True) else F.cross_entropy,
+                      kw.pop("optimizer", momentum), schedule=schedule, segment=segment,
+                      executor="reference", progress=False, **kw)
+    trainer.fit(batches, epochs=2)
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("schedule", ["pipedream+predict", "pipedream+dc", "pipedream+lr_scale",
+                                      "pipedream+momentum", "2bw"])
+def test_mitigations_and_replicas_do_not_depend_on_the_segments(schedule: str) -> None:
+    """Weight prediction's horizons, DC-ASGD's stashed point, the stage's delays and replicated
+    stages (replicas [2, 1, 1]) across windows: every segmentation gives the weights of one
+    segment per epoch (two epochs: the stretch ends and restarts at the epoch boundary)."""
+    n = 30
+    runs = []
+    for segment in (2, 6, None, n):
+        model = blocks(3)
+        runs.append(_final(model, stages_of(model, 3), [2, 1, 1], schedule, data(n), segment))
+    for got in runs[:-1]:
+        for name, t in runs[-1].items():
+            torch.testing.assert_close(got[name], t, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_tied_weights_across_windows() -> None:
+    """TiedLM's embedding on stages 0 and 2: its delayed rounds (pipedream applies round i - d
+    at update i, the last d at the stretch's end) carry over between windows."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from rt_helpers import split
+    from rt_tied import TiedLM, sgd_m, token_batches
+
+    runs = []
+    for segment in (2, 5, 24):
+        model = TiedLM().double()
+        runs.append(_final(model, split(model, [1, 3]), [1, 1, 1], "pipedream",
+                           [(x, y) for x, y in token_batches(24)], segment, mse=False,
+                           optimizer=sgd_m))
+    for got in runs[:-1]:
+        for name, t in runs[-1].items():
+            torch.testing.assert_close(got[name], t, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_plan_slower_than_its_own_compute_says_so_once(caplog) -> None:
+    """Do no harm: a segment that took longer than all its stages' compute together means one
+    worker would have been faster; the trainer says so once, after the warm-up segment, and
+    keeps it in ``harm``. (Numbers handed in as a 2-process backend would measure them.)"""
+    model = blocks(2)
+    trainer = Trainer(stages_of(model, 2), [1, 1], F.mse_loss, momentum, executor="reference",
+                      progress=False)
+    trainer.backend.world = 2  # as if these were two processes
+    trainer._check_harm([1.0, 1.0], 3.0, 8)  # the warm-up segment: never judged
+    assert trainer.harm is None
+    trainer._check_harm([1.0, 1.0], 1.5, 8)  # pipelined: faster than the 2 s of compute
+    assert trainer.harm is None
+    with caplog.at_level("WARNING"):
+        trainer._check_harm([1.0, 0.5], 1.8, 8)
+    assert trainer.harm is not None and "one worker would have been 1.20x faster" in trainer.harm
+    assert "this plan does harm" in caplog.text
+    trainer._check_harm([1.0, 0.5], 9.0, 8)  # said once
+    assert "1.20x" in trainer.harm
+    ref = Trainer(stages_of(blocks(2), 2), [1, 1], F.mse_loss, momentum, executor="reference",
+                  progress=False)  # one process: the ranks ran in turn, nothing to judge
+    for _ in range(3):
+        ref._check_harm([1.0, 0.5], 9.0, 8)
+    assert ref.harm is None
