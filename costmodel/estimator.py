@@ -34,11 +34,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxpipe.errors import ConfigError
+from fxpipe.errors import ConfigError, CostingError
 
 from .extract import annotate_parameters, fetch_attr
 from .hardware import DeviceSpec, get_device
-from .profiler import NodeCall, is_inplace_error, isolated, iter_node_calls
+from .profiler import NodeCall, costing_error, is_inplace_error, isolated, iter_node_calls
+from .saved import record_saved
 from .update import SGD_BYTES_FACTOR, estimate_update_s, owned_trainable
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: D
             if call.node.op == "placeholder":
                 meta.update(flops=0, backward_flops=0, bytes_moved=0, forward_s=0.0,
                             backward_s=0.0, update_s=0.0)
+                record_saved(call)  # a model input: charged to the nodes that save it
                 continue
             try:
                 args, kwargs, leaves = call.make_inputs()
@@ -148,12 +150,13 @@ def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: D
                     out = call.run(args, kwargs)
             except RuntimeError as e:
                 if call.inplace or not is_inplace_error(e):
-                    raise
+                    raise costing_error(call, e) from e
                 call.inplace = True  # an in-place write the heuristic missed: private copies
                 args, kwargs, leaves = call.make_inputs()
                 with torch.enable_grad(), counter:
                     out = call.run(args, kwargs)
             flops = counter.get_total_flops()
+            record_saved(call)
             nbytes, is_view = _bytes_moved(call, args, kwargs, out)
             outs = [t for t in pytree.tree_leaves(out)
                     if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]

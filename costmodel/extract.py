@@ -21,6 +21,7 @@ from torch.fx.node import _get_qualified_name
 from fxpipe.errors import ProfileFormatError
 
 from .profile import Profile, ProfileNode
+from .saved import saved_bytes
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
     node in program order (``get_attr`` nodes are folded into their consumers, the ``output``
     node is dropped). Times come from :func:`profile_graph` or :func:`estimate_graph`."""
     nodes: list[ProfileNode] = []
+    order = [n for n in gm.graph.nodes if n.op in ("placeholder", *_COMPUTE_OPS)]
+    held = dict(zip((n.name for n in order), saved_bytes(
+        [n.name for n in order], {n.name: n.meta.get("fxpipe", {}) for n in order})))
     outputs = {a.name for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", *_COMPUTE_OPS):
@@ -152,7 +156,7 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
             sendable=bool(meta.get("sendable", meta.get("is_tensor", True))),
             # graphs costed before the update was modelled have none: 0, as in old profiles
             update_s=float(meta.get("update_s", 0.0)),
-            is_output=node.name in outputs))
+            is_output=node.name in outputs, saved_bytes=held[node.name]))
     meta: dict[str, Any] = {"graph_nodes": len(gm.graph.nodes)}
     metas = [n.meta.get("fxpipe", {}) for n in gm.graph.nodes]
     if any("forward_iqr_s" in m for m in metas):  # measured: how stable the medians are

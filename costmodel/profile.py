@@ -54,6 +54,16 @@ class ProfileNode:
     # the loss runs, so it is live across every cut after its producer (last field, default
     # False: older JSON files and PipeDream imports still load).
     is_output: bool = False
+    # Bytes of what backward keeps, charged to this node (costmodel/saved.py: tensors autograd
+    # saves, views of parameters free, each storage once). None in profiles costed before it
+    # was recorded and in PipeDream imports: their output bytes stand in (``held_bytes``).
+    saved_bytes: float | None = None
+
+    @property
+    def held_bytes(self) -> float:
+        """Activation memory per minibatch in flight: what backward keeps where it was recorded,
+        else the output bytes (PipeDream's rule)."""
+        return self.activation_bytes if self.saved_bytes is None else self.saved_bytes
 
     @property
     def compute_s(self) -> float:
@@ -84,7 +94,7 @@ class Profile:
                         "profile nodes must be listed in a topological order")
             for v, what in ((n.forward_s, "forward_s"), (n.backward_s, "backward_s"),
                             (n.update_s, "update_s"),
-                            (n.activation_bytes, "activation_bytes"),
+                            (n.activation_bytes, "activation_bytes"), (n.held_bytes, "saved_bytes"),
                             (n.parameter_bytes, "parameter_bytes")):
                 if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                     raise ProfileFormatError(f"node {n.name!r} has invalid {what}={v!r}",

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import ChainMap
 import math
 import operator
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,10 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from fxpipe.errors import ConfigError, InputMismatchError
+from fxpipe.errors import ConfigError, CostingError, InputMismatchError
 
 from .extract import annotate_parameters, fetch_attr
+from .saved import Origins, record_saved, state_origins, storage_id, value_origins
 from .update import OptimizerFactory, default_optimizer, measure_updates
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,8 @@ class NodeCall:
     inplace: bool
     input_values: dict[fx.Node, Any] = field(default_factory=dict)  # real value per input node
     value: Any = None               # the node's real output
+    origins: Mapping[int, str | None] = field(default_factory=dict)  # storage -> its maker
+    copies: dict[int, int] = field(default_factory=dict)  # private copy's storage -> original's
 
     def meta(self) -> dict[str, Any]:
         """The node's ``meta["fxpipe"]`` with the value's description filled in where tracing
@@ -132,6 +136,7 @@ class NodeCall:
         with ``requires_grad=True``. A value consumed twice maps to one leaf."""
         leaves: list[torch.Tensor] = []
         cache: dict[int, torch.Tensor] = {}
+        self.copies.clear()  # of this call's inputs only (storage ids are reused once freed)
 
         def prep(t: Any, grad: bool) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -144,6 +149,8 @@ class NodeCall:
                     cache[key] = leaf.clone() if self.inplace else leaf
                 else:
                     cache[key] = t.detach().clone() if self.inplace else t.detach()
+                if self.inplace:  # the private copy stands for the value it copies
+                    self.copies[storage_id(cache[key])] = storage_id(t)
             return cache[key]
 
         def per_node(n: fx.Node) -> Any:
@@ -175,8 +182,29 @@ class NodeCall:
         return thunk
 
 
+def costing_error(call: NodeCall, e: BaseException) -> CostingError:
+    """The walker's failure as an fxpipe error naming the node (and the user's line, when
+    the trace recorded one), instead of a raw RuntimeError from deep inside autograd."""
+    where = call.node.meta.get("stack_trace") or ""
+    line = where.strip().splitlines()[-2].strip() if where.strip().count("\n") >= 1 else ""
+    return CostingError(
+        f"node {call.node.name!r} ({call.node.op} {call.node.target}) ran on the example inputs "
+        f"but failed with gradients on: {type(e).__name__}: {e}"
+        + (f" (at {line})" if line else ""),
+        "training would fail there too if eager autograd fails on it; otherwise report the "
+        "node and its line as an fxpipe bug (leaf_modules=[...] can keep the module opaque)")
+
+
 def _grad_needed(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
+
+
+def _differentiable(value: Any) -> bool:
+    """Can autograd carry a gradient through ``value``? Only floating and complex tensors do:
+    an index (``argmax``, ``histc``'s counts, a ``cumsum(..., dtype=int32)``) never requires grad
+    in eager PyTorch, and neither does a float made from one (``idx.float()``)."""
+    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+               for t in pytree.tree_leaves(value))
 
 
 @contextlib.contextmanager
@@ -244,16 +272,20 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
             last_use[a] = i
     env: dict[fx.Node, Any] = {}
     needs_grad: dict[fx.Node, bool] = {}
+    state = state_origins([*gm.parameters(), *gm.buffers()])
+    origins: dict[fx.Node, Origins] = {}  # per live value: which node made each storage
     for i, node in enumerate(nodes):
         if node.op == "output":
             break
         if node.op == "placeholder":
             env[node] = bound[node]
             needs_grad[node] = _grad_needed(bound[node])
+            origins[node] = value_origins(node, bound[node], {})
             yield NodeCall(node, lambda: None, (), {}, {}, [], False, value=bound[node])
         elif node.op == "get_attr":
             env[node] = fetch_attr(gm, str(node.target))
             needs_grad[node] = _grad_needed(env[node])
+            origins[node] = {sid: None for sid in value_origins(node, env[node], {})}
         else:
             fn = _node_fn(gm, node)
             params = []
@@ -264,7 +296,6 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
                         seen.add(id(p))
                         params.append(p)
             grad_in = {a: needs_grad[a] for a in node.all_input_nodes}
-            needs_grad[node] = bool(params) or any(grad_in.values())
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
             before = _versions((args, kwargs))
@@ -277,18 +308,29 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
                     f"{type(e).__name__}: {e}",
                     "check that example_inputs match what the model's forward() expects") from e
             env[node] = value
+            # as autograd decides it per tensor: a value needs a gradient when it is floating
+            # and made from something that does; an integer output ends the chain (so a float
+            # made from indices is a constant, never a leaf that requires grad)
+            needs_grad[node] = (bool(params) or any(grad_in.values())) and _differentiable(value)
+            if not _differentiable(value):
+                grad_in = {a: False for a in grad_in}
             wrote = any(t._version != v for t, v in before)
             if wrote and not _is_inplace(node, gm):
                 log.debug("node %r wrote into an input; profiled on private copies", node.name)
+            known = ChainMap(*(origins.get(a, {}) for a in node.all_input_nodes), state)
+            origins[node] = value_origins(node, value, known)
             call = NodeCall(node, fn, tuple(args), dict(kwargs), grad_in, params,
                             wrote or _is_inplace(node, gm),
-                            {a: env[a] for a in node.all_input_nodes}, value=value)
+                            {a: env[a] for a in node.all_input_nodes}, value=value,
+                            origins=known)
             yield call
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a.op != "get_attr":
                 env.pop(a, None)
+                origins.pop(a, None)
         if not node.users:  # dead value (e.g. an unused tuple element)
             env.pop(node, None)
+            origins.pop(node, None)
 
 
 def _sync_fn(gm: fx.GraphModule, example_inputs: Any) -> Callable[[], None]:
@@ -406,6 +448,7 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
             meta["forward_s"] = meta["backward_s"] = 0.0
             meta["forward_iqr_s"] = meta["backward_iqr_s"] = 0.0
             if call.node.op == "placeholder":
+                record_saved(call)  # a model input: charged to the nodes that save it
                 continue
 
             def make_forward(call: NodeCall = call) -> Callable[[], Any]:
@@ -417,12 +460,13 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
                     fwd = timing(make_forward, reuse=not call.inplace)
             except RuntimeError as e:
                 if call.inplace or not is_inplace_error(e):
-                    raise
+                    raise costing_error(call, e) from e
                 log.debug("node %r writes in place; retrying on private copies", call.node.name)
                 call.inplace = True
                 with torch.enable_grad():
                     fwd = timing(make_forward, reuse=False)
             meta["forward_s"], meta["forward_iqr_s"] = fwd.median_s, fwd.iqr_s
+            record_saved(call)
             try:
                 backward = call.backward_fn()
                 if backward is not None:

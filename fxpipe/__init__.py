@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fxpipe.errors import (ConfigError, FxpipeError, InfeasiblePlanError, InputMismatchError,
-                           PlanFormatError, ProfileFormatError, TracingError)
+from fxpipe.errors import (ConfigError, CostingError, FxpipeError, InfeasiblePlanError,
+                           InputMismatchError, PlanFormatError, ProfileFormatError, TracingError)
 
 __version__ = "0.1.0"
 
@@ -23,7 +23,7 @@ _LAZY = {
     "trace": "fxpipe.tracing",
 }
 
-__all__ = sorted([*_LAZY, "ConfigError", "FxpipeError", "InfeasiblePlanError",
+__all__ = sorted([*_LAZY, "ConfigError", "CostingError", "FxpipeError", "InfeasiblePlanError",
                   "InputMismatchError", "PlanFormatError", "ProfileFormatError", "TracingError"])
 
 if TYPE_CHECKING:

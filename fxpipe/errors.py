@@ -28,6 +28,11 @@ class InputMismatchError(FxpipeError, ValueError):
     """The example inputs do not fit the model (wrong arity, shape or dtype)."""
 
 
+class CostingError(FxpipeError):
+    """A graph node ran on the example inputs but could not be timed or estimated in isolation
+    (its forward with gradients on, as training runs it)."""
+
+
 class ProfileFormatError(FxpipeError, ValueError):
     """A profile file (fxpipe JSON or PipeDream graph.txt) is malformed."""
 

@@ -100,7 +100,7 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     # steps after each of its backwards, so the update is stage time like F and B
     compute = [nd.compute_s for nd in profile.nodes]
     params = [nd.parameter_bytes for nd in profile.nodes]
-    acts = [nd.activation_bytes for nd in profile.nodes]
+    acts = [nd.held_bytes for nd in profile.nodes]  # what backward keeps, per minibatch
     args = (compute, params, acts, cb.tolist(), m, alpha, beta, gamma)
     rc = dict(recompute=recompute, **_recompute_inputs(profile))
     try:
@@ -117,7 +117,7 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
             + ("recompute='auto' (activation recomputation), " if recompute == "never" else "")
             + "or optimizer_state_factor matching your optimizer") from None
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
-    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha)
+    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha, optimizer_state_factor)
 
 
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,
@@ -149,16 +149,16 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
                                   "(not a tensor) is live there", "move that stage boundary")
     alpha, beta, gamma = coefficients(cluster, sync)
     args = ([nd.compute_s for nd in profile.nodes], [nd.parameter_bytes for nd in profile.nodes],
-            [nd.activation_bytes for nd in profile.nodes], cb.tolist(), m, alpha, beta, gamma)
+            [nd.held_bytes for nd in profile.nodes], cb.tolist(), m, alpha, beta, gamma)
     sol = evaluate(*args, list(starts), list(replicas),
                    optimizer_state_factor=optimizer_state_factor, recompute=recompute,
                    **_recompute_inputs(profile))
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
-    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha)
+    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha, optimizer_state_factor)
 
 
 def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
-               dp_time: float, alpha: list[float]) -> Plan:
+               dp_time: float, alpha: list[float], optimizer_state_factor: float) -> Plan:
     names = profile.names
     bounds = list(sol.starts) + [len(names)]
     crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])
@@ -170,13 +170,15 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
             sync_s=sol.sync_times[s], stage_time_s=sol.stage_times[s],
             input_bytes=sol.cut_bytes[s], comm_s=sol.cut_times[s],
             parameter_bytes=float(sum(nd.parameter_bytes for nd in profile.nodes[a:e])),
-            activation_bytes=float(sum(nd.activation_bytes for nd in profile.nodes[a:e])),
+            activation_bytes=float(sum(nd.held_bytes for nd in profile.nodes[a:e])),
             memory_bytes=sol.memory[s], in_flight=sol.in_flight[s],
             # the update is already inside compute_s (node compute_s includes it); this is the
             # same alpha C split, reported on its own
             update_s=alpha[r - 1] * sum(nd.update_s for nd in profile.nodes[a:e]),
             # evaluate() sets one flag and one time per stage, whatever the mode
-            recompute=bool(sol.recompute[s]), recompute_s=sol.recompute_times[s]))
+            recompute=bool(sol.recompute[s]), recompute_s=sol.recompute_times[s],
+            state_bytes=float(sum(nd.parameter_bytes for nd in profile.nodes[a:e]))
+            * (2.0 + optimizer_state_factor)))
         if a > 0:
             log.debug("stage %d receives %s", s, ", ".join(crossing[a]))
     stage_of = {nm: s for s, sp in enumerate(stage_plans) for nm in sp.nodes}

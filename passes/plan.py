@@ -46,6 +46,10 @@ class StagePlan:
     # Optional too (plans saved before recomputation was planned load without it).
     recompute: bool = False
     recompute_s: float = 0.0
+    # Weights, gradients and optimizer state per replica, ``P (2 + opt_state)``: the part of
+    # ``memory_bytes`` no schedule changes (None in plans saved before it was recorded), so
+    # memory can be priced again for the schedule that runs (runtime/pricing/memory.py).
+    state_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,8 @@ class Plan:
                     kw[f.name] = 0.0  # written before the update / recomputation was modelled
                 elif f.name == "recompute":
                     kw[f.name] = _get(sd, f.name, bool, where) if f.name in sd else False
+                elif f.name == "state_bytes":
+                    kw[f.name] = _num(sd, f.name, where) if sd.get(f.name) is not None else None
                 elif f.name in ("index", "replicas", "in_flight"):
                     kw[f.name] = _get(sd, f.name, int, where)
                 else:

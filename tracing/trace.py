@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import linecache
 import logging
 import os
+import re
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -159,15 +161,24 @@ def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
 
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
 def _failing_line(excs: Iterable[BaseException], files: set[str]) -> str | None:
-    """``file:line: code`` of the innermost frame in the user's model files, if any."""
+    """``file:line: code`` of the innermost frame in the user's model files, if any: from the
+    traceback, or from the frames an exception lists in its message (torch.export reports where
+    in the user's code it stopped as ``File "...", line N`` under "from user code")."""
     for exc in excs:
         for e in _exception_chain(exc):
-            frames = [f for f in traceback.extract_tb(e.__traceback__)
+            frames = [(f.filename, f.lineno, f.line) for f in traceback.extract_tb(e.__traceback__)
                       if os.path.abspath(f.filename) in files]
+            frames += [(m.group(1), int(m.group(2)), None)
+                       for m in _USER_FRAME.finditer(str(e))
+                       if os.path.abspath(m.group(1)) in files]
             if frames:
-                f = frames[-1]
-                return f"{f.filename}:{f.lineno}: {(f.line or '').strip()}"
+                name, lineno, code = frames[-1]
+                code = code if code is not None else linecache.getline(name, lineno or 0)
+                return f"{name}:{lineno}: {(code or '').strip()}"
     return None
 
 
@@ -344,11 +355,18 @@ def _rebind_to_originals(gm: torch.fx.GraphModule, model: nn.Module) -> None:
 
 
 def _trace_failure(model: nn.Module, errors: list[tuple[str, BaseException]]) -> TracingError:
-    where = _failing_line([e for _, e in errors], _user_files(model))
+    """One error for every tracer that failed, each with the line where IT stopped: the two
+    stop in different places (symbolic_trace at the first data-dependent branch, export
+    further on), and the line of the last one tried is where a fix is still needed."""
+    files = _user_files(model)
+    wheres = [(name, _failing_line([e], files)) for name, e in errors]
+    found = [(name, w) for name, w in wheres if w]
     details = "; ".join(f"{name}: {_short(e)}" for name, e in errors)
     head = f"could not trace {type(model).__name__}"
-    if where:
-        head += f" at {where}"
+    if len({w for _, w in found}) == 1:
+        head += f" at {found[0][1]}"
+    elif found:
+        head += " (" + "; ".join(f"{name} stopped at {w}" for name, w in found) + ")"
     return TracingError(
         f"{head} ({details})",
         hint="mark the offending submodule a leaf via leaf_modules=[...], or replace "

@@ -24,6 +24,7 @@ from fxpipe.units import format_bytes, format_seconds
 
 from ..schedules.schedule import Action, Rank, sync_sets
 from ..timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
+from .memory import schedule_memory
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,15 @@ class PlanSimulation:
                      for sp, v in zip(self.plan.stages, self.in_flight))
 
     @property
+    def memory(self) -> tuple[float, ...]:
+        """Bytes a replica of each stage holds at its peak under THIS schedule (weights and
+        optimizer state, the versions it stashes, the activations its action list holds at
+        once; :mod:`.memory`), where the plan's ``memory_bytes`` is PipeDream's rule."""
+        if not self.in_flight:
+            return ()
+        return schedule_memory(self.plan.stages, self.schedule, self.in_flight)
+
+    @property
     def bytes_per_minibatch(self) -> float:
         return self.activation_bytes_per_minibatch + self.sync_bytes_per_minibatch
 
@@ -296,8 +306,8 @@ class PlanSimulation:
                          f"update {format_seconds(c.update_s)} in {format_bytes(c.input_bytes)}"
                          f"  utilisation {u:.0%}"
                          + (f"  activations {self.in_flight[s]} x "
-                            f"{format_bytes(self.plan.stages[s].activation_bytes)}"
-                            if self.in_flight else ""))
+                            f"{format_bytes(self.plan.stages[s].activation_bytes)}, memory "
+                            f"{format_bytes(self.memory[s])}" if self.in_flight else ""))
         lines.append(f"steady state: {format_seconds(self.steady_state_period)} per minibatch "
                      f"(plan predicts {format_seconds(self.plan.time_per_minibatch)}, "
                      f"{self.relative_error:+.1%}); {self.throughput:.2f} {self.throughput_unit}")

@@ -169,11 +169,12 @@ def data_parallel_plan(profile: Profile, cluster: Cluster, *, sync: str = "allre
         raise ConfigError(f"workers={r} outside 1..{cluster.workers}")
     alpha, beta, _ = coefficients(cluster, sync)
     c, p = profile.total_compute_s, profile.total_parameter_bytes
-    a = sum(n.activation_bytes for n in profile.nodes)
+    a = sum(n.held_bytes for n in profile.nodes)
     compute, sync_s = alpha[r - 1] * c, beta[r - 1] * p
     st = StagePlan(index=0, nodes=tuple(profile.names), replicas=r, compute_s=compute,
                    sync_s=sync_s, stage_time_s=compute + sync_s, input_bytes=0.0, comm_s=0.0,
-                   parameter_bytes=p, activation_bytes=a, memory_bytes=3 * p + a, in_flight=1)
+                   parameter_bytes=p, activation_bytes=a, memory_bytes=3 * p + a, in_flight=1,
+                   state_bytes=3 * p)
     return Plan(stages=(st,), cluster=dict(cluster.to_dict()), sync=sync,
                 time_per_minibatch=compute + sync_s, noam=1, data_parallel_time=compute + sync_s,
                 batch_size=profile.batch_size, profile_source=profile.source, workers_used=r)

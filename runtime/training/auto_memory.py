@@ -108,9 +108,9 @@ def optimizer_state_factor(optimizer: Callable[..., torch.optim.Optimizer],
 
 
 def activation_bytes(profile: Any) -> float:
-    """One minibatch's activations (forward outputs kept for the backward), from the compiled
-    profile; 0 without one."""
-    return float(sum(n.activation_bytes for n in profile.nodes)) if profile is not None else 0.0
+    """One minibatch's activations (what backward keeps, ``ProfileNode.held_bytes``), from the
+    compiled profile; 0 without one."""
+    return float(sum(n.held_bytes for n in profile.nodes)) if profile is not None else 0.0
 
 
 def copy_bytes(candidate: str, sizes: Sequence[tuple[int, int, bool]], replicas: Sequence[int],

@@ -78,6 +78,7 @@ from .auto import AutoOptions, Decision
 from .auto_resolve import resolve as resolve_auto
 from .data import PartStream, derive_seed
 from .loss_split import WeightedLoss
+from .memory_fit import check_schedule_memory
 from .metrics import MetricsLog
 from .param_names import wrap_factory
 from .trainer_checkpoint import CheckpointMixin
@@ -387,6 +388,8 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     keys = {k: own[k] if where is None else where
             for k, where in compiled.state_locations().items()}
     kwargs.setdefault("schedule", "auto")  # the default for a compiled model: see training/auto.py
+    check_schedule_memory(compiled.plan, compiled.profile, kwargs["schedule"],
+                          kwargs.get("microbatches"), kwargs.get("split"))
     report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
     auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
             **dict(kwargs.pop("auto_options", None) or {})}

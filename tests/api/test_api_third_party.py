@@ -1,4 +1,4 @@
-"""Any model a user brings: 14 third-party architectures at 2, 3 and 4 stages.
+"""Any model a user brings: 16 third-party architectures at 2, 3 and 4 stages.
 
 For each: compile with measured and with estimated costs; the stages' outputs and every
 gradient equal the model's; export + load gives the same outputs; state dicts round-trip

@@ -83,6 +83,25 @@ def qwen2() -> Case:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)))
 
 
+def mixtral() -> Case:
+    """Mixture of experts with transformers' default experts implementation (routing through
+    ``argmax``/``histc`` indices: integer values in the middle of the graph)."""
+    import transformers
+    return _lm(_hf("MixtralForCausalLM", transformers.MixtralConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        num_local_experts=4, num_experts_per_tok=2)))
+
+
+def qwen2_moe() -> Case:
+    import transformers
+    return _lm(_hf("Qwen2MoeForCausalLM", transformers.Qwen2MoeConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_experts=4,
+        num_experts_per_tok=2)))
+
+
 def gpt_neox() -> Case:
     import transformers
     return _lm(_hf("GPTNeoXForCausalLM", transformers.GPTNeoXConfig(
@@ -227,6 +246,7 @@ def lstm() -> Case:
 
 CASES: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2, "llama": llama, "mistral": mistral, "qwen2": qwen2, "gpt_neox": gpt_neox,
+    "mixtral": mixtral, "qwen2_moe": qwen2_moe,
     "bert": bert, "distilbert": distilbert, "t5": t5, "bart": bart, "whisper": whisper,
     "vit": vit, "nn_mha": mha, "nn_transformer_encoder": transformer_encoder, "nn_lstm": lstm,
 }

@@ -1,6 +1,8 @@
 """tracing.trace / propagate_shapes on small hand-written models."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -208,3 +210,26 @@ def test_get_attr_targets_use_canonical_names() -> None:
         assert set(attrs) <= {n for n, _ in traced.gm.named_parameters()}
         torch.testing.assert_close(traced.gm(idx), model(idx))
         assert traced.gm.get_parameter("emb.weight") is model.emb.weight
+
+
+class StopsTwice(torch.nn.Module):
+    """symbolic_trace stops at the loop over a shape; torch.export gets past it and stops at
+    the data-dependent branch further down."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(x.shape[0]):  # symbolic_trace: a Proxy is not an int
+            x = x + 1
+        if x.sum() > 0:  # export: data-dependent control flow
+            return x * 2
+        return x
+
+
+def test_each_tracer_names_the_line_where_it_stopped() -> None:
+    with pytest.raises(TracingError) as info:
+        trace(StopsTwice(), torch.randn(3, 4))
+    msg = str(info.value)
+    lines, first = inspect.getsourcelines(StopsTwice.forward)
+    where = {code.strip().split("  #")[0]: f"{__file__}:{first + i}: {code.strip()}"
+             for i, code in enumerate(lines)}
+    assert f"symbolic_trace stopped at {where['for _ in range(x.shape[0]):']}" in msg
+    assert f"export stopped at {where['if x.sum() > 0:']}" in msg

@@ -1,0 +1,131 @@
+"""What backward keeps: the bytes each node's forward saves for its backward.
+
+A node's output is not what training holds per minibatch in flight: a transpose of a weight
+(``x @ w.t()``) is a view of a parameter, a ``reshape`` of an activation shares its storage, and
+most elementwise ops keep nothing. Memory is the tensors autograd saves (``saved_tensors_hooks``
+sees every one), counted once per storage:
+
+- a storage of a parameter, buffer or constant costs nothing (it is state, priced as such);
+- a storage first made by an earlier node (an input of this node, or a view of one) is charged
+  to the first node in program order that saves it, at the bytes of the value that made it;
+- a storage made inside this node (an intermediate of a call_module, a mask, indices) is
+  charged to this node, at its storage's bytes.
+
+Storages are told apart by their ``StorageImpl`` (``untyped_storage()._cdata``), which views and
+``detach()`` share and which fake and meta tensors have too, so the estimator records the same
+thing without memory. The walker (``iter_node_calls``) gives each value its *origins*: for each
+storage, the node that made it (``None`` for state).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import ChainMap
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+import torch
+import torch.fx as fx
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils import _pytree as pytree
+
+Origins = dict[int, "str | None"]
+"""Storage id -> the name of the node that made the storage (None: a parameter, buffer or
+constant)."""
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage, shared by its views (``id(t)`` for storage-less
+    tensors, which then count as their own storage)."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def state_origins(state: Iterable[torch.Tensor]) -> Origins:
+    """Parameters, buffers and constants: storages that cost no activation memory."""
+    return {storage_id(t): None for t in state}
+
+
+def value_origins(node: fx.Node, value: Any, known: Origins) -> Origins:
+    """Origins of ``value``'s storages: those already known (a view or in-place result of an
+    input, or of state) keep their maker, new ones are made by ``node``."""
+    return {sid: known.get(sid, node.name) for sid in map(storage_id, tensors(value))}
+
+
+class NodeRun(Protocol):
+    """What :func:`record_saved` needs of the walker's ``profiler.NodeCall`` (a protocol, so
+    this module imports nothing of the walker that imports it)."""
+
+    node: fx.Node
+    origins: Mapping[int, str | None]
+    copies: dict[int, int]
+    make_inputs: Callable[[], tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]]
+    run: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
+def record_saved(call: NodeRun) -> None:
+    """Run ``call``'s forward once with gradients on and record in ``meta["fxpipe"]`` what it
+    saves for backward: ``saved_values`` (names of the nodes whose values it saves, itself
+    included when it saves its own output) and ``saved_internal_bytes`` (storages made and
+    saved inside the node, not its output)."""
+    meta = call.node.meta.setdefault("fxpipe", {})
+    meta["saved_values"], meta["saved_internal_bytes"] = (), 0
+    if call.node.op == "placeholder":
+        return
+    seen: dict[int, torch.Tensor] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sid = storage_id(t)
+        seen.setdefault(call.copies.get(sid, sid), t)  # an in-place node runs on copies
+        return t
+
+    args, kwargs, _ = call.make_inputs()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(saved_tensors_hooks(pack, lambda t: t))
+        out = call.run(args, kwargs)
+    known = ChainMap({}, call.origins)
+    for sid in map(storage_id, tensors(out)):
+        known.setdefault(call.copies.get(sid, sid), call.node.name)  # new storages of the output: this node's value
+    values: list[str] = []
+    internal = 0
+    for sid, t in seen.items():
+        if sid in known:
+            maker = known[sid]
+            if maker is not None and maker not in values:
+                values.append(maker)
+        else:
+            internal += _storage_bytes(t)
+    meta["saved_values"], meta["saved_internal_bytes"] = tuple(values), internal
+
+
+def saved_bytes(names: list[str], meta: dict[str, dict[str, Any]]) -> list[float | None]:
+    """Per node (program order), the bytes charged to it: its internal saved storages plus the
+    values it is the first to save (at their output bytes). None where the graph was costed
+    without saved-tensor records (older graphs, imported profiles)."""
+    counted: set[str] = set()
+    out: list[float | None] = []
+    for name in names:
+        m = meta.get(name, {})
+        if "saved_values" not in m:
+            out.append(None)
+            continue
+        total = float(m["saved_internal_bytes"])
+        for v in m["saved_values"]:
+            if v not in counted:
+                counted.add(v)
+                total += float(meta.get(v, {}).get("bytes", 0))
+        out.append(total)
+    return out

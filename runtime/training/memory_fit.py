@@ -1,0 +1,61 @@
+"""Refuse, before any process starts, a schedule whose memory the plan does not fit.
+
+The planner fits a plan to ``Cluster(memory=...)`` by PipeDream's rule; the schedule the
+Trainer is asked to run may hold more (``gpipe`` keeps every microbatch of an update, ``zb-h2``
+holds inputs until W, ``2bw`` a shadow version on the last stage) or less. Priced here with
+:func:`fxpipe.runtime.pricing.memory.schedule_memory` on the schedule's own simulated action
+lists, so an out-of-memory run is an error naming the stage and the bytes, not a crash an hour
+into a job.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fxpipe.errors import ConfigError
+from fxpipe.units import format_bytes
+
+from ..errors import RuntimeConfigError
+from ..pricing.memory import schedule_memory
+from ..pricing.plansim import simulate_plan
+from ..schedules.placement import PLACED_KINDS
+from ..schedules.spec import AUTO, parse_schedule
+
+log = logging.getLogger(__name__)
+
+
+def check_schedule_memory(plan: Any, profile: Any, schedule: str, microbatches: int | None,
+                          split: int | None) -> tuple[float, ...]:
+    """Per stage, the bytes a replica holds under ``schedule`` (empty where it is not priced:
+    ``auto``, whose candidates are priced by its own decision, and the placed kinds); raises
+    :class:`RuntimeConfigError` where a stage needs more than the plan's cluster memory.
+    ``split``: microbatches each loader minibatch is cut into (each holds its share of the
+    profiled minibatch's activations)."""
+    spec = parse_schedule(schedule)
+    if spec.kind == AUTO or spec.kind in PLACED_KINDS:
+        return ()
+    k = split if split and split > 1 else microbatches
+    S = len(plan.stages)
+    try:
+        sim = simulate_plan(plan, profile, schedule=spec.kind, microbatches=k,
+                            minibatches=max(4 * S, 2 * (k or S)))
+    except ConfigError:  # a combination the Trainer refuses with its own message
+        return ()
+    memory = schedule_memory(plan.stages, spec.kind, sim.in_flight,
+                             1.0 / split if split and split > 1 else 1.0)
+    cap = plan.cluster.get("memory")
+    over = [(s, b) for s, b in enumerate(memory) if cap is not None and b > cap]
+    if over:
+        s, need = max(over, key=lambda x: x[1])
+        held = sim.in_flight[s]
+        raise RuntimeConfigError(
+            f"schedule {schedule!r} needs {format_bytes(need)} per worker on stage {s} "
+            f"({held} minibatches' activations held at once"
+            + (f", microbatches={k}" if k else "") + f"), the cluster has {format_bytes(cap)} "
+            f"per worker (the plan fits {format_bytes(plan.stages[s].memory_bytes)} by "
+            "PipeDream's rule)",
+            "use fewer microbatches per update, schedule='1f1b-flush' (it holds at most one "
+            "set per stage after it), or compile with recompute='auto' or more workers")
+    log.debug("memory per stage under %s: %s", schedule,
+              ", ".join(format_bytes(b) for b in memory))
+    return memory

@@ -1,0 +1,106 @@
+"""Memory per stage for the schedule that runs (runtime/pricing/memory.py) and the Trainer's
+refusal of a schedule whose memory the plan does not fit. Expected values by hand from the
+rule: state P (2 + opt), stashed versions (pipedream v - 1, 2bw 1, the flushing kinds 0), and
+activations times the peak minibatches the schedule's own lists hold."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpipe
+from fxpipe.costmodel.hardware import Cluster
+from fxpipe.costmodel.profile import Profile, ProfileNode
+from fxpipe.passes import partition
+from fxpipe.passes.plan import Plan
+from fxpipe.runtime.errors import RuntimeConfigError
+from fxpipe.runtime.pricing.memory import schedule_memory
+from fxpipe.runtime.pricing.plansim import simulate_plan
+
+S = 4
+P, A = 1000.0, 100.0  # parameter and activation bytes of every stage
+
+
+def four_stages(opt: float = 1.0, memory: float | None = None) -> tuple[Profile, Plan]:
+    nodes = [ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=1e-3,
+                         backward_s=2e-3, activation_bytes=A, parameter_bytes=P,
+                         inputs=(f"n{i - 1}",) if i else ()) for i in range(S)]
+    prof = Profile(nodes=tuple(nodes), batch_size=4)
+    plan = partition(prof, Cluster(workers=S, bandwidth=1e9, memory=memory), stages=S,
+                     straight=True, optimizer_state_factor=opt)
+    assert plan.replicas == [1] * S
+    return prof, plan
+
+
+@pytest.mark.parametrize("opt", [1.0, 2.0])
+def test_pipedream_is_the_planners_rule(opt: float) -> None:
+    prof, plan = four_stages(opt)
+    sim = simulate_plan(plan, prof, schedule="pipedream", minibatches=32)
+    assert sim.in_flight == (4, 3, 2, 1)
+    assert sim.memory == tuple(sp.memory_bytes for sp in plan.stages)
+    # by hand: P (2 + opt) + (v - 1) P + v A
+    assert sim.memory == tuple((2 + opt) * P + (v - 1) * P + v * A for v in (4, 3, 2, 1))
+
+
+def test_each_schedule_by_hand() -> None:
+    prof, plan = four_stages()
+    state = 3 * P
+    want = {
+        # flushing 1F1B: no stash, S - s minibatches held
+        "1f1b-flush": [state + v * A for v in (4, 3, 2, 1)],
+        # gpipe: every microbatch of an update held (8 here) on every stage
+        "gpipe": [state + 8 * A] * S,
+        # 2bw: one shadow version, 1F1B's in-flight activations
+        "2bw": [state + P + v * A for v in (4, 3, 2, 1)],
+    }
+    for kind, mem in want.items():
+        sim = simulate_plan(plan, prof, schedule=kind, minibatches=32, microbatches=8)
+        assert list(sim.memory) == mem, kind
+    # zero-bubble H2 holds inputs until W: never less than zb-h1
+    h1 = simulate_plan(plan, prof, schedule="zb-h1", minibatches=32, microbatches=8).memory
+    h2 = simulate_plan(plan, prof, schedule="zb-h2", minibatches=32, microbatches=8).memory
+    assert all(b >= a for a, b in zip(h1, h2)) and h2 != h1
+
+
+def test_plans_saved_before_state_was_recorded() -> None:
+    prof, plan = four_stages(opt=2.0)
+    old = dataclasses.replace(plan, stages=tuple(dataclasses.replace(sp, state_bytes=None)
+                                                 for sp in plan.stages))
+    assert Plan.from_dict(old.to_dict()) == old
+    assert Plan.from_dict(plan.to_dict()) == plan
+    for kind in ("pipedream", "1f1b-flush"):
+        v = simulate_plan(plan, prof, schedule=kind, minibatches=32).in_flight
+        assert schedule_memory(old.stages, kind, v) == schedule_memory(plan.stages, kind, v)
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_trainer_refuses_a_schedule_the_memory_does_not_fit() -> None:
+    model, x = Chain(), torch.randn(512, 64)  # activations outweigh the weights
+    loss = lambda o, t: (o - t).pow(2).mean()  # noqa: E731
+    probe = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100"), example_inputs=(x,),
+                           loss_fn=loss, stages=4, straight=True)
+    # a cap the plan fits by PipeDream's rule, but not gpipe's 16 microbatches on stage 0
+    need = simulate_plan(probe.plan, probe.profile, schedule="gpipe", minibatches=32,
+                         microbatches=16).memory[0]
+    cap = max(sp.memory_bytes for sp in probe.plan.stages) * 1.01
+    assert need > cap
+    compiled = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100", memory=cap),
+                              example_inputs=(x,), loss_fn=loss, stages=4, straight=True)
+    with pytest.raises(RuntimeConfigError, match=r"schedule 'gpipe' needs .* on stage 0 .*"
+                       r"microbatches=16.*the cluster has"):
+        compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), schedule="gpipe",
+                         microbatches=16, executor="reference", progress=False)
+    # the schedules that fit are accepted
+    for kind in ("pipedream", "1f1b-flush"):
+        compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), schedule=kind,
+                         executor="reference", progress=False).close()
