@@ -175,7 +175,7 @@ def _mib(kib: int) -> str:
     return f"{kib / 1024:,.0f} MiB"
 
 
-def page(runs: dict[str, dict], started: float) -> str:
+def page(runs: dict[str, dict]) -> str:
     import torch
 
     auto, named, pilot = runs["auto"], runs["1f1b-flush"], runs["pilot"]
@@ -189,7 +189,8 @@ def page(runs: dict[str, dict], started: float) -> str:
         f"Command: `.venv/bin/python -m bench.auto_memory` (from the repository root; "
         f"{os.cpu_count()} CPU cores shared with other jobs (load average {load} at the end), "
         f"torch {torch.__version__}, Python {platform.python_version()}, 2 torchrun ranks, "
-        f"1 thread each, gloo; {time.perf_counter() - started:.0f} s in all)",
+        f"1 thread each, gloo; the three jobs took "
+        f"{sum(r['job_s'] for r in runs.values()):.0f} s in all)",
         "",
         f"A 2-stage MLP of {r0['parameters'] / 1e6:.1f}M parameters (12 x `Linear(2048, 2048)` "
         f"+ `Linear(2048, 16)`, stages of {stages}, every parameter trained by SGD with "
@@ -270,19 +271,30 @@ def main() -> None:
     ap.add_argument("--auto-options", dest="auto_options", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--decision-only", dest="decision_only", action="store_true",
                     help=argparse.SUPPRESS)
-    ap.add_argument("--json", default=None, help="also write the raw reports here")
+    ap.add_argument("--json", default=None, help="also write the raw reports here (after "
+                    "every job)")
+    ap.add_argument("--resume", action="store_true", help="with --json: keep the jobs that "
+                    "file already holds for the same --epoch-minibatches, run the others")
     ap.add_argument("--out", default=None, help="write the markdown here instead of "
                     "benchmarks/auto-memory.md")
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
-    started = time.perf_counter()
-    runs = {"auto": job("auto", args.n), "1f1b-flush": job("1f1b-flush", args.n),
-            "pilot": job("auto", args.n, PILOT, decision_only=True)}
-    if args.json:
-        Path(args.json).write_text(json.dumps(runs, indent=1))
-    publish(SECTION, page(runs, started), args.out)
+    jobs = {"auto": ("auto", None, False), "1f1b-flush": ("1f1b-flush", None, False),
+            "pilot": ("auto", PILOT, True)}
+    runs: dict[str, dict] = {}
+    if args.resume and args.json and Path(args.json).exists():  # jobs a cut-short run finished
+        runs = {k: v for k, v in json.loads(Path(args.json).read_text()).items()
+                if k in jobs and v.get("n") == args.n}
+        print(f"resuming: {', '.join(runs) or 'nothing'} already measured", file=sys.stderr)
+    for name, (schedule, options, decision_only) in jobs.items():
+        if name in runs:
+            continue
+        runs[name] = job(schedule, args.n, options, decision_only=decision_only)
+        if args.json:  # after every job: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(runs, indent=1))
+    publish(SECTION, page(runs), args.out)
 
 
 if __name__ == "__main__":
