@@ -34,12 +34,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxpipe.errors import ConfigError, CostingError
+from fxpipe.errors import ConfigError
 
 from .extract import annotate_parameters, fetch_attr
 from .hardware import DeviceSpec, get_device
 from .profiler import NodeCall, costing_error, is_inplace_error, isolated, iter_node_calls
-from .saved import record_saved
+from .saved import SavedRecorder, record_saved
 from .update import SGD_BYTES_FACTOR, estimate_update_s, owned_trainable
 
 log = logging.getLogger(__name__)
@@ -146,17 +146,17 @@ def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: D
                 continue
             try:
                 args, kwargs, leaves = call.make_inputs()
-                with torch.enable_grad(), counter:
+                with torch.enable_grad(), counter, SavedRecorder(call) as saved:
                     out = call.run(args, kwargs)
             except RuntimeError as e:
                 if call.inplace or not is_inplace_error(e):
                     raise costing_error(call, e) from e
                 call.inplace = True  # an in-place write the heuristic missed: private copies
                 args, kwargs, leaves = call.make_inputs()
-                with torch.enable_grad(), counter:
+                with torch.enable_grad(), counter, SavedRecorder(call) as saved:
                     out = call.run(args, kwargs)
             flops = counter.get_total_flops()
-            record_saved(call)
+            saved.record(out)  # what this very run saved for backward: no second forward
             nbytes, is_view = _bytes_moved(call, args, kwargs, out)
             outs = [t for t in pytree.tree_leaves(out)
                     if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import ChainMap
 import math
 import operator
 import statistics
 import time
+from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +29,8 @@ from torch.utils import _pytree as pytree
 from fxpipe.errors import ConfigError, CostingError, InputMismatchError
 
 from .extract import annotate_parameters, fetch_attr
-from .saved import Origins, record_saved, state_origins, storage_id, value_origins
+from .saved import (Origins, record_saved, state_origins, storage_id, tensors,
+                    value_origins)
 from .update import OptimizerFactory, default_optimizer, measure_updates
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
         elif node.op == "get_attr":
             env[node] = fetch_attr(gm, str(node.target))
             needs_grad[node] = _grad_needed(env[node])
-            origins[node] = {sid: None for sid in value_origins(node, env[node], {})}
+            origins[node] = state_origins(tensors(env[node]))  # a constant: state
         else:
             fn = _node_fn(gm, node)
             params = []
@@ -311,8 +312,9 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
             # as autograd decides it per tensor: a value needs a gradient when it is floating
             # and made from something that does; an integer output ends the chain (so a float
             # made from indices is a constant, never a leaf that requires grad)
-            needs_grad[node] = (bool(params) or any(grad_in.values())) and _differentiable(value)
-            if not _differentiable(value):
+            differentiable = _differentiable(value)
+            needs_grad[node] = (bool(params) or any(grad_in.values())) and differentiable
+            if not differentiable:
                 grad_in = {a: False for a in grad_in}
             wrote = any(t._version != v for t, v in before)
             if wrote and not _is_inplace(node, gm):

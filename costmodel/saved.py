@@ -18,7 +18,6 @@ storage, the node that made it (``None`` for state).
 """
 from __future__ import annotations
 
-import contextlib
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -75,40 +74,60 @@ class NodeRun(Protocol):
     run: Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 
-def record_saved(call: NodeRun) -> None:
-    """Run ``call``'s forward once with gradients on and record in ``meta["fxpipe"]`` what it
-    saves for backward: ``saved_values`` (names of the nodes whose values it saves, itself
-    included when it saves its own output) and ``saved_internal_bytes`` (storages made and
-    saved inside the node, not its output)."""
-    meta = call.node.meta.setdefault("fxpipe", {})
-    meta["saved_values"], meta["saved_internal_bytes"] = (), 0
-    if call.node.op == "placeholder":
-        return
-    seen: dict[int, torch.Tensor] = {}
+class SavedRecorder:
+    """Records what ``call``'s forward saves for backward while a run of it is inside the
+    ``with`` block (a run the caller makes anyway: the estimator's), then :meth:`record` writes
+    it to ``meta["fxpipe"]``: ``saved_values`` (names of the nodes whose values it saves,
+    itself included when it saves its own output) and ``saved_internal_bytes`` (storages made
+    and saved inside the node, not its output). Enter it after ``call.make_inputs()``: an
+    in-place node's private copies are mapped back through ``call.copies``."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def __init__(self, call: NodeRun) -> None:
+        self.call = call
+        self.seen: dict[int, torch.Tensor] = {}
+        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
         sid = storage_id(t)
-        seen.setdefault(call.copies.get(sid, sid), t)  # an in-place node runs on copies
+        self.seen.setdefault(self.call.copies.get(sid, sid), t)  # in-place: runs on copies
         return t
 
+    def __enter__(self) -> SavedRecorder:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+    def record(self, out: Any) -> None:
+        call = self.call
+        known = ChainMap({}, call.origins)
+        for sid in map(storage_id, tensors(out)):  # new storages of the output: this node's
+            known.setdefault(call.copies.get(sid, sid), call.node.name)
+        values: list[str] = []
+        internal = 0
+        for sid, t in self.seen.items():
+            if sid in known:
+                maker = known[sid]
+                if maker is not None and maker not in values:
+                    values.append(maker)
+            else:
+                internal += _storage_bytes(t)
+        meta = call.node.meta.setdefault("fxpipe", {})
+        meta["saved_values"], meta["saved_internal_bytes"] = tuple(values), internal
+
+
+def record_saved(call: NodeRun) -> None:
+    """Run ``call``'s forward once with gradients on and record what it saves for backward
+    (:class:`SavedRecorder`); a placeholder saves nothing itself (its consumers are charged)."""
+    if call.node.op == "placeholder":
+        meta = call.node.meta.setdefault("fxpipe", {})
+        meta["saved_values"], meta["saved_internal_bytes"] = (), 0
+        return
     args, kwargs, _ = call.make_inputs()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.enable_grad())
-        stack.enter_context(saved_tensors_hooks(pack, lambda t: t))
+    with torch.enable_grad(), SavedRecorder(call) as rec:
         out = call.run(args, kwargs)
-    known = ChainMap({}, call.origins)
-    for sid in map(storage_id, tensors(out)):
-        known.setdefault(call.copies.get(sid, sid), call.node.name)  # new storages of the output: this node's value
-    values: list[str] = []
-    internal = 0
-    for sid, t in seen.items():
-        if sid in known:
-            maker = known[sid]
-            if maker is not None and maker not in values:
-                values.append(maker)
-        else:
-            internal += _storage_bytes(t)
-    meta["saved_values"], meta["saved_internal_bytes"] = tuple(values), internal
+    rec.record(out)
 
 
 def saved_bytes(names: list[str], meta: dict[str, dict[str, Any]]) -> list[float | None]:
