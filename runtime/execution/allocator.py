@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -31,7 +32,10 @@ _MMAP_THRESHOLD_MAX = 32 * 1024 * 1024   # glibc's upper limit on 64-bit
 _TRIM_THRESHOLD = 1 << 30
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library, found once per process: ``find_library`` runs ``ldconfig`` in a
+    subprocess, which :func:`release_freed_memory` must not pay at every segment end."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -32,8 +32,8 @@ import hashlib
 import json
 import logging
 import os
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
