@@ -27,8 +27,7 @@ from ..execution.contract import check_schedule
 from ..replica.stage import StageReplica, tied_parameters
 from ..schedules.kinds import make_schedule
 from ..schedules.placement import PLACED_KINDS, make_placed_schedule
-from ..schedules.schedule import Schedule
-from ..schedules.schedule import sync_sets, tie_delay
+from ..schedules.schedule import Schedule, sync_sets, tie_delay
 from ..schedules.spec import AUTO, parse_schedule
 from ..schedules.staleness import own_delays
 from ..schedules.stream import STREAM_KINDS, ScheduleStream, Window
@@ -237,11 +236,12 @@ class ScheduleMixin:
         ties = [t.stages for t in tied_parameters(self.stages)]
         stream = ScheduleStream(self.kind, self.replicas, microbatches=self._per_update(),
                                 vertical_sync=self.vertical_sync, noam=self._noam())
+        if not ties:
+            return stream
+        # the delay rule reads the schedule's name and windows: an empty window of this stream
         probe = Window(stream.name, tuple(self.replicas), 0, {r: () for r in
                        ((s, j) for s, n in enumerate(self.replicas) for j in range(n))},
                        windows=stream.windows)
-        if not ties:
-            return stream
         return ScheduleStream(self.kind, self.replicas, microbatches=self._per_update(),
                               vertical_sync=self.vertical_sync, noam=self._noam(),
                               sync=tuple(sync_sets(ties)), delay=tie_delay(probe, ties))
