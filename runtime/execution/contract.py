@@ -19,7 +19,8 @@ from fxpipe.codegen.split import StageSpec
 from ..errors import RuntimeConfigError
 from ..replica.stage import (StageReplica, TiedParameter, check_stages, sync_components,
                              tied_parameters)
-from ..schedules.schedule import Rank, Schedule, execution_order, tie_delay, validate
+from ..schedules.schedule import (Action, Rank, Schedule, execution_order, tie_delay,
+                                 validate)
 from ..timeline import TimelineEvent
 
 Batch = tuple[Any, Any]
@@ -56,10 +57,14 @@ class RunResult:
         return out
 
 
+def reads(actions: Sequence[Action]) -> dict[int, int]:
+    """version -> number of the forwards among ``actions`` reading it."""
+    return dict(Counter(a.version for a in actions if a.kind == "F" and a.version is not None))
+
+
 def planned_reads(sched: Schedule, rank: Rank) -> dict[int, int]:
     """version -> number of forwards of ``rank`` reading it (what its stash must keep)."""
-    return dict(Counter(a.version for a in sched.actions[rank]
-                        if a.kind == "F" and a.version is not None))
+    return reads(sched.actions[rank])
 
 
 def prepare_window(replica: StageReplica, sched: Schedule, rank: Rank) -> None:
@@ -70,8 +75,7 @@ def prepare_window(replica: StageReplica, sched: Schedule, rank: Rank) -> None:
     acts = (*sched.actions[rank], *getattr(sched, "ahead", {}).get(rank, ()))
     if getattr(sched, "start", 0) == 0:
         replica.stash.rebase()
-    replica.stash.set_planned_reads(Counter(a.version for a in acts
-                                            if a.kind == "F" and a.version is not None))
+    replica.stash.set_planned_reads(reads(acts))
     prepare = getattr(replica, "prepare", None)  # a MitigatedReplica's (weight prediction)
     if prepare is not None:
         prepare(acts)
