@@ -304,9 +304,11 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             loss_fn: LossFn | None = None, stages: int | None = None,
             straight: bool = False, sync: str = "allreduce", plan: Plan | None = None,
             leaf_modules: Sequence[Any] = (), repeats: int = 5,
-            optimizer: Callable[..., Any] | None = None, choose: str = "planner",
+            optimizer: Callable[..., Any] | None = None, choose: str = "auto",
             tracer: str = "auto", plan_timeout_s: float = 600.0,
-            recompute: str = "never") -> CompiledModel:
+            recompute: str = "never", schedule: str = "pipedream",
+            microbatches: int | None = None,
+            master_weights: bool | None = None) -> CompiledModel:
     """Compile ``model`` for ``cluster``: trace, cost, partition, split.
 
     ``example_inputs``: a tuple of positional inputs, a dict of keyword inputs (a Hugging Face
@@ -320,12 +322,19 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     ``optimizer`` (``lambda params: torch.optim.Adam(params)``) is the optimizer whose step is
     timed per stage (default: SGD with momentum), since every replica steps after each backward.
     ``choose="simulation"`` picks among the planner's candidates by simulating each one
-    (:func:`choose_plan`); the default takes the planner's optimum.
+    (:func:`choose_plan`); ``"planner"`` takes the planner's optimum; the default (``"auto"``)
+    the planner's for ``schedule="pipedream"``, the simulation for any other schedule.
     ``tracer``: "auto" (torch.fx.symbolic_trace, else torch.export: the first that gives a graph
     that runs, trains and exports), "symbolic_trace" or "export"; ``compiled.tracer`` says which
     one ran. ``recompute``: activation recomputation per stage, "never", "always" or "auto"
     (the planner recomputes where it makes the plan fit in memory or faster; the trainer then
-    recomputes in those stages, see ``plan.recompute``).
+    recomputes in those stages, see ``plan.recompute``). ``schedule`` (and ``microbatches`` per
+    update): the schedule whose memory the plan fits the cluster's with (default PipeDream's
+    rule, which stashes a weight version per minibatch in flight; ``"1f1b-flush"`` stashes
+    none, so a plan that fits only under it is found for it; ``plan.memory_rule`` says which).
+    A stage's state is priced as the run keeps it (``runtime/replica/state_size.py``): weights,
+    gradients, ``optimizer``'s state measured on stand-ins, and float32 masters for low-precision
+    parameters unless ``master_weights=False`` (pass the Trainer the same).
 
     In a distributed job (torchrun: ``WORLD_SIZE > 1``) only rank 0 measures costs and plans;
     the other ranks receive its profile and plan (waiting at most ``plan_timeout_s``), so every
@@ -347,10 +356,15 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             f"this model is {fingerprint})", "re-plan with fxpipe.compile(model, cluster, ...)")
 
     def make() -> dict[str, Any]:
+        from fxpipe.runtime.replica.state_size import state_factor
+
         profile = cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer)
+        factor = state_factor(list(traced.gm.parameters()), optimizer, master_weights)
         chosen = plan if plan is not None else replace(
             choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,
-                        choose=choose, recompute=recompute), model_fingerprint=fingerprint)
+                        choose=choose, recompute=recompute, schedule=schedule,
+                        microbatches=microbatches, optimizer_state_factor=factor),
+            model_fingerprint=fingerprint)
         return {"profile": profile.to_dict(), "plan": chosen.to_dict()}
 
     from fxpipe.runtime.execution.agree import shared  # a torchrun job: rank 0 plans for every rank
@@ -375,29 +389,44 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     return CompiledModel(model, traced, profile, plan, specs, loss_fn, cluster)
 
 
-CHOOSERS = ("planner", "simulation")
+CHOOSERS = ("auto", "planner", "simulation")
 
 
 def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 stages: int | None = None, straight: bool = False,
-                choose: str = "planner", schedule: str = "pipedream",
-                recompute: str = "never") -> Plan:
-    """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds).
-    ``simulation``: the planner's candidates, each event-simulated with its schedule, the fastest
-    kept (``fxpipe.runtime.pricing.plan_choice``; seconds at 16 workers): it sees the 1F1B start-up
-    and replicas waiting for each other, which the analytic bottleneck does not. ``schedule``: the
-    schedule kind the plans are simulated with (the best plan depends on its bubble)."""
+                choose: str = "auto", schedule: str = "pipedream",
+                recompute: str = "never", microbatches: int | None = None,
+                optimizer_state_factor: float = 1.0) -> Plan:
+    """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds), priced as
+    PipeDream's schedule runs (no flush). ``simulation``: the planner's candidates, each
+    event-simulated with ``schedule``, the fastest kept (``fxpipe.runtime.pricing.plan_choice``;
+    seconds at 16 workers): it sees the 1F1B start-up, a flushing schedule's bubble and replicas
+    waiting for each other, which the analytic bottleneck does not; the plan's time and its data
+    parallelism's are then the simulated ones under ``schedule`` (``plan.time_source``), and
+    data parallelism is among the candidates, so the plan is never slower than it. ``auto``
+    (default): the planner for ``pipedream``, the simulation for every other schedule.
+    ``schedule``'s memory is what the plans are fitted with (``microbatches`` per update);
+    ``optimizer_state_factor``: state bytes per parameter byte beyond weights and gradients
+    (``runtime.replica.state_size``)."""
     if choose not in CHOOSERS:
         raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
-    if choose == "planner":
+    from fxpipe.passes.memory_rule import PIPEDREAM
+    from fxpipe.runtime.pricing.memory import SHAPES, memory_rule
+
+    # the placed kinds (several stages per process) keep PipeDream's rule for their candidates
+    rule = memory_rule(schedule, microbatches) if schedule in SHAPES else PIPEDREAM
+    if choose == "planner" or (choose == "auto" and schedule == "pipedream"):
         return partition(profile, cluster, sync=sync, stages=stages, straight=straight,
-                         recompute=recompute)
-    from fxpipe.runtime.pricing.plan_choice import choose_by_simulation
+                         recompute=recompute, memory_rule=rule,
+                         optimizer_state_factor=optimizer_state_factor)
+    from fxpipe.runtime.pricing.plan_choice import choose_by_simulation, priced_by_simulation
 
     choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages, straight=straight,
-                                  schedules=(schedule,), recompute=recompute)
+                                  schedules=(schedule,), recompute=recompute, memory_rule=rule,
+                                  microbatches=microbatches,
+                                  optimizer_state_factor=optimizer_state_factor)
     log.info("%s", choice.summary())
-    return choice.plan
+    return priced_by_simulation(choice, profile, cluster, sync=sync, microbatches=microbatches)
 
 
 def load(directory: str | os.PathLike[str]) -> tuple[Plan | None, list[StageSpec]]:

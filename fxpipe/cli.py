@@ -41,7 +41,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               "pass a zoo name or file.py:factory")
         profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
         plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
-                           straight=args.straight, choose=args.choose, recompute=args.recompute)
+                           straight=args.straight, choose=args.choose, recompute=args.recompute,
+                           schedule=args.schedule, microbatches=args.microbatches)
     else:
         from fxpipe.api import compile as fx_compile
 
@@ -49,7 +50,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         compiled = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
                               loss_fn=spec.loss_fn, stages=args.stages, straight=args.straight,
                               sync=args.sync, choose=args.choose, tracer=args.tracer,
-                              recompute=args.recompute)
+                              recompute=args.recompute, schedule=args.schedule,
+                              microbatches=args.microbatches)
         print(f"traced {spec.name} with {compiled.tracer} ({len(compiled.traced.gm.graph.nodes)} "
               "graph nodes)")
         plan, profile = compiled.plan, compiled.profile
@@ -65,12 +67,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if "spread" in profile.meta:
         print(f"costs measured on this machine ({profile.meta.get('threads', 1)} thread); spread "
               f"of the measurements (IQR / median): {100 * profile.meta['spread']:.1f}%")
-    if args.choose == "simulation":
-        from fxpipe.runtime.pricing.plansim import simulate_plan
-
-        sim = simulate_plan(plan, profile)
-        print(f"chosen by simulation among the planner's candidates (-v lists them): simulated "
-              f"{format_seconds(sim.steady_state_period)} per minibatch in steady state")
+    if plan.time_source != "planner":
+        print(f"chosen by simulation among the planner's candidates (-v lists them): "
+              f"{plan.time_source}, {format_seconds(plan.time_per_minibatch)} per minibatch in "
+              "steady state; data parallelism simulated the same way")
     dp = plan.data_parallel_time
     print(f"data-parallel training on the same cluster: {format_seconds(dp)} per minibatch; "
           f"fxpipe's plan: {format_seconds(plan.time_per_minibatch)} "
@@ -97,10 +97,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, default=None, help="force the number of stages")
     pl.add_argument("--straight", action="store_true", help="one worker per stage")
     add_recompute_argument(pl)
-    pl.add_argument("--choose", default="planner", choices=["planner", "simulation"],
-                    help="planner: the analytic optimum; simulation: simulate the planner's "
-                    "best plan per stage count and keep the fastest (slower; sees 1F1B start-up "
-                    "and replicas waiting for each other)")
+    pl.add_argument("--schedule", default="pipedream",
+                    choices=["pipedream", "2bw", "1f1b-flush", "gpipe", "zb-h1", "zb-h2"],
+                    help="the schedule whose memory the plan is fitted with (default PipeDream's "
+                    "rule: a stashed weight version per minibatch in flight; the flushing kinds "
+                    "stash none)")
+    pl.add_argument("--microbatches", type=int, default=None,
+                    help="microbatches per update of the flushing kinds (default: the workers)")
+    pl.add_argument("--choose", default="auto", choices=["auto", "planner", "simulation"],
+                    help="planner: the analytic optimum (PipeDream's schedule); simulation: "
+                    "simulate the planner's best plan per stage count under --schedule and keep "
+                    "the fastest (slower; sees 1F1B start-up, a flush's bubble and replicas "
+                    "waiting for each other); auto (default): planner for pipedream, simulation "
+                    "for the other schedules")
     pl.add_argument("--size", default="mini", help="zoo model size: mini or full")
     pl.add_argument("--batch-size", type=int, default=None)
     pl.add_argument("--input-shape", default=None, help="for factories that return a bare module")

@@ -40,9 +40,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, metavar="FILE", help="simulate this plan.json")
     p.add_argument("--stages", type=int, default=None, help="force the number of stages")
     p.add_argument("--straight", action="store_true", help="one worker per stage")
-    p.add_argument("--choose", default="planner", choices=["planner", "simulation"],
+    p.add_argument("--choose", default="auto", choices=["auto", "planner", "simulation"],
                    help="which plan to simulate: the planner's optimum, or the fastest simulated "
-                   "of its candidates (as fxpipe plan --choose)")
+                   "of its candidates (as fxpipe plan --choose; auto: the planner's for "
+                   "pipedream, the simulation for the other schedules)")
     p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
     p.add_argument("--chunks", type=int, default=2,
                    help="interleaved-1f1b: stages per worker (the plan gets chunks x workers "
@@ -98,7 +99,8 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
         else:
             plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
                                straight=args.straight, choose=args.choose,
-                               schedule=args.schedule, recompute=args.recompute)
+                               schedule=args.schedule, recompute=args.recompute,
+                               microbatches=args.microbatches)
     return profile, plan
 
 

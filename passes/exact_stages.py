@@ -62,7 +62,7 @@ def check_exact(inst: _Inst, tau: float, stages: int
             for a in np.flatnonzero(E[s - 1][k - r][:x] & la_ok[r, :x]).tolist()[::-1]:
                 for f in inst.flags:
                     if inst.time(r, a, x, f) <= tau and (inst.cap is None
-                                                         or inst.mem(v, a, x, f) <= inst.cap):
+                                                         or inst.mem(r, v, a, x, f) <= inst.cap):
                         found = (a, r, f)
                         break
                 if found:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-
+from .memory_rule import PIPEDREAM, MemoryRule
 
 INF = math.inf
 RECOMPUTE_MODES = ("never", "always", "auto")
@@ -48,7 +48,7 @@ class _Inst:
                  alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float],
                  memory_cap: float | None, optimizer_state_factor: float, straight: bool,
                  recompute: str = "never", forward: Sequence[float] | None = None,
-                 held: Sequence[float] | None = None) -> None:
+                 held: Sequence[float] | None = None, rule: MemoryRule = PIPEDREAM) -> None:
         n = len(compute)
         if n == 0 or len(parameters) != n or len(activations) != n or len(cut_bytes) != n - 1:
             raise ValueError("compute/parameters/activations need N >= 1 entries and cut_bytes N-1")
@@ -89,7 +89,9 @@ class _Inst:
         self.cut_values = np.unique(finite[np.isfinite(finite)])
         self.ar = np.arange(n + 1)
         self._tkey: dict[int, list[float]] = {}
-        self._mkey: dict[int, list[float]] = {}
+        self._mkey: dict[tuple[int, int], list[float]] = {}
+        self.rule = rule
+        self._coef: dict[tuple[int, int], tuple[float, float]] = {}
 
     # --- the exact cost expressions (the only ones used for decisions) ------------------
     def time(self, r: int, a: int, e: int, x: bool = False) -> float:
@@ -99,15 +101,26 @@ class _Inst:
                     + self.beta[r] * (self.Pl[e] - self.Pl[a]))
         return self.alpha[r] * (self.Cl[e] - self.Cl[a]) + self.beta[r] * (self.Pl[e] - self.Pl[a])
 
-    def mem(self, v: int, a: int, e: int, x: bool = False) -> float:
-        """Bytes per replica; ``x``: recomputing, so the ``v`` in-flight minibatches keep only
-        the stage's inputs (the cut bytes into it, and model inputs ``H`` inside it) and one
-        minibatch's activations ``A`` are live at a time (the one being recomputed)."""
+    def coef(self, r: int, v: int) -> tuple[float, float]:
+        """(stashed versions, activation sets held) of a replica of a stage with ``r`` replicas
+        and window ``v`` under the instance's memory rule (PipeDream's: ``v - 1``, ``v``)."""
+        c = self._coef.get((r, v))
+        if c is None:
+            c = self._coef[(r, v)] = (self.rule.stashed(v), self.rule.sets(v, r, self.m))
+        return c
+
+    def mem(self, r: int, v: int, a: int, e: int, x: bool = False) -> float:
+        """Bytes per replica (``r`` replicas, window ``v``) by the memory rule; ``x``:
+        recomputing, so the in-flight sets keep only the stage's inputs (the cut bytes into
+        it, and model inputs ``H`` inside it) and one set's activations ``A`` are live at a
+        time (the one being recomputed)."""
+        k, h = self.coef(r, v)
         p = self.Pl[e] - self.Pl[a]
         if x:
-            return ((2.0 + self.opt) * p + (v - 1) * p
-                    + v * (self.cbl[a] + (self.Hl[e] - self.Hl[a])) + (self.Al[e] - self.Al[a]))
-        return (2.0 + self.opt) * p + (v - 1) * p + v * (self.Al[e] - self.Al[a])
+            return ((2.0 + self.opt) * p + k * p
+                    + h * (self.cbl[a] + (self.Hl[e] - self.Hl[a]))
+                    + self.rule.unit * (self.Al[e] - self.Al[a]))
+        return (2.0 + self.opt) * p + k * p + h * (self.Al[e] - self.Al[a])
 
     def cut(self, r: int, p: int) -> float:
         return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0
@@ -146,12 +159,13 @@ class _Inst:
         et = self._search(tk, tau, a, lambda e: self.time(r, a, e) <= tau, lo)
         if self.cap is None or et == a:
             return et, et
-        if self.mem(v, a, et) <= self.cap:
+        if self.mem(r, v, a, et) <= self.cap:
             return et, et
-        mk = self._mkey.get(v)
+        mk = self._mkey.get((r, v))
         if mk is None:
-            mk = self._mkey[v] = ((2.0 + self.opt + v - 1) * self.Pc + v * self.Ac).tolist()
-        em = self._search(mk, self.cap, a, lambda e: self.mem(v, a, e) <= self.cap,  # type: ignore[operator]
+            k, h = self.coef(r, v)
+            mk = self._mkey[(r, v)] = ((2.0 + self.opt + k) * self.Pc + h * self.Ac).tolist()
+        em = self._search(mk, self.cap, a, lambda e: self.mem(r, v, a, e) <= self.cap,  # type: ignore[operator]
                           lo)
         return min(et, em), et
 
@@ -162,12 +176,16 @@ class _Inst:
                     + self.beta[r] * (self.Pc[e] - self.Pc[a]))
         return self.alpha[r] * (self.Cc[e] - self.Cc[a]) + self.beta[r] * (self.Pc[e] - self.Pc[a])
 
-    def mem_many(self, v: int, a: np.ndarray, e: np.ndarray, x: bool = False) -> np.ndarray:
+    def mem_many(self, r: int, v: int, a: np.ndarray, e: np.ndarray,
+                 x: bool = False) -> np.ndarray:
+        """Vectorised :meth:`mem` (same IEEE operations, so the same values)."""
+        k, h = self.coef(r, v)
         p = self.Pc[e] - self.Pc[a]
         if x:
-            return ((2.0 + self.opt) * p + (v - 1) * p
-                    + v * (self.cb[a] + (self.Hc[e] - self.Hc[a])) + (self.Ac[e] - self.Ac[a]))
-        return (2.0 + self.opt) * p + (v - 1) * p + v * (self.Ac[e] - self.Ac[a])
+            return ((2.0 + self.opt) * p + k * p
+                    + h * (self.cb[a] + (self.Hc[e] - self.Hc[a]))
+                    + self.rule.unit * (self.Ac[e] - self.Ac[a]))
+        return (2.0 + self.opt) * p + k * p + h * (self.Ac[e] - self.Ac[a])
 
     def reach_many(self, r: int, v: int, a: np.ndarray, tau: float,
                    x: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -186,7 +204,7 @@ class _Inst:
         if self.cap is None:
             return et, et
         cap = self.cap
-        em = bis(lambda e: self.mem_many(v, a, e, x) <= cap)
+        em = bis(lambda e: self.mem_many(r, v, a, e, x) <= cap)
         return np.minimum(et, em), et
 
     def last_allowed(self, tau: float) -> "_LastAllowed":
@@ -219,7 +237,7 @@ class _Inst:
             st.append(self.time(r, a, e, x))
             cb.append(self.cbl[a] if s else 0.0)
             ct.append(self.cut(r, a) if s else 0.0)
-            mem.append(self.mem(v, a, e, x))
+            mem.append(self.mem(r, v, a, e, x))
             vs.append(v)
             rt.append(self.alpha[r] * (self.Fl[e] - self.Fl[a]) if x else 0.0)
         return Solution(max(st + ct), tuple(starts), tuple(replicas), tuple(comp), tuple(sync),
@@ -300,7 +318,7 @@ def check_budget(inst: _Inst, tau: float) -> tuple[Stages | None, float]:
             if inst.time(r, a, best + 1) > tau:
                 continue
             v = _v(m, k, r)
-            if cap is not None and inst.mem(v, a, best + 1) > cap:
+            if cap is not None and inst.mem(r, v, a, best + 1) > cap:
                 continue
             e, _ = inst.reach(r, v, a, tau, best + 1)
             if e > best:
@@ -312,7 +330,7 @@ def check_budget(inst: _Inst, tau: float) -> tuple[Stages | None, float]:
             return _rebuild_budget(ch, R, k, n), nxt
         for r, a in pairs:
             t = inst.time(r, a, best + 1)
-            if t < nxt and (cap is None or inst.mem(_v(m, k, r), a, best + 1) <= cap):
+            if t < nxt and (cap is None or inst.mem(r, _v(m, k, r), a, best + 1) <= cap):
                 nxt = t
     return None, nxt
 
@@ -360,7 +378,7 @@ def fewest_stages(inst: _Inst, tau: float) -> Stages | None:
                 if best >= n or inst.time(r, a, best + 1) > tau:
                     continue
                 v = _v(m, k, r)
-                if inst.cap is not None and inst.mem(v, a, best + 1) > inst.cap:
+                if inst.cap is not None and inst.mem(r, v, a, best + 1) > inst.cap:
                     continue
                 e = inst.reach(r, v, a, tau, best + 1)[0]
                 if e > best:

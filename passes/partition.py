@@ -18,6 +18,7 @@ from fxpipe.errors import ConfigError, InfeasiblePlanError
 from fxpipe.units import format_bytes
 
 from .cuts import all_crossing_values, cut_bytes
+from .memory_rule import PIPEDREAM, MemoryRule
 from .plan import Plan, StagePlan
 from .solver import RECOMPUTE_MODES, Solution, evaluate, minimum_memory, solve
 
@@ -74,12 +75,22 @@ def check_recompute(recompute: object) -> str:
 
 def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
               stages: int | None = None, straight: bool = False,
-              optimizer_state_factor: float = 1.0, recompute: str = "never") -> Plan:
+              optimizer_state_factor: float = 1.0, recompute: str = "never",
+              memory_rule: MemoryRule = PIPEDREAM, diagnose: bool = True) -> Plan:
     """Minimum time-per-minibatch plan of ``profile`` on ``cluster`` (exact; see solver.py).
     ``recompute``: activation recomputation per stage, "never", "always" or "auto" (the planner
     decides per stage, recomputing only where it makes the plan fit or faster); a recomputing
-    stage holds only its inputs per in-flight minibatch and pays one more forward."""
+    stage holds only its inputs per in-flight minibatch and pays one more forward.
+    ``memory_rule``: memory as the schedule the plan is for holds it (default PipeDream's;
+    ``fxpipe.runtime.pricing.memory.memory_rule(kind)`` for another), so a plan that fits only
+    under a flushing schedule is found for it. ``diagnose=False``: when nothing fits, raise at
+    once, without searching for the least memory that would (the error's figure; a bisection
+    of full searches, minutes on a large graph with recomputation): for callers that try
+    several stage counts and skip the ones that do not fit."""
     check_recompute(recompute)
+    if not isinstance(memory_rule, MemoryRule):
+        raise ConfigError(f"memory_rule must be a MemoryRule, got {memory_rule!r}",
+                          "make one with fxpipe.runtime.pricing.memory.memory_rule(kind)")
     alpha, beta, gamma = coefficients(cluster, sync)
     if not isinstance(optimizer_state_factor, (int, float)) or optimizer_state_factor < 0:
         raise ConfigError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}",
@@ -102,27 +113,35 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     params = [nd.parameter_bytes for nd in profile.nodes]
     acts = [nd.held_bytes for nd in profile.nodes]  # what backward keeps, per minibatch
     args = (compute, params, acts, cb.tolist(), m, alpha, beta, gamma)
-    rc = dict(recompute=recompute, **_recompute_inputs(profile))
+    rc = dict(recompute=recompute, memory_rule=memory_rule, **_recompute_inputs(profile))
     try:
         sol = solve(*args, memory_cap=cluster.memory, optimizer_state_factor=optimizer_state_factor,
                     stages=stages, straight=straight, tie_tolerance=TIE_TOLERANCE, **rc)
     except InfeasiblePlanError:
+        if not diagnose:
+            raise
         need = minimum_memory(*args, optimizer_state_factor=optimizer_state_factor, stages=stages,
                               straight=straight, **rc)
         raise InfeasiblePlanError(
             f"no plan fits in {format_bytes(cluster.memory or 0)} per worker: the smallest-memory "
             f"plan needs {format_bytes(need)} ({need:.0f} bytes) per worker"
-            f"{'' if recompute == 'never' else f' with recompute={recompute!r}'}",
+            f"{'' if recompute == 'never' else f' with recompute={recompute!r}'}"
+            f"{'' if memory_rule == PIPEDREAM else f' under {memory_rule.label()}'}",
             "use more workers or devices with more memory, a smaller batch, "
             + ("recompute='auto' (activation recomputation), " if recompute == "never" else "")
+            + ("a flushing schedule (schedule='1f1b-flush': no stashed weight versions), "
+               if memory_rule.schedule in ("pipedream", "2bw") else "")
             + "or optimizer_state_factor matching your optimizer") from None
-    dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
-    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha, optimizer_state_factor)
+    dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
+                  memory_rule=memory_rule)
+    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha, optimizer_state_factor,
+                      memory_rule)
 
 
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,
              sync: str = "allreduce", optimizer_state_factor: float = 1.0,
-             recompute: list[bool] | None = None) -> Plan:
+             recompute: list[bool] | None = None,
+             memory_rule: MemoryRule = PIPEDREAM) -> Plan:
     """The plan of a GIVEN partition (stage s starts at node ``starts[s]``, ``starts[0] == 0``,
     and runs on ``replicas[s]`` workers, recomputing its activations where ``recompute[s]``),
     costed with the planner's exact expressions: to compare plans the solver did not choose
@@ -152,14 +171,18 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
             [nd.held_bytes for nd in profile.nodes], cb.tolist(), m, alpha, beta, gamma)
     sol = evaluate(*args, list(starts), list(replicas),
                    optimizer_state_factor=optimizer_state_factor, recompute=recompute,
-                   **_recompute_inputs(profile))
-    dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor)
-    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha, optimizer_state_factor)
+                   memory_rule=memory_rule, **_recompute_inputs(profile))
+    dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
+                  memory_rule=memory_rule)
+    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha, optimizer_state_factor,
+                      memory_rule)
 
 
 def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
-               dp_time: float, alpha: list[float], optimizer_state_factor: float) -> Plan:
+               dp_time: float, alpha: list[float], optimizer_state_factor: float,
+               memory_rule: MemoryRule) -> Plan:
     names = profile.names
+    held = _recompute_inputs(profile)["held"]
     bounds = list(sol.starts) + [len(names)]
     crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])
     stage_plans = []
@@ -178,7 +201,9 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
             # evaluate() sets one flag and one time per stage, whatever the mode
             recompute=bool(sol.recompute[s]), recompute_s=sol.recompute_times[s],
             state_bytes=float(sum(nd.parameter_bytes for nd in profile.nodes[a:e]))
-            * (2.0 + optimizer_state_factor)))
+            * (2.0 + optimizer_state_factor),
+            kept_input_bytes=(sol.cut_bytes[s] + float(sum(held[a:e]))
+                              if sol.recompute[s] else None)))
         if a > 0:
             log.debug("stage %d receives %s", s, ", ".join(crossing[a]))
     stage_of = {nm: s for s, sp in enumerate(stage_plans) for nm in sp.nodes}
@@ -193,7 +218,8 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
                 data_parallel_time=dp_time, batch_size=profile.batch_size,
                 shared_parameters=shared,
                 model_fingerprint=profile.meta.get("model_fingerprint"),
-                profile_source=profile.source, workers_used=workers_used)
+                profile_source=profile.source, workers_used=workers_used,
+                memory_rule=memory_rule)
     log.info("plan: replicas %s, %.4g s/minibatch (data parallel %.4g s)", plan.replicas,
              plan.time_per_minibatch, dp_time)
     return plan

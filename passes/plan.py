@@ -15,6 +15,8 @@ from fxpipe.errors import PlanFormatError
 from fxpipe.jsonio import read_json, write_json_atomic
 from fxpipe.units import format_bytes, format_seconds
 
+from .memory_rule import PIPEDREAM, MemoryRule
+
 PLAN_FORMAT = "fxpipe.plan/1"
 
 
@@ -50,6 +52,9 @@ class StagePlan:
     # ``memory_bytes`` no schedule changes (None in plans saved before it was recorded), so
     # memory can be priced again for the schedule that runs (runtime/pricing/memory.py).
     state_bytes: float | None = None
+    # Per minibatch in flight, what a recomputing stage keeps: the bytes entering it and the
+    # model inputs inside it (None: the stage does not recompute, or a plan saved before).
+    kept_input_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,13 @@ class Plan:
     # (own-update delay, global block-update delay, Randomized PipeDream's convention). Empty: not
     # computed (older plan files).
     staleness: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    # The schedule whose memory ``memory_bytes`` and the cap were priced with (PipeDream's rule
+    # in plans saved before it was recorded).
+    memory_rule: MemoryRule = PIPEDREAM
+    # Where ``time_per_minibatch`` and ``data_parallel_time`` come from: "planner" (the analytic
+    # bottleneck, PipeDream's schedule without a flush) or "simulated <schedule>" (the event
+    # simulator's steady state under the schedule the plan was made for, bubble included).
+    time_source: str = "planner"
 
     # --- views -------------------------------------------------------------------------
     @property
@@ -133,8 +145,12 @@ class Plan:
                          "compute; such a stage keeps only its inputs per minibatch in flight)")
         lines.append("")
         lines.append(f"time per minibatch: {format_seconds(self.time_per_minibatch)}"
-                     f" ({self.sync} sync, {self.workers_used} of {self.cluster.get('workers')} workers)")
+                     f" ({self.sync} sync, {self.workers_used} of {self.cluster.get('workers')} workers"
+                     + ("" if self.time_source == "planner" else f"; {self.time_source}") + ")")
         lines.append(f"NOAM (minibatches in flight at the input stage): {self.noam}")
+        lines.append(f"memory per worker priced for: {self.memory_rule.label()}"
+                     + (f" (cap {format_bytes(self.cluster['memory'])})"
+                        if self.cluster.get("memory") is not None else ""))
         lines.append(f"data-parallel time: {format_seconds(self.data_parallel_time)}; "
                      f"speedup over data parallelism: {self.speedup_over_data_parallel:.2f}x")
         if self.throughput is not None:
@@ -156,6 +172,7 @@ class Plan:
         d["stages"] = [{**asdict(s), "nodes": list(s.nodes)} for s in self.stages]
         d["shared_parameters"] = {k: list(v) for k, v in self.shared_parameters.items()}
         d["staleness"] = {k: [list(p) for p in v] for k, v in self.staleness.items()}
+        d["memory_rule"] = self.memory_rule.to_dict()
         return {"format": PLAN_FORMAT, **d}
 
     @classmethod
@@ -182,7 +199,7 @@ class Plan:
                     kw[f.name] = 0.0  # written before the update / recomputation was modelled
                 elif f.name == "recompute":
                     kw[f.name] = _get(sd, f.name, bool, where) if f.name in sd else False
-                elif f.name == "state_bytes":
+                elif f.name in ("state_bytes", "kept_input_bytes"):
                     kw[f.name] = _num(sd, f.name, where) if sd.get(f.name) is not None else None
                 elif f.name in ("index", "replicas", "in_flight"):
                     kw[f.name] = _get(sd, f.name, int, where)
@@ -209,7 +226,11 @@ class Plan:
                    shared_parameters=shared_t, model_fingerprint=fp,
                    profile_source=_get(d, "profile_source", str, origin),
                    workers_used=_get(d, "workers_used", int, origin),
-                   staleness=_staleness(d.get("staleness", {}), len(stages), origin))
+                   staleness=_staleness(d.get("staleness", {}), len(stages), origin),
+                   memory_rule=(MemoryRule.from_dict(d["memory_rule"], origin)
+                                if "memory_rule" in d else PIPEDREAM),
+                   time_source=_get(d, "time_source", str, origin) if "time_source" in d
+                   else "planner")
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (temporary file, then rename), so readers never see half a plan."""

@@ -40,7 +40,7 @@ def _best_reach(inst: _Inst, r: int, v: int, starts: np.ndarray, tau: float, nee
     for x in inst.flags:
         ok = inst.time_many(r, starts, ends, x) <= tau
         if inst.cap is not None:
-            ok &= inst.mem_many(v, starts, ends, x) <= inst.cap
+            ok &= inst.mem_many(r, v, starts, ends, x) <= inst.cap
         if not ok.any():
             continue
         cand = starts[ok]
@@ -58,7 +58,7 @@ def _threshold(inst: _Inst, r: int, v: int, starts: np.ndarray, end: int) -> flo
     for x in inst.flags:
         t = inst.time_many(r, starts, ends, x)
         if inst.cap is not None:
-            t = t[inst.mem_many(v, starts, ends, x) <= inst.cap]
+            t = t[inst.mem_many(r, v, starts, ends, x) <= inst.cap]
         if t.size:
             out = min(out, float(t.min()))
     return out

@@ -6,7 +6,10 @@ Problem: split nodes ``0..N-1`` into contiguous stages ``[a_s, a_{s+1})``, give 
     max( max_s  alpha[r_s] * C_s + beta[r_s] * P_s ,  max_{s>=1} cut_bytes[a_s] * gamma[r_s] )
 
 subject to memory per replica ``(2 + opt) P_s + (v_s - 1) P_s + v_s A_s <= memory_cap`` with
-``v_s = ceil(W_s / r_s)``, ``W_s`` = workers of stages ``s..end`` of the plan itself. The per-r
+``v_s = ceil(W_s / r_s)``, ``W_s`` = workers of stages ``s..end`` of the plan itself (PipeDream's
+rule; a :class:`~fxpipe.passes.memory_rule.MemoryRule` replaces the stashed versions ``v_s - 1``
+and the activation sets ``v_s`` by the schedule's own, e.g. none and ``min(v_s, ceil(m / r_s))``
+under 1F1B with a flush). The per-r
 coefficients (index ``r-1``) make one core serve ring all-reduce, PipeDream's parameter server and
 two-level clusters (see :mod:`fxpipe.passes.partition`).
 
@@ -38,6 +41,7 @@ from fxpipe.errors import InfeasiblePlanError
 
 from .exact_stages import check_exact
 from .feasibility import RECOMPUTE_MODES, Solution, _Inst, check_budget, fewest_stages
+from .memory_rule import PIPEDREAM, MemoryRule
 from .recompute import check_budget_rc, fewest_stages_rc
 
 log = logging.getLogger(__name__)
@@ -55,9 +59,10 @@ def _instance(compute: Sequence[float], parameters: Sequence[float],
               alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float],
               memory_cap: float | None, optimizer_state_factor: float, straight: bool,
               recompute: str = "never", forward: Sequence[float] | None = None,
-              held: Sequence[float] | None = None) -> _Inst:
+              held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM) -> _Inst:
     return _Inst(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
-                 memory_cap, optimizer_state_factor, straight, recompute, forward, held)
+                 memory_cap, optimizer_state_factor, straight, recompute, forward, held,
+                 memory_rule)
 
 
 def _check(inst: _Inst, tau: float, stages: int | None) -> tuple[list[tuple] | None, float]:
@@ -86,7 +91,7 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
           optimizer_state_factor: float = 1.0, stages: int | None = None,
           straight: bool = False, tie_tolerance: float = 0.0, recompute: str = "never",
           forward: Sequence[float] | None = None,
-          held: Sequence[float] | None = None) -> Solution:
+          held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM) -> Solution:
     """Minimum-bottleneck partition (see module docstring). ``stages`` forces an exact count;
     ``straight`` forces every ``r = 1``. Plans within ``tie_tolerance`` (relative) of the optimum
     count as ties, won by the fewest stages: measured profiles are nowhere near 1e-9 accurate, so
@@ -97,9 +102,11 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
     stage may; the optimum over both, recomputing only where needed, see recompute.py);
     ``forward``: per-node forward time (what a recomputing stage repeats; required unless
     "never"); ``held``: per-node bytes a recomputing stage holding the node keeps per in-flight
-    minibatch besides its cut input (model inputs; default 0)."""
+    minibatch besides its cut input (model inputs; default 0). ``memory_rule``: what a replica
+    holds besides its state under the schedule the plan is for (default PipeDream's)."""
     inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
-                     memory_cap, optimizer_state_factor, straight, recompute, forward, held)
+                     memory_cap, optimizer_state_factor, straight, recompute, forward, held,
+                     memory_rule)
     if stages is not None and not 1 <= stages <= min(inst.n, workers):
         raise InfeasiblePlanError(f"cannot make {stages} stages from {inst.n} nodes and "
                                   f"{workers} workers")
@@ -142,7 +149,8 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
         # "auto": recompute only when it is strictly faster or saves stages; an equally fast
         # plan without it, with no more stages, wins
         plain = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
-                          gamma, memory_cap, optimizer_state_factor, straight)
+                          gamma, memory_cap, optimizer_state_factor, straight,
+                          memory_rule=memory_rule)
         alt = (fewest_stages(plain, best.bottleneck) if stages is None
                else check_exact(plain, best.bottleneck, stages)[0])
         checks += 1
@@ -158,12 +166,13 @@ def evaluate(compute: Sequence[float], parameters: Sequence[float], activations:
              beta: Sequence[float], gamma: Sequence[float], starts: Sequence[int],
              replicas: Sequence[int], *, optimizer_state_factor: float = 1.0,
              recompute: Sequence[bool] | None = None, forward: Sequence[float] | None = None,
-             held: Sequence[float] | None = None) -> Solution:
+             held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM
+             ) -> Solution:
     """Costs of a given partition, with the solver's exact expressions (for tests, reports);
     ``recompute``: one flag per stage (then ``forward`` is required, see :func:`solve`)."""
     mode = "auto" if recompute is not None and any(recompute) else "never"
     inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
-                     None, optimizer_state_factor, False, mode, forward, held)
+                     None, optimizer_state_factor, False, mode, forward, held, memory_rule)
     return inst.evaluate(list(starts), list(replicas), recompute=recompute)
 
 
@@ -173,7 +182,8 @@ def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
                    optimizer_state_factor: float = 1.0, stages: int | None = None,
                    straight: bool = False, recompute: str = "never",
                    forward: Sequence[float] | None = None,
-                   held: Sequence[float] | None = None) -> float:
+                   held: Sequence[float] | None = None,
+                   memory_rule: MemoryRule = PIPEDREAM) -> float:
     """Smallest per-worker memory for which some plan exists (time unconstrained), to the float:
     0 when nothing needs memory, inf when no plan exists at all or only above ``_NO_PLAN``
     bytes. Used to tell users how much memory they need. Bisection on the cap from a bracket
@@ -181,7 +191,8 @@ def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
     by halving or doubling from 1, so it ends on adjacent floats: hi is the least that fits."""
     def ok(cap: float) -> bool:
         inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
-                         gamma, cap, optimizer_state_factor, straight, recompute, forward, held)
+                         gamma, cap, optimizer_state_factor, straight, recompute, forward, held,
+                         memory_rule)
         return _check(inst, math.inf, stages)[0] is not None
 
     if ok(0.0):

@@ -1,8 +1,10 @@
 """Memory per stage for the schedule that runs, not PipeDream's rule for every schedule.
 
-The planner fits plans with PipeDream's rule (``passes/solver.py``): per replica of stage s,
-``P (2 + opt) + (v - 1) P + v A``, v weight versions stashed and v minibatches' activations held,
-v = the plan's in-flight count. What a replica really holds depends on the schedule:
+The planner fits plans with PipeDream's rule by default (``passes/solver.py``): per replica of
+stage s, ``P (2 + opt) + (v - 1) P + v A``, v weight versions stashed and v minibatches'
+activations held, v = the plan's in-flight count; :func:`memory_rule` gives it the rule of the
+schedule a plan is made for (``fxpipe.compile(..., schedule=...)``). What a replica really holds
+depends on the schedule:
 
 - weights, gradients and optimizer state, ``P (2 + opt)`` (``StagePlan.state_bytes``), always;
 - stashed weight versions besides the live one: ``pipedream`` keeps one per minibatch in flight
@@ -21,18 +23,42 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fxpipe.errors import ConfigError
+from fxpipe.passes.memory_rule import MemoryRule
 from fxpipe.passes.plan import StagePlan
 
-STASHING_KINDS = {"pipedream": None, "2bw": 1}
-"""Weight versions kept besides the live one: None = one per minibatch in flight, less one."""
+from ..schedules.schedule import SCHEDULE_KINDS
+
+SHAPES = {  # kind -> (stashed versions, activation sets held) in MemoryRule's terms
+    "pipedream": ("window", "window"),
+    "2bw": ("one", "window"),              # one shadow version; 1F1B's window, no flush
+    "1f1b-flush": ("none", "window-batch"),  # a replica gets ceil(m / r) of an update's m
+    "zb-h1": ("none", "window-batch"),     # 1F1B's windows until W
+    "gpipe": ("none", "batch"),            # every forward of an update before any backward
+    "zb-h2": ("none", "batch"),            # at most 2 x the input stage's window - 1 until W,
+}                                          # and never more than the replica's share of m
+
+
+def memory_rule(kind: str, microbatches: int | None = None, split: int = 1) -> MemoryRule:
+    """The planner's memory rule for plans trained with ``kind``: what a replica holds besides
+    its state as a function of its window and replicas (tests/runtime/test_runtime_schedule_
+    memory.py holds it against the generated schedules' own action lists: exact for every kind
+    but ``zb-h2``, an upper bound there). ``microbatches``: m per update (None: the runtime's
+    default, the workers); ``split``: each loader minibatch cut into that many."""
+    if kind not in SHAPES:
+        raise ConfigError(f"no memory rule for schedule {kind!r}",
+                          f"plan for one of {', '.join(SCHEDULE_KINDS)}")
+    versions, held = SHAPES[kind]
+    return MemoryRule(kind, versions, held, None if kind in ("pipedream", "2bw") else microbatches,
+                      split)
 
 
 def stashed_versions(kind: str, in_flight: int) -> int:
-    """Weight versions a replica keeps besides the live one under ``kind``."""
-    if kind not in STASHING_KINDS:
+    """Weight versions a replica keeps besides the live one under ``kind`` (none under the
+    kinds that have no rule here: the placed ones)."""
+    if kind not in SHAPES:
         return 0
-    fixed = STASHING_KINDS[kind]
-    return max(in_flight - 1, 0) if fixed is None else fixed
+    return int(memory_rule(kind).stashed(max(in_flight, 1)))
 
 
 def state_bytes(sp: StagePlan) -> float:
@@ -52,10 +78,12 @@ def activation_memory(sp: StagePlan, in_flight: int, scale: float = 1.0) -> floa
     profiled minibatch's activations: a microbatch of a cut minibatch holds its share)."""
     if not sp.recompute:
         return in_flight * sp.activation_bytes * scale
-    # the planner's rule held v (X + H) + A: per minibatch in flight, its inputs
-    v = max(sp.in_flight, 1)
-    inputs = (sp.memory_bytes - state_bytes(sp) - (v - 1) * sp.parameter_bytes
-              - sp.activation_bytes) / v
+    if sp.kept_input_bytes is not None:  # per minibatch in flight, its inputs (X + H)
+        inputs = sp.kept_input_bytes
+    else:  # plans saved before it was recorded, by PipeDream's rule: v (X + H) + A
+        v = max(sp.in_flight, 1)
+        inputs = (sp.memory_bytes - state_bytes(sp) - (v - 1) * sp.parameter_bytes
+                  - sp.activation_bytes) / v
     return (in_flight * max(inputs, 0.0) + sp.activation_bytes) * scale
 
 

@@ -19,17 +19,18 @@ for every stage count up to ``max_stages``.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError, InfeasiblePlanError
+from fxpipe.passes.memory_rule import PIPEDREAM, MemoryRule
 from fxpipe.passes.partition import partition, plan_for
 from fxpipe.passes.plan import Plan
 
 from ..schedules.placement import PLACED_KINDS
-from .plansim import PlanSimulation, minibatches_for, simulate_plan
+from .plansim import PlanSimulation, data_parallel_plan, minibatches_for, simulate_plan
 
 log = logging.getLogger(__name__)
 
@@ -77,19 +78,24 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                          optimizer_state_factor: float = 1.0, max_stages: int = 8,
                          exact_up_to: int = 16, minibatches: int = 200,
                          schedules: Sequence[str] = ("pipedream",),
-                         recompute: str = "never") -> SimulatedChoice:
+                         recompute: str = "never", memory_rule: MemoryRule = PIPEDREAM,
+                         microbatches: int | None = None) -> SimulatedChoice:
     """The planner's candidates (see the module doc; only the ``stages``-stage optimum when
     ``stages`` is given), each simulated with each of ``schedules`` (e.g. the synchronous
     ``1f1b-flush`` and zero-bubble ``zb-h1``/``zb-h2`` next to ``pipedream``: the best plan
     depends on the schedule's bubble) for at least ``minibatches`` (more for many replicas:
-    ``plansim.minibatches_for``); returns the fastest (plan, schedule) in steady state."""
+    ``plansim.minibatches_for``); returns the fastest (plan, schedule) in steady state.
+    ``memory_rule``: the memory every candidate is fitted with (default PipeDream's; e.g.
+    ``memory.memory_rule("1f1b-flush")`` when only that schedule will run); ``microbatches``:
+    per update, for the batched kinds (default the workers)."""
     if not schedules:
         raise ConfigError("schedules is empty", "give at least one schedule kind to simulate")
     for name, v in (("max_stages", max_stages), ("exact_up_to", exact_up_to),
                     ("minibatches", minibatches)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-    kw: dict[str, Any] = dict(sync=sync, optimizer_state_factor=optimizer_state_factor)
+    kw: dict[str, Any] = dict(sync=sync, optimizer_state_factor=optimizer_state_factor,
+                              memory_rule=memory_rule)
     best = partition(profile, cluster, stages=stages, straight=straight,  # raises if none
                      recompute=recompute, **kw)
     plans = [best]
@@ -100,7 +106,7 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
             for s in range(1, min(max_stages, cluster.workers) + 1):
                 try:
                     plans.append(partition(profile, cluster, stages=s, straight=straight,
-                                           recompute=recompute, **kw))
+                                           recompute=recompute, diagnose=False, **kw))
                 except InfeasiblePlanError:  # more stages than cut points, or memory
                     continue
     seen: set[tuple] = set()
@@ -111,8 +117,10 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
         if key not in seen:
             seen.add(key)
             n = minibatches_for(p.replicas, floor=minibatches)
-            sims.extend((p, k, simulate_plan(p, profile, schedule=k, minibatches=n))
-                        for k in one_per_process)
+            sims.extend((p, k, simulate_plan(
+                p, profile, schedule=k, minibatches=n,
+                microbatches=microbatches if k not in ("pipedream",) else None))
+                for k in one_per_process)
     for k in schedules:
         if k in PLACED_KINDS:
             sims.extend(_placed_candidates(profile, cluster, k, stages, kw, recompute,
@@ -185,3 +193,19 @@ def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict,
         out.append(nxt)
         reps = list(nxt.replicas)
     return out
+
+
+def priced_by_simulation(choice: SimulatedChoice, profile: Profile, cluster: Cluster, *,
+                         sync: str = "allreduce", microbatches: int | None = None) -> Plan:
+    """The chosen plan with its time and its data parallelism's as simulated under the chosen
+    schedule (``time_source``), so ``plan.summary()`` and its speedup speak of the schedule
+    that will run: bubble and start-up included, data parallelism timed the same way."""
+    kind = choice.schedule
+    if kind in PLACED_KINDS:  # several stages per process: the plan's own figures stand
+        return choice.plan
+    m = None if kind == "pipedream" else microbatches
+    dp = data_parallel_plan(profile, cluster, sync=sync)
+    dp_sim = simulate_plan(dp, profile, schedule=kind, microbatches=m,
+                           minibatches=minibatches_for(dp.replicas))
+    return replace(choice.plan, time_per_minibatch=choice.simulation.steady_state_period,
+                   data_parallel_time=dp_sim.steady_state_period, time_source=f"simulated {kind}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from fxpipe.costmodel import Cluster, Profile
 from fxpipe.errors import ConfigError
@@ -135,6 +135,15 @@ def rescale(profile: Profile, plan: Plan, measured: Sequence[StageTimes]
     return replace(profile, nodes=tuple(nodes)), tuple(factors)
 
 
+def memory_terms(plan: Plan) -> dict[str, Any]:
+    """What a re-plan must price memory with to keep ``plan``'s: its schedule's rule and its
+    state per parameter byte (``state = P (2 + opt)``, recovered from a stage that records it;
+    SGD with momentum's 1 for plans saved before)."""
+    opt = next((sp.state_bytes / sp.parameter_bytes - 2.0 for sp in plan.stages
+                if sp.state_bytes is not None and sp.parameter_bytes > 0), 1.0)
+    return {"memory_rule": plan.memory_rule, "optimizer_state_factor": max(opt, 0.0)}
+
+
 def use_all_workers(profile: Profile, cluster: Cluster, plan: Plan, workers: int, *,
                     sync: str = "allreduce") -> Plan:
     """``plan`` on exactly ``workers`` workers: when the solver used fewer (more replicas did not
@@ -145,7 +154,8 @@ def use_all_workers(profile: Profile, cluster: Cluster, plan: Plan, workers: int
         return plan
     starts = stage_starts(profile, plan)
     options = [plan_for(profile, cluster, starts, [r + spare * (i == s) for i, r in
-                                                   enumerate(plan.replicas)], sync=sync)
+                                                   enumerate(plan.replicas)], sync=sync,
+                        **memory_terms(plan))
                for s in range(len(plan.replicas))]
     return min(options, key=lambda p: p.time_per_minibatch)
 
@@ -164,8 +174,10 @@ def propose(profile: Profile, plan: Plan, measured: Sequence[StageTimes], cluste
                                      "workers_per_machine": 1 if workers % max(
                                          cluster.workers_per_machine, 1) else
                                      cluster.workers_per_machine})
-    current = plan_for(scaled, cluster, stage_starts(profile, plan), plan.replicas, sync=sync)
-    proposed = partition(scaled, cluster, sync=sync)
+    terms = memory_terms(plan)  # the re-plan fits memory as the running plan was fitted
+    current = plan_for(scaled, cluster, stage_starts(profile, plan), plan.replicas, sync=sync,
+                       **terms)
+    proposed = partition(scaled, cluster, sync=sync, **terms)
     if workers is not None:
         proposed = use_all_workers(scaled, cluster, proposed, workers, sync=sync)
     gain = current.time_per_minibatch / proposed.time_per_minibatch - 1.0

@@ -74,6 +74,9 @@ def batch_orders(replicas: Sequence[int], minibatches: Sequence[int], limit: Seq
     pushes = len(heap)
     progress = 0
     stalled: dict[Rank, tuple[int, float]] = {rk: (-1, -1.0) for rk in ranks}
+    # every completion and arrival time so far, as a heap: a stalled rank waits for the first
+    # one after now (scanning ``done`` for it made scheduling quadratic in the batch)
+    events: list[float] = []
 
     def dep(kind: str, s: int, k: int) -> tuple[str, int, int] | None:
         return (("F", s - 1, k) if s > 0 else None) if kind == "F" \
@@ -128,8 +131,9 @@ def batch_orders(replicas: Sequence[int], minibatches: Sequence[int], limit: Seq
             # a rank due now that has not waited since the last progress may still make
             # something ready; otherwise only what completes (or arrives, or starts) later can
             stalled[rk] = (progress, t)
-            later = [d for key in done for d in (done[key], arrival(key)) if d > t] + \
-                [h[0] for h in heap if h[0] > t or stalled[h[2]] != (progress, t)]
+            while events and events[0] <= t:  # t never decreases: past events stay past
+                heapq.heappop(events)
+            later = events[:1] + [h[0] for h in heap if h[0] > t or stalled[h[2]] != (progress, t)]
             if not later:
                 raise ConfigError(f"zero-bubble scheduling is stuck on stage {s} replica {rk[1]}",
                                   "every stage needs a memory limit of at least 1")
@@ -139,6 +143,8 @@ def batch_orders(replicas: Sequence[int], minibatches: Sequence[int], limit: Seq
         progress += 1
         dur = cost[s]["FBW".index(pick.kind)]
         done[(pick.kind, s, pick.minibatch)] = t + dur
+        heapq.heappush(events, t + dur)  # a completion, and when its message arrives
+        heapq.heappush(events, arrival((pick.kind, s, pick.minibatch)))
         order[rk].append(pick)
         if len(order[rk]) < total[rk]:
             heapq.heappush(heap, (t + dur, pushes, rk))

@@ -1,7 +1,8 @@
 """Refuse, before any process starts, a schedule whose memory the plan does not fit.
 
-The planner fits a plan to ``Cluster(memory=...)`` by PipeDream's rule; the schedule the
-Trainer is asked to run may hold more (``gpipe`` keeps every microbatch of an update, ``zb-h2``
+The planner fits a plan to ``Cluster(memory=...)`` by the memory of the schedule it was made for
+(``plan.memory_rule``; PipeDream's by default); the schedule the Trainer is asked to run may hold
+more (``gpipe`` keeps every microbatch of an update, ``zb-h2``
 holds inputs until W, ``2bw`` a shadow version on the last stage) or less. Priced here with
 :func:`fxpipe.runtime.pricing.memory.schedule_memory` on the schedule's own simulated action
 lists, so an out-of-memory run is an error naming the stage and the bytes, not a crash an hour
@@ -52,10 +53,12 @@ def check_schedule_memory(plan: Any, profile: Any, schedule: str, microbatches: 
             f"schedule {schedule!r} needs {format_bytes(need)} per worker on stage {s} "
             f"({held} minibatches' activations held at once"
             + (f", microbatches={k}" if k else "") + f"), the cluster has {format_bytes(cap)} "
-            f"per worker (the plan fits {format_bytes(plan.stages[s].memory_bytes)} by "
-            "PipeDream's rule)",
-            "use fewer microbatches per update, schedule='1f1b-flush' (it holds at most one "
-            "set per stage after it), or compile with recompute='auto' or more workers")
+            f"per worker (the plan fits {format_bytes(plan.stages[s].memory_bytes)} as "
+            f"{plan.memory_rule.label()} holds it)",
+            "use fewer microbatches per update, the schedule the plan was made for, "
+            "schedule='1f1b-flush' (it holds at most one set per stage after it), or compile "
+            "for this schedule (fxpipe.compile(..., schedule=...)), with recompute='auto' or "
+            "more workers")
     log.debug("memory per stage under %s: %s", schedule,
               ", ".join(format_bytes(b) for b in memory))
     return memory

@@ -16,7 +16,10 @@ cluster of ``workers`` with ``workers_per_machine`` per machine:
 - cut into stage s: 2 X / (B_cut r), X = bytes of every value produced before the stage and used in
   or after it (each counted once), B_cut = the network unless the cluster is one machine;
 - in flight: v = ceil(replicas of stages s..end / r);
-- memory per replica: P (2 + opt) + (v - 1) P + v A.
+- memory per replica: P (2 + opt) + (v - 1) P + v A (PipeDream); under another schedule
+  (``SCHEDULE_MEMORY``, written from each schedule's definition): P (2 + opt) + k P + h A with
+  k stashed versions and h activation sets held, e.g. 1F1B with a flush every m microbatches
+  stashes nothing and holds min(v, ceil(m / r)): a replica gets every r-th of the m.
 """
 from __future__ import annotations
 
@@ -75,10 +78,27 @@ def memory(p: float, a: float, v: int, opt: float) -> float:
     return p * (2 + opt) + (v - 1) * p + v * a
 
 
+SCHEDULE_MEMORY = {
+    # name -> (stashed versions, activation sets) of a replica with window v, r replicas, m
+    # microbatches per update
+    "pipedream": lambda v, r, m: (v - 1, v),
+    "2bw": lambda v, r, m: (1, v),                        # one shadow version, 1F1B's window
+    "1f1b-flush": lambda v, r, m: (0, min(v, math.ceil(m / r))),
+    "gpipe": lambda v, r, m: (0, math.ceil(m / r)),       # every forward before any backward
+}
+
+
+def schedule_memory(p: float, a: float, v: int, r: int, m: int, opt: float,
+                    schedule: str) -> float:
+    k, h = SCHEDULE_MEMORY[schedule](v, r, m)
+    return p * (2 + opt) + k * p + h * a
+
+
 def price(compute: Sequence[float], params: Sequence[float], acts: Sequence[float],
           cuts: Sequence[float], starts: Sequence[int], replicas: Sequence[int], net: Net,
-          opt: float = 1.0) -> Priced:
-    """``cuts[p - 1]``: bytes live across cut position p (before node p)."""
+          opt: float = 1.0, schedule: str = "pipedream", m: int | None = None) -> Priced:
+    """``cuts[p - 1]``: bytes live across cut position p (before node p); ``schedule`` and
+    ``m`` (microbatches per update, default the cluster's workers): whose memory."""
     ends = [*starts[1:], len(compute)]
     st, ct, vs, mem = [], [], [], []
     for s, (a, e, r) in enumerate(zip(starts, ends, replicas)):
@@ -86,7 +106,8 @@ def price(compute: Sequence[float], params: Sequence[float], acts: Sequence[floa
         st.append(stage_time(c, p, r, net))
         ct.append(cut_time(cuts[a - 1], r, net) if s else 0.0)
         vs.append(in_flight(replicas, s))
-        mem.append(memory(p, x, vs[-1], opt))
+        mem.append(memory(p, x, vs[-1], opt) if schedule == "pipedream" else
+                   schedule_memory(p, x, vs[-1], r, m or net.workers, opt, schedule))
     return Priced(max(st + ct), tuple(st), tuple(ct), tuple(vs), tuple(mem))
 
 

@@ -110,10 +110,10 @@ def test_reach_is_the_furthest_end_under_time_and_memory(inst: _Inst, data) -> N
     tau = taus(inst, data.draw)
     ends = range(a, inst.n + 1)
     et = max(e for e in ends if e == a or inst.time(r, a, e) <= tau)
-    em = max(e for e in ends if e == a or inst.cap is None or inst.mem(v, a, e) <= inst.cap)
+    em = max(e for e in ends if e == a or inst.cap is None or inst.mem(r, v, a, e) <= inst.cap)
     want = (min(et, em), et)
     both = [e for e in ends if e == a or (inst.time(r, a, e) <= tau and (
-        inst.cap is None or inst.mem(v, a, e) <= inst.cap))]
+        inst.cap is None or inst.mem(r, v, a, e) <= inst.cap))]
     lo = data.draw(st.sampled_from([-1, *both]))
     assert inst.reach(r, v, a, tau, lo) == want
     assert inst.reach(r, v, a, tau) == want
@@ -122,7 +122,7 @@ def test_reach_is_the_furthest_end_under_time_and_memory(inst: _Inst, data) -> N
     es = np.arange(a, inst.n + 1)
     aa = np.full_like(es, a)
     assert inst.time_many(r, aa, es).tolist() == [inst.time(r, a, e) for e in es]
-    assert inst.mem_many(v, aa, es).tolist() == [inst.mem(v, a, e) for e in es]
+    assert inst.mem_many(r, v, aa, es).tolist() == [inst.mem(r, v, a, e) for e in es]
 
 
 @settings(max_examples=150, **SETTINGS)

@@ -93,6 +93,7 @@ def test_summary_of_a_two_stage_plan_literally() -> None:
         "",
         "time per minibatch: 5.88 ms (allreduce sync, 8 of 8 workers)",
         "NOAM (minibatches in flight at the input stage): 2",
+        "memory per worker priced for: pipedream",
         "data-parallel time: 355 ms; speedup over data parallelism: 60.47x",
         "throughput: 1361.7 samples/s (batch 8)",
         "parameters shared across stages: emb.weight [0, 1]",

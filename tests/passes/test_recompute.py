@@ -22,6 +22,7 @@ from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import ConfigError, InfeasiblePlanError, PlanFormatError
 from fxpipe.passes import Plan, partition, plan_for
+from fxpipe.passes.memory_rule import PIPEDREAM, MemoryRule
 from fxpipe.passes.solver import solve
 
 BW = 1e9  # bytes/s: cuts cost 2 X / BW, far below the stage times
@@ -83,13 +84,15 @@ def test_a_cap_only_recomputation_meets() -> None:
         partition(prof, cl)
     assert ei.value.message.endswith("needs 610 B (610 bytes) per worker")
     assert ei.value.hint == ("use more workers or devices with more memory, a smaller batch, "
-                             "recompute='auto' (activation recomputation), or "
+                             "recompute='auto' (activation recomputation), a flushing schedule "
+                             "(schedule='1f1b-flush': no stashed weight versions), or "
                              "optimizer_state_factor matching your optimizer")
     with pytest.raises(InfeasiblePlanError) as ei:
         partition(prof, cl, recompute="always")
     assert ei.value.message.endswith(" per worker with recompute='always'")
     assert ei.value.hint == ("use more workers or devices with more memory, a smaller batch, "
-                             "or optimizer_state_factor matching your optimizer")
+                             "a flushing schedule (schedule='1f1b-flush': no stashed weight "
+                             "versions), or optimizer_state_factor matching your optimizer")
     plan = partition(prof, cl, recompute="auto")
     assert [s.nodes for s in plan.stages] == [("x", "l1"), ("l2",)]
     assert plan.recompute == [True, False]
@@ -148,10 +151,13 @@ def test_a_stage_plan_made_without_the_fields_does_not_recompute() -> None:
 
 
 # ------------------------------------------------------------------ brute force
-def brute(C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages):
+def brute(C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages, flush=None):
     """Every cut set, replica vector and flag vector the mode allows, priced from the rule in
     the module docstring: {(starts, replicas, flags): (bottleneck, memory per stage)} of the
-    plans that fit under ``cap``."""
+    plans that fit under ``cap``. ``flush``: (microbatches per update, split) of 1F1B with a
+    flush instead of PipeDream: no stashed version, min(v, ceil(mb / r)) sets in flight, each
+    1/split of the profiled minibatch's activations (a recomputing stage: of its inputs, plus
+    one set's activations while it recomputes)."""
     n = len(C)
     out = {}
     choices = {"never": (False,), "always": (True,), "auto": (False, True)}[mode]
@@ -176,8 +182,14 @@ def brute(C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages):
                         times.append(al[r - 1] * (c + (f if x else 0.0)) + be[r - 1] * p)
                         if a:
                             times.append(into * ga[r - 1])
-                        keep = v * (into + held) + act if x else v * act
-                        mem.append((2 + opt) * p + (v - 1) * p + keep)
+                        if flush is None:
+                            keep = v * (into + held) + act if x else v * act
+                            mem.append((2 + opt) * p + (v - 1) * p + keep)
+                        else:
+                            mb, split = flush
+                            sets = min(v, -(-(mb or m) // r)) / split
+                            keep = sets * (into + held) + act / split if x else sets * act
+                            mem.append((2 + opt) * p + keep)
                     if cap is None or max(mem) <= cap:
                         out[(starts, reps, flags)] = (max(times), tuple(mem))
     return out
@@ -220,6 +232,14 @@ TIE = 1e-9
 @given(instances())
 def test_solver_with_recompute_matches_brute_force(inst) -> None:
     check_against_brute_force(inst)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.sampled_from([None, 1, 2, 5]), st.sampled_from([1, 2, 4]))
+def test_recompute_under_a_flushing_schedule_matches_brute_force(inst, mb, split) -> None:
+    """The same, memory priced as 1F1B with a flush holds it (microbatches ``mb`` per update,
+    each minibatch cut ``split`` ways)."""
+    check_against_brute_force(inst, (mb, split))
 
 
 def test_caps_only_recomputation_meets_match_brute_force() -> None:
@@ -331,12 +351,15 @@ def check_checks(args: tuple, straight: bool) -> None:
             assert len(few) == min(len(k[0]) for k in under)
 
 
-def check_against_brute_force(inst) -> None:
+def check_against_brute_force(inst, flush: tuple[int | None, int] | None = None) -> None:
     C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages = inst
-    feasible = brute(C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages)
+    feasible = brute(C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages, flush)
+    rule = (PIPEDREAM if flush is None else
+            MemoryRule("1f1b-flush", "none", "window-batch", flush[0], flush[1]))
     try:
         sol = solve(C, P, A, cb, m, al, be, ga, memory_cap=cap, optimizer_state_factor=opt,
-                    stages=stages, tie_tolerance=TIE, recompute=mode, forward=F, held=H)
+                    stages=stages, tie_tolerance=TIE, recompute=mode, forward=F, held=H,
+                    memory_rule=rule)
     except InfeasiblePlanError:
         assert not feasible
         return

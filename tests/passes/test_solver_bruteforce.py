@@ -12,6 +12,7 @@ import itertools
 import math
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pd_oracle import Net, price
@@ -21,6 +22,7 @@ from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.passes import partition
+from fxpipe.passes.memory_rule import MemoryRule
 from fxpipe.passes.solver import evaluate, solve
 
 TIE = 1e-9
@@ -35,7 +37,7 @@ def coeffs(net: Net) -> tuple[list[float], list[float], list[float]]:
     return a, b, g
 
 
-def brute(C, P, A, cb, net: Net, cap, opt, stages, straight):
+def brute(C, P, A, cb, net: Net, cap, opt, stages, straight, schedule="pipedream", m_=None):
     """Every cut set and replica vector priced by the definitions: (optimum, fewest stages of
     the plans within TIE of it, {(starts, replicas): price} of the feasible plans)."""
     n, m = len(C), net.workers
@@ -51,7 +53,7 @@ def brute(C, P, A, cb, net: Net, cap, opt, stages, straight):
             for rv in reps:
                 if sum(rv) > m:
                     continue
-                pr = price(C, P, A, cb, (0, *cuts), rv, net, opt)
+                pr = price(C, P, A, cb, (0, *cuts), rv, net, opt, schedule, m_)
                 if cap is None or all(x <= cap for x in pr.memory):
                     feasible[((0, *cuts), rv)] = pr
     if not feasible:
@@ -122,6 +124,59 @@ def test_solver_matches_brute_force(inst) -> None:
     if stages is None:  # ties at exactly the same value: fewest stages
         assert len(exact.starts) == min(len(k[0]) for k, v in near.items()
                                         if v == exact.bottleneck)
+
+
+RULES = {  # the shapes the runtime maps these schedules to (runtime/pricing/memory.py)
+    "2bw": lambda m: MemoryRule("2bw", "one", "window"),
+    "1f1b-flush": lambda m: MemoryRule("1f1b-flush", "none", "window-batch", m),
+    "gpipe": lambda m: MemoryRule("gpipe", "none", "batch", m),
+}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.sampled_from(sorted(RULES)), st.sampled_from([None, 1, 2, 3, 7]))
+def test_solver_under_a_schedule_memory_rule_matches_brute_force(inst, schedule, m) -> None:
+    """The optimum when memory is priced as ``schedule`` holds it (pd_oracle.SCHEDULE_MEMORY,
+    from each schedule's definition), not PipeDream's rule: optimal, fits, exact memory."""
+    C, P, A, cb, net, cap, opt, stages, straight = inst
+    want, want_s, feasible = brute(C, P, A, cb, net, cap, opt, stages, straight, schedule, m)
+    a, b, g = coeffs(net)
+    rule = RULES[schedule](m)
+    try:
+        sol = solve(C, P, A, cb, net.workers, a, b, g, memory_cap=cap, optimizer_state_factor=opt,
+                    stages=stages, straight=straight, tie_tolerance=TIE, memory_rule=rule)
+    except InfeasiblePlanError:
+        assert want == math.inf
+        return
+    assert want < math.inf
+    mine = price(C, P, A, cb, sol.starts, sol.replicas, net, opt, schedule, m)
+    assert (tuple(sol.starts), tuple(sol.replicas)) in feasible
+    assert math.isclose(mine.bottleneck, want, rel_tol=TIE)
+    assert sol.memory == mine.memory
+    assert len(sol.replicas) == (stages if stages is not None else want_s)
+    assert evaluate(C, P, A, cb, net.workers, a, b, g, list(sol.starts), list(sol.replicas),
+                    optimizer_state_factor=opt, memory_rule=rule).memory == sol.memory
+
+
+def test_a_cap_between_the_rules_has_a_plan_only_under_the_flushing_schedule() -> None:
+    """Two equal nodes on 2 workers, 100 bytes of weights and 100 of activations each, SGD with
+    momentum (opt = 1): data parallelism needs 800 bytes per worker under any rule, a 2-stage
+    pipeline's first stage (v = 2) 600 under PipeDream's rule (a stashed version and two
+    minibatches) and 400 under 1F1B with a flush every minibatch: a 500-byte cap has a plan
+    only for the flushing schedule."""
+    C, P, A, cb = [1.0, 1.0], [100.0, 100.0], [100.0, 100.0], [0.0]
+    a, b, g = coeffs(Net(2, 1e30, 1e30))
+    # data parallel (one stage, r = 2, v = 1): 200 (2 + 1) + 0 + 1 x 200 = 800 under any rule;
+    # pipeline [1, 1], stage 0 (v = 2): PipeDream 100 x 3 + 1 x 100 + 2 x 100 = 600,
+    # 1F1B with a flush at m = 1: 100 x 3 + 0 + min(2, 1) x 100 = 400; stage 1 (v = 1): 400
+    pd = solve(C, P, A, cb, 2, a, b, g, memory_cap=None, stages=2)
+    assert pd.memory == (600.0, 400.0)
+    flush = MemoryRule("1f1b-flush", "none", "window-batch", microbatches=1)
+    assert solve(C, P, A, cb, 2, a, b, g, stages=2, memory_rule=flush).memory == (400.0, 400.0)
+    with pytest.raises(InfeasiblePlanError):
+        solve(C, P, A, cb, 2, a, b, g, memory_cap=500.0)
+    sol = solve(C, P, A, cb, 2, a, b, g, memory_cap=500.0, memory_rule=flush)
+    assert sol.starts == (0, 1) and sol.replicas == (1, 1) and max(sol.memory) <= 500.0
 
 
 @st.composite

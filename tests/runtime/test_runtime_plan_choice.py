@@ -1,6 +1,7 @@
 """choose_by_simulation: candidates, the choice, and the compile/CLI switch."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,9 @@ from fxpipe.cli import main as cli_main
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import ConfigError
-from fxpipe.passes import partition
+from fxpipe.passes import Plan, partition
 from fxpipe.runtime.pricing.plan_choice import _merge_chain, choose_by_simulation
-from fxpipe.runtime.pricing.plansim import simulate_plan
+from fxpipe.runtime.pricing.plansim import data_parallel_plan, minibatches_for, simulate_plan
 
 PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
 
@@ -124,3 +125,62 @@ def test_simulation_considers_the_schedules_it_is_given() -> None:
     assert free.plan.replicas == [4] and free.schedule == "zb-h1"
     with pytest.raises(ConfigError, match="schedules is empty"):
         choose_by_simulation(prof, cluster, schedules=())
+
+
+def zoo_profile(name: str) -> Profile:
+    """The zoo model's profile with V100 costs estimated (no measuring: the same every run)."""
+    import fxpipe
+    from fxpipe import models
+
+    spec = models.get(name, size="mini")
+    return fxpipe.compile(spec.model, Cluster(workers=1, device="V100"),
+                          example_inputs=spec.example_inputs, loss_fn=spec.loss_fn).profile
+
+
+def check_priced_under(prof: Profile, cluster: Cluster, kind: str) -> Plan:
+    """The plan made for ``kind`` at its default microbatches: never simulated slower than BSP
+    data parallelism (simulated the same way), and the time its summary states within 10% of
+    an independent simulation twice as long."""
+    plan = choose_plan(prof, cluster, schedule=kind)
+    assert plan.time_source == f"simulated {kind}"
+    assert plan.time_per_minibatch <= plan.data_parallel_time * (1 + 1e-9), plan
+    assert plan.speedup_over_data_parallel >= 1 - 1e-9
+    again = simulate_plan(plan, prof, schedule=kind, minibatches=2 * minibatches_for(
+        plan.replicas)).steady_state_period
+    assert abs(plan.time_per_minibatch - again) <= 0.10 * again
+    dp = simulate_plan(data_parallel_plan(prof, cluster), prof, schedule=kind,
+                       minibatches=minibatches_for([cluster.workers])).steady_state_period
+    assert math.isclose(plan.data_parallel_time, dp, rel_tol=1e-9)
+    assert f"simulated {kind}" in plan.summary()
+    return plan
+
+
+@pytest.mark.parametrize("kind", ["1f1b-flush", "zb-h2"])
+@pytest.mark.parametrize("workers", [8, 16])
+def test_a_plan_made_for_a_schedule_is_priced_and_chosen_under_it(kind: str,
+                                                                   workers: int) -> None:
+    """Issue 26's check on PipeDream's VGG-16 profile (the zoo's GPT and VGG-mini and more
+    profiles: ``python -m bench.schedule_plans``, benchmarks/schedule-plans.md)."""
+    prof = Profile.from_pipedream(PROFILES / "vgg16" / "graph.txt")
+    check_priced_under(prof, Cluster(workers=workers, bandwidth="10Gbps"), kind)
+
+
+def test_a_zoo_gpt_plan_made_for_1f1b_flush() -> None:
+    check_priced_under(zoo_profile("gpt"), Cluster(workers=8, bandwidth="10Gbps", device="V100"),
+                       "1f1b-flush")
+
+
+def test_the_planners_optimum_promises_what_zb_h2_does_not_give() -> None:
+    """Issue 26's example, ``fxpipe simulate gpt --device V100 --workers 8 --bandwidth 10Gbps
+    --straight --stages 8 --schedule zb-h2``: the analytic plan (PipeDream's schedule) promises
+    a speedup over data parallelism that zb-h2 does not deliver; the plan made for zb-h2 says so
+    (its time is zb-h2's simulated one, compared with data parallelism simulated the same way)."""
+    prof, cluster = zoo_profile("gpt"), Cluster(workers=8, bandwidth="10Gbps", device="V100")
+    planner = choose_plan(prof, cluster, stages=8, straight=True, schedule="zb-h2",
+                          choose="planner")
+    made = choose_plan(prof, cluster, stages=8, straight=True, schedule="zb-h2")
+    assert planner.time_source == "planner" and planner.speedup_over_data_parallel > 1
+    assert made.time_per_minibatch > 1.3 * planner.time_per_minibatch  # the bubble, priced
+    assert made.speedup_over_data_parallel < 1  # 8 straight stages lose to data parallelism
+    free = choose_plan(prof, cluster, schedule="zb-h2")  # left free, it does not
+    assert free.speedup_over_data_parallel >= 1 - 1e-9

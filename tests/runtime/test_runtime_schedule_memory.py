@@ -5,6 +5,7 @@ activations times the peak minibatches the schedule's own lists hold."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -13,11 +14,14 @@ import torch.nn as nn
 import fxpipe
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
+from fxpipe.errors import InfeasiblePlanError
 from fxpipe.passes import partition
 from fxpipe.passes.plan import Plan
 from fxpipe.runtime.errors import RuntimeConfigError
-from fxpipe.runtime.pricing.memory import schedule_memory
+from fxpipe.runtime.pricing.memory import memory_rule, schedule_memory, stashed_versions
 from fxpipe.runtime.pricing.plansim import simulate_plan
+from fxpipe.runtime.pricing.sim_measure import peak_in_flight
+from fxpipe.runtime.schedules.kinds import make_schedule
 
 S = 4
 P, A = 1000.0, 100.0  # parameter and activation bytes of every stage
@@ -104,3 +108,67 @@ def test_trainer_refuses_a_schedule_the_memory_does_not_fit() -> None:
     for kind in ("pipedream", "1f1b-flush"):
         compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), schedule=kind,
                          executor="reference", progress=False).close()
+
+
+# ------------------------------------------------------------- the planner's rule per schedule
+REPLICA_VECTORS = [[1], [2], [1, 1], [1, 1, 1, 1], [2, 1], [1, 2], [3, 1, 2], [2, 2, 1, 1],
+                   [1, 1, 1, 1, 1, 1, 1, 1], [4, 2, 1, 1]]
+
+
+@pytest.mark.parametrize("kind", ["pipedream", "2bw", "1f1b-flush", "gpipe", "zb-h1", "zb-h2"])
+@pytest.mark.parametrize("m", [None, 1, 3, 8])
+def test_memory_rule_is_what_the_generated_schedules_hold(kind: str, m: int | None) -> None:
+    """The rule the planner fits plans with (``memory_rule(kind)``, a function of the window
+    v = ceil(workers from s on / r) and r) against the most minibatches any replica's own
+    generated action list holds (``peak_in_flight``), over straight and replicated pipelines:
+    equal for every kind but zb-h2, an upper bound there (the greedy W placement decides)."""
+    if kind == "pipedream" and m is not None:
+        return
+    for reps in REPLICA_VECTORS:
+        W = sum(reps)
+        mb = m if m is not None else W
+        if kind == "2bw" and mb < W:  # 2bw needs an update at least as long as the pipeline
+            continue
+        sched = make_schedule(kind, reps, 6 * mb * W,
+                              microbatches=None if kind == "pipedream" else m)
+        rule = memory_rule(kind, m)
+        for s, r in enumerate(reps):
+            v = math.ceil(sum(reps[s:]) / r)
+            held = max(peak_in_flight(sched.actions[(s, j)]) for j in range(r))
+            want = rule.count(v, r, W)
+            assert (held <= want) if kind == "zb-h2" else (held == want), (reps, s, held, want)
+            assert rule.stashed(v) == stashed_versions(kind, v)
+
+
+def test_a_cap_between_the_rules_plans_for_the_flushing_schedule() -> None:
+    """A cap under PipeDream's rule for every plan but over 1F1B-with-a-flush's for the
+    pipeline: compile refuses it for pipedream and finds the plan for 1f1b-flush; the summary
+    says which schedule the memory is for, the plan round-trips with its rule, and the Trainer
+    refuses pipedream on it before any process starts (its memory was not fitted)."""
+    model, x = Chain(), torch.randn(512, 64)
+    loss = lambda o, t: (o - t).pow(2).mean()  # noqa: E731
+    kw = dict(example_inputs=(x,), loss_fn=loss, stages=4, straight=True)
+    probe = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100"), **kw)
+    flush = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100"), schedule="1f1b-flush",
+                           microbatches=2, **kw)
+    # by hand: stage s (window 4 - s) holds min(4 - s, 2) sets under 1f1b-flush m=2, none stashed
+    for sp, fs in zip(probe.plan.stages, flush.plan.stages):
+        v = sp.in_flight
+        assert fs.memory_bytes == sp.state_bytes + min(v, 2) * sp.activation_bytes
+        assert sp.memory_bytes == sp.state_bytes + (v - 1) * sp.parameter_bytes \
+            + v * sp.activation_bytes
+    cap = (max(sp.memory_bytes for sp in flush.plan.stages)
+           + max(sp.memory_bytes for sp in probe.plan.stages)) / 2
+    assert max(sp.memory_bytes for sp in flush.plan.stages) < cap
+    cluster = fxpipe.Cluster(workers=4, device="V100", memory=cap)
+    with pytest.raises(InfeasiblePlanError, match="flushing schedule"):
+        fxpipe.compile(model, cluster, **kw)
+    fits = fxpipe.compile(model, cluster, schedule="1f1b-flush", microbatches=2, **kw)
+    assert fits.plan.memory_rule == memory_rule("1f1b-flush", 2)
+    assert "memory per worker priced for: 1f1b-flush (m=2)" in fits.plan.summary()
+    assert Plan.from_dict(fits.plan.to_dict()) == fits.plan
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    with pytest.raises(RuntimeConfigError, match="schedule 'pipedream' needs .* on stage 0"):
+        fits.trainer(optimizer=opt, schedule="pipedream", executor="reference", progress=False)
+    fits.trainer(optimizer=opt, schedule="1f1b-flush", microbatches=2, executor="reference",
+                 progress=False).close()

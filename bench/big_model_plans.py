@@ -1,0 +1,105 @@
+"""Plans for models no machine here can hold: Llama-70B and Mixtral-8x7B on the meta device.
+
+Run from the repository root:  .venv/bin/python -m bench.big_model_plans
+Writes its page benchmarks/big-model-plans.md (``--out FILE`` writes the markdown there instead).
+
+The README's pattern for a model larger than memory: build the Hugging Face architecture from its
+config on the meta device (no weights), in bfloat16, and ``fxpipe.compile`` it for a cluster of
+H100s (80 GB each) with estimated costs, AdamW (fxpipe keeps float32 masters for bf16 weights:
+18 bytes per parameter, ``runtime/replica/state_size.py``), sequences of 4096 tokens, one sequence
+per minibatch, planned for ``1f1b-flush`` (the schedule ``auto`` trains almost everywhere) with
+``recompute="auto"``. Each model is also planned under PipeDream's rule (a stashed weight version
+per minibatch in flight), which is what every plan was priced with before plans followed their
+schedule. Tracing and costing 80 Llama layers takes a few minutes on one core.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench._report import publish
+
+SECTION = "big-model-plans"
+SEQ, MEMORY = 4096, "80GB"
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1)
+
+
+def models() -> list[tuple[str, object, int]]:
+    """(name, config, workers): the configurations of the published checkpoints."""
+    import transformers
+
+    llama = transformers.LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=SEQ)
+    mixtral = transformers.MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=SEQ)
+    for cfg in (llama, mixtral):
+        cfg.use_cache = False
+    return [("Llama-70B", llama, 64), ("Mixtral-8x7B", mixtral, 16)]
+
+
+def plan_one(name: str, cfg: object, workers: int) -> str:
+    import transformers
+
+    import fxpipe
+    from fxpipe.api import choose_plan
+    from fxpipe.errors import InfeasiblePlanError
+    from fxpipe.runtime.replica.state_size import state_factor
+    from fxpipe.units import format_bytes
+
+    cls = {"LlamaConfig": transformers.LlamaForCausalLM,
+           "MixtralConfig": transformers.MixtralForCausalLM}[type(cfg).__name__]
+    with torch.device("meta"):
+        model = cls(cfg).to(torch.bfloat16)
+    ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
+    count = sum(p.numel() for p in model.parameters())
+    cluster = fxpipe.Cluster(workers=workers, device="H100", memory=MEMORY)
+    t0 = time.perf_counter()
+    compiled = fxpipe.compile(model, cluster, example_inputs={"input_ids": ids, "labels": ids},
+                              optimizer=_adamw, schedule="1f1b-flush", recompute="auto")
+    took = time.perf_counter() - t0
+    plan = compiled.plan
+    factor = state_factor(list(model.parameters()), _adamw)
+    lines = [f"### {name} on {workers} x H100 ({MEMORY} each)", "",
+             f"{count / 1e9:.2f}B parameters in bfloat16 ({format_bytes(2 * count)}); state "
+             f"{2 + factor:g} x the parameter bytes ({(2 + factor) * 2:g} bytes per parameter); "
+             f"compiled in {took:.0f} s (traced with {compiled.tracer}).", "",
+             "```", compiled.summary(), "```", ""]
+    biggest = max(sp.memory_bytes for sp in plan.stages)
+    lines.append(f"Largest stage: {format_bytes(biggest)} of {MEMORY}; "
+                 f"{sum(plan.recompute)} of {len(plan.stages)} stages recompute.")
+    for rc in ("never", "auto"):
+        try:
+            pd = choose_plan(compiled.profile, cluster, schedule="pipedream", recompute=rc,
+                             optimizer_state_factor=factor)
+            got = (f"a plan of {len(pd.stages)} stages, largest "
+                   f"{format_bytes(max(sp.memory_bytes for sp in pd.stages))}")
+        except InfeasiblePlanError as err:
+            got = err.message
+        lines.append(f"- Under PipeDream's rule (recompute={rc!r}): {got}.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="write the markdown here instead of the page")
+    ap.add_argument("--only", default=None, help="one model by name (e.g. Llama-70B)")
+    args = ap.parse_args()
+    parts = ["## Plans for models larger than memory (meta device)", "",
+             "`.venv/bin/python -m bench.big_model_plans` (estimated costs for H100, no weights: "
+             "the models are built on the meta device)", ""]
+    for name, cfg, workers in models():
+        if args.only in (None, name):
+            parts.append(plan_one(name, cfg, workers))
+    publish(SECTION, "\n".join(parts), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""What a replica holds besides its state, by the schedule a plan is made for (pure numbers).
+
+A replica of stage s always holds its weights, gradients and optimizer state, ``P (2 + opt)``.
+What else it holds is the schedule's: PipeDream's rule (``pipedream``, the planner's default)
+stashes ``v - 1`` weight versions and keeps ``v`` minibatches' activations, v = the stage's
+window ``ceil(workers from s on / r)``; a flushing schedule stashes nothing and holds at most its
+window or the update's microbatches per replica; ``2bw`` keeps one shadow version. The planner
+takes a :class:`MemoryRule` so a plan that fits only under a flushing schedule is found for it.
+
+The rule is data (a serialisable frozen dataclass) in shapes the solver prices exactly:
+
+    memory = P (2 + opt) + versions(v, r) P + sets(v, r) A                 (no recomputation)
+    memory = P (2 + opt) + versions(v, r) P + sets(v, r) X + unit A        (recomputing: X =
+             the stage's inputs per minibatch in flight, one full set while it recomputes)
+
+with ``sets`` in units of the profiled minibatch's activations (a microbatch of a minibatch cut
+``split`` ways holds 1/split of them). Both are nondecreasing in v for a fixed r, which the
+solver's "idle workers in front" argument needs. Which schedule kind has which shape is the
+runtime's knowledge (``fxpipe.runtime.pricing.memory.memory_rule``, checked there against the
+generated schedules' own action lists); this module only prices the shapes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fxpipe.errors import ConfigError, PlanFormatError
+
+VERSIONS = ("window", "one", "none")
+"""Stashed weight versions besides the live one: v - 1 (PipeDream), 1 (2BW's shadow), 0."""
+HELD = ("window", "window-batch", "batch")
+"""Activation sets held: the window v; min(v, ceil(m / r)) (1F1B with a flush: a replica gets
+ceil(m / r) of an update's m microbatches); ceil(m / r) (all of an update's, GPipe)."""
+
+
+@dataclass(frozen=True)
+class MemoryRule:
+    """The shape of a schedule's memory (see the module docstring). ``microbatches``: m per
+    update for the held shapes that count them (None: the cluster's workers, the runtime's
+    default m); ``split``: each minibatch cut into that many microbatches; ``limit``: at most
+    this many sets per replica whatever the shape (zero-bubble H2's bound; None: no bound)."""
+
+    schedule: str = "pipedream"
+    versions: str = "window"
+    held: str = "window"
+    microbatches: int | None = None
+    split: int = 1
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.versions not in VERSIONS or self.held not in HELD:
+            raise ConfigError(f"memory rule versions={self.versions!r}, held={self.held!r}",
+                              f"versions: one of {VERSIONS}; held: one of {HELD}")
+        for name in ("microbatches", "limit"):
+            x = getattr(self, name)
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
+                raise ConfigError(f"memory rule {name}={x!r}", "use an integer >= 1 or None")
+        if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
+            raise ConfigError(f"memory rule split={self.split!r}", "use an integer >= 1")
+
+    @property
+    def unit(self) -> float:
+        """Activations of one set, as a fraction of the profiled minibatch's."""
+        return 1.0 / self.split
+
+    def stashed(self, v: int) -> float:
+        """Weight versions kept besides the live one by a replica with window ``v``."""
+        if self.versions == "window":
+            return float(v - 1)
+        return 1.0 if self.versions == "one" else 0.0
+
+    def count(self, v: int, r: int, workers: int) -> int:
+        """Sets (minibatches or microbatches) a replica with window ``v`` of a stage with ``r``
+        replicas holds at once, on a cluster of ``workers``."""
+        per_replica = math.ceil((self.microbatches or workers) / r)
+        n = {"window": v, "window-batch": min(v, per_replica), "batch": per_replica}[self.held]
+        return min(n, self.limit) if self.limit is not None else n
+
+    def sets(self, v: int, r: int, workers: int) -> float:
+        """:meth:`count` in units of the profiled minibatch's activations."""
+        c = self.count(v, r, workers)
+        return float(c) if self.split == 1 else c * self.unit
+
+    def label(self) -> str:
+        """``1f1b-flush (m=8)``: what plan summaries say the memory is for."""
+        extra = [f"m={self.microbatches}"] if self.microbatches else []
+        extra += [f"split={self.split}"] if self.split > 1 else []
+        return self.schedule + (f" ({', '.join(extra)})" if extra else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "<dict>") -> MemoryRule:
+        if not isinstance(d, dict) or not set(d) <= {f for f in cls.__dataclass_fields__}:
+            raise PlanFormatError(f"{where}: field 'memory_rule' must be an object with fields "
+                                  f"{sorted(cls.__dataclass_fields__)}, got {d!r}",
+                                  "re-plan, or delete the field (PipeDream's rule)")
+        try:
+            return cls(**d)
+        except (ConfigError, TypeError) as err:
+            raise PlanFormatError(f"{where}: field 'memory_rule': {err}") from None
+
+
+PIPEDREAM = MemoryRule()
+"""PipeDream's rule, ``(2 + opt) P + (v - 1) P + v A``: the planner's default."""
