@@ -11,6 +11,7 @@ into a job.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fxpipe.errors import ConfigError
@@ -62,3 +63,25 @@ def check_schedule_memory(plan: Any, profile: Any, schedule: str, microbatches: 
     log.debug("memory per stage under %s: %s", schedule,
               ", ".join(format_bytes(b) for b in memory))
     return memory
+
+
+def fitting_candidates(plan: Any, profile: Any, candidates: Sequence[str],
+                       microbatches: int | None, split: int | None) -> tuple[str, ...]:
+    """``auto``'s candidates whose memory the plan fits (a plan made for ``1f1b-flush`` under a
+    cap may not fit ``pipedream``'s stashed versions): the others are dropped, with a log line,
+    before any pilot runs; when none is left, the baseline's own refusal is raised."""
+    if plan.cluster.get("memory") is None:  # no cap: every candidate fits
+        return tuple(candidates)
+    kept, dropped = [], []
+    for c in candidates:
+        try:
+            check_schedule_memory(plan, profile, c, microbatches, split)
+            kept.append(c)
+        except RuntimeConfigError as err:
+            dropped.append((c, err))
+    if dropped:
+        log.info("auto: candidates %s do not fit the plan's memory (%s); choosing among %s",
+                 [c for c, _ in dropped], dropped[0][1].message, kept)
+    if not kept:
+        raise dropped[0][1]
+    return tuple(kept)

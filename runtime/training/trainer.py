@@ -74,11 +74,11 @@ from ..schedules.placement import PLACED_KINDS
 from ..schedules.schedule import Schedule
 from ..schedules.spec import AUTO, parse_schedule
 from ..schedules.staleness import own_delays
-from .auto import AutoOptions, Decision
+from .auto import DEFAULT_CANDIDATES, AutoOptions, Decision
 from .auto_resolve import resolve as resolve_auto
 from .data import PartStream, derive_seed
 from .loss_split import WeightedLoss
-from .memory_fit import check_schedule_memory
+from .memory_fit import check_schedule_memory, fitting_candidates
 from .metrics import MetricsLog
 from .param_names import wrap_factory
 from .trainer_checkpoint import CheckpointMixin
@@ -393,6 +393,10 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
     auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
             **dict(kwargs.pop("auto_options", None) or {})}
+    if kwargs["schedule"] == "auto":  # only candidates whose memory the plan fits
+        auto["candidates"] = fitting_candidates(
+            compiled.plan, compiled.profile, auto.get("candidates", DEFAULT_CANDIDATES),
+            kwargs.get("microbatches"), kwargs.get("split"))
     replan = make_replanner(compiled, kwargs)  # replan="auto": issue 13 (trainer_switch)
     if replan is not None:
         replan.kwargs.update(loss_fn=loss_fn, auto_options=auto)

@@ -172,3 +172,11 @@ def test_a_cap_between_the_rules_plans_for_the_flushing_schedule() -> None:
         fits.trainer(optimizer=opt, schedule="pipedream", executor="reference", progress=False)
     fits.trainer(optimizer=opt, schedule="1f1b-flush", microbatches=2, executor="reference",
                  progress=False).close()
+    # the default, auto, only pilots candidates the plan fits: no pipedream variant here
+    auto = fits.trainer(optimizer=opt, microbatches=2, executor="reference", progress=False)
+    assert "1f1b-flush" in auto.auto_options.candidates
+    assert not any(c.startswith("pipedream") for c in auto.auto_options.candidates)
+    auto.close()
+    roomy = probe.trainer(optimizer=opt, executor="reference", progress=False)
+    assert "pipedream" in roomy.auto_options.candidates  # no cap: every candidate stays
+    roomy.close()
