@@ -69,7 +69,8 @@ def fitting_candidates(plan: Any, profile: Any, candidates: Sequence[str],
                        microbatches: int | None, split: int | None) -> tuple[str, ...]:
     """``auto``'s candidates whose memory the plan fits (a plan made for ``1f1b-flush`` under a
     cap may not fit ``pipedream``'s stashed versions): the others are dropped, with a log line,
-    before any pilot runs; when none is left, the baseline's own refusal is raised."""
+    before any pilot runs; when the baseline (``1f1b-flush``) does not fit, or nothing does, its
+    refusal is raised (naming the stage and the bytes), not auto's "needs the baseline"."""
     if plan.cluster.get("memory") is None:  # no cap: every candidate fits
         return tuple(candidates)
     kept, dropped = [], []
@@ -82,6 +83,9 @@ def fitting_candidates(plan: Any, profile: Any, candidates: Sequence[str],
     if dropped:
         log.info("auto: candidates %s do not fit the plan's memory (%s); choosing among %s",
                  [c for c, _ in dropped], dropped[0][1].message, kept)
+    refused = dict(dropped)
+    if "1f1b-flush" in refused:  # auto's baseline: without it there is nothing to compare with
+        raise refused["1f1b-flush"]
     if not kept:
         raise dropped[0][1]
     return tuple(kept)

@@ -21,6 +21,7 @@ from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.pricing.memory import memory_rule, schedule_memory, stashed_versions
 from fxpipe.runtime.pricing.plansim import simulate_plan
 from fxpipe.runtime.pricing.sim_measure import peak_in_flight
+from fxpipe.runtime.training.memory_fit import fitting_candidates
 from fxpipe.runtime.schedules.kinds import make_schedule
 
 S = 4
@@ -180,3 +181,17 @@ def test_a_cap_between_the_rules_plans_for_the_flushing_schedule() -> None:
     roomy = probe.trainer(optimizer=opt, executor="reference", progress=False)
     assert "pipedream" in roomy.auto_options.candidates  # no cap: every candidate stays
     roomy.close()
+
+
+def test_auto_refuses_with_the_baselines_own_message_when_flush_does_not_fit() -> None:
+    """A plan whose cluster memory is below what even 1f1b-flush holds (a saved plan reused on
+    smaller devices): auto's candidates are refused with the baseline's bytes and stage, not
+    with "auto needs the baseline" after dropping it."""
+    prof, plan = four_stages()
+    tiny = dataclasses.replace(plan, cluster={**plan.cluster, "memory": 3 * P})
+    with pytest.raises(RuntimeConfigError, match="schedule '1f1b-flush' needs"):
+        fitting_candidates(tiny, prof, ("pipedream", "1f1b-flush"), None, None)
+    roomy = dataclasses.replace(plan, cluster={**plan.cluster, "memory": 3 * P + 4 * A})
+    # 1f1b-flush holds 3P + 4A on stage 0: it fits; pipedream's 3P + 3P + 4A does not
+    assert fitting_candidates(roomy, prof, ("1f1b-flush", "pipedream"), None, None) \
+        == ("1f1b-flush",)
