@@ -33,23 +33,25 @@ def _default_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def _state_per_byte(optimizer: Callable[..., torch.optim.Optimizer],
-                    shapes: Sequence[tuple[int, torch.dtype]]) -> float:
-    """Optimizer state bytes per byte of the tensors it steps (per-element state only)."""
+def state_per_byte(optimizer: Callable[..., torch.optim.Optimizer],
+                   shapes: Sequence[tuple[int, torch.dtype]], stage: int = 0
+                   ) -> tuple[float | None, Exception | None]:
+    """Optimizer state bytes per byte of the tensors it steps (per-element state only: a step
+    counter is negligible next to a real parameter), measured by building the factory (as
+    stage ``stage`` builds it) on tiny tensors of these (rank, dtype) and stepping it once;
+    ``(None, error)`` when the factory will not run on them."""
     tiny = [torch.zeros((math.ceil(64 ** (1 / nd)),) * nd if nd else (), dtype=dt,
                         requires_grad=True) for nd, dt in shapes]
     try:
-        opt = bind_optimizer(optimizer, 0, 0)(tiny)  # a factory taking stage=/delay= gets them
+        opt = bind_optimizer(optimizer, stage, 0)(tiny)  # a factory taking stage=/delay=
         for t in tiny:
             t.grad = torch.ones_like(t)
         opt.step()
     except Exception as err:  # noqa: BLE001 - any factory: an estimate is not worth failing for
-        log.warning("optimizer state not measured (%s); assuming %s bytes per parameter byte",
-                    err, FALLBACK_STATE)
-        return FALLBACK_STATE
+        return None, err
     state = sum(v.numel() * v.element_size() for t in tiny for v in opt.state.get(t, {}).values()
                 if isinstance(v, torch.Tensor) and v.numel() == t.numel())
-    return state / max(sum(t.numel() * t.element_size() for t in tiny), 1)
+    return state / max(sum(t.numel() * t.element_size() for t in tiny), 1), None
 
 
 def state_factor(params: Sequence[torch.Tensor],
@@ -67,7 +69,11 @@ def state_factor(params: Sequence[torch.Tensor],
     masters = bool(low) if master_weights is None else master_weights
     stepped = [(p.dim(), MASTER_DTYPE if masters and p.dtype in LOW_PRECISION else p.dtype)
                for p in params]
-    per_byte = _state_per_byte(optimizer, stepped)
+    per_byte, err = state_per_byte(optimizer, stepped)
+    if per_byte is None:
+        log.warning("optimizer state not measured (%s); assuming %s bytes per parameter byte",
+                    err, FALLBACK_STATE)
+        per_byte = FALLBACK_STATE
     total = own = 0.0
     for p, (_, dt) in zip(params, stepped):
         n, size = p.numel(), p.element_size()

@@ -42,7 +42,6 @@ around it.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -85,26 +84,18 @@ def optimizer_state_factor(optimizer: Callable[..., torch.optim.Optimizer],
     dimensions, so a factory that groups by name or by shape accepts them); only per-element
     state counts (a step counter is negligible next to a real parameter). Falls back to
     :data:`FALLBACK_STATE_FACTOR` when the factory will not run on them."""
-    from ..replica.mitigation import bind_optimizer
+    from ..replica.state_size import state_per_byte
 
     st = next((s for s in stages if any(p.requires_grad for p in s.gm.parameters())), None)
     if st is None:
         return 0.0
-    tiny = [torch.zeros((math.ceil(64 ** (1 / p.dim())),) * p.dim() if p.dim() else (),
-                        dtype=p.dtype, requires_grad=True)
-            for p in st.gm.parameters() if p.requires_grad]
-    try:
-        opt = bind_optimizer(optimizer, st.index, 0)(tiny)
-        for t in tiny:
-            t.grad = torch.ones_like(t)
-        opt.step()
-    except Exception as err:  # noqa: BLE001 - any factory: an estimate is not worth failing for
+    factor, err = state_per_byte(optimizer, [(p.dim(), p.dtype) for p in st.gm.parameters()
+                                             if p.requires_grad], st.index)
+    if factor is None:
         log.debug("auto: optimizer state not measured (%s); assuming %s bytes per byte", err,
                   FALLBACK_STATE_FACTOR)
         return FALLBACK_STATE_FACTOR
-    state = sum(_tensor_bytes(v) for t in tiny for v in opt.state.get(t, {}).values()
-                if isinstance(v, torch.Tensor) and v.numel() == t.numel())
-    return state / max(sum(_tensor_bytes(t) for t in tiny), 1)
+    return factor
 
 
 def activation_bytes(profile: Any) -> float:
