@@ -25,7 +25,8 @@ its loss)::
         --clip 1.0 --precision bf16 --metrics out.jsonl
 
 ``--optimizer adamw`` makes two parameter groups by name (weight decay only on tensors of 2+
-dimensions); ``--warmup``/``--schedule-lr`` step after every optimizer update (the cosine ends
+dimensions); ``--optimizer muon`` puts the 2-D hidden matrices under ``torch.optim.Muon`` and
+embeddings, the head, norms and biases under AdamW; ``--warmup``/``--schedule-lr`` step after every optimizer update (the cosine ends
 at ``--total-steps``, by default the updates of stage 0 over all epochs: minibatches / microbatches
 for the flushing kinds, minibatches for pipedream).
 """
@@ -81,7 +82,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
     p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw", "muon"],
+                   help="muon: torch.optim.Muon on the hidden matrices, AdamW on embeddings, "
+                   "the head, norms and biases (one --lr and --weight-decay for both)")
     p.add_argument("--weight-decay", type=float, default=0.0,
                    help="on tensors of 2+ dimensions only (named groups)")
     p.add_argument("--warmup", type=int, default=0, help="updates of linear LR warm-up")
@@ -269,15 +272,20 @@ def _user_loaders(text: str) -> tuple[Any, Any]:
                       "return (train_loader, val_loader); val_loader may be None")
 
 
-def _recipe(args: argparse.Namespace, compiled: Any, train: Any) -> dict[str, Any]:
-    """Optimizer (named groups) and per-update LR schedule from the flags."""
+def _recipe(args: argparse.Namespace, compiled: Any, train: Any,
+            model: Any = None) -> dict[str, Any]:
+    """Optimizer (named groups) and per-update LR schedule from the flags; ``model`` names the
+    embeddings and the head that Muon leaves to AdamW."""
     import math
 
+    from fxpipe.runtime.training.param_names import embedding_and_head_names
     from fxpipe.runtime.training.recipes import OptimizerRecipe, SchedulerRecipe, WarmupCosine
     from fxpipe.runtime.schedules.spec import parse_schedule
 
     opt = OptimizerRecipe(args.optimizer, args.lr, weight_decay=args.weight_decay,
-                          momentum=args.momentum)
+                          momentum=args.momentum,
+                          not_muon=sorted(embedding_and_head_names(model)) if model is not None
+                          else ())
     out: dict[str, Any] = {"optimizer": opt}
     if args.warmup or args.schedule_lr != "constant":
         total = args.total_steps
@@ -336,7 +344,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
     train, evaluate = _loaders(args, spec)
-    trainer = compiled.trainer(**_recipe(args, compiled, train),  # the plan's recompute flags
+    trainer = compiled.trainer(**_recipe(args, compiled, train, spec.model),  # the plan's recompute flags
                            schedule=args.schedule, vertical_sync=args.vertical_sync,
                            auto_options={} if args.pilot is None else {"pilot": args.pilot},
                            checkpoint_dir=args.checkpoint_dir,

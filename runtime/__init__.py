@@ -32,6 +32,7 @@ _EXPORTS = {
     "Trainer": "training.trainer", "make_trainer": "training.trainer",
     "ShardedDataset": "training.data", "load_model_state": "training.checkpoint",
     "weight_decay_groups": "training.param_names", "OptimizerRecipe": "training.recipes",
+    "muon_groups": "training.param_names", "MuonWithAdamW": "replica.muon",
     "WarmupCosine": "training.recipes", "SchedulerRecipe": "training.recipes",
 }
 __all__ = sorted(_EXPORTS)

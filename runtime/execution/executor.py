@@ -128,7 +128,7 @@ class RankExecutor(UpdateMixin):
         self._detached = detached_values(self.stages)
         self._split = False  # this run's B computes input gradients only, W the rest (see run)
         self.replica = make_replica(self.spec, optimizer_factory, delay=delay,  # mitigation.py
-                                    mitigation=mitigation,
+                                    mitigation=mitigation, depth=len(self.stages),
                                     loss_fn=loss_fn if me[0] == last else None,
                                     stashing=stashing, planned_reads=planned_reads(schedule, me),
                                     model_input_grads=False,  # sent nowhere: not computed

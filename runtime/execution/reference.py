@@ -87,6 +87,7 @@ class ReferenceExecutor:
         self.workers: dict[Rank, StageReplica] = {
             rank: make_replica(self.stages[rank[0]], optimizer_factory,
                                delay=self.delays[rank[0]], mitigation=self.mitigation,
+                               depth=len(self.stages),
                                loss_fn=loss_fn if rank[0] == last else None, stashing=stashing,
                                planned_reads=planned_reads(self.schedule, rank),
                                detached=detached, **options.replica_kwargs(rank[0]))

@@ -21,6 +21,9 @@ schedule (``schedule="pipedream+predict"``, several joined with ``+``):
   identical.
 * ``momentum``: spike compensation of the optimizer's momentum for a stage d_s updates stale
   (:mod:`fxpipe.runtime.replica.compensate`; SGD, Adam and AdamW).
+* ``nesterov``: the optimizer in its Nesterov form (SGD with Nesterov momentum, NAdam, Muon's
+  Nesterov step), its momentum raised towards 0.99 with the stage's delay (Ajanthan et al. 2025;
+  :mod:`fxpipe.runtime.replica.nesterov`).
 
 The optimizer factory may take the stage's index and delay: ``optimizer=lambda params, stage,
 delay: torch.optim.SGD(params, lr=0.1 / (1 + delay))`` (keywords ``stage`` and ``delay``; a
@@ -29,7 +32,7 @@ factory taking only ``params`` keeps working), so users can write their own.
 Limits (refused with a clear error): ``predict`` and ``dc`` need weight stashing and no vertical
 sync (the forward must read the latest version); per-stage learning rates or momentum corrections
 cannot be applied to a parameter tied across stages of different delays (its copies must stay
-identical).
+identical); ``momentum`` and ``nesterov`` are two rewrites of one momentum: use one.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from ..errors import RuntimeConfigError, StashError
 from ..schedules.schedule import Action
 from ..schedules.spec import Mitigation
 from .compensate import spike_compensate
+from .nesterov import nesterov_form
 from .stage import StageReplica
 from .stash import OptimizerFactory, WeightStash
 
@@ -65,13 +69,16 @@ def accepted_keywords(factory: Callable[..., Any]) -> frozenset[str]:
 
 
 def bind_optimizer(factory: Callable[..., torch.optim.Optimizer], stage: int, delay: int,
-                   mitigation: Mitigation | None = None) -> OptimizerFactory:
-    """The ``params -> optimizer`` factory of one stage: the user's factory (given ``stage=`` and
-    ``delay=`` when it takes them), then learning-rate scaling and momentum correction."""
+                   mitigation: Mitigation | None = None, depth: int = 1) -> OptimizerFactory:
+    """The ``params -> optimizer`` factory of one stage of a ``depth``-stage pipeline: the
+    user's factory (given ``stage=`` and ``delay=`` when it takes them), then the Nesterov form,
+    learning-rate scaling and momentum correction."""
     kw = {k: v for k, v in (("stage", stage), ("delay", delay)) if k in accepted_keywords(factory)}
 
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         opt = factory(params, **kw)
+        if mitigation is not None and mitigation.nesterov:
+            opt = nesterov_form(opt, delay, max(depth, 1))
         if mitigation is not None and mitigation.lr_scale and delay:
             for group in opt.param_groups:
                 group["lr"] = group["lr"] / (1 + delay)
@@ -97,14 +104,17 @@ def check_mitigation(mitigation: Mitigation | None, *, kind: str, stashing: bool
             f"mitigation {mitigation.name!r} with stashing={stashing}, vertical_sync="
             f"{vertical_sync}", "predict and dc need weight stashing and the forward reading the "
             "latest weights: use stashing=True, vertical_sync=False")
-    if (mitigation.lr_scale or mitigation.momentum) and stages and delays:
+    if mitigation.momentum and mitigation.nesterov:
+        raise RuntimeConfigError("mitigations momentum and nesterov together",
+                                 "both rewrite the optimizer's momentum: use one")
+    if (mitigation.lr_scale or mitigation.momentum or mitigation.nesterov) and stages and delays:
         from .stage import tied_parameters
 
         for t in tied_parameters(stages):
             if len({delays[s] for s in t.stages}) > 1:
                 raise RuntimeConfigError(
                     f"parameter {t.key!r} is tied across stages {list(t.stages)} with delays "
-                    f"{[delays[s] for s in t.stages]}: lr_scale and momentum would give its "
+                    f"{[delays[s] for s in t.stages]}: lr_scale, momentum and nesterov would give its "
                     "copies different steps", "use predict or dc, or untie the parameter")
 
 
@@ -212,11 +222,12 @@ class MitigatedReplica(StageReplica):
 
 
 def make_replica(spec: StageSpec, optimizer_factory: Callable[..., torch.optim.Optimizer], *,
-                 delay: int = 0, mitigation: Mitigation | None = None,
+                 delay: int = 0, mitigation: Mitigation | None = None, depth: int = 1,
                  **kwargs: Any) -> StageReplica:
-    """The replica of stage ``spec.index`` with ``delay``: a plain StageReplica or, with
-    ``predict``/``dc``, a MitigatedReplica; its optimizer made by :func:`bind_optimizer`."""
-    factory = bind_optimizer(optimizer_factory, spec.index, delay, mitigation)
+    """The replica of stage ``spec.index`` (of ``depth`` stages) with ``delay``: a plain
+    StageReplica or, with ``predict``/``dc``, a MitigatedReplica; its optimizer made by
+    :func:`bind_optimizer`."""
+    factory = bind_optimizer(optimizer_factory, spec.index, delay, mitigation, depth)
     if mitigation is not None and (mitigation.predict or mitigation.dc):
         return MitigatedReplica(spec, factory, mitigation=mitigation, **kwargs)
     return StageReplica(spec, factory, **kwargs)

@@ -2,6 +2,7 @@
 
     "pipedream"                     PipeDream's asynchronous 1F1B with weight stashing
     "pipedream+predict+lr_scale"    the same with mitigations (fxpipe.runtime.replica.mitigation)
+    "pipedream+nesterov"            delay-matched Nesterov momentum (fxpipe.runtime.replica.nesterov)
     "1f1b-flush", "gpipe", "2bw"    the other kinds (fxpipe.runtime.schedules.schedule)
     "interleaved-1f1b", "zb-v"      several stages per process (fxpipe.runtime.schedules.placement;
                                     the Trainer runs them with executor="reference")
@@ -19,7 +20,7 @@ from .placement import PLACED_KINDS
 from .schedule import SCHEDULE_KINDS
 
 AUTO = "auto"
-MITIGATIONS = ("lr_scale", "predict", "dc", "momentum")
+MITIGATIONS = ("lr_scale", "predict", "dc", "momentum", "nesterov")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Mitigation:
     predict: bool = False
     dc: bool = False
     momentum: bool = False
+    nesterov: bool = False
     dc_lambda: float = 2.0
     dc_decay: float = 0.95
     dc_eps: float = 1e-7

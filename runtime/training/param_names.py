@@ -16,6 +16,7 @@ the same steps.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -121,3 +122,50 @@ def weight_decay_groups(params: Sequence[torch.Tensor], names: Sequence[str],
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": rest, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
+
+
+EMBEDDING_OR_HEAD = re.compile(
+    r"(^|\.)(wte|wpe|lm_head|head|classifier|score|emb[a-z_]*|[a-z_]*_emb[a-z_]*"
+    r"|[a-z_]*embeddings?)(\.|$)", re.IGNORECASE)
+"""Name segments of embeddings (GPT-2's ``wte``/``wpe``, Llama's ``embed_tokens``, BERT's
+``word_embeddings``, ...) and output heads (``lm_head``, ``head``, ``classifier``, ``score``):
+2-D tensors that Muon is not for (Jordan's Muon post: AdamW for embeddings and the head)."""
+
+
+def muon_exempt(name: str, tensor: torch.Tensor) -> bool:
+    """The default rule of :func:`muon_groups`: True (the element-wise optimizer) for a tensor
+    that is not 2-D or whose name says embedding or head."""
+    return tensor.dim() != 2 or EMBEDDING_OR_HEAD.search(name) is not None
+
+
+def embedding_and_head_names(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s embedding weights and of its last ``nn.Linear``'s weight (the head,
+    in module order), whatever they are called: for a model whose names do not say (an
+    ``nn.Sequential`` MLP's head is ``"4.weight"``). A tied tensor's every name is included."""
+    out: set[str] = set()
+    last = None
+    for mname, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Embedding):
+            out.add(f"{mname}.weight" if mname else "weight")
+        elif isinstance(mod, torch.nn.Linear):
+            last = f"{mname}.weight" if mname else "weight"
+    if last is not None:
+        out.add(last)
+    chosen = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in out}
+    return out | {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in chosen}
+
+
+def muon_groups(params: Sequence[torch.Tensor], names: Sequence[str], weight_decay: float = 0.0,
+                exempt: Callable[[str, torch.Tensor], bool] | None = None
+                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(muon, other)`` param groups: Muon's, the 2-D hidden matrices (weight decay
+    ``weight_decay``); the element-wise optimizer's, everything ``exempt(name, tensor)`` (default
+    :func:`muon_exempt`) sends there, split by :func:`weight_decay_groups` (no decay on tensors
+    of fewer than 2 dimensions). Feed them to
+    :class:`fxpipe.runtime.replica.muon.MuonWithAdamW`. Empty groups are left out."""
+    rule = exempt or muon_exempt
+    hidden = [p for p, n in zip(params, names) if not rule(n, p)]
+    rest = [(p, n) for p, n in zip(params, names) if rule(n, p)]
+    muon = [{"params": hidden, "weight_decay": weight_decay}] if hidden else []
+    other = weight_decay_groups([p for p, _ in rest], [n for _, n in rest], weight_decay)
+    return muon, other

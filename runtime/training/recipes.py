@@ -1,5 +1,5 @@
 """Ready-made pieces of a language-model recipe (nanoGPT, the Hugging Face Trainer): AdamW with
-parameter groups by name, and a per-update linear warm-up followed by a cosine decay. Picklable
+parameter groups by name (or Muon on the hidden matrices with AdamW on the rest), and a per-update linear warm-up followed by a cosine decay. Picklable
 classes (not closures), so they travel to spawned ranks; ``fxpipe train`` builds them from its
 flags (``--optimizer adamw --weight-decay 0.1 --warmup 20 --schedule-lr cosine``).
 """
@@ -11,18 +11,26 @@ from typing import Sequence
 import torch
 
 from ..errors import RuntimeConfigError
-from .param_names import weight_decay_groups
+from ..replica.muon import MuonWithAdamW
+from .param_names import muon_exempt, muon_groups, weight_decay_groups
 
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "muon")
 LR_SCHEDULES = ("constant", "cosine")
 
 
 class OptimizerRecipe:
     """``(params, names) -> optimizer``: SGD with momentum, or AdamW with two groups (weight
-    decay on tensors of 2+ dimensions only, nanoGPT's rule) when ``weight_decay`` > 0."""
+    decay on tensors of 2+ dimensions only, nanoGPT's rule) when ``weight_decay`` > 0, or
+    ``"muon"``: ``torch.optim.Muon`` (momentum 0.95, Nesterov) on the 2-D hidden matrices and
+    AdamW on embeddings, heads, norms and biases (:func:`~.param_names.muon_groups`; the names in
+    ``not_muon`` go to AdamW too: :func:`~.param_names.embedding_and_head_names` of the model
+    finds a head its name does not give away). Muon's step is scaled to AdamW's RMS
+    (``adjust_lr_fn="match_rms_adamw"``, Moonshot's rule), so one ``lr`` and ``weight_decay``
+    serve both."""
 
     def __init__(self, kind: str, lr: float, *, weight_decay: float = 0.0,
-                 momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.95)) -> None:
+                 momentum: float = 0.9, betas: tuple[float, float] = (0.9, 0.95),
+                 not_muon: Sequence[str] = ()) -> None:
         if kind not in OPTIMIZERS:
             raise RuntimeConfigError(f"optimizer {kind!r}", f"use one of {OPTIMIZERS}")
         if not lr > 0 or weight_decay < 0:
@@ -30,8 +38,18 @@ class OptimizerRecipe:
                                      "use a positive learning rate and weight decay >= 0")
         self.kind, self.lr, self.weight_decay = kind, lr, weight_decay
         self.momentum, self.betas = momentum, betas
+        self.not_muon = frozenset(not_muon)
+
+    def _exempt(self, name: str, tensor: torch.Tensor) -> bool:
+        return muon_exempt(name, tensor) or name in self.not_muon
 
     def __call__(self, params: list[torch.Tensor], names: Sequence[str]) -> torch.optim.Optimizer:
+        if self.kind == "muon":
+            hidden, rest = muon_groups(params, names, self.weight_decay, self._exempt)
+            return MuonWithAdamW(hidden, rest, muon={
+                "lr": self.lr, "weight_decay": self.weight_decay, "momentum": 0.95,
+                "nesterov": True, "adjust_lr_fn": "match_rms_adamw"},
+                rest={"lr": self.lr, "betas": self.betas})
         groups = weight_decay_groups(params, names, self.weight_decay)
         if self.kind == "adamw":
             return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)

@@ -1,6 +1,7 @@
 """`fxpipe train` for a user's own job: model and data from file.py:factory, AdamW with named
-groups, warm-up + cosine per update, clipping, bf16, metrics log, on 2 gloo ranks; equal to the
-same recipe written out in plain torch here (no fxpipe code in the oracle)."""
+groups (or Muon on the hidden matrices with AdamW on the rest), warm-up + cosine per update,
+clipping, bf16, metrics log, on 2 gloo ranks; equal to the same recipe written out in plain torch
+here (no fxpipe code in the oracle)."""
 from __future__ import annotations
 
 import json
@@ -56,17 +57,25 @@ def test_warmup_cosine_by_hand() -> None:
     assert f(0) == 0.5 and f(2) == 1.0 and f(8) == pytest.approx(0.1) and f(20) == pytest.approx(0.1)
 
 
-def eager(job: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
+def eager(job: dict, optimizer: str = "adamw") -> tuple[dict[str, torch.Tensor], list[float]]:
     """The recipe in plain torch: 2 epochs of 8 minibatches, 2 per update (gradient
-    accumulation), AdamW (decay on 2-D weights only), LambdaLR, clip 0.5, bf16 autocast;
+    accumulation), AdamW (decay on 2-D weights only; with muon: Muon on the two hidden matrices
+    and AdamW on the rest), LambdaLR, clip 0.5, bf16 autocast;
     evaluation (forward and loss) under the same autocast."""
     model, (train, val) = job["net"](), job["data"]()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": rest, "weight_decay": 0.0}], lr=0.02,
-                            betas=(0.9, 0.95))  # nanoGPT's (fxpipe's recipe's)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    # muon: the hidden matrices by hand (the head, 5.weight, stays with AdamW)
+    hidden = ["0.weight", "3.weight"] if optimizer == "muon" else []
+    named = [(n, p) for n, p in model.named_parameters() if n not in hidden]
+    decay = [p for _, p in named if p.dim() >= 2]
+    rest = [p for _, p in named if p.dim() < 2]
+    opts = [torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                               {"params": rest, "weight_decay": 0.0}], lr=0.02,
+                              betas=(0.9, 0.95))]  # nanoGPT's (fxpipe's recipe's)
+    if hidden:
+        opts.insert(0, torch.optim.Muon([p for n, p in model.named_parameters() if n in hidden],
+                                        lr=0.02, weight_decay=0.1, momentum=0.95,
+                                        nesterov=True, adjust_lr_fn="match_rms_adamw"))
+    scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lr_factor) for opt in opts]
     evals = []
     for _ in range(2):
         model.train()
@@ -76,9 +85,10 @@ def eager(job: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
             (loss / 2).backward()
             if k % 2 == 1:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
+                for opt, sched in zip(opts, scheds):
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
         model.eval()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             losses = [float(torch.nn.functional.cross_entropy(model(x), y)) for x, y in val]
@@ -86,14 +96,16 @@ def eager(job: dict) -> tuple[dict[str, torch.Tensor], list[float]]:
     return model.state_dict(), evals
 
 
-def test_fxpipe_train_user_job_equals_the_recipe_in_plain_torch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fxpipe_train_user_job_equals_the_recipe_in_plain_torch(tmp_path: Path,
+                                                                 optimizer: str) -> None:
     job_file = tmp_path / "job.py"
     job_file.write_text(JOB)
     out, metrics = tmp_path / "out.pt", tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "fxpipe.cli_train", "train", f"{job_file}:model",
            "--data", f"{job_file}:data", "--nproc", "2", "--stages", "2", "--straight",
            "--schedule", "1f1b-flush", "--microbatches", "2", "--epochs", "2",
-           "--optimizer", "adamw", "--lr", "0.02", "--weight-decay", "0.1", "--warmup", "2",
+           "--optimizer", optimizer, "--lr", "0.02", "--weight-decay", "0.1", "--warmup", "2",
            "--schedule-lr", "cosine", "--clip", "0.5", "--precision", "bf16",
            "--metrics", str(metrics), "--save", str(out), "--no-progress", "--prefetch", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -111,7 +123,7 @@ def test_fxpipe_train_user_job_equals_the_recipe_in_plain_torch(tmp_path: Path) 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks (OMP_NUM_THREADS=1): bf16 matmuls block by thread
     try:
-        want, evals = eager(scope)
+        want, evals = eager(scope, optimizer)
     finally:
         torch.set_num_threads(threads)
     got = torch.load(out, weights_only=True)

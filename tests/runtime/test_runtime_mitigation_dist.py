@@ -1,8 +1,9 @@
 """Mitigations and auto under torchrun (2 gloo ranks) against the reference executor.
 
 The distributed executor builds the same MitigatedReplica and the same compensated optimizers as
-the reference one, so a pipedream+predict+dc+momentum run (with checkpoints, an LR scheduler and
-dropout, trainer_job.py) must agree with the oracle to float tolerance; and schedule="auto" must
+the reference one, so a pipedream+predict+dc+momentum run, and a pipedream+nesterov one with the
+Muon recipe (Muon's and NAdam's Nesterov forms), with checkpoints, an LR scheduler and dropout
+(trainer_job.py), must agree with the oracle to float tolerance; and schedule="auto" must
 reach one decision on both ranks: without a pilot (too short a run: flush, each minibatch cut
 into microbatches on both executors) and with one split over the two ranks, whose merged curves must
 give the single-process pilot's decision, row for row."""
@@ -20,6 +21,7 @@ from fxpipe.runtime.training.auto import AutoOptions
 
 def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> None:
     for i, (schedule, extra) in enumerate((("pipedream+predict+dc+momentum", []),
+                                           ("pipedream+nesterov", ["--optimizer", "muon"]),
                                            ("auto", []), ("auto", ["--pilot", "12"]))):
         ref = _run([sys.executable, str(HERE / "trainer_job.py"), str(tmp_path / "ref.pt"),
                     "--ckpt", str(tmp_path / f"ref-{i}"), "--executor", "reference",
@@ -35,7 +37,7 @@ def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> Non
             # sizes): one update per minibatch on both executors
             assert (want["auto"].schedule, want["auto"].split) == ("1f1b-flush", 2)
             assert (got["auto"].schedule, got["auto"].split) == ("1f1b-flush", 2)
-        if extra:  # the pilot ran: in one process, and split over the two ranks
+        if "--pilot" in extra:  # the pilot ran: in one process, and split over the two ranks
             a, b = want["auto"], got["auto"]
             assert (a.pilot_ranks, b.pilot_ranks, a.pilot_minibatches) == (1, 2, 12)
             assert b.schedule == a.schedule and b.level == a.level

@@ -9,7 +9,8 @@ N-th checkpoint completes; rank 0 writes the trained state dict, the history and
 trainer gathered to rank 0 (during fit, then in state_dict()) to OUT.pt at the end.
 ``--rank-data``: each rank gets a loader seeded by its rank (a mistake the trainer must catch).
 ``--pilot N`` (with ``--schedule auto``): a pilot of N minibatches (every rank trains its share of
-the candidates); OUT.pt then holds auto's decision too.
+the candidates); OUT.pt then holds auto's decision too. ``--optimizer muon``: the ``"muon"``
+recipe (Muon on the 2-D weights, AdamW on the biases) in place of SGD.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from fxpipe.codegen.split import placed_nodes, split_graph
 from fxpipe.runtime.training.data import ShardedDataset
+from fxpipe.runtime.training.recipes import OptimizerRecipe
 from fxpipe.runtime.training.trainer import Trainer
 
 
@@ -57,8 +59,9 @@ def warmup(step: int) -> float:
 
 
 def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
-    return Trainer(stages(), [1, 1], F.mse_loss,
-                   functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+    optimizer = (OptimizerRecipe("muon", 0.02, weight_decay=0.1) if args.optimizer == "muon"
+                 else functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    return Trainer(stages(), [1, 1], F.mse_loss, optimizer,
                    lr_scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR,
                                                   lr_lambda=warmup),
                    schedule=args.schedule, checkpoint_dir=args.ckpt, checkpoint_every=2,
@@ -79,6 +82,7 @@ def main() -> int:
     p.add_argument("--timeline", action="store_true", help="record; save per-segment counts")
     p.add_argument("--rank-data", action="store_true", help="a loader that differs by rank")
     p.add_argument("--pilot", type=int, default=None, help="auto's pilot length")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"])
     args = p.parse_args()
     torch.set_num_threads(1)
     done = []
