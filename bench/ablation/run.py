@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.ablation.run                        # the published run (hours)
     .venv/bin/python -m bench.ablation.run --tasks mlp --depths 2 --seeds 1 --updates 30  # smoke
     .venv/bin/python -m bench.ablation.run --first-seed 3 --variants 1f1b-flush,pipedream  # seeds 3-5
+    .venv/bin/python -m bench.ablation.run --long    # the 1,000-update rows (LONG below)
 
 Each configuration trains on fxpipe's reference executor (see bench/ablation/train.py) and
 appends one JSON line to ``--out`` (default bench/ablation/results.jsonl, in the repository:
@@ -33,6 +34,11 @@ SAME_AT_EVERY_DEPTH = ("1f1b-flush", "2bw")
 TRAINED = ("1f1b-flush", "2bw", "pipedream", "pipedream-nostash", "pipedream+vsync", "localsgd",
            "pipedream+lr_scale", "pipedream+predict", "pipedream+dc", "pipedream+momentum",
            "pipedream+predict+momentum")
+LONG = ("--tasks lm,mlp --depths 4,8 --optimizers adamw,muon --variants "
+        "1f1b-flush,pipedream,pipedream+nesterov,2bw --updates 1000 --out "
+        "bench/ablation/results-long.jsonl")
+"""The longer horizon (issue 25): 1,000 updates, AdamW and Muon, the Nesterov correction and
+2bw beside flush and pipedream (``--long`` runs it; its report: ``bench.ablation.long_report``)."""
 
 
 def _work(args: tuple[str, int, str, str, int, int | None]) -> dict[str, Any]:
@@ -56,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tasks", default="mlp,cnn,lm")
     p.add_argument("--depths", default="2,4,8")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--optimizers", default=",".join(o for o in OPTIMIZERS if o != "muon"))
     p.add_argument("--variants", default=",".join(TRAINED))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--first-seed", type=int, default=0,
@@ -64,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, default=None, help="override every task's budget")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--long", action="store_true", help=f"the long rows: {LONG}")
+    argv = list(argv if argv is not None else __import__("sys").argv[1:])
+    if "--long" in argv:
+        argv = [x for x in argv if x != "--long"] + LONG.split()
     a = p.parse_args(argv)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

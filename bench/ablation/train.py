@@ -33,9 +33,9 @@ from .tasks import Task, sgd_lr
 
 VARIANTS = ("1f1b-flush", "gpipe", "2bw", "pipedream", "pipedream-nostash", "pipedream+vsync",
             "localsgd", "pipedream+lr_scale", "pipedream+predict", "pipedream+dc",
-            "pipedream+momentum", "pipedream+predict+momentum")
+            "pipedream+momentum", "pipedream+predict+momentum", "pipedream+nesterov")
 MICROBATCHED = ("1f1b-flush", "gpipe", "2bw", "localsgd")
-OPTIMIZERS = ("sgd0", "sgd0.5", "sgd0.9", "adamw")
+OPTIMIZERS = ("sgd0", "sgd0.5", "sgd0.9", "adamw", "muon")
 LOCALSGD_EVERY = 4
 # commodity cluster of the time-to-target prediction (see report.py)
 CLUSTER = dict(bandwidth="10Gbps", device="cpu", latency=20e-6)
@@ -45,9 +45,36 @@ class Diverged(Exception):
     """The loss became NaN or infinite."""
 
 
-def optimizer_factory(task: Task, opt: str) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+def muon_factory(task: Task, stages: list[Any]) -> Callable[..., torch.optim.Optimizer]:
+    """Muon (momentum 0.95, Nesterov, its step scaled to AdamW's RMS so AdamW's lr serves) on
+    the 2-D hidden matrices, AdamW as the ``adamw`` runs have it on embeddings, the head, norms
+    and biases; by the names of the model's parameters (a stage's are the model's), the head
+    found from the model (``embedding_and_head_names``)."""
+    from fxpipe.runtime.replica.muon import MuonWithAdamW
+    from fxpipe.runtime.training.param_names import embedding_and_head_names, muon_exempt
+
+    not_muon = embedding_and_head_names(task.build())
+    names = {s: [n for n, p in st.gm.named_parameters() if p.requires_grad]
+             for s, st in enumerate(stages)}
+
+    def make(ps: list[torch.Tensor], stage: int) -> torch.optim.Optimizer:
+        rest = [muon_exempt(n, p) or n in not_muon for p, n in zip(ps, names[stage])]
+        return MuonWithAdamW([{"params": [p for p, r in zip(ps, rest) if not r]}],
+                             [{"params": [p for p, r in zip(ps, rest) if r]}],
+                             muon={"lr": task.adamw_lr, "weight_decay": 0.01, "momentum": 0.95,
+                                   "nesterov": True, "adjust_lr_fn": "match_rms_adamw"},
+                             rest={"lr": task.adamw_lr, "weight_decay": 0.01})
+    return make
+
+
+def optimizer_factory(task: Task, opt: str, stages: list[Any] | None = None
+                      ) -> Callable[..., torch.optim.Optimizer]:
     if opt == "adamw":
         return lambda ps: torch.optim.AdamW(ps, lr=task.adamw_lr, weight_decay=0.01)
+    if opt == "muon":
+        if stages is None:
+            raise ValueError("muon needs the stages (its groups are by parameter name)")
+        return muon_factory(task, stages)
     m = float(opt[3:])
     return lambda ps: torch.optim.SGD(ps, lr=sgd_lr(task, m), momentum=m)
 
@@ -144,7 +171,7 @@ def run_one(task: Task, run: Run) -> dict[str, Any]:
         raise ValueError(f"batch {task.batch} is not a multiple of S={S}")
     size, count = (task.batch // S, task.updates * S) if micro else (task.batch, task.updates)
     data = task.minibatches(run.seed, size, count)
-    factory = optimizer_factory(task, run.opt)
+    factory = optimizer_factory(task, run.opt, stages)
     t0 = time.perf_counter()
     if v == "localsgd":
         ex: Any = _scored(LocalSGDExecutor, task, evals, S)(

@@ -1,0 +1,51 @@
+"""bench/ablation/long_report (issue 25's 1,000-update rows): target, updates to target, ratios
+and the goal line, on hand-made records whose answers are worked out here."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.ablation.long_report import load, markdown  # noqa: E402
+
+
+def curve(points: dict[int, float]) -> list[list[float]]:
+    return [[u, points[u]] for u in sorted(points)]
+
+
+def rec(variant: str, S: int, seed: int, evals: dict[int, float]) -> dict:
+    return {"key": f"lm|{S}|{variant}|adamw|{seed}", "task": "lm", "S": S, "variant": variant,
+            "opt": "adamw", "seed": seed, "evals": curve(evals), "diverged": None}
+
+
+def test_targets_ratios_and_goal(tmp_path: Path) -> None:
+    # budget 100 updates; flush at u = 60 (60%) has 2.995 and 3.004: mean 2.9995 -> target 3.00
+    flush = [{0: 5.0, 50: 3.1, 60: 2.995, 90: 2.9, 100: 2.9},
+             {0: 5.0, 50: 3.2, 60: 3.004, 90: 2.9, 100: 2.9}]
+    # reaches 3.00 at 50 and 70: 60 ± 14.1, ratio to flush's (60 + 90) / 2 = 75 -> 0.80
+    nesterov = [{0: 5.0, 50: 2.99, 100: 2.8}, {0: 5.0, 50: 3.1, 70: 3.0, 100: 2.8}]
+    # one seed never reaches it: not a goal candidate
+    pipedream = [{0: 5.0, 80: 2.9, 100: 2.9}, {0: 5.0, 100: 3.5}]
+    lines = [rec("1f1b-flush", 4, s, e) for s, e in enumerate(flush)]
+    lines += [rec("pipedream+nesterov", 4, s, e) for s, e in enumerate(nesterov)]
+    lines += [rec("pipedream", 4, s, e) for s, e in enumerate(pipedream)]
+    lines += [rec("pipedream", 8, 0, {0: 5.0, 100: 3.5}), rec("1f1b-flush", 8, 0, flush[0])]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    periods = {S: {v: 1.0 for v in ("1f1b-flush", "pipedream", "pipedream+nesterov", "2bw")}
+               for S in (4, 8)}
+    text, figures = markdown(load(path), path, periods)
+    assert figures["targets"] == {"lm|adamw": 3.0}
+    # flush at S = 4 reaches 3.00 at 60 (seed 0: 2.995) and 90 (seed 1: 3.004 > 3.00 at 60)
+    assert "| 4 | 1f1b-flush | 75 ± 21.2 (2/2) | 1.00 |" in text
+    assert "| 4 | pipedream+nesterov | 60 ± 14.1 (2/2) | 0.80 |" in text
+    assert "| 4 | pipedream | 80 ± 0 (1/2) |" in text
+    assert figures["best"] == {"lm|4|adamw": ["pipedream+nesterov", pytest.approx(0.8)],
+                               "lm|8|adamw": None}
+    assert "met on 1 of 2 rows" in text
