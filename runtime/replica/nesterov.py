@@ -23,8 +23,12 @@ decay, eps and the param groups kept):
     Muon(momentum=m)             -> Muon(momentum=beta_s, nesterov=True)
     MuonWithAdamW                -> both parts as above (its AdamW part as NAdam)
 
-A momentum already at or above ``beta_max`` is kept. The last stage (no delay) keeps its
-coefficient but takes the Nesterov form too. Options the forms are not defined for (SGD's
+A momentum already at or above ``beta_max`` is kept: the authors' published script runs every
+stage at 0.99 (``--momentum 0.99``, the adaptive rule commented out), which is this mitigation
+with the optimizer's momentum set to 0.99. Their loop is PipeDream's with weight stashing (the
+backward recomputes on the stashed version, the step applies to the newest), as fxpipe's
+``pipedream`` is. The last stage (no delay) keeps its coefficient but takes the Nesterov form
+too. Options the forms are not defined for (SGD's
 dampening, amsgrad, maximize) are refused with a :class:`~fxpipe.errors.ConfigError`.
 """
 from __future__ import annotations
