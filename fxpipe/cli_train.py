@@ -26,7 +26,8 @@ its loss)::
 
 ``--optimizer adamw`` makes two parameter groups by name (weight decay only on tensors of 2+
 dimensions); ``--optimizer muon`` puts the 2-D hidden matrices under ``torch.optim.Muon`` and
-embeddings, the head, norms and biases under AdamW; ``--warmup``/``--schedule-lr`` step after every optimizer update (the cosine ends
+embeddings, the head, norms and biases under AdamW; ``--warmup``/``--schedule-lr`` step after
+every optimizer update (the cosine ends
 at ``--total-steps``, by default the updates of stage 0 over all epochs: minibatches / microbatches
 for the flushing kinds, minibatches for pipedream).
 """
@@ -344,7 +345,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
     train, evaluate = _loaders(args, spec)
-    trainer = compiled.trainer(**_recipe(args, compiled, train, spec.model),  # the plan's recompute flags
+    trainer = compiled.trainer(**_recipe(args, compiled, train, spec.model),  # plan's recompute
                            schedule=args.schedule, vertical_sync=args.vertical_sync,
                            auto_options={} if args.pilot is None else {"pilot": args.pilot},
                            checkpoint_dir=args.checkpoint_dir,

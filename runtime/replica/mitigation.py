@@ -114,8 +114,8 @@ def check_mitigation(mitigation: Mitigation | None, *, kind: str, stashing: bool
             if len({delays[s] for s in t.stages}) > 1:
                 raise RuntimeConfigError(
                     f"parameter {t.key!r} is tied across stages {list(t.stages)} with delays "
-                    f"{[delays[s] for s in t.stages]}: lr_scale, momentum and nesterov would give its "
-                    "copies different steps", "use predict or dc, or untie the parameter")
+                    f"{[delays[s] for s in t.stages]}: lr_scale, momentum and nesterov would "
+                    "give its copies different steps", "use predict or dc, or untie the parameter")
 
 
 class _PredictingStash:

@@ -2,7 +2,7 @@
 
     "pipedream"                     PipeDream's asynchronous 1F1B with weight stashing
     "pipedream+predict+lr_scale"    the same with mitigations (fxpipe.runtime.replica.mitigation)
-    "pipedream+nesterov"            delay-matched Nesterov momentum (fxpipe.runtime.replica.nesterov)
+    "pipedream+nesterov"            delay-matched Nesterov momentum (replica.nesterov)
     "1f1b-flush", "gpipe", "2bw"    the other kinds (fxpipe.runtime.schedules.schedule)
     "interleaved-1f1b", "zb-v"      several stages per process (fxpipe.runtime.schedules.placement;
                                     the Trainer runs them with executor="reference")

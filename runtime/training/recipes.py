@@ -1,7 +1,8 @@
 """Ready-made pieces of a language-model recipe (nanoGPT, the Hugging Face Trainer): AdamW with
-parameter groups by name (or Muon on the hidden matrices with AdamW on the rest), and a per-update linear warm-up followed by a cosine decay. Picklable
-classes (not closures), so they travel to spawned ranks; ``fxpipe train`` builds them from its
-flags (``--optimizer adamw --weight-decay 0.1 --warmup 20 --schedule-lr cosine``).
+parameter groups by name (or Muon on the hidden matrices with AdamW on the rest), and a
+per-update linear warm-up followed by a cosine decay. Picklable classes (not closures), so they
+travel to spawned ranks; ``fxpipe train`` builds them from its flags (``--optimizer adamw
+--weight-decay 0.1 --warmup 20 --schedule-lr cosine``).
 """
 from __future__ import annotations
 

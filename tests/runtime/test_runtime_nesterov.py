@@ -16,8 +16,8 @@ the Nesterov form of the optimizer with the delay-matched coefficient of Ajantha
 The reference executor, running the real schedule, stash, stage and optimizer code, must agree to
 float64 rounding (NAdam: to 1e-6 relative, 1e-8 absolute, as torch keeps its step count and
 momentum product as float32 scalars; a wrong weight version or coefficient moves the result by
-order lr * gradient, 1e-2 here); and the per-stage coefficient must matter (the same run with one coefficient
-for every stage differs).
+order lr * gradient, 1e-2 here); and the per-stage coefficient must matter (the same run with one
+coefficient for every stage differs).
 """
 from __future__ import annotations
 
