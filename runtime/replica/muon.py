@@ -34,8 +34,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
                  other_groups: Sequence[dict[str, Any]], *, muon: dict[str, Any] | None = None,
                  other: Callable[..., torch.optim.Optimizer] = torch.optim.AdamW,
                  rest: dict[str, Any] | None = None) -> None:
-        muon_groups = [dict(g, **{MUON_KEY: True}) for g in muon_groups if list(g["params"])]
-        other_groups = [dict(g, **{MUON_KEY: False}) for g in other_groups if list(g["params"])]
+        # params as lists (a generator would be spent by the emptiness test)
+        muon_groups = [dict(g, params=list(g["params"]), **{MUON_KEY: True}) for g in muon_groups]
+        other_groups = [dict(g, params=list(g["params"]), **{MUON_KEY: False})
+                        for g in other_groups]
+        muon_groups = [g for g in muon_groups if g["params"]]
+        other_groups = [g for g in other_groups if g["params"]]
         if not muon_groups and not other_groups:
             raise ConfigError("MuonWithAdamW with no parameters", "give it at least one tensor")
         bad = [tuple(p.shape) for g in muon_groups for p in g["params"] if p.dim() != 2]
