@@ -63,7 +63,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="auto",
                    help="auto (default: chosen by a pilot and the simulated throughput), "
                    "pipedream, 1f1b-flush, gpipe, 2bw, or pipedream+MITIGATIONS (lr_scale, "
-                   "predict, dc, momentum, joined with +)")
+                   "predict, dc, momentum, nesterov, joined with +)")
     p.add_argument("--pilot", type=int, default=None,
                    help="auto: minibatches per candidate in the pilot (0: none, pick 1f1b-flush)")
     p.add_argument("--vertical-sync", action="store_true")
