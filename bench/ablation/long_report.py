@@ -10,7 +10,9 @@
 * **Updates to target**: the first evaluation at or past it, mean ± sd over the seeds that
   reached it (k/n); **final**: mean of the last 3 evaluations, mean ± sd over seeds.
 * **Goal** (issue 25): at each depth, the best asynchronous variant (pipedream, its Nesterov
-  correction, 2bw) reaches the target in every seed within 1.1x flush's updates.
+  correction, 2bw) reaches the target in every seed within 1.1x flush's updates, seed by seed
+  (the worst of ``updates(variant, seed) / updates(flush, seed)``; the ratio of the means is
+  shown beside it).
 * **Predicted time to target**: updates x simulated seconds per update of GPT-2 124M (32
   sequences of 1024 tokens per update, estimated V100 costs) on S V100s at 10 Gbps, the
   planner's S-stage straight plan, bubbles included (``fxpipe.runtime.pricing.plansim``):
@@ -79,7 +81,23 @@ def gpu_periods(S: int) -> dict[str, float]:
     for kind in ("1f1b-flush", "2bw"):
         sim = simulate_plan(mplan, micro, schedule=kind, minibatches=8 * S, microbatches=S)
         out[kind] = sim.steady_state_period * S
+        untied = simulate_plan(mplan, micro, schedule=kind, minibatches=8 * S, microbatches=S,
+                               tied=[])  # the same without the tied embedding/head sum
+        out[kind + " untied"] = untied.steady_state_period * S
     return out
+
+
+def paired(recs: list[dict], base: list[dict], target: float, higher: bool) -> float | None:
+    """The worst seed's updates to target over flush's in the same seed; None unless every
+    seed of both reached it."""
+    flush = {r["seed"]: reached(r, target, higher) for r in base}
+    ratios = []
+    for r in recs:
+        u, f = reached(r, target, higher), flush.get(r["seed"])
+        if u is None or not f:
+            return None
+        ratios.append(u / f)
+    return max(ratios) if ratios else None
 
 
 def stats(recs: list[dict], target: float, higher: bool) -> dict[str, Any]:
@@ -125,11 +143,12 @@ def markdown(data: dict, results: Path, periods: dict[int, dict[str, float]] | N
             cmp = ">=" if task.higher_is_better else "<="
             lines += [f"**{t}, {o}** ({budget[t]} updates; target {task.metric} {cmp} "
                       f"{target:g})", "",
-                      "| S | variant | updates to target (seeds) | / flush | final | "
-                      "predicted time to target |", "|---:|---|---|---:|---|---:|"]
+                      "| S | variant | updates to target (seeds) | / flush (means) | "
+                      "worst seed / flush's | final | predicted time to target |",
+                      "|---:|---|---|---:|---:|---|---:|"]
             for S in depths:
-                base = None
-                best: tuple[float, str] | None = None
+                base, flush_recs = None, data.get((t, S, "1f1b-flush", o)) or []
+                best: tuple[float, str, float] | None = None
                 for v in VARIANTS:
                     recs = data.get((t, S, v, o))
                     if not recs:
@@ -139,30 +158,46 @@ def markdown(data: dict, results: Path, periods: dict[int, dict[str, float]] | N
                     if v == "1f1b-flush":
                         base = m if st["reached"] == st["seeds"] else None
                     ratio = m / base if base and st["reached"] else float("nan")
-                    if v in ASYNC and st["reached"] == st["seeds"] and ratio == ratio:
-                        best = min(best or (ratio, v), (ratio, v))
+                    worst = (paired(recs, flush_recs, target, task.higher_is_better)
+                             if base else None)
+                    if v in ASYNC and worst is not None:
+                        best = min(best or (worst, v, ratio), (worst, v, ratio))
                     time_ms = m * periods[S][v] * 1e3
                     lines.append(
                         f"| {S} | {v} | {fmt(*st['updates'])} ({st['reached']}/{st['seeds']})"
                         f"{' diverged ' + str(st['diverged']) if st['diverged'] else ''} | "
-                        f"{ratio:.2f} | {fmt(*st['final'], digits=4)} | "
-                        f"{time_ms / 1e3:.1f} s |" if st["reached"] else
-                        f"| {S} | {v} | - (0/{st['seeds']}) | - | "
+                        f"{ratio:.2f} | {'-' if worst is None else f'{worst:.2f}'} | "
+                        f"{fmt(*st['final'], digits=4)} | {time_ms / 1e3:.1f} s |"
+                        if st["reached"] else
+                        f"| {S} | {v} | - (0/{st['seeds']}) | - | - | "
                         f"{fmt(*st['final'], digits=4)} | - |")
                 if base is not None:
                     goal_rows.append((t, S, o, best))
-                    summary[f"{t}|{S}|{o}"] = None if best is None else [best[1], best[0]]
+                    summary[f"{t}|{S}|{o}"] = (None if best is None
+                                               else [best[1], best[2], best[0]])
             lines.append("")
     met = [r for r in goal_rows if r[3] is not None and r[3][0] <= GOAL]
-    lines.append(f"**Goal** (best asynchronous variant within {GOAL}x flush's updates, every "
-                 f"seed): met on {len(met)} of {len(goal_rows)} rows.")
+    lines.append(f"**Goal** (best asynchronous variant within {GOAL}x flush's updates in every "
+                 f"seed, seed by seed): met on {len(met)} of {len(goal_rows)} rows.")
     for t, S, o, best in goal_rows:
-        lines.append(f"- {t}, S = {S}, {o}: " + (f"best {best[1]}, {best[0]:.2f}x flush's updates"
-                                                 if best else "no asynchronous variant reached "
-                                                 "the target in every seed"))
+        verdict = ("" if best is None else
+                   " (met)" if best[0] <= GOAL else f" (missed by {best[0] / GOAL - 1:.1%})")
+        lines.append(f"- {t}, S = {S}, {o}: " + (
+            f"best {best[1]}: worst seed {best[0]:.3f}x flush's updates, means "
+            f"{best[2]:.2f}x{verdict}" if best else
+            "no asynchronous variant reached the target in every seed"))
     lines += ["", "Simulated seconds per update (GPT-2 124M, 32 x 1024 tokens per update): " +
               "; ".join(f"S = {S}: " + ", ".join(f"{v} {periods[S][v] * 1e3:.0f} ms"
                                                  for v in VARIANTS) for S in depths) + "."]
+    if all("2bw untied" in periods[S] for S in depths):
+        lines += ["", "2bw runs GPT-2's tied embedding/head sum (stage 0 with stage S - 1, "
+                  "154 MB) synchronously once per update, so the non-flushing pipeline waits "
+                  "for it (pipedream lags the tied sum a round and overlaps it); without the "
+                  "tie, 2bw simulates at " + ", ".join(
+                      f"{periods[S]['2bw untied'] * 1e3:.0f} ms (S = {S})" for S in depths) +
+                  " per update and 1f1b-flush at " + ", ".join(
+                      f"{periods[S]['1f1b-flush untied'] * 1e3:.0f} ms" for S in depths) +
+                  ". The time column prices the model as it is, tied."]
     return "\n".join(lines), {"targets": {f"{t}|{o}": v for (t, o), v in tgt.items()},
                               "best": summary}
 

@@ -44,8 +44,28 @@ def test_targets_ratios_and_goal(tmp_path: Path) -> None:
     assert figures["targets"] == {"lm|adamw": 3.0}
     # flush at S = 4 reaches 3.00 at 60 (seed 0: 2.995) and 90 (seed 1: 3.004 > 3.00 at 60)
     assert "| 4 | 1f1b-flush | 75 ± 21.2 (2/2) | 1.00 |" in text
-    assert "| 4 | pipedream+nesterov | 60 ± 14.1 (2/2) | 0.80 |" in text
-    assert "| 4 | pipedream | 80 ± 0 (1/2) |" in text
-    assert figures["best"] == {"lm|4|adamw": ["pipedream+nesterov", pytest.approx(0.8)],
+    # seed by seed: 50 / 60 and 70 / 90 -> the worst seed 0.83
+    assert "| 4 | pipedream+nesterov | 60 ± 14.1 (2/2) | 0.80 | 0.83 |" in text
+    assert "| 4 | pipedream | 80 ± 0 (1/2) | 1.07 | - |" in text
+    assert figures["best"] == {"lm|4|adamw": ["pipedream+nesterov", pytest.approx(0.8),
+                                              pytest.approx(50 / 60)],
                                "lm|8|adamw": None}
     assert "met on 1 of 2 rows" in text
+
+
+def test_goal_is_seed_by_seed(tmp_path: Path) -> None:
+    """Means within 1.1x do not meet the goal when one seed is slower than 1.1x its flush."""
+    flush = [{0: 5.0, 60: 2.9, 100: 2.8}, {0: 5.0, 60: 3.1, 100: 2.8}]  # target 3.00; 60, 100
+    twobw = [{0: 5.0, 70: 2.9, 100: 2.8}, {0: 5.0, 80: 2.9, 100: 2.8}]  # 70, 80: means 0.94x
+    lines = [rec("1f1b-flush", 4, s, e) for s, e in enumerate(flush)]
+    lines += [rec("2bw", 4, s, e) for s, e in enumerate(twobw)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    periods = {4: {v: 1.0 for v in ("1f1b-flush", "pipedream", "pipedream+nesterov", "2bw")}}
+    text, figures = markdown(load(path), path, periods)
+    assert figures["targets"] == {"lm|adamw": 3.0}
+    assert "| 4 | 2bw | 75 ± 7.07 (2/2) | 0.94 | 1.17 |" in text  # seed 0: 70 / 60
+    assert figures["best"] == {"lm|4|adamw": ["2bw", pytest.approx(75 / 80),
+                                              pytest.approx(70 / 60)]}
+    assert "met on 0 of 1 rows" in text
+    assert "worst seed 1.167x flush's updates, means 0.94x (missed by 6.1%)" in text
