@@ -8,8 +8,8 @@ The same training run twice under torchrun (2 ranks, gloo, 1 thread each): a 2-s
 README's optimizer), trained for one epoch of 20,000 minibatches of 2 samples from a lazy loader
 (a ``ShardedDataset`` whose inputs and targets are callables: every minibatch is made from its
 index when asked for, nothing is materialised); once with ``compiled.trainer(...)``'s default
-``schedule="auto"`` (its decision included: the pilot, or the check that skips it), once with
-``schedule="1f1b-flush"`` named. Every rank reports the peak of its resident set during ``fit``
+``schedule="auto"`` (its decision included: the pilot on the job's own pipeline, the winner
+continuing from it, or the check that skips it), once with ``schedule="1f1b-flush"`` named. Every rank reports the peak of its resident set during ``fit``
 (``VmHWM`` of ``/proc/self/status``, reset by ``/proc/self/clear_refs`` just before ``fit``, so
 the compile before it does not count) and the whole process's (``ru_maxrss``).
 
@@ -38,9 +38,13 @@ from bench._report import publish
 SECTION = "auto-memory"
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH, LAYERS, CLASSES, BATCH = 2048, 12, 16, 2
-PILOT = {"max_memory": None, "max_cost": None}
-"""auto_options of the job that measures the pilot the default skips: no limit relative to
-training's memory or time (the check against the rank's available memory stays)."""
+PIPELINE = {"max_cost": None, "where": "pipeline"}
+"""auto_options of the job that measures the pilot on the job's own pipeline (issue 25): the
+candidates in turn, each rank training only its stage, the winner continuing from its pilot."""
+PILOT = {"max_memory": None, "max_cost": None, "where": "copies"}
+"""auto_options of the job that measures the pilot on copies (the default before issue 25): no
+limit relative to training's memory or time (the check against the rank's available memory
+stays)."""
 BEFORE = (
     "Before this change (commit 9ca0b56: the same script, its jobs run on that commit's code in "
     "a git worktree): the default's decision peaked at 1,611 MiB on rank 0 and 1,592 MiB on "
@@ -189,7 +193,7 @@ def page(runs: dict[str, dict]) -> str:
         f"Command: `.venv/bin/python -m bench.auto_memory` (from the repository root; "
         f"{os.cpu_count()} CPU cores shared with other jobs (load average {load} at the end), "
         f"torch {torch.__version__}, Python {platform.python_version()}, 2 torchrun ranks, "
-        f"1 thread each, gloo; the three jobs took "
+        f"1 thread each, gloo; the {len(runs)} jobs took "
         f"{sum(r['job_s'] for r in runs.values()):.0f} s in all)",
         "",
         f"A 2-stage MLP of {r0['parameters'] / 1e6:.1f}M parameters (12 x `Linear(2048, 2048)` "
@@ -234,12 +238,13 @@ def page(runs: dict[str, dict]) -> str:
         r0["decision"] or "",
         "```",
         "",
-        "The pilot it skipped, measured: the same job with `auto_options="
-        "{\"max_memory\": None, \"max_cost\": None}` (no limit relative to training's memory "
-        "or time; the check against the rank's available memory stays), `fit` ended as soon as "
-        "auto had decided (raised from its `report` hook; the decision is the whole of this "
-        "measurement). Each rank trains its share of the candidates on copies of the whole "
-        "model, one candidate at a time, its minibatches read a training segment at a time:",
+        "The pilot on copies (`where=\"copies\"`, the default before issue 25), measured: the "
+        "same job with `auto_options={\"max_memory\": None, \"max_cost\": None, "
+        "\"where\": \"copies\"}` (no limit relative to training's memory or time; the check "
+        "against the rank's available memory stays), `fit` ended as soon as auto had decided "
+        "(raised from its `report` hook; the decision is the whole of this measurement). Each "
+        "rank trains its share of the candidates on copies of the whole model, one candidate at "
+        "a time, its minibatches read a training segment at a time:",
         "",
         "| rank | peak during the decision | / named 1f1b-flush's whole run | decision time |",
         "|---:|---:|---:|---:|"]
@@ -250,11 +255,28 @@ def page(runs: dict[str, dict]) -> str:
         "",
         "```",
         pilot["ranks"][0]["decision"] or "",
-        "```",
+        "```"]
+    if "pipeline" in runs:
+        lines += [
+            "",
+            "The pilot on the job's own pipeline (`auto_options={\"max_cost\": None, "
+            "\"where\": \"pipeline\"}`, issue 25), measured the same way (`fit` ended at the "
+            "decision): the candidates train in turn, each rank only its own stage, every "
+            "candidate from the same initial weights; each rank keeps flush's and the best "
+            "asynchronous candidate's end state on disk, and the winner goes on from its pilot:",
+            "",
+            "| rank | peak during the decision | / named 1f1b-flush's whole run | decision time |",
+            "|---:|---:|---:|---:|"]
+        for r in runs["pipeline"]["ranks"]:
+            lines.append(f"| {r['rank']} | {_mib(r['fit_peak_kib'])} | "
+                         f"{r['fit_peak_kib'] / peak[r['rank']]:.2f}x | "
+                         f"{r['decision_s']:.0f} s |")
+        lines += ["", "```", runs["pipeline"]["ranks"][0]["decision"] or "", "```"]
+    lines += [
         "",
         BEFORE,
         "",
-        "Single runs, the three jobs one after the other; the peaks are high-water marks, so the "
+        "Single runs, the jobs one after the other; the peaks are high-water marks, so the "
         "load of the shared cores changes the wall times, not the peaks."]
     return "\n".join(lines)
 
@@ -282,7 +304,7 @@ def main() -> None:
         worker(args)
         return
     jobs = {"auto": ("auto", None, False), "1f1b-flush": ("1f1b-flush", None, False),
-            "pilot": ("auto", PILOT, True)}
+            "pilot": ("auto", PILOT, True), "pipeline": ("auto", PIPELINE, True)}
     runs: dict[str, dict] = {}
     if args.resume and args.json and Path(args.json).exists():  # jobs a cut-short run finished
         runs = {k: v for k, v in json.loads(Path(args.json).read_text()).items()

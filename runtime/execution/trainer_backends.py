@@ -107,6 +107,8 @@ class ReferenceBackend:
         """(Re)make every stage replica, from the stages' weights (``Trainer.adopt``)."""
         kind = "pipedream" if mitigation is not None else self.empty.kind
         empty = Schedule(kind, self.empty.replicas, 0, self.empty.actions)
+        self.ex, self.local = None, {}  # the old replicas go before the new ones are made
+        gc.collect()
         self.ex = ReferenceExecutor(self.stages, self.replicas, empty, self.loss_fn,
                                     optimizer_factory, stashing=stashing, mitigation=mitigation,
                                     delays=delays, options=self.options)
@@ -244,6 +246,8 @@ class DistributedBackend:
         """(Re)make this rank's stage replica, from the stage's weights (``Trainer.adopt``)."""
         from .executor import RankExecutor
 
+        self.ex, self.local = None, {}  # the old replica goes before the new one is made
+        gc.collect()
         self.ex = RankExecutor(self.stages, self.empty, self.me, self.loss_fn, optimizer_factory,
                                WirePlan((), (), ()), self.comm, stashing=stashing,
                                device=self.device, mitigation=mitigation,

@@ -7,7 +7,10 @@
   costs (mitigations cost what their schedule costs: their extra element-wise work is not modelled).
   Without a plan (a Trainer built from bare stages) a unit-cost simulation (forward 1, backward 2,
   no network) stands in.
-* **Minibatches to the level**: a pilot. Every candidate trains a copy of the user's own model,
+* **Minibatches to the level**: a pilot. With ``where="pipeline"`` the candidates train in turn
+  on the job's own pipeline and the winner continues from its pilot's end (:mod:`.auto_pipeline`);
+  the rest of this paragraph is the pilot on copies (``where="copies"``, the default).
+  Every candidate trains a copy of the user's own model,
   from the same weights, on the same first ``pilot`` minibatches (default 200, at most
   ``max_fraction`` = 1/2 of the run's minibatches; from as many epochs of the loader as that
   takes: the loader must be re-iterable), on the reference executor (the distributed runtime's
@@ -84,6 +87,12 @@ predict+momentum). Each trained candidate costs one pilot of whole-model steps, 
 list is short; pass ``auto_options={"candidates": (...)}`` for others (2bw, +dc, ...)."""
 
 
+WHERE = ("copies", "pipeline")
+"""Where the pilot trains: copies of the whole model on the reference executor in every rank's
+process (:mod:`.auto_pilot`), or the job's own pipeline, the winner continuing from its pilot
+(:mod:`.auto_pipeline`)."""
+
+
 @dataclass(frozen=True)
 class AutoOptions:
     """How ``auto`` decides (see the module doc). ``max_cost``: the most the pilot may cost, as
@@ -93,7 +102,8 @@ class AutoOptions:
     must fit in a rank's available memory less ``memory_margin`` of it, and add at most
     ``max_memory`` to what the rank's training holds (``None``: that check is off);
     ``available_bytes``: what a rank may use (default
-    :func:`~fxpipe.runtime.training.auto_memory.available_bytes`; None from it: unknown)."""
+    :func:`~fxpipe.runtime.training.auto_memory.available_bytes`; None from it: unknown).
+    ``where``: :data:`WHERE` ("pipeline": no copies, so the memory checks do not apply)."""
 
     pilot: int = 200
     min_pilot: int = 40
@@ -107,6 +117,7 @@ class AutoOptions:
     memory_margin: float | None = 0.25
     max_memory: float | None = 0.2
     available_bytes: Callable[[], int | None] | None = None
+    where: str = "copies"
 
     @classmethod
     def make(cls, value: AutoOptions | Mapping[str, Any] | None) -> AutoOptions:
@@ -119,6 +130,9 @@ class AutoOptions:
         opts = cls(**{**value, "candidates": tuple(value.get("candidates", DEFAULT_CANDIDATES))})
         for c in opts.candidates:
             parse_schedule(c)
+        if opts.where not in WHERE:
+            raise RuntimeConfigError(f"auto option where={opts.where!r}",
+                                     f"use one of {WHERE}")
         return opts
 
 
@@ -147,6 +161,8 @@ class Decision:
     pilot_ranks: int = 1
     split: int = 1  # microbatches each minibatch is cut into (auto_pilot.split_for)
     memory: str = ""  # what the pilot's copies were priced at, and against what (auto_memory)
+    where: str = "copies"  # the pilot trained copies (auto_pilot) or the pipeline (auto_pipeline)
+    continued: int = 0  # where="pipeline": fit went on from this minibatch of the first epoch
 
     def summary(self) -> str:
         cut = (f" (each minibatch cut into {self.split} microbatches: one update per minibatch)"
@@ -155,8 +171,10 @@ class Decision:
         if self.rows:
             split = (f", candidates split over {self.pilot_ranks} ranks"
                      if self.pilot_ranks > 1 else "")
-            lines.append(f"  pilot: {self.pilot_minibatches} minibatches per candidate on the "
-                         f"reference executor ({self.pilot_seconds:.1f} s{split}); loss level "
+            on = ("this job's pipeline, the winner continuing from its pilot's end"
+                  if self.where == "pipeline" else "the reference executor")
+            lines.append(f"  pilot: {self.pilot_minibatches} minibatches per candidate on "
+                         f"{on} ({self.pilot_seconds:.1f} s{split}); loss level "
                          f"{self.level:.4g}; seconds per minibatch from {self.periods_from}")
             if self.memory:
                 lines.append(f"  memory: {self.memory}")

@@ -9,10 +9,12 @@ from typing import Any
 
 from ..errors import RuntimeConfigError
 from ..schedules.spec import parse_schedule
-from .auto import ONE_STAGE, SAFE, AutoOptions, Decision, choose, price, share_of, split_for
+from .auto import (ONE_STAGE, SAFE, AutoOptions, Decision, choose, periods, price, share_of,
+                   split_for, trained)
 from .auto_data import PilotData, loader_length
 from .auto_memory import (available_bytes, optimizer_state_factor, rank_estimate,
                           training_bytes)
+from .auto_pipeline import pilot_step, pipeline_decision
 from .loss_split import Cut
 
 log = logging.getLogger("fxpipe.runtime.training.auto")
@@ -48,17 +50,30 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
             decision = Decision(found, "the checkpoint being resumed was trained with it")
     if decision is None and len(trainer.stages) == 1:
         decision = Decision("pipedream", ONE_STAGE)
+    on_pipeline = opts.where == "pipeline"
     if decision is None:
         want = pilot_length(opts, total)
+        if on_pipeline:  # within the first epoch, whole updates of every candidate
+            want = min(want, length) if length is not None else want
+            want -= want % pilot_step(trainer)
         if want >= opts.min_pilot:  # priced out by the profile: the pilot's data is not read
-            decision = price(opts, trainer.replicas, len(trainer.stages), want, total,
-                             trainer.backend.world, trainer.microbatches)
+            decision = (price_pipeline(opts, trainer, want, total) if on_pipeline else
+                        price(opts, trainer.replicas, len(trainer.stages), want, total,
+                              trainer.backend.world, trainer.microbatches))
         if decision is None and 0 < want < opts.min_pilot:
             decision = Decision("1f1b-flush", f"a pilot may read {want} minibatches of this run "
                                 f"(at most {opts.max_fraction:.0%} of {epochs} x {length}), "
                                 f"fewer than min_pilot={opts.min_pilot}: {SAFE}")
-        if decision is None and want >= opts.min_pilot and opts.pilot > 0:
+        if decision is None and want >= opts.min_pilot and opts.pilot > 0 and not on_pipeline:
             decision, memory = pilot_memory(trainer, opts)
+    if decision is None and on_pipeline and opts.pilot > 0 and want >= opts.min_pilot:
+        decision, (_, _, acc) = pipeline_decision(trainer, loader, min(opts.pilot, want), opts)
+        trainer._continue_acc = acc
+        trainer.auto_decision = decision
+        log.info("%s", decision.summary())
+        if opts.report is not None:
+            opts.report(decision)
+        return decision  # adopted, and its pilot's end state loaded
     if decision is None:
         data = PilotData(loader, want, chunk=trainer.segment, seed=trainer.seed)
 
@@ -86,6 +101,28 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
     if opts.report is not None:
         opts.report(decision)
     return decision
+
+
+def price_pipeline(opts: AutoOptions, trainer: Any, pilot_len: int,
+                   run_minibatches: int | None) -> Decision | None:
+    """``1f1b-flush`` when a pilot on the pipeline would cost more than ``opts.max_cost`` of the
+    run's predicted training time, else None. Its cost is every trained candidate's
+    ``pilot_len`` minibatches at its simulated seconds per minibatch, less the cheapest one's
+    (the winner's pilot is training the run does not repeat); the run is its minibatches at
+    flush's (the same units with or without a plan)."""
+    if not run_minibatches or opts.max_cost is None or pilot_len <= 0:
+        return None
+    names = trained(opts.candidates)
+    per, source = periods(names, trainer.replicas, plan=opts.plan, profile=opts.profile,
+                          microbatches=trainer.microbatches)
+    cost = pilot_len * (sum(per.values()) - min(per.values()))
+    run = run_minibatches * per["1f1b-flush"]
+    if cost <= opts.max_cost * run:
+        return None
+    return Decision("1f1b-flush", f"a pilot on the pipeline would cost about {cost / run:.0%} "
+                    f"of the run's predicted training ({len(names)} candidates x {pilot_len} "
+                    f"minibatches, seconds per minibatch from {source}), more than "
+                    f"max_cost={opts.max_cost:.0%}: {SAFE}")
 
 
 def pilot_memory(trainer: Any, opts: AutoOptions) -> tuple[Decision | None, str]:

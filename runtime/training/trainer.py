@@ -271,6 +271,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self.metrics = MetricsLog(metrics_path, metrics_every, tensorboard_dir, len(self.stages),
                                   write=self.index == 0 and not self.idle)
         self._busy_seen: dict[tuple[int, int], float] = {}
+        self._seen: tuple[dict[int, float], dict[int, float]] = ({}, {})  # the last segment's
+        self._continue_acc: list[float] = [0.0, 0.0, 0.0, 0.0]  # auto on the pipeline
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise RuntimeConfigError(f"prefetch={prefetch!r}", "use 0 (no reading ahead) or a "
                                      "positive number of minibatches")
@@ -293,7 +295,9 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
              resume: bool) -> None:
         epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
         if self.kind == AUTO:
-            resolve_auto(self, train_loader, resume, epochs)
+            decision = resolve_auto(self, train_loader, resume, epochs)
+            if decision.continued:  # decided on the pipeline: its winner trained the pilot
+                epoch0, pos0, partial = 0, decision.continued, list(self._continue_acc)
         told = False
         if resume:
             epoch0, pos0, partial = self._resume()

@@ -164,6 +164,7 @@ class ScheduleMixin:
         self._stream = None
         self._set_segments(spec.kind)  # the same segments as a run that named this schedule
         self._check_tied_cadence()
+        self.local, self.schedulers = {}, {}  # no reference keeps the old replicas alive
         self.backend.rebuild(self.optimizer, stashing=self.stashing, mitigation=spec.mitigation,
                              delays=own_delays(spec.kind, self.replicas,
                                                vertical_sync=self.vertical_sync,
@@ -273,6 +274,7 @@ class ScheduleMixin:
         # one exchange for the loss and the stages' busy time (metrics): every rank takes part
         # whether or not it was given a metrics path
         weights = {k: self._shares.pop(k, 1.0) for k in losses}
+        self._seen = (losses, weights)  # auto's pilot on the pipeline reads them (auto_pipeline)
         got = self.backend.all_sum([sum(v * weights[k] for k, v in losses.items()),
                                     sum(weights.values()), *self._busy()], "loss sum")
         acc = self._acc

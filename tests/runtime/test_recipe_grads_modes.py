@@ -276,15 +276,19 @@ def test_export_traced_modules_in_eval_train_as_in_eager(schedule: str) -> None:
     assert_like_plain(got, plain(model, batches, sgd_wd, accumulation(schedule)), schedule)
 
 
-def test_the_default_with_a_pilot_keeps_modes_and_skips_the_detached_parameter() -> None:
-    """schedule="auto" with a real pilot (on copies of the stages, in the user's modes): whatever
-    it picks, what no schedule may change stays exactly."""
+@pytest.mark.parametrize("where", ["pipeline", "copies"])
+def test_the_default_with_a_pilot_keeps_modes_and_skips_the_detached_parameter(where: str
+                                                                                ) -> None:
+    """schedule="auto" with a real pilot (on the job's pipeline, the default, or on copies of the
+    stages; in the user's modes): whatever it picks, what no schedule may change stays
+    exactly."""
     batches = data(12)
     for model, names in ((Detached(), ("frozen.",)), (frozen_norm(), FROZEN_STATS)):
         before, was = copy.deepcopy(model.state_dict()), modes(model)
         compiled, trainer = compiled_trainer(
             copy.deepcopy(model), "auto", adamw,
-            auto_options={"pilot": 6, "min_pilot": 4, "max_fraction": 1.0, "max_cost": None})
+            auto_options={"pilot": 6, "min_pilot": 4, "max_fraction": 1.0, "max_cost": None,
+                          "where": where})
         trainer.fit(batches)
         assert trainer.auto_decision is not None and trainer.auto_decision.pilot_minibatches
         assert_in_place(trainer.state_dict(), before, names, trainer.auto_decision.schedule)

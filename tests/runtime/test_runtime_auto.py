@@ -75,8 +75,8 @@ def trainer(schedule: str, **kw) -> Trainer:
 def test_auto_then_training_equals_training_the_chosen_schedule() -> None:
     data = batches(60)
     opts = {"pilot": 48, "min_pilot": 40, "max_fraction": 1.0, "max_cost": None,
-            "candidates": ("1f1b-flush", "pipedream", "pipedream+lr_scale")}
-    auto = trainer("auto", auto_options=opts)
+            "candidates": ("1f1b-flush", "pipedream", "pipedream+lr_scale"), "where": "copies"}
+    auto = trainer("auto", auto_options=opts)  # the pipeline's pilot: test_runtime_auto_pipeline
     auto.fit(data, epochs=1)
     d = auto.auto_decision
     assert d is not None and d.pilot_minibatches == 48 and len(d.rows) == 3
@@ -314,6 +314,6 @@ def test_a_pilot_the_profile_prices_out_is_skipped_without_a_probe(monkeypatch) 
     t = Trainer(compiled.stage_specs, [1, 1, 1], loss_fn, opt, schedule="auto",
                 executor="reference", progress=False,
                 auto_options={"pilot": 48, "min_pilot": 40, "plan": plan,
-                              "profile": compiled.profile})
+                              "profile": compiled.profile, "where": "copies"})
     t.fit(Counted(batches(96)), epochs=1)  # half the run may be read, but is not
     assert Counted.reads == 1 and "the profile's compute" in t.auto_decision.reason

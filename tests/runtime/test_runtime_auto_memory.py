@@ -29,7 +29,7 @@ def SGD(ps: list) -> torch.optim.Optimizer:
 
 
 OPTS = {"pilot": 48, "min_pilot": 40, "max_fraction": 1.0, "max_cost": None,
-        "candidates": ("1f1b-flush", "pipedream")}
+        "candidates": ("1f1b-flush", "pipedream"), "where": "copies"}  # the pilot on copies
 
 
 class Live:

@@ -5,8 +5,9 @@ the reference one, so a pipedream+predict+dc+momentum run, and a pipedream+neste
 Muon recipe (Muon's and NAdam's Nesterov forms), with checkpoints, an LR scheduler and dropout
 (trainer_job.py), must agree with the oracle to float tolerance; and schedule="auto" must
 reach one decision on both ranks: without a pilot (too short a run: flush, each minibatch cut
-into microbatches on both executors) and with one split over the two ranks, whose merged curves must
-give the single-process pilot's decision, row for row."""
+into microbatches on both executors), with one split over the two ranks, whose merged curves must
+give the single-process pilot's decision, row for row, and with the candidates trained in turn on
+the job's own pipeline (no rank copies a stage), whose run must equal the reference executor's."""
 from __future__ import annotations
 
 import sys
@@ -22,7 +23,8 @@ from fxpipe.runtime.training.auto import AutoOptions
 def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> None:
     for i, (schedule, extra) in enumerate((("pipedream+predict+dc+momentum", []),
                                            ("pipedream+nesterov", ["--optimizer", "muon"]),
-                                           ("auto", []), ("auto", ["--pilot", "12"]))):
+                                           ("auto", []), ("auto", ["--pilot", "12"]),
+                                           ("auto", ["--pilot", "12", "--where", "pipeline"]))):
         ref = _run([sys.executable, str(HERE / "trainer_job.py"), str(tmp_path / "ref.pt"),
                     "--ckpt", str(tmp_path / f"ref-{i}"), "--executor", "reference",
                     "--schedule", schedule, *extra])
@@ -37,7 +39,15 @@ def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> Non
             # sizes): one update per minibatch on both executors
             assert (want["auto"].schedule, want["auto"].split) == ("1f1b-flush", 2)
             assert (got["auto"].schedule, got["auto"].split) == ("1f1b-flush", 2)
-        if "--pilot" in extra:  # the pilot ran: in one process, and split over the two ranks
+        if "pipeline" in extra:  # the candidates in turn on each executor's own pipeline,
+            # the winner going on from its pilot (7 minibatches: the first epoch's)
+            a, b = want["auto"], got["auto"]
+            assert (a.where, b.where, a.continued, b.continued) == ("pipeline",) * 2 + (7, 7)
+            assert b.schedule == a.schedule and b.level == pytest.approx(a.level, rel=1e-6)
+            assert [(r.schedule, r.minibatches) for r in b.rows] == \
+                [(r.schedule, r.minibatches) for r in a.rows]
+            assert {r.schedule for r in a.rows} == set(AutoOptions().candidates)
+        elif "--pilot" in extra:  # the pilot ran: in one process, and split over the two ranks
             a, b = want["auto"], got["auto"]
             assert (a.pilot_ranks, b.pilot_ranks, a.pilot_minibatches) == (1, 2, 12)
             assert b.schedule == a.schedule and b.level == a.level

@@ -9,7 +9,8 @@ N-th checkpoint completes; rank 0 writes the trained state dict, the history and
 trainer gathered to rank 0 (during fit, then in state_dict()) to OUT.pt at the end.
 ``--rank-data``: each rank gets a loader seeded by its rank (a mistake the trainer must catch).
 ``--pilot N`` (with ``--schedule auto``): a pilot of N minibatches (every rank trains its share of
-the candidates); OUT.pt then holds auto's decision too. ``--optimizer muon``: the ``"muon"``
+the candidates; ``--where pipeline``: the candidates in turn on this job's pipeline, with no copy
+of any stage allowed); OUT.pt then holds auto's decision too. ``--optimizer muon``: the ``"muon"``
 recipe (Muon on the 2-D weights, AdamW on the biases) in place of SGD.
 """
 from __future__ import annotations
@@ -68,7 +69,8 @@ def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
                    executor=args.executor, timeout_s=30, progress=False,
                    on_checkpoint=on_checkpoint, timeline=args.timeline,
                    auto_options=None if args.pilot is None else
-                   {"pilot": args.pilot, "min_pilot": 4, "max_fraction": 1.0, "max_cost": None})
+                   {"pilot": args.pilot, "min_pilot": 4, "max_fraction": 1.0, "max_cost": None,
+                    "where": args.where})
 
 
 def main() -> int:
@@ -83,7 +85,16 @@ def main() -> int:
     p.add_argument("--rank-data", action="store_true", help="a loader that differs by rank")
     p.add_argument("--pilot", type=int, default=None, help="auto's pilot length")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"])
+    p.add_argument("--where", default="copies", choices=["copies", "pipeline"],
+                   help="auto's pilot: on copies of the model, or on the job's pipeline (then "
+                   "any copy of the stages for a pilot is an error)")
     args = p.parse_args()
+    if args.where == "pipeline":
+        from fxpipe.runtime.training import auto_pilot
+
+        def no_copies(*a, **kw):
+            raise AssertionError("the pilot on the pipeline copied the stages")
+        auto_pilot.shared_copy = no_copies
     torch.set_num_threads(1)
     done = []
 

@@ -1,0 +1,190 @@
+"""``schedule="auto"`` decided on the job's own pipeline (``auto_options={"where": "pipeline"}``).
+
+The pilot of :mod:`fxpipe.runtime.training.auto_pilot` trains every candidate on CPU copies of the
+whole model in each rank's process: memory and time a large model or a GPU job does not have,
+and numbers from another device. Here the candidates train in turn where the run happens, on
+the trainer's own executor, ranks and devices:
+
+1. every trained candidate (``1f1b-flush`` first: it sets the loss level) is adopted
+   (:meth:`~.trainer_schedule.ScheduleMixin.adopt`: each rank's replicas made again from the
+   stages' initial weights, a fresh optimizer and LR scheduler), and trains the run's first
+   ``P`` minibatches as training would (the same segments, cut and seeds; it drains at ``P``);
+2. its per-minibatch training losses are gathered on every rank (only the output stage has
+   them), and its seconds on the pipeline are measured;
+3. each rank writes the end state of its own replicas (weights, buffers, masters, optimizer,
+   LR scheduler, loss scaler: what a checkpoint holds) to a private temporary folder, for
+   ``1f1b-flush`` (the synchronous fallback) and for the best asynchronous candidate so far,
+   so no rank ever holds a copy of a stage it does not train, nor a second copy in memory;
+4. :func:`~.auto.decide` makes the choice from the curves as before (the same rule, the
+   simulator's seconds per minibatch); the winner is adopted again, loads its saved end state,
+   and ``fit`` continues from minibatch ``P`` of the first epoch: the pilot's minibatches are
+   not trained twice.
+
+A synchronous winner other than flush (gpipe, the zero-bubble kinds: the same minibatch-SGD
+updates) continues from flush's end state. The pilot's own cost (every candidate's ``P``
+minibatches on the pipeline, the winner's included) is measured and reported with the
+decision (:attr:`~.auto.Decision.pilot_seconds`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxpipe.errors import FxpipeError
+
+from ..schedules.spec import parse_schedule
+from ..schedules.stream import STREAM_KINDS
+from .auto import (SAFE, SYNCHRONOUS, AutoOptions, Decision, Row, decide, periods,
+                   require_baseline, trained)
+from .auto_pilot import split_for
+from .data import PartStream, derive_seed
+
+log = logging.getLogger("fxpipe.runtime.training.auto")
+
+
+def pilot_step(trainer: Any) -> int:
+    """The pilot's length must be whole updates and whole pipedream rounds for every candidate:
+    a multiple of this (the segments' group of an ``auto`` trainer)."""
+    g = math.lcm(*trainer.replicas)
+    return math.lcm(g, trainer.microbatches or 1)
+
+
+def run_pilot(trainer: Any, loader: Any, P: int, what: str
+              ) -> tuple[list[float], float, tuple[int, list[float]]]:
+    """Train the adopted schedule on the first ``P`` minibatches of epoch 0 as ``fit`` would
+    (segments, cut, dropout seeds), draining at ``P``; returns (one training loss per
+    minibatch, on every rank; the seconds it took; (the minibatches read, the epoch's
+    accumulators there): where ``fit`` continues if this candidate wins)."""
+    it = PartStream(loader, 0, trainer.seed, need_inputs=trainer.need_inputs,
+                    need_targets=trainer.need_targets)
+    trainer._acc = [0.0, 0.0, 0.0, 0.0]
+    seen: dict[int, list[float]] = {}  # minibatch -> [sum of weight x loss, sum of weights]
+    stream = trainer.kind in STREAM_KINDS
+    pos, base = 0, 0  # base: microbatches before this segment (complete schedules count from 0)
+    t0 = time.perf_counter()
+    try:
+        while pos < P:
+            want = min(trainer._segment_at(pos), P - pos)
+            parts, n = trainer._lead(it, want, f"{what} segment at {pos}")
+            if n == 0:
+                break
+            if not trainer.stretch_open:
+                torch.manual_seed(derive_seed(trainer.seed, 0, pos, trainer.index))
+            final = n < want or pos + n >= P
+            trainer._run(trainer._segment_schedule(len(parts), final), parts, 0, n)
+            losses, weights = trainer._seen
+            off = 0 if stream else base
+            for k, v in losses.items():
+                acc = seen.setdefault((off + k) // trainer.split, [0.0, 0.0])
+                acc[0] += weights[k] * v
+                acc[1] += weights[k]
+            base += len(parts)
+            pos += n
+            del parts
+            if n < want:
+                break
+        trainer.drain(0)  # nothing in flight past the pilot (final above drained it already)
+    finally:
+        it.close()
+    seconds = time.perf_counter() - t0
+    merged: dict[int, list[float]] = {}
+    for part in trainer.backend.exchange(seen, f"{what} losses"):
+        for m, (s, w) in part.items():
+            acc = merged.setdefault(m, [0.0, 0.0])
+            acc[0] += s
+            acc[1] += w
+    curve = [merged[m][0] / merged[m][1] for m in sorted(merged) if merged[m][1] > 0]
+    seconds = max(trainer.backend.exchange(seconds, f"{what} seconds"))
+    return curve, seconds, (pos, list(trainer._acc))
+
+
+def _save(trainer: Any, folder: Path, name: str) -> Path:
+    """This rank's replicas' end state (what a checkpoint holds) in its private folder."""
+    path = folder / f"{name.replace('+', '_')}.pt"
+    torch.save({rank: trainer._stage_state(rank, 0, 0) for rank in trainer.local}, path)
+    return path
+
+
+def _load(trainer: Any, path: Path) -> None:
+    states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    for rank, w in trainer.local.items():
+        trainer._load_stage(rank, w, states[rank])
+
+
+def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions
+                      ) -> tuple[Decision, tuple[int, int, list[float]]]:
+    """The decision (see the module doc) and where ``fit`` continues: (epoch, minibatch,
+    the epoch's accumulators). Every rank runs it; the candidates' order is the options'."""
+    require_baseline(opts.candidates)
+    order = trained(opts.candidates)
+    order.sort(key=lambda c: c != "1f1b-flush")  # the baseline first: it sets the level
+    per, source = periods(opts.candidates, trainer.replicas, plan=opts.plan,
+                          profile=opts.profile, microbatches=trainer.microbatches)
+    curves: dict[str, list[float]] = {}
+    notes: dict[str, str] = {}
+    seconds: dict[str, float] = {}
+    ends: dict[str, tuple[Path, tuple[int, list[float]]]] = {}
+    best_async: tuple[float, str] | None = None
+    metrics_on, trainer.metrics.enabled = trainer.metrics.enabled, False  # pilots: no rows
+    t0 = time.perf_counter()
+    try:
+        with tempfile.TemporaryDirectory(prefix="fxpipe-auto-") as tmp:
+            folder = Path(tmp)
+            for c in order:
+                try:
+                    trainer.adopt(c, split_for(c, trainer.replicas, trainer.microbatches))
+                except FxpipeError as err:  # every rank refuses alike (same optimizer, stages)
+                    notes[c] = f"not run: {err.message}"
+                    continue
+                curve, secs, end = run_pilot(trainer, loader, P, f"auto pilot {c}")
+                curves[c], seconds[c] = curve, secs
+                log.info("auto: pilot of %s on the pipeline: %d minibatches in %.3g s, last "
+                         "loss %.4g", c, len(curve), secs, curve[-1] if curve else math.nan)
+                if c == "1f1b-flush":
+                    ends[c] = (_save(trainer, folder, c), end)
+                    if len(curve) < max(opts.min_pilot, 1):  # the loader ran out first
+                        break
+                    continue
+                so_far = decide({"1f1b-flush": curves["1f1b-flush"], c: curve},
+                                {"1f1b-flush": per["1f1b-flush"], c: per[c]}, margin=0.0)
+                row = next(r for r in so_far.rows if r.schedule == c)
+                if best_async is None or row.time_s < best_async[0]:
+                    if best_async is not None:  # one asynchronous end state kept at a time
+                        ends.pop(best_async[1])[0].unlink()
+                    best_async = (row.time_s, c)
+                    ends[c] = (_save(trainer, folder, c), end)
+            full = dict(curves)
+            for c in opts.candidates:  # gpipe and the zero-bubble kinds: flush's updates
+                if c not in full and parse_schedule(c).kind in SYNCHRONOUS:
+                    full[c] = curves["1f1b-flush"]
+            if len(curves["1f1b-flush"]) < max(opts.min_pilot, 1):
+                d = Decision("1f1b-flush", f"only {len(curves['1f1b-flush'])} minibatches for "
+                             f"a pilot (min_pilot={opts.min_pilot}): {SAFE}")
+            else:
+                d = decide(full, {c: per[c] for c in full}, margin=opts.margin, notes=notes)
+            winner = d.schedule
+            if winner in ends:
+                path, (pos, acc) = ends[winner]
+            elif parse_schedule(winner).kind in SYNCHRONOUS:
+                path, (pos, acc) = ends["1f1b-flush"]
+            else:  # decide() picks the fastest row: the asynchronous one kept above
+                raise RuntimeError(f"auto chose {winner!r} whose pilot state was not kept "
+                                   f"(kept: {sorted(ends)}): an fxpipe bug")
+            trainer.adopt(winner, split_for(winner, trainer.replicas, trainer.microbatches))
+            _load(trainer, path)
+    finally:
+        trainer.metrics.enabled = metrics_on
+    spent = time.perf_counter() - t0
+    measured = ", ".join(f"{c} {s / max(len(curves[c]), 1) * 1e3:.3g} ms"
+                         for c, s in seconds.items())
+    rows = d.rows + tuple(Row(c, math.nan, math.inf, math.inf, n) for c, n in notes.items())
+    decision = Decision(winner, d.reason, rows, d.pilot_minibatches, spent, d.level,
+                        f"{source}; measured on this pipeline per minibatch: {measured}", 1,
+                        split=trainer.split, where="pipeline", continued=pos)
+    return decision, (0, pos, acc)
