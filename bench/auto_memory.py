@@ -8,8 +8,10 @@ The same training run twice under torchrun (2 ranks, gloo, 1 thread each): a 2-s
 README's optimizer), trained for one epoch of 20,000 minibatches of 2 samples from a lazy loader
 (a ``ShardedDataset`` whose inputs and targets are callables: every minibatch is made from its
 index when asked for, nothing is materialised); once with ``compiled.trainer(...)``'s default
-``schedule="auto"`` (its decision included: the pilot on the job's own pipeline, the winner
-continuing from it, or the check that skips it), once with ``schedule="1f1b-flush"`` named. Every rank reports the peak of its resident set during ``fit``
+``schedule="auto"`` (its decision included: the pilot on copies, or the check that skips it),
+once with ``schedule="1f1b-flush"`` named; then, ended at the decision, the two pilots measured
+with no limit on their cost: on copies (the default) and on the job's own pipeline
+(``where="pipeline"``). Every rank reports the peak of its resident set during ``fit``
 (``VmHWM`` of ``/proc/self/status``, reset by ``/proc/self/clear_refs`` just before ``fit``, so
 the compile before it does not count) and the whole process's (``ru_maxrss``).
 
