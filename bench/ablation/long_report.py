@@ -198,8 +198,81 @@ def markdown(data: dict, results: Path, periods: dict[int, dict[str, float]] | N
                   " per update and 1f1b-flush at " + ", ".join(
                       f"{periods[S]['1f1b-flush untied'] * 1e3:.0f} ms" for S in depths) +
                   ". The time column prices the model as it is, tied."]
+    replay_lines, replays = replay(data, tgt, periods, depths)
+    lines += replay_lines
     return "\n".join(lines), {"targets": {f"{t}|{o}": v for (t, o), v in tgt.items()},
-                              "best": summary}
+                              "best": summary, "replay": replays}
+
+
+PILOTS = (50, 100, 200)
+"""Pilot lengths (updates per candidate) the replay tries; 200 is auto's default pilot."""
+
+
+def auto_time(recs: dict[str, list[dict]], i: int, pilot: int, per: dict[str, float],
+              target: float, higher: bool, margin: float = 0.05) -> tuple[str, float]:
+    """Seed ``i``'s pick and its predicted time to target with auto deciding on the job's
+    pipeline: every candidate's first ``pilot`` updates of this seed go to
+    :func:`fxpipe.runtime.training.auto.decide` (the trainer's rule, with these seconds per
+    update); the losers' pilots are paid in full, the winner's is part of its run (it
+    continues from its pilot), so time = sum of the others' ``pilot x period`` + the winner's
+    updates to target x its period (inf where it never reaches it)."""
+    from fxpipe.runtime.training.auto import decide
+
+    curves = {v: [math.inf if x is None else x for x in rs[i]["train_losses"][:pilot]]
+              for v, rs in recs.items()}
+    pick = decide(curves, {v: per[v] for v in curves}, margin=margin).schedule
+    u = reached(recs[pick][i], target, higher)
+    others = sum(pilot * per[v] for v in curves if v != pick)
+    return pick, others + (math.inf if u is None else u * per[pick])
+
+
+def replay(data: dict, tgt: dict[tuple[str, str], float], periods: dict[int, dict[str, float]],
+           depths: list[int]) -> tuple[list[str], dict[str, Any]]:
+    """auto replayed on these rows, its pilot's cost included (:func:`auto_time`), against the
+    best schedule's predicted time to target (mean ± sd over the seeds; "within the spread":
+    auto's mean at most the best's mean + sd, the 200-update report's rule)."""
+    from .tasks import make_task
+
+    lines = ["", "**auto replayed on these rows, its pilot included** (candidates: the variants "
+             "above; each decides on every candidate's first P updates of the same seed with "
+             "the trainer's rule and the simulated seconds per update; the losers' pilots are "
+             "paid, the winner continues from its own, as `auto_options={\"where\": "
+             "\"pipeline\"}` does):", "",
+             "| task | optimizer | S | P | picks (seeds) | auto, pilot included | "
+             "best schedule | within spread |", "|---|---|---:|---:|---|---:|---|---|"]
+    out: dict[str, Any] = {}
+    for (t, o), target in sorted(tgt.items()):
+        higher = make_task(t).higher_is_better
+        for S in depths:
+            recs = {v: data[(t, S, v, o)] for v in VARIANTS if (t, S, v, o) in data}
+            if ("1f1b-flush" not in recs or len({len(r) for r in recs.values()}) != 1
+                    or any("train_losses" not in r for rs in recs.values() for r in rs)):
+                continue  # every candidate's curve, for every seed, or no replay
+            per = {v: periods[S][v] for v in recs}
+            best = None
+            for v, rs in recs.items():
+                ups = [reached(r, target, higher) for r in rs]
+                if all(u is not None for u in ups):
+                    m, sd = mean_sd([u * per[v] for u in ups])
+                    best = min(best or (m, sd, v), (m, sd, v))
+            for P in PILOTS:
+                got = [auto_time(recs, i, P, per, target, higher)
+                       for i in range(len(recs["1f1b-flush"]))]
+                times = [x for _, x in got]
+                am = statistics.fmean(times)
+                ok = best is not None and am <= best[0] + best[1]
+                out[f"{t}|{o}|{S}|{P}"] = [[p for p, _ in got], am, ok]
+                shown = "never (a pick misses the target)" if math.isinf(am) else f"{am:.0f} s"
+                lines.append(f"| {t} | {o} | {S} | {P} | {', '.join(p for p, _ in got)} | "
+                             f"{shown} | "
+                             + (f"{best[2]} {best[0]:.0f} ± {best[1]:.0f} s" if best else "-")
+                             + f" | {'yes' if ok else 'no'} |")
+    rows = [k for k in out if k.endswith("|200")]
+    if not out:
+        return [], out
+    lines += ["", f"With auto's default pilot (200 updates per candidate), auto is within the "
+              f"spread on {sum(out[k][2] for k in rows)} of {len(rows)} rows."]
+    return lines, out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,3 +69,22 @@ def test_goal_is_seed_by_seed(tmp_path: Path) -> None:
                                               pytest.approx(70 / 60)]}
     assert "met on 0 of 1 rows" in text
     assert "worst seed 1.167x flush's updates, means 0.94x (missed by 6.1%)" in text
+
+
+def test_auto_replay_pays_the_losers_pilots() -> None:
+    """auto_time by hand: identical pilot curves, so the faster pipedream (1.0 s per update
+    against flush's 2.0) wins; flush's 10-update pilot is paid (20 s) and pipedream continues
+    from its own to reach 3.00 at update 20 (20 s): 40 s."""
+    from bench.ablation.long_report import auto_time
+
+    losses = [5.0, 4.8, 4.6, 4.4, 4.2, 4.0, 3.8, 3.6, 3.4, 3.2, 3.0, 2.9]
+    flush = rec("1f1b-flush", 4, 0, {0: 5.0, 30: 2.9})
+    pd = rec("pipedream", 4, 0, {0: 5.0, 10: 3.5, 20: 2.95})
+    flush["train_losses"], pd["train_losses"] = losses, losses
+    recs = {"1f1b-flush": [flush], "pipedream": [pd]}
+    per = {"1f1b-flush": 2.0, "pipedream": 1.0}
+    assert auto_time(recs, 0, 10, per, 3.0, False) == ("pipedream", 10 * 2.0 + 20 * 1.0)
+    # pipedream a tie on time (within the 5% margin): flush wins, pays pipedream's pilot and
+    # reaches the target at 30
+    per = {"1f1b-flush": 1.0, "pipedream": 0.99}
+    assert auto_time(recs, 0, 10, per, 3.0, False) == ("1f1b-flush", 10 * 0.99 + 30 * 1.0)
