@@ -20,6 +20,13 @@ the trainer's own executor, ranks and devices:
    and ``fit`` continues from minibatch ``P`` of the first epoch: the pilot's minibatches are
    not trained twice.
 
+Each candidate holds its own training memory while it pilots, so one that would hold more
+weight copies than flush (:func:`extra_copies`: pipedream's stashed versions, 2bw's second
+version, weight prediction's copies) by more than ``max_memory`` (default 20%) of what the rank
+has peaked at after flush's pilot (:func:`process_peak_bytes`) is not piloted, on every rank
+alike: on a 50M-parameter MLP, ``pipedream+predict+momentum`` held 1.6x flush's peak on the input
+stage (benchmarks/auto-memory.md).
+
 A synchronous winner other than flush (gpipe, the zero-bubble kinds: the same minibatch-SGD
 updates) continues from flush's end state. The pilot's own cost (every candidate's ``P``
 minibatches on the pipeline, the winner's included) is measured and reported with the
@@ -104,6 +111,56 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str
     return curve, seconds, (pos, list(trainer._acc))
 
 
+def extra_copies(kind: str, mitigation: Any, in_flight: int, stashing: bool = True) -> int:
+    """Copies of a stage's weights a candidate holds beyond ``1f1b-flush``'s one version, with
+    ``in_flight`` minibatches in flight on the stage: pipedream's stashed versions (one per
+    minibatch in flight, with stashing), 2bw's second version, weight prediction's predicted
+    copy per minibatch in flight plus the last update and its clone, delay compensation's
+    mean square and its product. Optimizer-only mitigations (lr_scale, momentum, nesterov)
+    hold none."""
+    versions = (in_flight if stashing else 1) if kind == "pipedream" else 2 if kind == "2bw" else 1
+    extra = versions - 1
+    if mitigation is not None and getattr(mitigation, "predict", False):
+        extra += in_flight + 2
+    if mitigation is not None and getattr(mitigation, "dc", False):
+        extra += 2
+    return extra
+
+
+def process_peak_bytes(device: torch.device) -> int | None:
+    """The most this process has held so far: ``torch.cuda.max_memory_allocated`` on a GPU, the
+    resident set's high-water mark (``VmHWM``) on Linux; None where neither is known."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def candidate_memory(trainer: Any, c: str) -> int:
+    """Bytes this rank's replicas would hold under candidate ``c`` beyond flush's
+    (:func:`extra_copies` x each local stage's weight bytes, at the candidate's own peak of
+    minibatches in flight)."""
+    from ..pricing.sim_measure import peak_in_flight
+    from ..schedules.kinds import make_schedule
+
+    spec = parse_schedule(c)
+    k = split_for(c, trainer.replicas, trainer.microbatches)
+    sched = make_schedule(spec.kind, trainer.replicas, 4 * sum(trainer.replicas) * max(k, 1),
+                          microbatches=None if spec.kind == "pipedream" else
+                          (k if k > 1 else trainer.microbatches), noam=trainer._noam(spec.kind))
+    total = 0
+    for rank, w in trainer.local.items():
+        copies = extra_copies(spec.kind, spec.mitigation, peak_in_flight(sched.actions[rank]),
+                              trainer.stashing)
+        total += copies * sum(t.numel() * t.element_size() for t in w.stash.latest.values())
+    return total
+
+
 def _save(trainer: Any, folder: Path, name: str) -> Path:
     """This rank's replicas' end state (what a checkpoint holds) in its private folder."""
     path = folder / f"{name.replace('+', '_')}.pt"
@@ -115,6 +172,24 @@ def _load(trainer: Any, path: Path) -> None:
     states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     for rank, w in trainer.local.items():
         trainer._load_stage(rank, w, states[rank])
+
+
+def _too_big(trainer: Any, c: str, peak: int | None, max_memory: float) -> str:
+    """Why candidate ``c`` is not piloted ("" when it may be): on some rank, the weight copies
+    it would hold beyond flush's (:func:`candidate_memory`) exceed ``max_memory`` of what that
+    rank's process has peaked at so far (flush's pilot included). The ranks exchange their
+    figures, so all of them skip alike."""
+    from fxpipe.units import format_bytes as fmt
+
+    figures = trainer.backend.exchange((candidate_memory(trainer, c), peak),
+                                       f"auto pilot {c} memory")
+    for i, (need, top) in enumerate(figures):
+        if top and need > max_memory * top:
+            return (f"not run: it would hold about {fmt(need)} of weight copies beyond "
+                    f"1f1b-flush's on rank {i} (stashed versions, prediction's or compensation's "
+                    f"copies), more than max_memory={max_memory:.0%} of the {fmt(top)} that "
+                    "rank has peaked at")
+    return ""
 
 
 def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions
@@ -136,7 +211,14 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions
     try:
         with tempfile.TemporaryDirectory(prefix="fxpipe-auto-") as tmp:
             folder = Path(tmp)
+            peak: int | None = None
             for c in order:
+                if c != "1f1b-flush" and opts.max_memory is not None:
+                    too_big = _too_big(trainer, c, peak, opts.max_memory)
+                    if too_big:
+                        notes[c] = too_big
+                        log.warning("auto: %s: %s", c, too_big)
+                        continue
                 try:
                     trainer.adopt(c, split_for(c, trainer.replicas, trainer.microbatches))
                 except FxpipeError as err:  # every rank refuses alike (same optimizer, stages)
@@ -147,6 +229,8 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions
                 log.info("auto: pilot of %s on the pipeline: %d minibatches in %.3g s, last "
                          "loss %.4g", c, len(curve), secs, curve[-1] if curve else math.nan)
                 if c == "1f1b-flush":
+                    peak = process_peak_bytes(getattr(trainer.backend, "device",
+                                                      torch.device("cpu")))
                     ends[c] = (_save(trainer, folder, c), end)
                     if len(curve) < max(opts.min_pilot, 1):  # the loader ran out first
                         break

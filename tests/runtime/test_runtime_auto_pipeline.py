@@ -95,3 +95,41 @@ def test_a_pipeline_pilot_priced_out_is_not_run() -> None:
     d = t.auto_decision
     assert d.schedule == "1f1b-flush" and not d.rows and d.continued == 0
     assert "a pilot on the pipeline would cost" in d.reason
+
+
+def test_extra_copies_by_hand() -> None:
+    """Weight copies beyond flush's one version, 3 minibatches in flight on the stage."""
+    from fxpipe.runtime.schedules.spec import parse_schedule
+    from fxpipe.runtime.training.auto_pipeline import extra_copies
+
+    def copies(c: str, stashing: bool = True) -> int:
+        spec = parse_schedule(c)
+        return extra_copies(spec.kind, spec.mitigation, 3, stashing)
+
+    assert copies("1f1b-flush") == copies("gpipe") == copies("zb-h2") == 0
+    assert copies("pipedream") == copies("pipedream+lr_scale") == 2      # 3 versions
+    assert copies("pipedream+nesterov") == copies("pipedream+momentum") == 2
+    assert copies("pipedream", stashing=False) == 0
+    assert copies("2bw") == 1
+    assert copies("pipedream+predict") == 2 + 3 + 2  # a predicted copy per minibatch, delta, clone
+    assert copies("pipedream+dc") == 2 + 2
+
+
+def test_a_candidate_with_too_many_weight_copies_is_not_piloted(monkeypatch) -> None:
+    """The process peaked at 10x the model's weight bytes after flush's pilot; max_memory 20%
+    allows 2x more: pipedream (stage s stashes 3 - s versions: 2 + 1 + 0 = 3 stage-sized
+    copies at most, of stages smaller than the model) pilots, pipedream+predict does not."""
+    from fxpipe.runtime.training import auto_pipeline
+
+    t = trainer("auto", auto_options=options("pipeline", ("1f1b-flush", "pipedream",
+                                                          "pipedream+predict")))
+    weights = sum(p.numel() * p.element_size() for st in t.stages for p in st.gm.parameters())
+    monkeypatch.setattr(auto_pipeline, "process_peak_bytes", lambda device: 10 * weights)
+    pd = auto_pipeline.candidate_memory(t, "pipedream")
+    assert 0 < pd <= 2 * weights < auto_pipeline.candidate_memory(t, "pipedream+predict")
+    t.fit(batches(48), epochs=1)
+    rows = {r.schedule: r for r in t.auto_decision.rows}
+    assert rows["pipedream"].minibatches < float("inf")
+    assert "not run: it would hold about" in rows["pipedream+predict"].note
+    assert "max_memory=20%" in rows["pipedream+predict"].note
+    assert t.auto_decision.schedule != "pipedream+predict"
