@@ -66,6 +66,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "predict, dc, momentum, nesterov, joined with +)")
     p.add_argument("--pilot", type=int, default=None,
                    help="auto: minibatches per candidate in the pilot (0: none, pick 1f1b-flush)")
+    p.add_argument("--pilot-on", choices=("copies", "pipeline"), default=None,
+                   help="auto: pilot the candidates on copies of the model in each process "
+                   "(default) or in turn on this job's own pipeline, the winner continuing")
     p.add_argument("--vertical-sync", action="store_true")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="minibatches")
@@ -153,6 +156,11 @@ def _check_data(name: str) -> None:
             raise ConfigError("--data digits needs the package scikit-learn, which is not "
                               "installed", "pip install scikit-learn, or use --data synthetic"
                               ) from err
+
+
+def auto_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``schedule="auto"``'s options from ``--pilot`` and ``--pilot-on`` (only those given)."""
+    return {k: v for k, v in (("pilot", args.pilot), ("where", args.pilot_on)) if v is not None}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -347,7 +355,7 @@ def run_worker(args: argparse.Namespace) -> int:
     train, evaluate = _loaders(args, spec)
     trainer = compiled.trainer(**_recipe(args, compiled, train, spec.model),  # plan's recompute
                            schedule=args.schedule, vertical_sync=args.vertical_sync,
-                           auto_options={} if args.pilot is None else {"pilot": args.pilot},
+                           auto_options=auto_options(args),
                            checkpoint_dir=args.checkpoint_dir,
                            checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
                            seed=args.seed, progress=not args.no_progress,

@@ -20,3 +20,20 @@ def test_digits_as_vectors_and_as_images() -> None:
 def test_digits_for_a_model_that_is_no_image_classifier() -> None:
     with pytest.raises(ConfigError, match=r"s2vt takes inputs of shape \(4, 8, 64\)"):
         digits_for((4, 8, 64), "s2vt")
+
+
+def test_pilot_options_reach_auto_and_the_workers() -> None:
+    """--pilot and --pilot-on become auto_options (only those given) and travel to the ranks."""
+    import argparse
+
+    from fxpipe.cli_train import _add_arguments, _worker_argv, auto_options
+
+    p = argparse.ArgumentParser()
+    _add_arguments(p)
+    assert auto_options(p.parse_args(["mlp"])) == {}
+    args = p.parse_args(["mlp", "--pilot", "40", "--pilot-on", "pipeline"])
+    assert auto_options(args) == {"pilot": 40, "where": "pipeline"}
+    argv = _worker_argv(args)
+    assert argv[argv.index("--pilot-on") + 1] == "pipeline"
+    with pytest.raises(SystemExit):
+        p.parse_args(["mlp", "--pilot-on", "gpu"])
