@@ -30,10 +30,10 @@ def test_pilot_options_reach_auto_and_the_workers() -> None:
 
     p = argparse.ArgumentParser()
     _add_arguments(p)
-    assert auto_options(p.parse_args(["mlp"])) == {}
-    args = p.parse_args(["mlp", "--pilot", "40", "--pilot-on", "pipeline"])
+    assert auto_options(p.parse_args(["mlp", "--data", "synthetic"])) == {}
+    args = p.parse_args(["mlp", "--data", "synthetic", "--pilot", "40", "--pilot-on", "pipeline"])
     assert auto_options(args) == {"pilot": 40, "where": "pipeline"}
     argv = _worker_argv(args)
     assert argv[argv.index("--pilot-on") + 1] == "pipeline"
     with pytest.raises(SystemExit):
-        p.parse_args(["mlp", "--pilot-on", "gpu"])
+        p.parse_args(["mlp", "--data", "synthetic", "--pilot-on", "gpu"])
