@@ -169,9 +169,12 @@ def _save(trainer: Any, folder: Path, name: str) -> Path:
 
 
 def _load(trainer: Any, path: Path) -> None:
-    states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    """The winner's end state back into its replicas (its own file, written by :func:`_save`:
+    not memory-mapped, since the optimizer may keep the loaded state tensors as its own)."""
+    states = torch.load(path, map_location="cpu", weights_only=False)
     for rank, w in trainer.local.items():
-        trainer._load_stage(rank, w, states[rank])
+        trainer._load_stage(rank, w, states.pop(rank))
+    del states
 
 
 def _too_big(trainer: Any, c: str, peak: int | None, max_memory: float) -> str:
