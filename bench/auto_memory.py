@@ -44,7 +44,7 @@ PIPELINE = {"max_cost": None, "where": "pipeline"}
 """auto_options of the job that measures the pilot on the job's own pipeline (issue 25): the
 candidates in turn, each rank training only its stage, the winner continuing from its pilot."""
 PILOT = {"max_memory": None, "max_cost": None, "where": "copies"}
-"""auto_options of the job that measures the pilot on copies (the default before issue 25): no
+"""auto_options of the job that measures the pilot on copies (the default): no
 limit relative to training's memory or time (the check against the rank's available memory
 stays)."""
 BEFORE = (
@@ -240,7 +240,7 @@ def page(runs: dict[str, dict]) -> str:
         r0["decision"] or "",
         "```",
         "",
-        "The pilot on copies (`where=\"copies\"`, the default before issue 25), measured: the "
+        "The pilot on copies (`where=\"copies\"`, the default), measured: the "
         "same job with `auto_options={\"max_memory\": None, \"max_cost\": None, "
         "\"where\": \"copies\"}` (no limit relative to training's memory or time; the check "
         "against the rank's available memory stays), `fit` ended as soon as auto had decided "
