@@ -50,7 +50,7 @@ from ..schedules.stream import STREAM_KINDS
 from .auto import (SAFE, SYNCHRONOUS, AutoOptions, Decision, Row, decide, periods,
                    require_baseline, trained)
 from .auto_pilot import split_for
-from .data import PartStream, derive_seed
+from .data import PartStream
 
 log = logging.getLogger("fxpipe.runtime.training.auto")
 
@@ -81,11 +81,8 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str
             parts, n = trainer._lead(it, want, f"{what} segment at {pos}")
             if n == 0:
                 break
-            if not trainer.stretch_open:
-                torch.manual_seed(derive_seed(trainer.seed, 0, pos, trainer.index))
             final = n < want or pos + n >= P
-            trainer._run(trainer._segment_schedule(len(parts), final), parts, 0, n)
-            losses, weights = trainer._seen
+            losses, weights = trainer._train_segment(parts, 0, pos, n, final)
             off = 0 if stream else base
             for k, v in losses.items():
                 acc = seen.setdefault((off + k) // trainer.split, [0.0, 0.0])
@@ -120,9 +117,9 @@ def extra_copies(kind: str, mitigation: Any, in_flight: int, stashing: bool = Tr
     hold none."""
     versions = (in_flight if stashing else 1) if kind == "pipedream" else 2 if kind == "2bw" else 1
     extra = versions - 1
-    if mitigation is not None and getattr(mitigation, "predict", False):
+    if mitigation is not None and mitigation.predict:
         extra += in_flight + 2
-    if mitigation is not None and getattr(mitigation, "dc", False):
+    if mitigation is not None and mitigation.dc:
         extra += 2
     return extra
 
@@ -196,9 +193,10 @@ def _too_big(trainer: Any, c: str, peak: int | None, max_memory: float) -> str:
 
 
 def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions
-                      ) -> tuple[Decision, tuple[int, int, list[float]]]:
-    """The decision (see the module doc) and where ``fit`` continues: (epoch, minibatch,
-    the epoch's accumulators). Every rank runs it; the candidates' order is the options'."""
+                      ) -> tuple[Decision, list[float]]:
+    """The decision (see the module doc; ``fit`` continues at its ``continued`` minibatch of
+    the first epoch) and the epoch's accumulators there. Every rank runs it; the candidates'
+    order is the options'."""
     require_baseline(opts.candidates)
     order = trained(opts.candidates)
     order.sort(key=lambda c: c != "1f1b-flush")  # the baseline first: it sets the level
@@ -274,4 +272,4 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions
     decision = Decision(winner, d.reason, rows, d.pilot_minibatches, spent, d.level,
                         f"{source}; measured on this pipeline per minibatch: {measured}", 1,
                         split=trainer.split, where="pipeline", continued=pos)
-    return decision, (0, pos, acc)
+    return decision, acc

@@ -67,8 +67,8 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
         if decision is None and want >= opts.min_pilot and opts.pilot > 0 and not on_pipeline:
             decision, memory = pilot_memory(trainer, opts)
     if decision is None and on_pipeline and opts.pilot > 0 and want >= opts.min_pilot:
-        decision, (_, _, acc) = pipeline_decision(trainer, loader, min(opts.pilot, want), opts)
-        trainer._continue_acc = acc
+        decision, trainer._continue_acc = pipeline_decision(trainer, loader,
+                                                            min(opts.pilot, want), opts)
         trainer.auto_decision = decision
         log.info("%s", decision.summary())
         if opts.report is not None:

@@ -76,7 +76,7 @@ from ..schedules.spec import AUTO, parse_schedule
 from ..schedules.staleness import own_delays
 from .auto import DEFAULT_CANDIDATES, AutoOptions, Decision
 from .auto_resolve import resolve as resolve_auto
-from .data import PartStream, derive_seed
+from .data import PartStream
 from .loss_split import WeightedLoss
 from .memory_fit import check_schedule_memory, fitting_candidates
 from .metrics import MetricsLog
@@ -271,7 +271,6 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self.metrics = MetricsLog(metrics_path, metrics_every, tensorboard_dir, len(self.stages),
                                   write=self.index == 0 and not self.idle)
         self._busy_seen: dict[tuple[int, int], float] = {}
-        self._seen: tuple[dict[int, float], dict[int, float]] = ({}, {})  # the last segment's
         self._continue_acc: list[float] = [0.0, 0.0, 0.0, 0.0]  # auto on the pipeline
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise RuntimeConfigError(f"prefetch={prefetch!r}", "use 0 (no reading ahead) or a "
@@ -319,10 +318,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                         told = self._tell()
                     if n == 0:
                         break
-                    if not self.stretch_open:  # dropout reproducible from the position
-                        torch.manual_seed(derive_seed(self.seed, epoch, pos, self.index))
                     final = n < want or self._drain_due(pos + n)  # trainer_schedule
-                    self._run(self._segment_schedule(len(parts), final), parts, epoch, n)
+                    self._train_segment(parts, epoch, pos, n, final)
                     del parts  # one segment's minibatches in memory at a time
                     pos += n
                     bar.update(n, self._acc[0] / max(self._acc[1], 1),

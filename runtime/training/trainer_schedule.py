@@ -31,6 +31,7 @@ from ..schedules.schedule import Schedule, sync_sets, tie_delay
 from ..schedules.spec import AUTO, parse_schedule
 from ..schedules.staleness import own_delays
 from ..schedules.stream import STREAM_KINDS, ScheduleStream, Window
+from .data import derive_seed
 
 DEFAULT_SEGMENT = 256
 """Minibatches per segment when neither ``segment`` nor ``checkpoint_every`` is given: bounds the
@@ -113,6 +114,8 @@ class ScheduleMixin:
     _noam_spec: int | str | None
     _noams: dict[str, int | None]
     auto_options: Any
+    seed: int
+    index: int
 
     def _check_tied_cadence(self) -> None:
         """Stages sharing a tied weight must update equally often, or their tied all-reduces
@@ -258,10 +261,22 @@ class ScheduleMixin:
         (a checkpoint follows it)."""
         return bool(self.checkpoint_every) and pos % self.checkpoint_every == 0
 
-    def _run(self, sched: Schedule, parts: list[Any], epoch: int, n: int) -> None:
+    def _train_segment(self, parts: list[Any], epoch: int, pos: int, n: int, final: bool
+                       ) -> tuple[dict[int, float], dict[int, float]]:
+        """Train the segment of ``n`` minibatches (cut into ``parts``) starting at epoch
+        position ``pos``, as ``fit`` and auto's pilot on the pipeline both do: dropout seeded
+        from the position wherever a stretch starts (reproducible), then :meth:`_run`.
+        ``final``: the pipeline drains at its end."""
+        if not self.stretch_open:  # dropout reproducible from the position
+            torch.manual_seed(derive_seed(self.seed, epoch, pos, self.index))
+        return self._run(self._segment_schedule(len(parts), final), parts, epoch, n)
+
+    def _run(self, sched: Schedule, parts: list[Any], epoch: int, n: int
+             ) -> tuple[dict[int, float], dict[int, float]]:
         """Carry one segment out (``n`` of the loader's minibatches, cut into ``parts``) and
         account its losses: those of the minibatches that reached the last stage in it (under
-        an asynchronous kind some of a segment's minibatches finish in the next one)."""
+        an asynchronous kind some of a segment's minibatches finish in the next one). Returns
+        them and their weights in the loss, by their number in the schedule."""
         start = getattr(sched, "start", 0)
         if start == 0:  # a new schedule numbers its minibatches from 0
             self._shares = {}
@@ -274,7 +289,6 @@ class ScheduleMixin:
         # one exchange for the loss and the stages' busy time (metrics): every rank takes part
         # whether or not it was given a metrics path
         weights = {k: self._shares.pop(k, 1.0) for k in losses}
-        self._seen = (losses, weights)  # auto's pilot on the pipeline reads them (auto_pipeline)
         got = self.backend.all_sum([sum(v * weights[k] for k, v in losses.items()),
                                     sum(weights.values()), *self._busy()], "loss sum")
         acc = self._acc
@@ -282,6 +296,7 @@ class ScheduleMixin:
         if self.metrics.enabled:
             self._record(epoch, n, got, dt, sched)
         self._check_harm(got[2:], dt, n)
+        return losses, weights
 
     def _check_harm(self, busy: list[float], dt: float, n: int) -> None:
         """Do no harm (issue 27): after the first segment (it fills the pipeline and warms up),
