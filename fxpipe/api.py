@@ -209,6 +209,21 @@ class CompiledModel:
             kwargs["recompute"] = self.plan.recompute
         return make_trainer(self, **kwargs)
 
+    def memory_check(self, trainer: Any) -> tuple[Any, ...]:
+        """Predicted against measured memory per stage, after ``trainer`` (made with
+        ``measure_memory=True``) has trained a segment: the plan's bytes per replica split into
+        its rule's terms next to the largest measured peak of live tensors among the stage's
+        replicas (:func:`fxpipe.runtime.pricing.memory.check_memory`; ``memory_table`` prints
+        them). Every rank gets every stage's peak; the parts of the peak only for its own."""
+        from fxpipe.runtime.pricing.memory import check_memory
+
+        measured = trainer.measured_memory()
+        if measured is None:
+            raise ConfigError("the trainer has measured no memory",
+                              "make it with compiled.trainer(measure_memory=True) under "
+                              "torchrun and call fit before memory_check")
+        return check_memory(self.plan, measured, trainer.memory_parts)
+
     def torch_stages(self, rank: int, world_size: int, *, placement: str = "loop",
                      device: Any = None, group: Any = None) -> Any:
         """This rank's stages as ``torch.distributed.pipelining.PipelineStage`` s, so torch's own

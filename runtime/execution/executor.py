@@ -48,6 +48,7 @@ from fxpipe.codegen.split import MODEL, StageSpec
 from ..replica.clipping import GROUP, counted, stage_clipper
 from ..replica.device import to_device
 from ..replica.global_step import step_hook
+from ..replica.live_bytes import PeakMemory
 from ..replica.mitigation import make_replica
 from ..replica.stage import (LossFn, detached_values, model_env, sync_components, tie_sets,
                              tied_parameters)
@@ -127,6 +128,7 @@ class RankExecutor(UpdateMixin):
         # values no gradient flows back along: no message planned, none computed or sent
         self._detached = detached_values(self.stages)
         self._split = False  # this run's B computes input gradients only, W the rest (see run)
+        self.meter: PeakMemory | None = None  # measure_memory: told which action runs
         self.replica = make_replica(self.spec, optimizer_factory, delay=delay,  # mitigation.py
                                     mitigation=mitigation, depth=len(self.stages),
                                     loss_fn=loss_fn if me[0] == last else None,
@@ -276,10 +278,15 @@ class RankExecutor(UpdateMixin):
         if plan.ops:
             with self.rec.span("recv", "post receives"):
                 issuer.start()
+        meter = self.meter
         for i, a in enumerate(actions):
             if self.fault is not None and i == self.fault[1]:
                 _inject(self.fault[0], self.comm.who, a)
+            if meter is not None:
+                meter.at("comm")
             issuer.at(i)  # the receives due by now (commplan.Issuer)
+            if meter is not None:
+                meter.at(a.kind)  # F, B, W or U: what each storage is charged to
             if a.kind == "F":
                 loss = self.forward(a, self._data.pop(a.minibatch), plan.recvs[i])
                 if loss is not None:
@@ -293,6 +300,8 @@ class RankExecutor(UpdateMixin):
             else:
                 self.update(a)
             if plan.sends[i]:
+                if meter is not None:
+                    meter.at("comm")
                 self._sent = []
                 with self.rec.span("send", f"post {a}", minibatch=a.minibatch) as span:
                     for m in plan.sends[i]:

@@ -44,6 +44,7 @@ from fxpipe.codegen.split import StageSpec
 from ..errors import PeerError, RuntimeConfigError
 from ..replica.clipping import GROUP
 from ..replica.device import CudaClock, pinned, rank_device
+from ..replica.live_bytes import PeakMemory, reachable_storages
 from ..replica.precision import autocast
 from ..replica.stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
 from ..replica.stash import OptimizerFactory
@@ -180,8 +181,8 @@ class DistributedBackend:
                  timeout_s: float = 60.0, data_timeout_s: float = 600.0,
                  device: str | None = None, timeline: bool = False,
                  mitigation: Mitigation | None = None,
-                 delays: Sequence[int] | None = None, options: StepOptions = DEFAULT) -> None:
-        from .executor import RankExecutor  # torch.distributed users only
+                 delays: Sequence[int] | None = None, options: StepOptions = DEFAULT,
+                 measure_memory: bool = False) -> None:
         self.options = options
 
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -238,6 +239,9 @@ class DistributedBackend:
         self.timelines: list[tuple[list[TimelineEvent], list[TimelineEvent]]] = []
         self.empty = empty
         self._wire = StretchWire()  # the running stretch's (see run_segment)
+        # the peak bytes of live tensors while this rank trains (Trainer(measure_memory=True))
+        self.memory = (PeakMemory(dev, lambda: reachable_storages(self.ex, skip=(StageSpec,)))
+                       if measure_memory else None)
         self.rebuild(optimizer_factory, stashing=stashing, mitigation=mitigation, delays=delays)
         log.info("%s ready on %s", self.comm.who, dev)
 
@@ -248,11 +252,14 @@ class DistributedBackend:
 
         self.ex, self.local = None, {}  # the old replica goes before the new one is made
         gc.collect()
+        if getattr(self, "memory", None) is not None:
+            self.memory.restart()  # the new replica's state is found at the next segment
         self.ex = RankExecutor(self.stages, self.empty, self.me, self.loss_fn, optimizer_factory,
                                WirePlan((), (), ()), self.comm, stashing=stashing,
                                device=self.device, mitigation=mitigation,
                                delay=(delays or [0] * len(self.stages))[self.me[0]],
                                options=self.options)
+        self.ex.meter = self.memory
         self.local: dict[Rank, StageReplica] = {self.me: self.ex.replica}
 
     def _agree_on_pipeline(self) -> None:
@@ -317,7 +324,11 @@ class DistributedBackend:
         if wire is not None:  # None: a window with no new minibatch (a stretch's drain)
             self._wire.add(start, wire)
         self.ex.wire = self._wire
-        res = self.ex.run_window(sched, parts, collect_params=False)
+        if self.memory is not None:
+            with self.memory:
+                res = self.ex.run_window(sched, parts, collect_params=False)
+        else:
+            res = self.ex.run_window(sched, parts, collect_params=False)
         release_freed_memory()  # the segment's freed blocks go back (allocator: fragmentation)
         ahead = getattr(sched, "ahead", {})  # what a later window may still send about
         self._wire.forget_before(min((a.minibatch for acts in ahead.values() for a in acts

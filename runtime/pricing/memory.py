@@ -18,14 +18,18 @@ depends on the schedule:
 
 v' comes from the simulated schedule (:class:`~.core.PlanSimulation.in_flight`), so a
 ``gpipe`` update of 8 microbatches holds 8 sets where ``1f1b-flush`` holds at most S - s.
+
+:func:`check_memory` holds a plan's prediction against a run's measured peaks
+(``Trainer(measure_memory=True)``, :mod:`fxpipe.runtime.replica.live_bytes`), term by term.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from fxpipe.errors import ConfigError
 from fxpipe.passes.memory_rule import MemoryRule
-from fxpipe.passes.plan import StagePlan
+from fxpipe.passes.plan import Plan, StagePlan
 
 from ..schedules.schedule import SCHEDULE_KINDS
 
@@ -96,3 +100,58 @@ def schedule_memory(stages: Sequence[StagePlan], kind: str, in_flight: Sequence[
     return tuple(state_bytes(sp) + stashed_versions(kind, v) * sp.parameter_bytes
                  + activation_memory(sp, v, scale)
                  for sp, v in zip(stages, in_flight))
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """One stage's predicted memory per replica (the plan's ``memory_bytes``, split into its
+    rule's terms) against the largest peak of live tensor bytes measured among its replicas
+    (``Trainer(measure_memory=True)``). ``parts``: the measured peak by what made each
+    tensor (held at the start, forwards ``F``, backwards ``B``/``W``, updates ``U``, receives
+    and sends ``comm``), where known (the rank that measured it)."""
+
+    stage: int
+    state: float
+    versions: float
+    activations: float
+    measured: int
+    parts: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def predicted(self) -> float:
+        return self.state + self.versions + self.activations
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted (1.0: exact; above: the plan under-predicts)."""
+        return self.measured / self.predicted if self.predicted > 0 else float("inf")
+
+
+def check_memory(plan: Plan, measured: Sequence[int],
+                 parts: Mapping[int, Mapping[str, int]] | None = None) -> tuple[MemoryCheck, ...]:
+    """The plan's memory per stage, by its rule's terms (state ``P (2 + opt)``, stashed
+    versions, activations: the rest of ``memory_bytes``, i.e. the in-flight sets, or a
+    recomputing stage's kept inputs and its one recomputed set), next to ``measured`` (bytes per
+    stage). ``parts``: per stage, the measured peak's parts (:class:`MemoryCheck`)."""
+    if len(measured) != len(plan.stages):
+        raise ValueError(f"{len(measured)} measured stages for a plan of {len(plan.stages)}")
+    rows = []
+    for sp, got in zip(plan.stages, measured):
+        state = state_bytes(sp)
+        versions = plan.memory_rule.stashed(max(sp.in_flight, 1)) * sp.parameter_bytes
+        rows.append(MemoryCheck(sp.index, state, versions,
+                                sp.memory_bytes - state - versions, int(got),
+                                dict((parts or {}).get(sp.index, {}))))
+    return tuple(rows)
+
+
+def memory_table(rows: Sequence[MemoryCheck]) -> str:
+    """A Markdown table of :func:`check_memory`'s rows (MiB, and measured / predicted)."""
+    mib = 1 << 20
+    lines = ["| stage | predicted | state | versions | activations | measured | measured / "
+             "predicted |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.stage} | {r.predicted / mib:.2f} | {r.state / mib:.2f} | "
+                     f"{r.versions / mib:.2f} | {r.activations / mib:.2f} | "
+                     f"{r.measured / mib:.2f} | {r.ratio:.2f} |")
+    return "\n".join(lines)

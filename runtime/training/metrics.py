@@ -15,7 +15,9 @@ first parameter group's learning rate after the last update; ``samples_per_s``: 
 those minibatches over the wall time of their segments; ``busy_s``: per stage, seconds its
 replicas spent in forward, backward and optimizer steps since the previous record (mean over a
 stage's replicas): ``1 - busy_s / time_s`` is the stage's idle share (pipeline bubbles and
-waiting). Why records fall at segment ends (every ``metrics_every`` updates at the earliest):
+waiting). ``peak_tensor_bytes`` (``Trainer(measure_memory=True)``): per stage, the largest peak of
+live tensor bytes among its replicas since training began (:mod:`fxpipe.runtime.replica.
+live_bytes`). Why records fall at segment ends (every ``metrics_every`` updates at the earliest):
 that is where the ranks exchange the segment's losses; pick ``segment=`` to log more often (an
 asynchronous schedule does not drain at segment ends, so a shorter segment costs only the
 exchange; its minibatches still in flight are counted in the next record).
@@ -84,7 +86,7 @@ class MetricsLog:
 
     def segment(self, *, epoch: int, updates: int, loss_sum: float, losses: float,
                 minibatches: int, samples: int, time_s: float, busy: list[float],
-                lr: float | None) -> None:
+                lr: float | None, peak: list[int] | None = None) -> None:
         """Account one segment; write a record if ``every`` updates passed since the last."""
         self.step += updates
         self._loss = [self._loss[0] + loss_sum, self._loss[1] + losses]
@@ -98,7 +100,8 @@ class MetricsLog:
                     "minibatches": self._minibatches,
                     "loss": self._loss[0] / max(self._loss[1], 1), "lr": lr,
                     "samples_per_s": self._samples / self._time if self._time > 0 else 0.0,
-                    "time_s": self._time, "busy_s": self._busy})
+                    "time_s": self._time, "busy_s": self._busy,
+                    **({"peak_tensor_bytes": peak} if peak is not None else {})})
         self._last = self.step
         self._reset()
 

@@ -119,7 +119,10 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
     records this rank's forwards, backwards, updates, sends, receives and all-reduces: one
     ``(events, background)`` pair per segment in :attr:`timelines`, in seconds since
     :attr:`timeline_origin` (a ``time.perf_counter()`` value; compute spans timed with CUDA
-    events on a GPU).
+    events on a GPU). ``measure_memory=True`` (distributed executor, every rank alike) measures
+    each rank's peak bytes of live tensors while it trains (:mod:`fxpipe.runtime.replica.
+    live_bytes`): :attr:`memory_peaks` per rank after every segment, ``peak_tensor_bytes`` per
+    stage in the metrics; ``compiled.memory_check(trainer)`` holds them against the plan.
 
     The training loop practitioners expect (README, "The training loop practitioners expect"):
     an optimizer factory with a ``names`` parameter gets the model's names of its tensors
@@ -174,7 +177,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                  replan: Replanner | None = None, split: int | None = None,
                  batch_dims: Any = None, input_batch_dims: BatchDims | None = None,
                  on_recipe: Callable[[str], None] | None = None,
-                 noam: int | str | None = None) -> None:
+                 noam: int | str | None = None, measure_memory: bool = False) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
@@ -239,6 +242,10 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         if executor == "reference" and timeline:
             raise RuntimeConfigError("timeline=True needs executor='distributed'",
                                      "the reference executor is the oracle, not a timing")
+        if executor == "reference" and measure_memory:
+            raise RuntimeConfigError("measure_memory=True needs executor='distributed'",
+                                     "every rank of the reference executor shares one process: "
+                                     "train with torchrun to measure each rank's memory")
         job = surplus_rank() if executor == "distributed" else None
         if executor == "reference":
             self.backend: Any = ReferenceBackend(self.stages, self.replicas, loss_fn, optimizer,
@@ -251,7 +258,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                               empty, stashing=stashing, timeout_s=timeout_s,
                                               data_timeout_s=data_timeout_s, timeline=timeline,
                                               device=device, options=self.options,
-                                              **mitigated)
+                                              measure_memory=measure_memory, **mitigated)
         self.idle = isinstance(self.backend, IdleBackend)
         self.replanner = replan.bind(self) if replan is not None else None  # trainer_switch
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
@@ -271,6 +278,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self.metrics = MetricsLog(metrics_path, metrics_every, tensorboard_dir, len(self.stages),
                                   write=self.index == 0 and not self.idle)
         self._busy_seen: dict[tuple[int, int], float] = {}
+        self.memory_peaks: dict[tuple[int, int], int] = {}  # measure_memory (trainer_results)
         self._continue_acc: list[float] = [0.0, 0.0, 0.0, 0.0]  # auto on the pipeline
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise RuntimeConfigError(f"prefetch={prefetch!r}", "use 0 (no reading ahead) or a "

@@ -26,6 +26,7 @@ class ResultsMixin:
     replicas: list[int]
     metrics: Any
     _busy_seen: dict[tuple[int, int], float]
+    memory_peaks: dict[tuple[int, int], int]
 
     def _write_back(self) -> None:
         """Copy the trained weights into this process's stage GraphModules (the user's own
@@ -48,6 +49,44 @@ class ResultsMixin:
             self._busy_seen[r] = w.busy_s
         return busy
 
+    def _peak_slots(self) -> list[float]:
+        """With ``measure_memory``: one slot per rank of the job, this rank's peak bytes of live
+        tensors in its own (summed over the ranks, every rank learns every peak); else none."""
+        memory = getattr(self.backend, "memory", None)
+        if memory is None:
+            return []
+        slots = [0.0] * self.backend.world
+        slots[self.backend.index] = float(memory.peak)  # exact: bytes < 2**53
+        return slots
+
+    def _note_peaks(self, got: list[float]) -> list[float]:
+        """Take the ranks' peaks (:meth:`_peak_slots`) off the end of a segment's exchange into
+        :attr:`memory_peaks`; the rest of it is returned."""
+        keep = 2 + len(self.stages)
+        rank_of = getattr(self.backend, "rank_of", None)
+        if len(got) > keep and rank_of is not None:
+            self.memory_peaks = {r: int(got[keep + i]) for r, i in rank_of.items()}
+        return got[:keep]
+
+    def measured_memory(self) -> list[int] | None:
+        """Per stage, the largest peak bytes of live tensors among its replicas so far
+        (``measure_memory=True``), or None when not measured."""
+        if not self.memory_peaks:
+            return None
+        peaks = [0] * len(self.stages)
+        for (s, _), b in self.memory_peaks.items():
+            peaks[s] = max(peaks[s], b)
+        return peaks
+
+    @property
+    def memory_parts(self) -> dict[int, dict[str, int]]:
+        """This rank's measured peak by what made each tensor (held at the start, ``F``,
+        ``B``, ``W``, ``U``, ``comm``), by stage; empty on CUDA or when not measured."""
+        memory = getattr(self.backend, "memory", None)
+        if memory is None or not memory.parts:
+            return {}
+        return {s: memory.parts for s, _ in self.local}
+
     def _record(self, epoch: int, n: int, got: list[float], dt: float, sched: Any) -> None:
         """One segment (schedule ``sched``, ``n`` minibatches) into the metrics log
         (:mod:`fxpipe.runtime.training.metrics`); ``got``: the segment's summed [loss sum,
@@ -58,7 +97,8 @@ class ResultsMixin:
         opt = first.stash.optimizer if first is not None else None
         lr = float(opt.param_groups[0]["lr"]) if opt is not None else None
         self.metrics.segment(epoch=epoch, updates=updates, loss_sum=got[0], losses=got[1],
-                             minibatches=n, samples=self._samples, time_s=dt, busy=busy, lr=lr)
+                             minibatches=n, samples=self._samples, time_s=dt, busy=busy, lr=lr,
+                             peak=self.measured_memory())
 
     @property
     def timelines(self) -> list[tuple[list[TimelineEvent], list[TimelineEvent]]]:

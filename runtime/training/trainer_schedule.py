@@ -108,6 +108,8 @@ class ScheduleMixin:
     _acc: list[float]
     _dt: float
     _busy: Callable[[], list[float]]
+    _peak_slots: Callable[[], list[float]]
+    _note_peaks: Callable[[list[float]], list[float]]
     _record: Callable[..., None]
     harm: str | None
     _harm_segments: int
@@ -290,7 +292,9 @@ class ScheduleMixin:
         # whether or not it was given a metrics path
         weights = {k: self._shares.pop(k, 1.0) for k in losses}
         got = self.backend.all_sum([sum(v * weights[k] for k, v in losses.items()),
-                                    sum(weights.values()), *self._busy()], "loss sum")
+                                    sum(weights.values()), *self._busy(), *self._peak_slots()],
+                                   "loss sum")
+        got = self._note_peaks(got)  # measure_memory: the ranks' peaks (trainer_results)
         acc = self._acc
         self._acc = [acc[0] + got[0], acc[1] + got[1], acc[2] + self._samples, acc[3] + dt]
         if self.metrics.enabled:
