@@ -85,7 +85,7 @@ class Comm:
         self.device = device
         self.groups = dict(groups or {})
         self.recorder = recorder or Recorder(enabled=False)
-        self._sends: list[_Pending] = []
+        self._sends: dict[tuple[Rank, int], _Pending] = {}  # (destination, tag) -> posted
         self.log: list[tuple] | None = [] if record else None
         """Every host call when recording (see commplan's log format), for the NCCL checker."""
         self._seq: dict[str, int] = {}
@@ -177,15 +177,32 @@ class Comm:
                                    group=self.groups.get(channel))
         except RuntimeError as err:
             raise self._fail(pend, err) from err
-        self._sends.append(pend)
-        if len(self._sends) > 64:
-            self._sends = [p for p in self._sends if not p.work.is_completed()]
+        pend.tag = tag
+        if (dst, tag) in self._sends:
+            raise RuntimeError(f"{self.who}: {what} sent twice with tag {tag} (a bug)")
+        self._sends[(dst, tag)] = pend
         return self.rank_of[dst], tag
+
+    def complete(self, dst: Rank, tag: int) -> None:
+        """The send to ``dst`` with ``tag`` is known to have been received (the schedule proves
+        it: :mod:`fxpipe.runtime.schedules.proofs`): wait for it (at once) and let its tensor go,
+        rather than at the stretch's final :meth:`flush`. Gloo needs this: its sends never say
+        they are completed before they are waited for (NCCL's do, but one rule for both keeps
+        the recorded waits, which the NCCL checker replays, the same on both)."""
+        pend = self._sends.pop((dst, tag), None)
+        if pend is None:
+            raise RuntimeError(f"{self.who}: the send to {dst} with tag {tag} is proven "
+                               "received but was never posted (a bug in the proofs)")
+        self._record("wait", pend.ref)  # the NCCL checker replays it: it must not block
+        try:
+            pend.work.wait(timeout=self.timeout)
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
 
     def flush(self) -> None:
         """Wait until every posted send was received (each wait bounded by the timeout)."""
         self._record("flush")
-        for pend in self._sends:
+        for pend in self._sends.values():
             try:
                 pend.work.wait(timeout=self.timeout)
             except RuntimeError as err:

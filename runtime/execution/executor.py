@@ -56,6 +56,7 @@ from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.commplan import (Issuer, Msg, RankPlan, StretchPlanner, comm_plans,
                                   links_of)
+from ..schedules.proofs import SendProofs
 from ..schedules.schedule import Action, Rank, Schedule, execution_order, split_ranks
 from ..schedules.spec import Mitigation
 from ..schedules.stream import Window
@@ -122,6 +123,7 @@ class RankExecutor(UpdateMixin):
         self._inbox: dict[Msg, _Pending] = {}  # receives posted, not yet waited for
         self._data: dict[int, Batch] = {}  # minibatches this rank forwards, not yet forwarded
         self._planner: StretchPlanner | None = None  # set while a stretch runs
+        self._proofs: SendProofs | None = None  # ... and which receive proves which send done
         self._sent: list[tuple[int, int]] = []  # (dst, tag) of the messages an action posted
         self._out: dict[str, torch.Tensor] = {}
         last = len(self.stages) - 1
@@ -192,7 +194,12 @@ class RankExecutor(UpdateMixin):
 
     def _received(self, msgs: Sequence[Msg]) -> dict[Msg, torch.Tensor]:
         self._issuer.require(msgs, self._inbox)
-        return {m: self.comm.wait(self._inbox.pop(m)) for m in msgs}
+        got = {m: self.comm.wait(self._inbox.pop(m)) for m in msgs}
+        if self._proofs is not None:  # the sends these prove received go now (schedules/proofs)
+            for m in msgs:
+                for s in self._proofs.proven_by(m):
+                    self.comm.complete(s.peer, self.comm.tag(s.minibatch, s.value, s.direction))
+        return got
 
     # ------------------------------------------------------------------ actions
     def forward(self, a: Action, batch: Batch, recvs: Sequence[Msg] = ()
@@ -272,6 +279,8 @@ class RankExecutor(UpdateMixin):
         order = (sched.order if isinstance(sched, Window)
                  else execution_order(sched, self._sync, self._delay))
         plan = self._planner.window(sched, order)[self.me]
+        if self._proofs is not None:
+            self._proofs.window(sched.actions, (m for ms in plan.sends for m in ms))
         self._final_b = last_backwards([b.kind for b in actions])
         losses: dict[int, torch.Tensor] = {}
         issuer = self._issuer = Issuer(plan, self._post_recv, self._post_send)
@@ -315,7 +324,7 @@ class RankExecutor(UpdateMixin):
             self._finish_tied_rounds()
             self.comm.flush()
             self.comm.barrier()
-            self._planner = None
+            self._planner = self._proofs = None
             if self.comm.log is not None:  # the whole stretch's host calls (the NCCL checker)
                 log_ = list(self.comm.log)
                 self.comm.log.clear()
@@ -341,6 +350,7 @@ class RankExecutor(UpdateMixin):
                                        ranks=[self.me], split=split_ranks(sched),
                                        sync=self._sync, delay=self._delay)
         self._split = self.me in split_ranks(sched)
+        self._proofs = SendProofs(self.links, self._planner.owner, self.me, index, self._grad_ok)
 
     def _forwards(self, k: int) -> bool:
         """Whether this rank forwards minibatch k (and so keeps its inputs until then)."""

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 memory_job.py OUT.pt [--schedule 1f1b-flush] [--measure]
 
 Trains a 2-stage MLP whose weights dwarf its activations (64 -> 512 -> 512 -> 8, batch 4) with
-SGD and momentum for 6 minibatches in segments of 2, with ``measure_memory`` when ``--measure``;
+SGD and momentum for 6 minibatches (``--minibatches``) in segments of 2, with ``measure_memory``
+when ``--measure``;
 rank 0 writes the trained state dict, every rank's measured peak and the metrics records.
 """
 from __future__ import annotations
@@ -30,9 +31,9 @@ def model() -> nn.Module:
                          nn.Linear(512, 8))
 
 
-def data() -> list:
+def data(n: int) -> list:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(4, 64, generator=g), torch.randn(4, 8, generator=g)) for _ in range(6)]
+    return [(torch.randn(4, 64, generator=g), torch.randn(4, 8, generator=g)) for _ in range(n)]
 
 
 def main() -> int:
@@ -40,6 +41,7 @@ def main() -> int:
     p.add_argument("out")
     p.add_argument("--schedule", default="1f1b-flush")
     p.add_argument("--measure", action="store_true")
+    p.add_argument("--minibatches", type=int, default=6)
     args = p.parse_args()
     torch.set_num_threads(1)
     gm = fx.symbolic_trace(model())
@@ -50,7 +52,7 @@ def main() -> int:
                       schedule=args.schedule, segment=2, timeout_s=30, progress=False,
                       measure_memory=args.measure, metrics_path=str(metrics),
                       microbatches=2 if args.schedule == "1f1b-flush" else None)
-    trainer.fit(data(), epochs=1)
+    trainer.fit(data(args.minibatches), epochs=1)
     state = trainer.state_dict()
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save({"state": state, "peaks": trainer.memory_peaks,
