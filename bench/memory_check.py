@@ -124,7 +124,33 @@ def _mib(b: float) -> str:
 
 
 
+def _rows(runs: list[dict]) -> list[dict]:
+    """One dict per (run, stage): the plan's terms and the measured peak's parts, in bytes."""
+    out = []
+    for run in runs:
+        if "error" in run:
+            continue
+        by_stage = {r["stage"]: r for r in run["ranks"]}
+        plan = run["ranks"][0]["plan"]
+        for row in plan["rows"]:
+            parts = by_stage[row["stage"]]["parts"]
+            out.append({"model": run["model"], "kind": run["kind"],
+                        "recompute": run["recompute"], **row,
+                        "P": plan["parameter_bytes"][row["stage"]],
+                        "predicted": row["state"] + row["versions"] + row["activations"],
+                        "held": parts.get("held", 0), "F": parts.get("F", 0),
+                        "BW": parts.get("B", 0) + parts.get("W", 0), "U": parts.get("U", 0),
+                        "comm": parts.get("comm", 0) + parts.get("other", 0)})
+    return out
+
+
+def _span(values: list[float]) -> str:
+    values = sorted(values)
+    return f"{values[0]:.2f} / {values[len(values) // 2]:.2f} / {values[-1]:.2f}"
+
+
 def page(runs: list[dict]) -> str:
+    rows = _rows(runs)
     lines = ["## Predicted against measured memory per stage", "",
              "Command: `.venv/bin/python -m bench.memory_check` (4 torchrun ranks, gloo, one "
              "thread each; raw reports in `benchmarks/memory-check.raw.json`). Predicted: the "
@@ -133,38 +159,54 @@ def page(runs: list[dict]) -> str:
              "2), stashed versions, activations (the in-flight sets; recomputing: kept inputs "
              "plus one set). Measured: each rank's peak of live tensor bytes over 16 "
              "minibatches (`Trainer(measure_memory=True)`), and its parts by what made each "
-             "tensor: held when training began (weights), forwards (F), backwards (B, W), "
-             "updates (U: AdamW's moments and the step's temporaries), receives (comm). MiB.",
-             "",
-             "| model | schedule | recompute | stage | predicted | state | versions | "
-             "activations | measured | measured / predicted | held | F | B+W | U | comm |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    worst: list[tuple[float, str]] = []
-    for run in runs:
-        if "error" in run:
-            lines.append(f"| {run['model']} | {run['kind']} | {run['recompute']} | "
-                         f"failed: {run['error'].strip().splitlines()[-1][:120]} |"
-                         + " |" * 11)
-            continue
-        plan = run["ranks"][0]["plan"]
-        by_stage = {r["stage"]: r for r in run["ranks"]}
-        for row in plan["rows"]:
-            pred = row["state"] + row["versions"] + row["activations"]
-            parts = by_stage[row["stage"]]["parts"]
-            ratio = row["measured"] / pred
-            worst.append((ratio, f"{run['model']} {run['kind']} {run['recompute']} "
-                                 f"stage {row['stage']}"))
-            lines.append(
-                f"| {run['model']} | {run['kind']} | {run['recompute']} | {row['stage']} | "
-                f"{_mib(pred)} | {_mib(row['state'])} | {_mib(row['versions'])} | "
-                f"{_mib(row['activations'])} | {_mib(row['measured'])} | {ratio:.2f} | "
-                f"{_mib(parts.get('held', 0))} | {_mib(parts.get('F', 0))} | "
-                f"{_mib(parts.get('B', 0) + parts.get('W', 0))} | {_mib(parts.get('U', 0))} | "
-                f"{_mib(parts.get('comm', 0) + parts.get('other', 0))} |")
-    within = sum(0.9 <= r <= 1.1 for r, _ in worst)
-    lines += ["", f"Stages within 10% of their prediction: {within} of {len(worst)}; "
-              f"measured / predicted from {min(worst)[0]:.2f} ({min(worst)[1]}) to "
-              f"{max(worst)[0]:.2f} ({max(worst)[1]})." if worst else "No run finished."]
+             "tensor: held when training began (the weights), forwards (F), backwards (B, W), "
+             "updates (U: AdamW's moments, weight versions and the step's temporaries), "
+             "receives posted ahead (comm). MiB.", ""]
+    failed = [r for r in runs if "error" in r]
+    if rows:
+        ratio = [r["measured"] / r["predicted"] for r in rows]
+        worst = max(range(len(rows)), key=lambda i: ratio[i])
+        best = min(range(len(rows)), key=lambda i: ratio[i])
+
+        def name(i: int) -> str:
+            r = rows[i]
+            return f"{r['model']} {r['kind']} recompute {r['recompute']} stage {r['stage']}"
+
+        # the gradient sums (P) are made by the backwards: state's, not the working set's
+        state = [(r["held"] + r["U"] + r["P"]) / (r["state"] + r["versions"]) for r in rows]
+        acts = [r["F"] / r["activations"] for r in rows if r["recompute"] == "never"]
+        working = [max(r["BW"] - r["P"], 0) / r["predicted"] for r in rows]
+        comm = [r["comm"] / r["predicted"] for r in rows]
+        lines += [
+            f"Stages within 10% of their prediction: {sum(0.9 <= x <= 1.1 for x in ratio)} of "
+            f"{len(rows)}; measured / predicted from {ratio[best]:.2f} ({name(best)}) to "
+            f"{ratio[worst]:.2f} ({name(worst)}), median {sorted(ratio)[len(ratio) // 2]:.2f}. "
+            "Which term misses (min / median / max over the stages):", "",
+            f"- weights, gradient sums, optimizer state and versions ((held + U + P) over state "
+            f"+ versions, P the stage's parameter bytes: the gradient sums, made by the "
+            f"backwards): {_span(state)}; above 1 where AdamW's step makes temporaries and "
+            "a new weight version beside the old ones;",
+            f"- activations without recomputation (F over predicted activations): "
+            f"{_span(acts)}: what the forwards keep, priced per minibatch in flight;",
+            f"- the backward's working set, not priced ((B + W - P) over predicted): "
+            f"{_span(working)}: a minibatch's new weight gradients beside the sums, the "
+            "activations' gradients, and where recomputing the recomputed set;",
+            f"- receive buffers posted ahead, not priced (comm over predicted): {_span(comm)}: "
+            "the runtime posts receives ahead of the compute that needs them (issue 27), each a "
+            "buffer of the message's size.", ""]
+    lines += ["| model | schedule | recompute | stage | predicted | state | versions | "
+              "activations | measured | measured / predicted | held | F | B+W | U | comm |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['kind']} | {r['recompute']} | {r['stage']} | "
+            f"{_mib(r['predicted'])} | {_mib(r['state'])} | {_mib(r['versions'])} | "
+            f"{_mib(r['activations'])} | {_mib(r['measured'])} | "
+            f"{r['measured'] / r['predicted']:.2f} | {_mib(r['held'])} | {_mib(r['F'])} | "
+            f"{_mib(r['BW'])} | {_mib(r['U'])} | {_mib(r['comm'])} |")
+    for run in failed:
+        lines.append(f"\nFailed: {run['model']} {run['kind']} recompute {run['recompute']}: "
+                     f"{run['error'].strip().splitlines()[-1][:200]}")
     return "\n".join(lines)
 
 

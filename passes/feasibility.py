@@ -92,6 +92,7 @@ class _Inst:
         self._mkey: dict[tuple[int, int], list[float]] = {}
         self.rule = rule
         self._coef: dict[tuple[int, int], tuple[float, float]] = {}
+        self._recomputed: dict[tuple[int, int], float] = {}  # full sets when recomputing
 
     # --- the exact cost expressions (the only ones used for decisions) ------------------
     def time(self, r: int, a: int, e: int, x: bool = False) -> float:
@@ -107,6 +108,7 @@ class _Inst:
         c = self._coef.get((r, v))
         if c is None:
             c = self._coef[(r, v)] = (self.rule.stashed(v), self.rule.sets(v, r, self.m))
+            self._recomputed[(r, v)] = self.rule.recomputed_sets(v, r, self.m)
         return c
 
     def mem(self, r: int, v: int, a: int, e: int, x: bool = False) -> float:
@@ -119,7 +121,7 @@ class _Inst:
         if x:
             return ((2.0 + self.opt) * p + k * p
                     + h * (self.cbl[a] + (self.Hl[e] - self.Hl[a]))
-                    + self.rule.unit * (self.Al[e] - self.Al[a]))
+                    + self._recomputed[(r, v)] * (self.Al[e] - self.Al[a]))
         return (2.0 + self.opt) * p + k * p + h * (self.Al[e] - self.Al[a])
 
     def cut(self, r: int, p: int) -> float:
@@ -184,7 +186,7 @@ class _Inst:
         if x:
             return ((2.0 + self.opt) * p + k * p
                     + h * (self.cb[a] + (self.Hc[e] - self.Hc[a]))
-                    + self.rule.unit * (self.Ac[e] - self.Ac[a]))
+                    + self._recomputed[(r, v)] * (self.Ac[e] - self.Ac[a]))
         return (2.0 + self.opt) * p + k * p + h * (self.Ac[e] - self.Ac[a])
 
     def reach_many(self, r: int, v: int, a: np.ndarray, tau: float,

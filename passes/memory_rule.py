@@ -10,8 +10,10 @@ takes a :class:`MemoryRule` so a plan that fits only under a flushing schedule i
 The rule is data (a serialisable frozen dataclass) in shapes the solver prices exactly:
 
     memory = P (2 + opt) + versions(v, r) P + sets(v, r) A                 (no recomputation)
-    memory = P (2 + opt) + versions(v, r) P + sets(v, r) X + unit A        (recomputing: X =
-             the stage's inputs per minibatch in flight, one full set while it recomputes)
+    memory = P (2 + opt) + versions(v, r) P + sets(v, r) X + recomputed(v, r) A
+                                  (recomputing: X = the stage's inputs per minibatch in flight;
+                                   one full set while it recomputes, or every held set where a
+                                   split backward keeps its recomputed graph until its W)
 
 with ``sets`` in units of the profiled minibatch's activations (a microbatch of a minibatch cut
 ``split`` ways holds 1/split of them). Both are nondecreasing in v for a fixed r, which the
@@ -29,6 +31,10 @@ from fxpipe.errors import ConfigError, PlanFormatError
 
 VERSIONS = ("window", "one", "none")
 """Stashed weight versions besides the live one: v - 1 (PipeDream), 1 (2BW's shadow), 0."""
+RECOMPUTED = ("one", "held")
+"""Full activation sets a recomputing replica holds: one while it recomputes (the backward
+frees it), or as many as its held sets (zero-bubble's B recomputes and W still needs the graph,
+so a recomputed set lives from B until W; the held count bounds the minibatches between them)."""
 HELD = ("window", "window-batch", "batch")
 """Activation sets held: the window v; min(v, ceil(m / r)) (1F1B with a flush: a replica gets
 ceil(m / r) of an update's m microbatches); ceil(m / r) (all of an update's, GPipe)."""
@@ -39,7 +45,8 @@ class MemoryRule:
     """The shape of a schedule's memory (see the module docstring). ``microbatches``: m per
     update for the held shapes that count them (None: the cluster's workers, the runtime's
     default m); ``split``: each minibatch cut into that many microbatches; ``limit``: at most
-    this many sets per replica whatever the shape (zero-bubble H2's bound; None: no bound)."""
+    this many sets per replica whatever the shape (zero-bubble H2's bound; None: no bound);
+    ``recomputed``: a recomputing replica's full sets, one or every held one (:data:`RECOMPUTED`)."""
 
     schedule: str = "pipedream"
     versions: str = "window"
@@ -47,11 +54,15 @@ class MemoryRule:
     microbatches: int | None = None
     split: int = 1
     limit: int | None = None
+    recomputed: str = "one"
 
     def __post_init__(self) -> None:
-        if self.versions not in VERSIONS or self.held not in HELD:
-            raise ConfigError(f"memory rule versions={self.versions!r}, held={self.held!r}",
-                              f"versions: one of {VERSIONS}; held: one of {HELD}")
+        if (self.versions not in VERSIONS or self.held not in HELD
+                or self.recomputed not in RECOMPUTED):
+            raise ConfigError(f"memory rule versions={self.versions!r}, held={self.held!r}, "
+                              f"recomputed={self.recomputed!r}",
+                              f"versions: one of {VERSIONS}; held: one of {HELD}; recomputed: "
+                              f"one of {RECOMPUTED}")
         for name in ("microbatches", "limit"):
             x = getattr(self, name)
             if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 1):
@@ -81,6 +92,11 @@ class MemoryRule:
         """:meth:`count` in units of the profiled minibatch's activations."""
         c = self.count(v, r, workers)
         return float(c) if self.split == 1 else c * self.unit
+
+    def recomputed_sets(self, v: int, r: int, workers: int) -> float:
+        """Full activation sets a recomputing replica holds at once, in units of the profiled
+        minibatch's (see :data:`RECOMPUTED`)."""
+        return self.unit if self.recomputed == "one" else self.sets(v, r, workers)
 
     def label(self) -> str:
         """``1f1b-flush (m=8)``: what plan summaries say the memory is for."""

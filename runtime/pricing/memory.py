@@ -43,6 +43,13 @@ SHAPES = {  # kind -> (stashed versions, activation sets held) in MemoryRule's t
 }                                          # and never more than the replica's share of m
 
 
+SPLIT_BACKWARD = ("zb-h1", "zb-h2")
+"""Kinds whose backward is split (B input gradients, W weight gradients later): a recomputing
+stage's B recomputes the forward and W needs that graph, so each minibatch between its B and
+its W holds a full set (measured: zb-h2 with recomputation held 5x its one-set prediction on
+GPT's last stage, benchmarks/memory-check.md)."""
+
+
 def memory_rule(kind: str, microbatches: int | None = None, split: int = 1) -> MemoryRule:
     """The planner's memory rule for plans trained with ``kind``: what a replica holds besides
     its state as a function of its window and replicas (tests/runtime/test_runtime_schedule_
@@ -54,7 +61,7 @@ def memory_rule(kind: str, microbatches: int | None = None, split: int = 1) -> M
                           f"plan for one of {', '.join(SCHEDULE_KINDS)}")
     versions, held = SHAPES[kind]
     return MemoryRule(kind, versions, held, None if kind in ("pipedream", "2bw") else microbatches,
-                      split)
+                      split, recomputed="held" if kind in SPLIT_BACKWARD else "one")
 
 
 def stashed_versions(kind: str, in_flight: int) -> int:
@@ -77,9 +84,12 @@ def state_bytes(sp: StagePlan) -> float:
     return sp.memory_bytes - (v - 1) * sp.parameter_bytes - v * sp.activation_bytes
 
 
-def activation_memory(sp: StagePlan, in_flight: int, scale: float = 1.0) -> float:
+def activation_memory(sp: StagePlan, in_flight: int, scale: float = 1.0,
+                      kind: str | None = None) -> float:
     """Activations held at the peak with ``in_flight`` minibatches (each ``scale`` of the
-    profiled minibatch's activations: a microbatch of a cut minibatch holds its share)."""
+    profiled minibatch's activations: a microbatch of a cut minibatch holds its share); a
+    recomputing stage under a split-backward ``kind`` holds a full set per minibatch in flight
+    (:data:`SPLIT_BACKWARD`), else one."""
     if not sp.recompute:
         return in_flight * sp.activation_bytes * scale
     if sp.kept_input_bytes is not None:  # per minibatch in flight, its inputs (X + H)
@@ -88,7 +98,8 @@ def activation_memory(sp: StagePlan, in_flight: int, scale: float = 1.0) -> floa
         v = max(sp.in_flight, 1)
         inputs = (sp.memory_bytes - state_bytes(sp) - (v - 1) * sp.parameter_bytes
                   - sp.activation_bytes) / v
-    return (in_flight * max(inputs, 0.0) + sp.activation_bytes) * scale
+    full = in_flight if kind in SPLIT_BACKWARD else 1
+    return (in_flight * max(inputs, 0.0) + full * sp.activation_bytes) * scale
 
 
 def schedule_memory(stages: Sequence[StagePlan], kind: str, in_flight: Sequence[int],
@@ -98,7 +109,7 @@ def schedule_memory(stages: Sequence[StagePlan], kind: str, in_flight: Sequence[
     if len(in_flight) != len(stages):
         raise ValueError(f"{len(in_flight)} in-flight counts for {len(stages)} stages")
     return tuple(state_bytes(sp) + stashed_versions(kind, v) * sp.parameter_bytes
-                 + activation_memory(sp, v, scale)
+                 + activation_memory(sp, v, scale, kind)
                  for sp, v in zip(stages, in_flight))
 
 

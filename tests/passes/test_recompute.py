@@ -157,7 +157,9 @@ def brute(C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages, flush=None):
     plans that fit under ``cap``. ``flush``: (microbatches per update, split) of 1F1B with a
     flush instead of PipeDream: no stashed version, min(v, ceil(mb / r)) sets in flight, each
     1/split of the profiled minibatch's activations (a recomputing stage: of its inputs, plus
-    one set's activations while it recomputes)."""
+    one set's activations while it recomputes); a third element True: zero-bubble H1's split
+    backward, where every held set of a recomputing stage is also recomputed and kept until
+    its W."""
     n = len(C)
     out = {}
     choices = {"never": (False,), "always": (True,), "auto": (False, True)}[mode]
@@ -186,9 +188,12 @@ def brute(C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages, flush=None):
                             keep = v * (into + held) + act if x else v * act
                             mem.append((2 + opt) * p + (v - 1) * p + keep)
                         else:
-                            mb, split = flush
+                            mb, split, until_w = (*flush, False)[:3]
                             sets = min(v, -(-(mb or m) // r)) / split
-                            keep = sets * (into + held) + act / split if x else sets * act
+                            # recomputing: one set while it recomputes, or (a split backward,
+                            # zero-bubble) each held set's recomputed graph until its W
+                            full = sets if until_w else 1 / split
+                            keep = sets * (into + held) + full * act if x else sets * act
                             mem.append((2 + opt) * p + keep)
                     if cap is None or max(mem) <= cap:
                         out[(starts, reps, flags)] = (max(times), tuple(mem))
@@ -240,6 +245,14 @@ def test_recompute_under_a_flushing_schedule_matches_brute_force(inst, mb, split
     """The same, memory priced as 1F1B with a flush holds it (microbatches ``mb`` per update,
     each minibatch cut ``split`` ways)."""
     check_against_brute_force(inst, (mb, split))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.sampled_from([None, 1, 2, 5]), st.sampled_from([1, 2]))
+def test_recompute_under_zero_bubble_matches_brute_force(inst, mb, split) -> None:
+    """zb-h1's rule (what runtime/pricing/memory.memory_rule gives it): 1F1B's windows, and a
+    recomputing stage keeps every held set's recomputed graph until its W."""
+    check_against_brute_force(inst, (mb, split, True))
 
 
 def test_caps_only_recomputation_meets_match_brute_force() -> None:
@@ -351,11 +364,13 @@ def check_checks(args: tuple, straight: bool) -> None:
             assert len(few) == min(len(k[0]) for k in under)
 
 
-def check_against_brute_force(inst, flush: tuple[int | None, int] | None = None) -> None:
+def check_against_brute_force(inst, flush: tuple | None = None) -> None:
     C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages = inst
     feasible = brute(C, F, P, A, H, cb, m, al, be, ga, cap, opt, mode, stages, flush)
     rule = (PIPEDREAM if flush is None else
-            MemoryRule("1f1b-flush", "none", "window-batch", flush[0], flush[1]))
+            MemoryRule("1f1b-flush", "none", "window-batch", flush[0], flush[1]) if len(flush) == 2
+            else MemoryRule("zb-h1", "none", "window-batch", flush[0], flush[1],
+                            recomputed="held"))
     try:
         sol = solve(C, P, A, cb, m, al, be, ga, memory_cap=cap, optimizer_state_factor=opt,
                     stages=stages, tie_tolerance=TIE, recompute=mode, forward=F, held=H,

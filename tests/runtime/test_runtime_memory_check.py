@@ -56,3 +56,19 @@ def test_not_measured_is_a_clear_error() -> None:
     assert trainer.measured_memory() is None and trainer.memory_parts == {}
     with pytest.raises(ConfigError, match="has measured no memory"):
         compiled.memory_check(trainer)
+
+
+def test_split_backward_kinds_keep_recomputed_sets_until_w() -> None:
+    """zb-h1 / zb-h2 recompute in B and need the graph in W: a recomputing stage holds a full
+    set per minibatch in flight; the other kinds one while it recomputes."""
+    assert [memory_rule(k).recomputed for k in ("zb-h1", "zb-h2", "1f1b-flush", "pipedream",
+                                                "2bw", "gpipe")] == ["held"] * 2 + ["one"] * 4
+    sp = _stage(0, 100, 10, 3, 0, 400)
+    sp = StagePlan(**{**sp.__dict__, "recompute": True, "kept_input_bytes": 2.0})
+    from fxpipe.runtime.pricing.memory import schedule_memory
+    # state 400 + 3 minibatches' inputs (3 x 2) + one set (10) or three (30)
+    assert schedule_memory([sp], "1f1b-flush", [3]) == (400 + 6 + 10,)
+    assert schedule_memory([sp], "zb-h1", [3]) == (400 + 6 + 30,)
+    rule = memory_rule("zb-h2", 4, 2)
+    # zb-h2 holds an update's share, ceil(4 / 1) = 4 microbatches of half a minibatch each
+    assert rule.recomputed_sets(3, 1, 4) == rule.sets(3, 1, 4) == 2.0
