@@ -112,6 +112,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", type=int, default=0, help="minibatches read ahead by a thread")
     p.add_argument("--metrics", default=None, metavar="FILE.jsonl", help="JSON-lines metrics log")
     p.add_argument("--metrics-every", type=int, default=1, help="updates between records")
+    p.add_argument("--measure-memory", action="store_true",
+                   help="count each rank's peak of live tensor bytes and print it per stage "
+                        "beside the plan's prediction at the end")
 
 
 def _noam(text: str) -> int | str:
@@ -363,7 +366,8 @@ def run_worker(args: argparse.Namespace) -> int:
                            recompute=True if args.recompute else None,
                            microbatches=args.microbatches, segment=args.segment,
                            noam=args.noam, prefetch=args.prefetch, metrics_path=args.metrics,
-                           metrics_every=args.metrics_every)
+                           metrics_every=args.metrics_every,
+                           measure_memory=args.measure_memory)
     resume = args.resume
     if args.elastic:
         from fxpipe.cli_elastic import elastic_resume
@@ -382,6 +386,12 @@ def run_worker(args: argparse.Namespace) -> int:
             print(f"epoch {int(h['epoch'])}: loss {h['loss']:.4f}, "
                   f"{h['samples_per_s']:.1f} samples/s{extra}", flush=True)
         print(f"trained in {time.perf_counter() - t0:.1f} s", flush=True)
+        if args.measure_memory:
+            from fxpipe.runtime.pricing.memory import memory_table
+
+            print(f"memory per stage, predicted by the plan (priced for "
+                  f"{compiled.plan.memory_rule.label()}) and measured (MiB):\n"
+                  + memory_table(compiled.memory_check(trainer)), flush=True)
         if state is not None:
             torch.save(state, args.save)
     trainer.close()
