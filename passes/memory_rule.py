@@ -105,7 +105,12 @@ class MemoryRule:
         return self.schedule + (f" ({', '.join(extra)})" if extra else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; ``recomputed`` only when it is not the default, so a plan that does not
+        need it still loads in fxpipe versions from before it existed."""
+        d = asdict(self)
+        if d["recomputed"] == "one":
+            del d["recomputed"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "<dict>") -> MemoryRule:

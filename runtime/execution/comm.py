@@ -158,7 +158,8 @@ class Comm:
 
     def send(self, tensor: torch.Tensor, dst: Rank, tag: int, what: str,
              spec: TensorSpec | None = None, direction: int | None = None) -> tuple[int, int]:
-        """Post a send; it completes when the peer receives it (see :meth:`flush`). Not a
+        """Post a send; it completes when the peer receives it, and its tensor is kept until
+        :meth:`complete` (the schedule proves it received) or :meth:`flush`. Not a
         timeline event of its own: the caller records the posting of an action's messages,
         with the (destination global rank, tag) pairs this returns."""
         t = tensor.detach().contiguous()

@@ -72,3 +72,15 @@ def test_split_backward_kinds_keep_recomputed_sets_until_w() -> None:
     rule = memory_rule("zb-h2", 4, 2)
     # zb-h2 holds an update's share, ceil(4 / 1) = 4 microbatches of half a minibatch each
     assert rule.recomputed_sets(3, 1, 4) == rule.sets(3, 1, 4) == 2.0
+
+
+def test_rules_round_trip_and_stay_readable_by_older_versions() -> None:
+    from fxpipe.passes.memory_rule import MemoryRule
+
+    for kind in ("pipedream", "1f1b-flush", "zb-h1", "zb-h2", "2bw", "gpipe"):
+        rule = memory_rule(kind, 4, 2)
+        assert MemoryRule.from_dict(rule.to_dict()) == rule
+    # the fields fxpipe wrote before `recomputed` existed: what a rule without it still writes
+    before = {"schedule", "versions", "held", "microbatches", "split", "limit"}
+    assert set(memory_rule("1f1b-flush", 4).to_dict()) == before
+    assert memory_rule("zb-h2", 4).to_dict()["recomputed"] == "held"
