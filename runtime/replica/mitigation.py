@@ -205,10 +205,10 @@ class MitigatedReplica(StageReplica):
         finally:
             self._point = None
 
-    def _accumulate(self, name: str, g: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, name: str, g: torch.Tensor, own: bool = False) -> torch.Tensor:
         if self._point is not None:
-            g = self._compensate(name, g)
-        return super()._accumulate(name, g)
+            g, own = self._compensate(name, g), True  # a new tensor
+        return super()._accumulate(name, g, own)
 
     @torch.no_grad()
     def _compensate(self, name: str, g: torch.Tensor) -> torch.Tensor:

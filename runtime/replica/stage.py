@@ -245,7 +245,8 @@ class StageReplica(UpdateMixin):
         finally:
             for h in hooks:  # the weights are shared with other minibatches' graphs
                 h.remove()
-        self._weights_done(minibatch, names, grads[len(diff_in):], summed)
+        self._weights_done(minibatch, names, grads[len(diff_in):], summed,
+                           exclusive(grads[len(diff_in):], [*seeds, *grads[:len(diff_in)]]))
         self.busy_s += time.perf_counter() - t0
         return self._input_grads(fl.inputs, diff_in, grads[:len(diff_in)])
 
@@ -271,14 +272,15 @@ class StageReplica(UpdateMixin):
         self.busy_s += time.perf_counter() - t0
 
     def _weights_done(self, minibatch: int, names: Sequence[str],
-                      grads: Sequence[torch.Tensor | None], summed: Mapping[str, torch.Tensor]
-                      ) -> None:
+                      grads: Sequence[torch.Tensor | None], summed: Mapping[str, torch.Tensor],
+                      own: Sequence[bool] = ()) -> None:
         """Sum a minibatch's weight gradients (those the hooks have not summed yet), count the
-        minibatch and let its weight version go."""
+        minibatch and let its weight version go. ``own[i]``: gradient i shares its memory with
+        nothing (:func:`exclusive`), so a sum it starts may be added to in place."""
         self.stash.release(minibatch)
-        for n, g in zip(names, grads):
+        for i, (n, g) in enumerate(zip(names, grads)):
             if n not in summed and g is not None:  # the hooks already added theirs
-                self._accumulate(n, g)
+                self._accumulate(n, g, own=i < len(own) and own[i])
         self._count += 1
 
     @staticmethod
@@ -320,16 +322,20 @@ class StageReplica(UpdateMixin):
         summed[name] = self._accumulate(name, g)
         on_grad(name, summed[name])
 
-    def _accumulate(self, name: str, g: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, name: str, g: torch.Tensor, own: bool = False) -> torch.Tensor:
         """Add ``g`` to ``name``'s gradient sum and return the sum. The first gradient is kept
-        as is (no copy); the second allocates the sum once; later ones add in place (the same
-        additions, in the same order, as ``sum = sum + g``). A gradient of a parameter with a
+        as is (no copy); unless it is known to share its memory with nothing (``own``), the
+        second allocates the sum once; later ones add in place (the same additions, in the same
+        order, as ``sum = sum + g``: a peak of one weight less when the first is owned,
+        measured in tests/runtime/test_runtime_memory_dist.py). A gradient of a parameter with a
         float32 master is summed in float32 (:mod:`.master`): the first one is cast (a copy)."""
         cur = self._grad_sum.get(name)
         if cur is None:
             dt = self.stash.grad_dtypes.get(name, g.dtype)
             if g.dtype != dt:
                 g = g.to(dt)
+                own = True
+            if own:
                 self._owned.add(name)
             self._grad_sum[name] = g
         elif name in self._owned:
@@ -359,3 +365,25 @@ class StageReplica(UpdateMixin):
     def parameters(self) -> dict[str, torch.Tensor]:
         """The latest weights by the model's own names (detached copies)."""
         return {n: t.detach().clone() for n, t in self.stash.latest.items()}
+
+
+def exclusive(grads: Sequence[torch.Tensor | None], others: Sequence[Any]) -> list[bool]:
+    """Per gradient, whether it may be summed into in place: its storage is shared with no
+    other returned gradient and none of ``others`` (the backward's seeds and input gradients:
+    autograd passes an incoming gradient, or a view of it, straight through ``x + w`` or
+    ``w.view(...)``, and an input gradient is sent on), and it covers that storage exactly,
+    densely (contiguous, or a 2-D transpose of contiguous, as a Linear's weight gradient is),
+    so it is no expanded or partial view."""
+    counts: dict[int, int] = {}
+    for t in [*grads, *others]:
+        if isinstance(t, torch.Tensor):
+            p = t.untyped_storage().data_ptr()
+            counts[p] = counts.get(p, 0) + 1
+    out = []
+    for g in grads:
+        out.append(isinstance(g, torch.Tensor)
+                   and counts[g.untyped_storage().data_ptr()] == 1
+                   and g.untyped_storage().nbytes() == g.numel() * g.element_size()
+                   and (g.is_contiguous() or (g.dim() == 2 and g.t().is_contiguous())))
+    return out
+
