@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import time
 from pathlib import Path
 
 from bench._report import publish
+from fxpipe.runtime.execution.ports import free_port  # torch-free
 
 SECTION = "auto-memory"
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,11 +147,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- the parent
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def job(schedule: str, n: int, auto_options: dict | None = None,
         decision_only: bool = False) -> dict:
@@ -160,7 +155,7 @@ def job(schedule: str, n: int, auto_options: dict | None = None,
     with tempfile.TemporaryDirectory() as tmp:
         result = str(Path(tmp) / "r")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-               "--master-addr=127.0.0.1", f"--master-port={_port()}", "-m", "bench.auto_memory",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "bench.auto_memory",
                "--bench-worker", "--epoch-minibatches", str(n), "--train-schedule", schedule,
                "--auto-options", json.dumps(auto_options or {}), "--result-file", result]
         if decision_only:

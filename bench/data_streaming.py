@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench._report import publish
+from fxpipe.runtime.execution.ports import free_port  # torch-free
 
 SECTION = "data_streaming"
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,18 +113,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- the parent
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def job(n: int, stages: int, delay: float, timeout: float) -> dict:
     """One torchrun job; every rank's report."""
     with tempfile.TemporaryDirectory() as tmp:
         result = str(Path(tmp) / "r")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={stages}",
-               "--master-addr=127.0.0.1", f"--master-port={port()}", "-m", "bench.data_streaming", "--bench-worker",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "bench.data_streaming", "--bench-worker",
                "--epoch-minibatches", str(n), "--pipe-stages", str(stages), "--read-delay", str(delay),
                "--msg-timeout", str(timeout), "--result-file", result]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench._report import publish
+from fxpipe.runtime.execution.ports import free_port  # torch-free
 
 SECTION = "memory-check"
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,19 +93,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------- the parent
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def job(model: str, kind: str, recompute: str) -> dict:
     """One torchrun job; the plan's prediction and every rank's measured peak."""
     with tempfile.TemporaryDirectory() as tmp:
         result = str(Path(tmp) / "r")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={STAGES}",
-               "--master-addr=127.0.0.1", f"--master-port={_port()}", "-m", "bench.memory_check",
-               "--bench-worker", "--model", model, "--kind", kind, "--recompute", recompute,
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m",
+               "bench.memory_check", "--bench-worker", "--model", model, "--kind", kind, "--recompute", recompute,
                "--result-file", result]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,

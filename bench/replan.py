@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fxpipe.runtime.execution.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,11 +172,6 @@ def worker(work: Path, run: str, after: int = 1) -> int:
     return 0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def worker_args(work: Path, run: str, after: int) -> list[str]:
     return ["-m", "bench.replan", "--worker", run, "--work", str(work), "--layers", str(L),
@@ -197,7 +193,7 @@ def launch(work: Path, run: str, procs: int, after: int = 1, cluster: Any = None
                              + "\n".join(read_output(q)[-3000:] for q in procs_))
         return json.loads((work / f"{run}.json").read_text())
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}",
-           "--master-addr=127.0.0.1", f"--master-port={_port()}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}",
            *worker_args(work, run, after)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

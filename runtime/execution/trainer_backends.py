@@ -27,6 +27,7 @@ group of exactly the plan's size.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -252,7 +253,7 @@ class DistributedBackend:
 
         self.ex, self.local = None, {}  # the old replica goes before the new one is made
         gc.collect()
-        if getattr(self, "memory", None) is not None:
+        if self.memory is not None:
             self.memory.restart()  # the new replica's state is found at the next segment
         self.ex = RankExecutor(self.stages, self.empty, self.me, self.loss_fn, optimizer_factory,
                                WirePlan((), (), ()), self.comm, stashing=stashing,
@@ -324,10 +325,7 @@ class DistributedBackend:
         if wire is not None:  # None: a window with no new minibatch (a stretch's drain)
             self._wire.add(start, wire)
         self.ex.wire = self._wire
-        if self.memory is not None:
-            with self.memory:
-                res = self.ex.run_window(sched, parts, collect_params=False)
-        else:
+        with self.memory if self.memory is not None else contextlib.nullcontext():
             res = self.ex.run_window(sched, parts, collect_params=False)
         release_freed_memory()  # the segment's freed blocks go back (allocator: fragmentation)
         ahead = getattr(sched, "ahead", {})  # what a later window may still send about
