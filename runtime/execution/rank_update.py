@@ -81,9 +81,10 @@ class UpdateMixin:
             self._round = str(a)
             bk.start()
             bk.finish(self.replica.grad_sums, self.replica.count)
-        if reps[s] == 1 and not self.tied:  # nobody to sum with: no flat buffer at all
+        if reps[s] == 1:  # no replica to sum with: no flat buffer (a copy of every gradient)
+            tied = self._lone_tied(a) if self.tied else None
             with self.rec.span("optimizer", str(a), update=a.minibatch):
-                self.replica.apply_local_update()
+                self.replica.apply_local_update(tied)
             return
         with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
             buf = self.replica.local_gradient(flags=True) if bk is None or self.tied else None
@@ -109,6 +110,22 @@ class UpdateMixin:
             late = self._tied_round(a.minibatch, segs, float(buf[-1]))
         with self.rec.span("optimizer", str(a), update=a.minibatch):
             self.replica.apply_update(buf, late, flags=True)
+
+    def _lone_tied(self, a: Action) -> dict[str, torch.Tensor | None]:
+        """A lone replica's tied parameters: their segments alone summed over the tie's holders
+        (the rest of its gradients never leave it), as means of this round (delay 0) or of round
+        ``i - d``; the same values as the flat path's."""
+        with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
+            segs = [(key, names, self.replica.local_segment(names)) for key, names in self.tied]
+        count = float(self.replica.count)
+        if self._delay:
+            return self._tied_round(a.minibatch, segs, count)
+        out: dict[str, torch.Tensor | None] = {}
+        for key, names, seg in segs:
+            self.comm.all_reduce(seg, key, self._holders(key), f"tied {names} U{a.minibatch}")
+            for n, g in self.replica.split_segment(seg, names, flags=True).items():
+                out[n] = g if g is None or count in (0.0, 1.0) else g.div_(count)
+        return out
 
     def _holders(self, key: tuple[int, ...]) -> list[Rank]:
         return [(t, j) for t in key for j in range(self.schedule.replicas[t])]

@@ -28,6 +28,8 @@ version, so results are bit-identical.
 """
 from __future__ import annotations
 
+import functools
+
 import time
 from typing import Callable, Collection, Mapping, Sequence
 
@@ -65,6 +67,26 @@ class UpdateMixin:
         dtype = next((dts[n] for n in self.stash.trainable), ref.dtype)  # the gradients' dtype
         tail = [1.0 if n in self._grad_sum else 0.0 for n in self.stash.trainable] if flags else []
         parts.append(torch.tensor(tail + [float(self._count)], dtype=dtype, device=ref.device))
+        return torch.cat(parts)
+
+    def local_segment(self, names: Sequence[str]) -> torch.Tensor:
+        """``segment(local_gradient(flags=True), names, flags=True)`` without building the
+        stage's whole flat buffer (a copy of every gradient): what a lone replica with tied
+        parameters all-reduces. Same values and dtype, bit for bit."""
+        dts = self.stash.grad_dtypes
+        ref = next(iter(self.stash.latest.values()), torch.zeros(()))
+        tail_dtype = next((dts[n] for n in self.stash.trainable), ref.dtype)
+        # torch.cat of the whole buffer promotes over every part: so must this
+        dtype = functools.reduce(torch.promote_types, [dts[n] for n in self.stash.trainable],
+                                 tail_dtype)
+        parts = []
+        for n in names:
+            g = self._grad_sum.get(n)
+            p = self.stash.latest[n]
+            parts.append((torch.zeros_like(p, dtype=dts[n]) if g is None else g)
+                         .reshape(-1).to(dtype))
+        flags = [1.0 if n in self._grad_sum else 0.0 for n in names]
+        parts.append(torch.tensor(flags, dtype=tail_dtype, device=ref.device).to(dtype))
         return torch.cat(parts)
 
     def _offsets(self) -> dict[str, tuple[int, int]]:
@@ -155,15 +177,18 @@ class UpdateMixin:
         grads.update(fixed)
         return self.mean_grads(grads, count, writable=grads, fixed=fixed)
 
-    def apply_local_update(self) -> int:
-        """The update of a replica that sums with nobody (one replica, no tied parameters):
-        its own gradient sums go straight to the optimizer, with no flat buffer; the same
-        values as ``apply_update(local_gradient(flags=True), flags=True)``: a parameter
-        without a gradient sum gets None (not stepped, as torch.optim skips ``grad=None``)."""
+    def apply_local_update(self, tied: Mapping[str, torch.Tensor | None] | None = None) -> int:
+        """The update of a lone replica (one per stage): its own gradient sums go straight to
+        the optimizer, with no flat buffer; the same values as
+        ``apply_update(local_gradient(flags=True), tied, flags=True)``: a parameter without a
+        gradient sum gets None (not stepped, as torch.optim skips ``grad=None``). ``tied``:
+        the tied parameters' gradients, used as given (already means; None: no step now)."""
         grads: dict[str, torch.Tensor | None] = {n: self._grad_sum.get(n)
                                                  for n in self.stash.trainable}
-        writable = {n for n in grads if n in self._owned}
-        return self.apply_grads(grads, float(self._count), writable=writable)
+        fixed = dict(tied or {})
+        grads.update(fixed)
+        writable = {n for n in grads if n in self._owned and n not in fixed}
+        return self.apply_grads(grads, float(self._count), writable=writable, fixed=fixed)
 
     def apply_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,
                     writable: Collection[str], fixed: Collection[str] = ()) -> int:
