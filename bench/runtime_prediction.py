@@ -1,21 +1,22 @@
-"""The plan's prediction against the runtime's measurement: time per minibatch, busy fractions.
+"""The plan's prediction against the runtime's measurement: time per minibatch, and where it goes.
 
 Run from the repository root:  .venv/bin/python -m bench.runtime_prediction
-Writes its page benchmarks/runtime_prediction.md (``--out FILE`` writes the markdown there instead).
+Writes its page benchmarks/runtime_prediction.md (``--out FILE`` writes the markdown there instead;
+``--models mlp,gpt --stages 1,2,4 --rounds 3`` are the defaults).
 
-``fxpipe.compile`` profiles the model on this machine (one thread, as each rank runs) and plans a
-1-stage and a 2-stage (straight) pipeline; the plan predicts the time per minibatch (its
-bottleneck stage) and each stage's compute. ``run_distributed`` (pipedream schedule) then trains
-N minibatches of each, interleaved and repeated, and the runtime's own timeline (RunResult
-.timeline: forward, backward, optimizer, send, recv, allreduce, idle per rank) gives:
+For each model (an MLP and the zoo's GPT mini) ``fxpipe.compile`` profiles it on this machine (one
+thread, as each rank runs; node by node, then scaled to whole training steps) and plans straight
+pipelines of 1, 2 and 4 stages; the plan predicts the time per minibatch (its bottleneck stage)
+and each stage's compute. ``run_distributed`` (pipedream schedule) then trains N minibatches of
+each, interleaved and repeated, and the runtime's own timeline (RunResult.timeline: forward,
+backward, optimizer, send, recv, allreduce, idle per rank) gives:
 
 * measured time per minibatch: steady state, from the completion times (end of ``U<k>``) of
   minibatches --warmup..N-1 on the input stage;
-* per-stage busy fraction in steady state (``fxpipe.runtime.timeline.busy_fraction``: compute
-  time / wall time over the middle half of the rank's forward/backward events) and where the
-  rest of that window went;
-* measured compute per minibatch per stage (median forward+backward, and the optimizer step)
-  against the plan's ``compute_s`` (forward+backward from the profile);
+* where each rank's time per minibatch went: forward, backward and update against the plan's;
+  posting sends; receive waits split into the transfer, a transfer started late, and the peer's
+  compute (``fxpipe.runtime.timeline.wait_breakdown``); the executor's idle time between actions;
+* per-stage busy fraction in steady state (``fxpipe.runtime.timeline.busy_fraction``);
 * after re-planning (issue 13, item 3): the profile rescaled stage by stage to the forward,
   backward and optimizer times measured over minibatches --warmup..N/2-1
   (``fxpipe.runtime.pricing.replan.rescale``, what ``trainer(replan="auto")`` does after its first
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import statistics
 import time
 
@@ -35,16 +37,18 @@ import torch
 from bench import runtime_common as rc
 from bench._report import publish
 import fxpipe
+import fxpipe.models
 from fxpipe.passes.partition import plan_for
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.pricing.replan import measure as replan_measure
 from fxpipe.runtime.pricing.replan import rescale, stage_starts
 from fxpipe.runtime.schedules.kinds import make_schedule
-from fxpipe.runtime.timeline import busy_fraction
+from fxpipe.runtime.timeline import busy_fraction, wait_breakdown
 
 log = logging.getLogger("runtime_prediction")
 SECTION = "runtime_prediction"
 BATCH = 32
+GPT_BATCH = 16
 CATS = ("forward", "backward", "optimizer", "recv", "send", "idle")
 
 
@@ -83,10 +87,40 @@ def rescaled_prediction(c, timeline, lo: int, hi: int) -> float:
                     sync=c.plan.sync).time_per_minibatch
 
 
-def measure(c, batches, warmup: int) -> dict:
+def window_events(timeline, lo: int, hi: int) -> dict[int, list]:
+    """Each rank's events of minibatches (and updates) ``lo..hi-1``, plus the events between
+    them (sends, receive waits, idle) by time: the steady-state window of every rank."""
+    out = {}
+    for r, evs in timeline.items():
+        tagged = [e for e in evs if e.category in ("forward", "backward", "optimizer")
+                  and lo <= e.args.get("update" if e.category == "optimizer" else "minibatch",
+                                       -1) < hi]
+        t0, t1 = min(e.start for e in tagged), max(e.end for e in tagged)
+        out[r] = [e for e in evs if e.start >= t0 and e.end <= t1]
+    return out
+
+
+def decompose(timeline, lo: int, hi: int) -> dict[int, dict[str, float]]:
+    """Seconds per minibatch of every rank over minibatches ``lo..hi-1``, by what the runtime
+    did: forward, backward, optimizer (its compute), send (posting), the receive waits split by
+    :func:`~fxpipe.runtime.timeline.wait_breakdown` (for the peer's compute; for a transfer
+    posted late; for the transfer itself), idle (the executor between actions)."""
+    n = hi - lo
+    win = window_events(timeline, lo, hi)
+    waits = wait_breakdown(win)
+    out = {}
+    for r, evs in win.items():
+        d = {c: sum(e.duration for e in evs if e.category == c) / n
+             for c in ("forward", "backward", "optimizer", "send", "idle")}
+        d.update({f"recv_{k}": v / n for k, v in waits[r].items()})
+        out[r] = d
+    return out
+
+
+def measure(c, loss_fn, batches, warmup: int) -> dict:
     specs, replicas = c.stage_specs, c.plan.replicas
     sched = make_schedule("pipedream", replicas, len(batches))
-    res = run_distributed(specs, replicas, sched, rc.cross_entropy, rc.sgd, batches, timeout_s=120.0)
+    res = run_distributed(specs, replicas, sched, loss_fn, rc.sgd, batches, timeout_s=120.0)
     done = rc.fxpipe_done_at(res.timeline, rank=0)
     tpm = (done[-1] - done[warmup]) / (len(done) - 1 - warmup)
     busy = busy_fraction(res.timeline)
@@ -100,7 +134,31 @@ def measure(c, batches, warmup: int) -> dict:
     half = len(batches) // 2
     tpm2 = (done[-1] - done[half]) / (len(done) - 1 - half)
     return dict(tpm=tpm, ranks=ranks, tpm2=tpm2,
+                parts=decompose(res.timeline, warmup, len(batches) - 1),
                 rescaled=rescaled_prediction(c, res.timeline, warmup, half))
+
+
+def plan_parts(c) -> list[dict[str, float]]:
+    """The plan's forward, backward and update seconds per stage (its profile's nodes)."""
+    prof = {n.name: n for n in c.profile.nodes}
+    return [{k: sum(getattr(prof[n], f"{k}_s") for n in st.nodes)
+             for k in ("forward", "backward", "update")} for st in c.plan.stages]
+
+
+def workload(name: str, minibatches: int):
+    """(model, example input, loss, batches, description) of a benchmark model."""
+    if name == "mlp":
+        pool = rc.teacher_pool((512,), BATCH, 16)
+        return (rc.mlp(), pool[0][0], rc.cross_entropy, rc.cycle(pool, minibatches),
+                f"MLP 512-4x1024-10 (3.7M parameters), batch {BATCH}")
+    spec = fxpipe.models.get("gpt", "mini", batch_size=GPT_BATCH)
+    pool = [spec.make_batch(GPT_BATCH, seed=k) for k in range(16)]
+    x = pool[0][0][0] if isinstance(pool[0][0], tuple) else pool[0][0]
+    pool = [((i[0] if isinstance(i, tuple) else i), t) for i, t in pool]
+    n = sum(p.numel() for p in spec.model.parameters())
+    return (spec.model, x, spec.loss_fn, rc.cycle(pool, minibatches),
+            f"the zoo's GPT mini (12 blocks, width 32, {n / 1e3:.0f}k parameters), batch "
+            f"{GPT_BATCH} x 16 tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,84 +166,149 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--minibatches", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--models", default="mlp,gpt")
+    ap.add_argument("--stages", default="1,2,4")
     ap.add_argument("--out", default=None, help="write the markdown here instead of "
                     "benchmarks/runtime_prediction.md")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # profile with one thread, as each rank runs
     t_start = time.perf_counter()
-    model = rc.mlp()
-    pool = rc.teacher_pool((512,), BATCH, 16)
-    batches = rc.cycle(pool, args.minibatches)
-    plans = {}
-    for stages in (1, 2):
-        c = fxpipe.compile(model, fxpipe.Cluster(workers=stages), example_inputs=(pool[0][0],),
-                           loss_fn=rc.cross_entropy, stages=stages, straight=True)
-        assert c.plan.replicas == [1] * stages, c.plan.replicas
-        plans[stages] = c
-    got: dict[int, list[dict]] = {1: [], 2: []}
+    models = args.models.split(",")
+    counts = [int(k) for k in args.stages.split(",")]
+    plans, loads, descr = {}, {}, {}
+    for name in models:
+        model, x, loss_fn, batches, descr[name] = workload(name, args.minibatches)
+        loads[name] = (loss_fn, batches)
+        for stages in counts:
+            c = fxpipe.compile(model, fxpipe.Cluster(workers=stages), example_inputs=(x,),
+                               loss_fn=loss_fn, stages=stages, straight=True)
+            assert c.plan.replicas == [1] * stages, c.plan.replicas
+            plans[name, stages] = c
+    got: dict[tuple[str, int], list[dict]] = {k: [] for k in plans}
     for rnd in range(args.rounds):
-        for stages in ((1, 2) if rnd % 2 == 0 else (2, 1)):
-            c = plans[stages]
-            m = measure(c, batches, args.warmup)
-            got[stages].append(m)
-            log.info("round %d, %d stage(s): %.2f ms/minibatch (predicted %.2f), busy %s", rnd,
-                     stages, m["tpm"] * 1e3, c.plan.time_per_minibatch * 1e3,
+        order = list(plans) if rnd % 2 == 0 else list(reversed(plans))
+        for key in order:
+            c = plans[key]
+            m = measure(c, *loads[key[0]], args.warmup)
+            got[key].append(m)
+            log.info("round %d, %s, %d stage(s): %.2f ms/minibatch (predicted %.2f), busy %s",
+                     rnd, key[0], key[1], m["tpm"] * 1e3, c.plan.time_per_minibatch * 1e3,
                      {r: round(v["busy"], 2) for r, v in m["ranks"].items()})
     elapsed = time.perf_counter() - t_start
 
     def s(xs, fmt="{:.2f}"):
         return rc.spread(xs, fmt)
 
-    rows, stage_rows, after_rows = [], [], []
-    for stages in (1, 2):
-        plan = plans[stages].plan
+    rows, stage_rows, after_rows, part_rows, calib_rows = [], [], [], [], []
+    for name in models:
+        cal = plans[name, counts[0]].profile.meta.get("calibration", {})
+        calib_rows.append(
+            f"| {name} | " + " | ".join(
+                f"{cal.get(f'node_{p}_s', 0) * 1e3:.2f} → {cal.get(f'{p}_s', 0) * 1e3:.2f} "
+                f"(x{cal.get(f'{p}_ratio', 1.0):.2f})" for p in ("forward", "backward", "update"))
+            + " |")
+    for key, c in plans.items():
+        name, stages = key
+        plan = c.plan
         pred = plan.time_per_minibatch
-        meas = [m["tpm"] for m in got[stages]]
+        runs = got[key]
+        meas = [m["tpm"] for m in runs]
         err = [(x / pred - 1) * 100 for x in meas]
-        rows.append(f"| {stages} | {plan.replicas} | {pred * 1e3:.2f} | {s([x * 1e3 for x in meas])} | "
-                    f"**{s(err, '{:+.0f}')}%** |")
-        m2 = [m["tpm2"] for m in got[stages]]
-        resc = [m["rescaled"] for m in got[stages]]
+        pp = plan_parts(c)
+        # the rank whose own work per minibatch is largest, and what it pays besides compute
+        work = [[sum(m["parts"][r][k] for k in ("forward", "backward", "optimizer"))
+                 for r in range(stages)] for m in runs]
+        slow = [max(range(stages), key=w.__getitem__) for w in work]
+        ratio = [w[r] / sum(pp[r].values()) for w, r in zip(work, slow)]
+        extra = [sum(m["parts"][r][k] for k in ("send", "recv_transfer", "recv_late", "idle"))
+                 for m, r in zip(runs, slow)]
+        rows.append(f"| {name} | {stages} | {pred * 1e3:.2f} | {s([x * 1e3 for x in meas])} | "
+                    f"**{s(err, '{:+.0f}')}%** | {s(ratio)} | {s([x * 1e3 for x in extra])} |")
+        m2 = [m["tpm2"] for m in runs]
+        resc = [m["rescaled"] for m in runs]
         after_rows.append(
-            f"| {stages} | {pred * 1e3:.2f} | {s([x * 1e3 for x in resc])} | "
+            f"| {name} | {stages} | {pred * 1e3:.2f} | {s([x * 1e3 for x in resc])} | "
             f"{s([x * 1e3 for x in m2])} | {s([(x / pred - 1) * 100 for x in m2], '{:+.0f}')}% | "
             f"**{s([(x / p - 1) * 100 for x, p in zip(m2, resc)], '{:+.0f}')}%** |")
         for r in range(stages):
             st = plan.stages[r]
-            runs = [m["ranks"][r] for m in got[stages]]
-            sh = {c: s([x["shares"][c] * 100 for x in runs], "{:.0f}") for c in CATS}
+            rr = [m["ranks"][r] for m in runs]
+            sh = {k: s([x["shares"][k] * 100 for x in rr], "{:.0f}") for k in CATS}
             stage_rows.append(
-                f"| {stages} | {r} | {st.compute_s * 1e3:.2f} | {s([x['fb'] * 1e3 for x in runs])} | "
-                f"{s([x['opt'] * 1e3 for x in runs])} | **{s([x['busy'] for x in runs])}** | "
-                + " | ".join(sh[c] for c in CATS) + " |")
+                f"| {name} | {stages} | {r} | {st.compute_s * 1e3:.2f} | "
+                f"{s([x['fb'] * 1e3 for x in rr])} | {s([x['opt'] * 1e3 for x in rr])} | "
+                f"**{s([x['busy'] for x in rr])}** | " + " | ".join(sh[k] for k in CATS) + " |")
+            parts = [m["parts"][r] for m in runs]
+
+            def ms(k: str) -> str:
+                return f"{rc.med([p[k] for p in parts]) * 1e3:.2f}"
+            part_rows.append(
+                f"| {name} | {stages} | {r} | {pp[r]['forward'] * 1e3:.2f} / "
+                f"{pp[r]['backward'] * 1e3:.2f} / {pp[r]['update'] * 1e3:.2f} | "
+                f"{ms('forward')} / {ms('backward')} / {ms('optimizer')} | {ms('send')} | "
+                f"{ms('recv_transfer')} / {ms('recv_late')} / {ms('recv_peer')} | {ms('idle')} | "
+                f"{rc.med(meas) * 1e3:.2f} |")
     cmd = f"{rc.PY} -m bench.runtime_prediction" + (
         f" --rounds {args.rounds}" if args.rounds != 3 else "") + (
-        f" --minibatches {args.minibatches}" if args.minibatches != 150 else "")
+        f" --minibatches {args.minibatches}" if args.minibatches != 150 else "") + (
+        f" --models {args.models}" if args.models != "mlp,gpt" else "") + (
+        f" --stages {args.stages}" if args.stages != "1,2,4" else "")
+    cores = len(os.sched_getaffinity(0))
     md = "\n".join([
         "## Prediction against measurement: time per minibatch and busy fractions",
         "",
         f"Command: `{cmd}` (from the repository root; {rc.machine()}; {args.rounds} rounds, the "
-        f"1- and 2-stage runs interleaved; {elapsed:.0f} s in all)",
+        f"runs interleaved; {elapsed:.0f} s in all)",
         "",
-        f"Model: MLP 512-4x1024-10 (3.7M parameters), batch {BATCH}, SGD lr 0.01 momentum 0.9, "
+        "Models: " + "; ".join(descr[n] for n in models) + ". SGD lr 0.01 momentum 0.9, "
         f"{args.minibatches} minibatches per run, pipedream schedule through `run_distributed` "
         "(gloo, one process per stage). Plans: `fxpipe.compile(model, Cluster(workers=k), "
-        "stages=k, straight=True)`, costs profiled on this machine with one thread. Measured "
-        f"time per minibatch: steady state (minibatches {args.warmup}..N-1, end of `U<k>` on "
-        "the input stage's timeline). Error = measured / predicted - 1.",
+        "stages=k, straight=True)`, costs profiled on this machine with one thread "
+        "(node by node, then scaled to whole training steps: `fxpipe.costmodel.calibrate`). "
+        f"Measured time per minibatch: steady state (minibatches {args.warmup}..N-1, end of "
+        "`U<k>` on the input stage's timeline). Error = measured / predicted - 1. "
+        f"This machine has {cores} cores: at 4 stages, 4 ranks share them, which the plan "
+        "(one worker, one core) does not know.",
         "",
-        "| stages | replicas | predicted ms/minibatch | measured ms/minibatch | error |",
-        "|---:|---|---:|---:|---:|",
+        "| model | stages | predicted ms/minibatch | measured ms/minibatch | error | "
+        "busiest rank: compute as run / plan | busiest rank: send + transfer + idle ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
         *rows,
+        "",
+        "Busiest rank: the one with the most forward + backward + optimizer time per minibatch "
+        "in the run; its compute as run over the plan's F + B + U for that stage; and what it "
+        "spent per minibatch posting sends, in transfers and in the executor between actions "
+        "(none of which the plan prices; see the table after next).",
+        "",
+        "The profile's whole-step calibration (sum of the node-by-node times → one whole "
+        "training step, ms; the ratio scales every node's time of that part):",
+        "",
+        "| model | forward | backward | update |",
+        "|---|---|---|---|",
+        *calib_rows,
+        "",
+        "Where each rank's time per minibatch goes (ms per minibatch over minibatches "
+        f"{args.warmup}..N-2, medians over the rounds): the plan's forward / backward / update "
+        "against the runtime's; posting sends; receive waits split by "
+        "`fxpipe.runtime.timeline.wait_breakdown` into the transfer itself, a transfer that "
+        "started late (the data was ready before the receive was posted) and the peer's compute; "
+        "the executor's idle time between actions. The plan prices only the first column: "
+        "sends, transfers, late starts and idle are what it leaves out on this runtime.",
+        "",
+        "| model | stages | stage | plan F / B / U | measured F / B / U | send | "
+        "recv: transfer / late / peer | idle | measured ms/minibatch |",
+        "|---|---:|---:|---|---|---:|---|---:|---:|",
+        *part_rows,
         "",
         "Per stage, from the runtime's timeline (steady-state window = middle half of each rank's "
         "forward/backward events; the shares are % of that window; the plan's compute "
         "includes its profiled optimizer step, U):",
         "",
-        "| stages | stage | plan compute ms (F+B+U) | measured F+B ms | measured optimizer ms | "
-        "busy fraction | forward % | backward % | optimizer % | recv wait % | send % | idle % |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | stages | stage | plan compute ms (F+B+U) | measured F+B ms | "
+        "measured optimizer ms | busy fraction | forward % | backward % | optimizer % | "
+        "recv wait % | send % | idle % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *stage_rows,
         "",
         "After re-planning (issue 13, item 3): the profile rescaled stage by stage to the "
@@ -195,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         "(`plan_for`), against the time per minibatch measured over minibatches "
         f"{args.minibatches // 2}..N-1 (error = measured / predicted - 1, as above):",
         "",
-        "| stages | predicted ms (profile) | predicted ms (rescaled) | measured ms, 2nd half | "
+        "| model | stages | predicted ms (profile) | predicted ms (rescaled) | measured ms, 2nd half | "
         "error before | error after re-plan |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|",
         *after_rows,
         "",
         "Cells: median [min-max] over the rounds.",

@@ -163,5 +163,9 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
         iqr = sum(m.get("forward_iqr_s", 0.0) + m.get("backward_iqr_s", 0.0) for m in metas)
         total = sum(n.forward_s + n.backward_s for n in nodes)
         meta["spread"] = iqr / total if total > 0 else 0.0
+    calibration = next((n.meta.get("fxpipe", {}).get("calibration") for n in gm.graph.nodes
+                        if n.op == "output"), None)
+    if calibration is not None:  # profile_graph's whole-step ratios (costmodel/calibrate.py)
+        meta["calibration"] = dict(calibration)
     return Profile(nodes=tuple(nodes), batch_size=batch_size, device=device, source=source,
                    meta=meta)

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.errors import ConfigError, CostingError, InputMismatchError
 
+from .calibrate import calibrate
 from .extract import annotate_parameters, fetch_attr
 from .saved import (Origins, record_saved, state_origins, storage_id, tensors,
                     value_origins)
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 _MIN_SAMPLE_S = 20e-6
 _MAX_INNER = 64
 STABLE_SPREAD = 0.1  # IQR / median above which the profiler keeps sampling
+# Whole training steps timed per node sample (their median scales every node, so it gets more
+# samples than a node's: on this project's 2-core machine a median of 5 whole steps moved by
+# 10-15% between compiles of the same model)
+WHOLE_STEP_REPEATS = 3
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
                       operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
                       operator.ior, operator.ixor, operator.ilshift, operator.irshift,
@@ -413,7 +418,8 @@ def pinned_threads(threads: int | None) -> Iterator[None]:
 
 def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, warmup: int = 2,
                   repeats: int = 5, max_repeats: int | None = None, threads: int | None = 1,
-                  optimizer_factory: OptimizerFactory | None = None) -> fx.GraphModule:
+                  optimizer_factory: OptimizerFactory | None = None,
+                  whole_step: bool = True) -> fx.GraphModule:
     """Measure ``forward_s``, ``backward_s`` and ``update_s`` of every placeholder and compute
     node of ``gm`` on this machine and annotate parameters.
 
@@ -430,7 +436,12 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
 
     ``update_s`` is one ``step()`` of ``optimizer_factory(params)`` (default: SGD, lr 0.01,
     momentum 0.9) for the trainable parameters the node owns, timed on clones with random
-    gradients (see :mod:`fxpipe.costmodel.update`); nodes owning none get 0. Returns ``gm``.
+    gradients (see :mod:`fxpipe.costmodel.update`); nodes owning none get 0.
+
+    ``whole_step`` (default): then time whole training steps of the graph and scale the node
+    times so their sums equal the step's forward, backward and update
+    (:mod:`fxpipe.costmodel.calibrate`: what a node timed alone in a loop does not pay, caches
+    and the allocator, is then in its cost). Returns ``gm``.
     """
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
@@ -483,6 +494,10 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "call_module", "call_function", "call_method"):
                 node.meta["fxpipe"]["update_s"] = updates.get(node.name, 0.0)
+        if whole_step:
+            calibrate(gm, example_inputs if isinstance(example_inputs, (tuple, list))
+                      else (example_inputs,), optimizer_factory or default_optimizer, sync,
+                      warmup=max(warmup, 2), repeats=WHOLE_STEP_REPEATS * repeats)
     log.info("profiled %d nodes in %.2f s (%s thread(s))", len(gm.graph.nodes),
              time.perf_counter() - t_start, threads or torch.get_num_threads())
     return gm

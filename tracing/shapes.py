@@ -12,6 +12,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 # Non-tensor values that are cheap, immutable and can be baked into a consumer stage as constants.
 _STATIC_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, type(Ellipsis))
@@ -83,8 +84,18 @@ def describe_value(value: Any) -> dict[str, Any]:
     return info
 
 
+def _floating(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+               for t in pytree.tree_leaves(value))
+
+
 class _ShapeRecorder(torch.fx.Interpreter):
-    """Interpreter that writes ``describe_value`` of every node's result into its meta."""
+    """Interpreter that writes ``describe_value`` of every node's result into its meta, and
+    whether a gradient can reach it (``carries_grad``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self._reach: dict[torch.fx.Node, bool] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
         result = super().run_node(n)
@@ -92,7 +103,27 @@ class _ShapeRecorder(torch.fx.Interpreter):
             meta = n.meta.setdefault("fxpipe", {})
             meta.pop("static_value", None)  # a rerun must not keep a stale constant
             meta.update(describe_value(result))
+            meta["carries_grad"] = self._carries_grad(n, result)
         return result
+
+    def _carries_grad(self, n: torch.fx.Node, value: Any) -> bool:
+        """Can any gradient reach ``value`` from a trainable parameter or a floating model
+        input? As autograd decides it per tensor: only floating (and complex) values carry one,
+        so an integer ends the chain and a float made from indices (``histc`` of an ``argmax``,
+        a router's counts) carries none. Every rank traces, so every rank derives the same
+        answer (the gradient messages between stages depend on it: ``detached_values``)."""
+        if n.op == "placeholder":
+            reach = _floating(value)
+        elif n.op == "get_attr":
+            reach = any(isinstance(t, torch.nn.Parameter) and t.requires_grad
+                        for t in pytree.tree_leaves(value))
+        else:
+            own = n.op == "call_module" and any(
+                p.requires_grad for p in self.module.get_submodule(str(n.target)).parameters())
+            reach = (own or any(self._reach.get(a, False) for a in n.all_input_nodes)) \
+                and _floating(value)
+        self._reach[n] = reach
+        return reach
 
 
 def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any] | Any) -> Any:

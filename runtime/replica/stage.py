@@ -63,7 +63,14 @@ def detached_values(stages: Sequence[StageSpec]) -> frozenset[str]:
     them, no gradient message is planned for them, and the producer's backward has nothing to
     seed them with. The rule is deliberately narrow (a detach as the only use of the input, the
     usual shape of a cut right before ``.detach()``): a value reaching the outputs through any
-    other op keeps its gradient message, zeros included, as before."""
+    other op keeps its gradient message, zeros included, as before.
+
+    Also without a gradient: values no gradient can reach, not even from a floating model
+    input, as tracing's shape pass found on every rank (``meta["fxpipe"]["carries_grad"]``
+    False on the consumer's placeholder, copied from the producing node): a float made from
+    indices (``histc`` of an ``argmax``, a Mixture-of-Experts router's counts) is a constant to
+    autograd in eager PyTorch; made a leaf that requires grad, an integer ``cumsum`` of it fails
+    (``Autograd not support dtype: Int``)."""
     uses: dict[str, list[bool]] = {}
     for st in stages:
         placeholders = [n for n in st.gm.graph.nodes if n.op == "placeholder"]
@@ -72,7 +79,8 @@ def detached_values(stages: Sequence[StageSpec]) -> frozenset[str]:
         for name, src, ph in zip(st.inputs, st.sources, placeholders):
             if src != MODEL:
                 uses.setdefault(name, []).append(
-                    bool(ph.users) and all(_is_detach(u) for u in ph.users))
+                    ph.meta.get("fxpipe", {}).get("carries_grad") is False
+                    or (bool(ph.users) and all(_is_detach(u) for u in ph.users)))
     return frozenset(n for n, only in uses.items() if only and all(only))
 
 

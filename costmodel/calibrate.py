@@ -1,0 +1,171 @@
+"""Whole-step calibration: node times scaled so their sums equal one training step as it runs.
+
+Why: the profiler times every node alone, in a loop, on its own inputs (it must: the planner
+needs each node's cost separately). A node timed that way runs with its weights and inputs hot
+in cache, its outputs in freshly recycled memory, and autograd walking a one-node graph. A
+training step runs the nodes one after another over the whole model: weights, gradients and
+optimizer state stream through the caches (a 3.7M-parameter MLP's step touches 45 MB against a
+32 MB L3), the allocator hands out new gradient buffers, autograd walks the whole graph. On this
+machine the sums of the node times fell 20-45% short of a whole step's forward, backward and
+update (BENCHMARKS ``runtime_prediction``: +11-27% error before any re-plan).
+
+So after the node-by-node pass, :func:`calibrate` times whole steps of the graph the way a
+pipeline stage runs them (forward with grad enabled; ``autograd.grad`` of the outputs with
+respect to the trainable parameters; the gradients handed to an optimizer over clones of the
+parameters, one ``step()``), and scales each node's
+``forward_s``, ``backward_s`` and ``update_s`` by the ratio of the whole step's part to the sum of
+its nodes. The ratios keep each node's share of its part (the partition still balances on the
+node-by-node measurement) and are recorded on the graph's output node
+(``meta["fxpipe"]["calibration"]``), from where :func:`~fxpipe.costmodel.extract.to_profile`
+copies them into ``Profile.meta``. The caller's parameters, gradients, buffers and RNG are as
+before (the profiler's ``isolated`` context and clones).
+
+What it cannot see: a stage's working set is a part of the whole model's, so a stage of a model
+that overflows the cache as a whole may fit it alone; and ranks sharing one machine share its
+caches and memory bandwidth. The runtime's re-plan (``replan="auto"``) measures those.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .update import OptimizerFactory
+
+log = logging.getLogger(__name__)
+
+PARTS = ("forward", "backward", "update")
+# Ratios outside this band are not applied: a whole step 5x slower (or faster) than its nodes is
+# a measurement gone wrong (another process held the core), not a cache effect.
+PLAUSIBLE = (0.5, 5.0)
+
+
+@dataclass(frozen=True)
+class WholeStep:
+    """Median seconds of a whole training step's parts, and the nodes' sums they are held to."""
+
+    forward_s: float
+    backward_s: float
+    update_s: float
+    node_forward_s: float
+    node_backward_s: float
+    node_update_s: float
+
+    def ratio(self, part: str) -> float:
+        """Whole step over the sum of its nodes for ``part`` (1 where either side is 0 or the
+        ratio is implausible, see :data:`PLAUSIBLE`)."""
+        whole, nodes = getattr(self, f"{part}_s"), getattr(self, f"node_{part}_s")
+        if whole <= 0 or nodes <= 0:
+            return 1.0
+        r = whole / nodes
+        return r if PLAUSIBLE[0] <= r <= PLAUSIBLE[1] else 1.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {**asdict(self), **{f"{p}_ratio": self.ratio(p) for p in PARTS}}
+
+
+def _float_leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+            and (t.is_floating_point() or t.is_complex())]
+
+
+def _call_args(gm: fx.GraphModule, flat: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``gm``'s call arguments for its placeholders' values ``flat``: an exported graph takes
+    its inputs as the model did (its pytree codegen's ``in_spec``: ``input_ids=..., labels=...``);
+    a symbolic trace takes them positionally."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        args, kwargs = pytree.tree_unflatten(list(flat), info.in_spec)
+        return tuple(args), dict(kwargs)
+    return tuple(flat), {}
+
+
+def time_whole_step(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                    optimizer_factory: OptimizerFactory, sync: Callable[[], None], *,
+                    warmup: int = 2, repeats: int = 5) -> tuple[float, float, float]:
+    """Median (forward, backward, update) seconds of whole steps of ``gm`` (buffers are the
+    module's own: run inside the profiler's ``isolated``). Forward and backward run on the
+    model's parameters (``autograd.grad`` returns new gradient tensors, as in a pipeline stage,
+    and never touches ``.grad``); the optimizer steps clones of them with those gradients, its
+    state persisting across steps as in training, so the caller's parameters never move."""
+    params = list({id(p): p for p in gm.parameters() if p.requires_grad}.values())
+    clones = [p.detach().clone() for p in params]
+    opt = optimizer_factory(clones) if clones else None
+    times: list[tuple[float, float, float]] = []
+    for _ in range(warmup + repeats):
+        args, kwargs = pytree.tree_map(
+            lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
+            _call_args(gm, example_inputs))
+        sync()
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            out = gm(*args, **kwargs)
+        sync()
+        t1 = time.perf_counter()
+        roots = _float_leaves(out)
+        grads: Sequence[torch.Tensor | None] = [None] * len(params)
+        if roots and params:
+            grads = torch.autograd.grad(roots, params, [torch.ones_like(r) for r in roots],
+                                        allow_unused=True)
+        sync()
+        t2 = time.perf_counter()
+        del out, roots
+        if opt is not None:
+            for c, g in zip(clones, grads):
+                c.grad = g
+            opt.step()
+            for c in clones:
+                c.grad = None
+        sync()
+        t3 = time.perf_counter()
+        del grads
+        times.append((t1 - t0, t2 - t1, t3 - t2))
+    kept = times[warmup:]
+    return tuple(statistics.median(t[i] for t in kept) for i in range(3))  # type: ignore[return-value]
+
+
+def apply_calibration(gm: fx.GraphModule, step: WholeStep) -> None:
+    """Scale every timed node's ``forward_s``, ``backward_s`` and ``update_s`` (and their IQRs)
+    by ``step``'s ratios and record ``step`` on the output node. Pure bookkeeping: the sums of
+    the scaled node times equal the whole step's parts (where the ratio was applied)."""
+    for part in PARTS:
+        r = step.ratio(part)
+        for n in gm.graph.nodes:
+            meta = n.meta.get("fxpipe", {})
+            if "forward_s" not in meta:
+                continue
+            for key in (f"{part}_s", f"{part}_iqr_s"):
+                if key in meta:
+                    meta[key] *= r
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.meta.setdefault("fxpipe", {})["calibration"] = step.to_dict()
+
+
+def calibrate(gm: fx.GraphModule, example_inputs: Sequence[Any],
+              optimizer_factory: OptimizerFactory, sync: Callable[[], None], *,
+              warmup: int = 2, repeats: int = 5) -> WholeStep | None:
+    """Time whole steps of a profiled ``gm`` and scale its node times to them (see the module
+    docstring); returns what was measured, or None (nothing scaled, logged) when a whole step
+    cannot run the graph (the node-by-node times stand)."""
+    timed = [n for n in gm.graph.nodes if "forward_s" in n.meta.get("fxpipe", {})]
+    sums = {p: sum(n.meta["fxpipe"].get(f"{p}_s", 0.0) for n in timed) for p in PARTS}
+    try:
+        f, b, u = time_whole_step(gm, example_inputs, optimizer_factory, sync, warmup=warmup,
+                                  repeats=repeats)
+    except Exception as e:  # noqa: BLE001 - calibration refines; it never stops a compile
+        log.warning("whole-step calibration skipped (%s: %s); node-by-node times stand",
+                    type(e).__name__, e)
+        return None
+    step = WholeStep(f, b, u, sums["forward"], sums["backward"], sums["update"])
+    apply_calibration(gm, step)
+    log.info("whole-step calibration: forward x%.2f, backward x%.2f, update x%.2f",
+             *(step.ratio(p) for p in PARTS))
+    return step
