@@ -161,6 +161,18 @@ def _check_data(name: str) -> None:
                               ) from err
 
 
+def plan_schedule(schedule: str) -> str:
+    """The schedule the plan is made and priced for: the one named (its memory rule and, for
+    the synchronous kinds, its simulated time), PipeDream's for ``auto`` (its pick is made
+    after planning, and pipedream holds the most) and for the placed kinds (several stages
+    per process: no rule of their own)."""
+    from fxpipe.runtime.pricing.memory import SHAPES
+    from fxpipe.runtime.schedules.spec import parse_schedule
+
+    kind = parse_schedule(schedule).kind
+    return kind if kind in SHAPES else "pipedream"
+
+
 def auto_options(args: argparse.Namespace) -> dict[str, Any]:
     """``schedule="auto"``'s options from ``--pilot`` and ``--pilot-on`` (only those given)."""
     return {k: v for k, v in (("pilot", args.pilot), ("where", args.pilot_on)) if v is not None}
@@ -352,7 +364,9 @@ def run_worker(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan) if args.plan else None
     compiled = fx_compile(spec.model, Cluster.from_env(device=args.device),
                           example_inputs=spec.example_inputs, loss_fn=spec.loss_fn, plan=plan,
-                          stages=args.stages, straight=args.straight, tracer=args.tracer)
+                          stages=args.stages, straight=args.straight, tracer=args.tracer,
+                          schedule=plan_schedule(args.schedule),
+                          microbatches=args.microbatches)
     if rank == 0:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
     train, evaluate = _loaders(args, spec)

@@ -37,3 +37,11 @@ def test_pilot_options_reach_auto_and_the_workers() -> None:
     assert argv[argv.index("--pilot-on") + 1] == "pipeline"
     with pytest.raises(SystemExit):
         p.parse_args(["mlp", "--data", "synthetic", "--pilot-on", "gpu"])
+
+
+def test_the_plan_is_made_for_the_schedule_named() -> None:
+    from fxpipe.cli_train import plan_schedule
+
+    assert [plan_schedule(s) for s in ("1f1b-flush", "zb-h2", "2bw", "gpipe", "pipedream+predict",
+                                       "auto", "interleaved-1f1b")] == \
+        ["1f1b-flush", "zb-h2", "2bw", "gpipe", "pipedream", "pipedream", "pipedream"]
