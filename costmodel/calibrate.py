@@ -42,6 +42,10 @@ from .update import OptimizerFactory
 log = logging.getLogger(__name__)
 
 PARTS = ("forward", "backward", "update")
+# The update is timed on clones of every trainable parameter (plus their optimizer state): above
+# this many parameter bytes it is not (its ratio stays 1; measure_updates' per-group times
+# stand), so calibrating never needs several copies of a large model's weights in memory.
+UPDATE_CLONE_BYTES = 512 * 2**20
 # Ratios outside this band are not applied: a whole step 5x slower (or faster) than its nodes is
 # a measurement gone wrong (another process held the core), not a cache effect.
 PLAUSIBLE = (0.5, 5.0)
@@ -95,9 +99,13 @@ def time_whole_step(gm: fx.GraphModule, example_inputs: Sequence[Any],
     module's own: run inside the profiler's ``isolated``). Forward and backward run on the
     model's parameters (``autograd.grad`` returns new gradient tensors, as in a pipeline stage,
     and never touches ``.grad``); the optimizer steps clones of them with those gradients, its
-    state persisting across steps as in training, so the caller's parameters never move."""
+    state persisting across steps as in training, so the caller's parameters never move
+    (above :data:`UPDATE_CLONE_BYTES` of parameters the update is not timed: 0)."""
     params = list({id(p): p for p in gm.parameters() if p.requires_grad}.values())
-    clones = [p.detach().clone() for p in params]
+    size = sum(p.numel() * p.element_size() for p in params)
+    clones = [p.detach().clone() for p in params] if size <= UPDATE_CLONE_BYTES else []
+    if size > UPDATE_CLONE_BYTES:
+        log.debug("whole-step calibration: %d parameter bytes, update not timed", size)
     opt = optimizer_factory(clones) if clones else None
     times: list[tuple[float, float, float]] = []
     for _ in range(warmup + repeats):
@@ -127,7 +135,7 @@ def time_whole_step(gm: fx.GraphModule, example_inputs: Sequence[Any],
         sync()
         t3 = time.perf_counter()
         del grads
-        times.append((t1 - t0, t2 - t1, t3 - t2))
+        times.append((t1 - t0, t2 - t1, t3 - t2 if opt is not None else 0.0))
     kept = times[warmup:]
     return tuple(statistics.median(t[i] for t in kept) for i in range(3))  # type: ignore[return-value]
 

@@ -29,7 +29,6 @@ version, so results are bit-identical.
 from __future__ import annotations
 
 import functools
-
 import time
 from typing import Callable, Collection, Mapping, Sequence
 

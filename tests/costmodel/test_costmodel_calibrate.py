@@ -111,3 +111,16 @@ def test_off_and_failing_calibration_leave_node_times(monkeypatch: pytest.Monkey
         profile_graph(gm2, (x,), **FAST)
     assert "calibration" not in meta(gm2, "output")
     assert "whole-step calibration skipped (RuntimeError: cannot run whole)" in caplog.text
+
+
+def test_a_large_model_update_is_not_cloned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above UPDATE_CLONE_BYTES no clone of the weights is made: the update is not timed (0),
+    so its ratio stays 1; forward and backward are still timed."""
+    monkeypatch.setattr(cal, "UPDATE_CLONE_BYTES", 16)
+    made: list[int] = []
+    gm = traced(Net(), torch.randn(4, 6))
+    f, b, u = time_whole_step(gm, (torch.randn(4, 6),),
+                              lambda ps: made.append(len(ps)) or torch.optim.SGD(ps, lr=1.0),
+                              lambda: None, warmup=1, repeats=2)
+    assert f > 0 and b > 0 and u == 0.0 and made == []
+    assert WholeStep(f, b, u, 1.0, 1.0, 1.0).ratio("update") == 1.0
