@@ -134,11 +134,14 @@ def test_large_graphs_are_drawn_one_box_per_module() -> None:
 
 
 def test_train_hf_model_from_the_shell() -> None:
+    """A Hugging Face model trained through a 2-stage pipeline from the shell. ``--stages 2``:
+    planned for 1f1b-flush (the schedule named), this tiny model simulates faster as data
+    parallelism, which the planner would otherwise pick."""
     res = subprocess.run(
         [sys.executable, "-m", "fxpipe.cli", "train",
          "hf:GPT2LMHeadModel:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=32",
          "--data", "synthetic", "--nproc", "2", "--batch-size", "4", "--seq-len", "16",
-         "--num-batches", "8", "--schedule", "1f1b-flush", "--no-progress"],
+         "--num-batches", "8", "--schedule", "1f1b-flush", "--stages", "2", "--no-progress"],
         capture_output=True, text=True, timeout=240, cwd=ROOT,
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
