@@ -84,7 +84,7 @@ class UpdateMixin:
         if reps[s] == 1:  # no replica to sum with: no flat buffer (a copy of every gradient)
             tied = self._lone_tied(a) if self.tied else None
             with self.rec.span("optimizer", str(a), update=a.minibatch):
-                self.replica.apply_local_update(tied)
+                self.replica.apply_local_update(tied, tied_means=self._delay > 0)
             return
         with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
             buf = self.replica.local_gradient(flags=True) if bk is None or self.tied else None
@@ -113,18 +113,16 @@ class UpdateMixin:
 
     def _lone_tied(self, a: Action) -> dict[str, torch.Tensor | None]:
         """A lone replica's tied parameters: their segments alone summed over the tie's holders
-        (the rest of its gradients never leave it), as means of this round (delay 0) or of round
-        ``i - d``; the same values as the flat path's."""
+        (the rest of its gradients never leave it): this round's sums (delay 0), or round
+        ``i - d``'s means; the same values as the flat path's."""
         with self.rec.span("optimizer", f"{a} gradients", update=a.minibatch):
             segs = [(key, names, self.replica.local_segment(names)) for key, names in self.tied]
-        count = float(self.replica.count)
         if self._delay:
-            return self._tied_round(a.minibatch, segs, count)
+            return self._tied_round(a.minibatch, segs, float(self.replica.count))
         out: dict[str, torch.Tensor | None] = {}
         for key, names, seg in segs:
             self.comm.all_reduce(seg, key, self._holders(key), f"tied {names} U{a.minibatch}")
-            for n, g in self.replica.split_segment(seg, names, flags=True).items():
-                out[n] = g if g is None or count in (0.0, 1.0) else g.div_(count)
+            out.update(self.replica.split_segment(seg, names, flags=True))
         return out
 
     def _holders(self, key: tuple[int, ...]) -> list[Rank]:

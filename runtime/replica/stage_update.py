@@ -56,37 +56,38 @@ class UpdateMixin:
         ``flags``, one presence flag per trainable parameter (1: it has a gradient sum this
         round, 0: none, its part is zeros) between the sums and the count (see the module doc:
         what lets summed replicas tell "no gradient anywhere" from "a zero gradient")."""
-        parts = []
-        dts = self.stash.grad_dtypes
-        for n in self.stash.trainable:
-            p = self.stash.latest[n]
-            g = self._grad_sum.get(n)
-            parts.append((torch.zeros_like(p, dtype=dts[n]) if g is None else g).reshape(-1))
-        ref = next(iter(self.stash.latest.values()), torch.zeros(()))
-        dtype = next((dts[n] for n in self.stash.trainable), ref.dtype)  # the gradients' dtype
-        tail = [1.0 if n in self._grad_sum else 0.0 for n in self.stash.trainable] if flags else []
-        parts.append(torch.tensor(tail + [float(self._count)], dtype=dtype, device=ref.device))
-        return torch.cat(parts)
+        names = self.stash.trainable
+        dtype, device = self._tail()
+        tail = [1.0 if n in self._grad_sum else 0.0 for n in names] if flags else []
+        return torch.cat([*map(self._flat_part, names),
+                          torch.tensor(tail + [float(self._count)], dtype=dtype, device=device)])
 
     def local_segment(self, names: Sequence[str]) -> torch.Tensor:
         """``segment(local_gradient(flags=True), names, flags=True)`` without building the
         stage's whole flat buffer (a copy of every gradient): what a lone replica with tied
         parameters all-reduces. Same values and dtype, bit for bit."""
-        dts = self.stash.grad_dtypes
-        ref = next(iter(self.stash.latest.values()), torch.zeros(()))
-        tail_dtype = next((dts[n] for n in self.stash.trainable), ref.dtype)
+        tail_dtype, device = self._tail()
         # torch.cat of the whole buffer promotes over every part: so must this
-        dtype = functools.reduce(torch.promote_types, [dts[n] for n in self.stash.trainable],
+        dtype = functools.reduce(torch.promote_types,
+                                 [self.stash.grad_dtypes[n] for n in self.stash.trainable],
                                  tail_dtype)
-        parts = []
-        for n in names:
-            g = self._grad_sum.get(n)
-            p = self.stash.latest[n]
-            parts.append((torch.zeros_like(p, dtype=dts[n]) if g is None else g)
-                         .reshape(-1).to(dtype))
         flags = [1.0 if n in self._grad_sum else 0.0 for n in names]
-        parts.append(torch.tensor(flags, dtype=tail_dtype, device=ref.device).to(dtype))
-        return torch.cat(parts)
+        return torch.cat([*(self._flat_part(n).to(dtype) for n in names),
+                          torch.tensor(flags, dtype=tail_dtype, device=device).to(dtype)])
+
+    def _flat_part(self, name: str) -> torch.Tensor:
+        """``name``'s gradient sum flattened (zeros in the gradients' dtype when it has none)."""
+        g = self._grad_sum.get(name)
+        if g is None:
+            g = torch.zeros_like(self.stash.latest[name], dtype=self.stash.grad_dtypes[name])
+        return g.reshape(-1)
+
+    def _tail(self) -> tuple[torch.dtype, torch.device]:
+        """dtype and device of the flat buffer's flags and count: the first trainable
+        parameter's gradient dtype (the weights' dtype when there is none)."""
+        ref = next(iter(self.stash.latest.values()), torch.zeros(()))
+        return next((self.stash.grad_dtypes[n] for n in self.stash.trainable), ref.dtype), \
+            ref.device
 
     def _offsets(self) -> dict[str, tuple[int, int]]:
         """name -> (offset, numel) in the flat buffer of :meth:`local_gradient`."""
@@ -176,17 +177,20 @@ class UpdateMixin:
         grads.update(fixed)
         return self.mean_grads(grads, count, writable=grads, fixed=fixed)
 
-    def apply_local_update(self, tied: Mapping[str, torch.Tensor | None] | None = None) -> int:
+    def apply_local_update(self, tied: Mapping[str, torch.Tensor | None] | None = None, *,
+                           tied_means: bool = False) -> int:
         """The update of a lone replica (one per stage): its own gradient sums go straight to
         the optimizer, with no flat buffer; the same values as
-        ``apply_update(local_gradient(flags=True), tied, flags=True)``: a parameter without a
+        ``apply_update(local_gradient(flags=True), ..., flags=True)``: a parameter without a
         gradient sum gets None (not stepped, as torch.optim skips ``grad=None``). ``tied``:
-        the tied parameters' gradients, used as given (already means; None: no step now)."""
+        the tied parameters' gradients in place of the replica's own: sums over the tie's
+        holders in tensors of the caller's (divided by the count like the rest), or, with
+        ``tied_means``, means used as given (None: no step now)."""
         grads: dict[str, torch.Tensor | None] = {n: self._grad_sum.get(n)
                                                  for n in self.stash.trainable}
-        fixed = dict(tied or {})
-        grads.update(fixed)
-        writable = {n for n in grads if n in self._owned and n not in fixed}
+        grads.update(tied or {})
+        fixed = set(tied or ()) if tied_means else set()
+        writable = {n for n in grads if n not in fixed and (n in self._owned or n in (tied or ()))}
         return self.apply_grads(grads, float(self._count), writable=writable, fixed=fixed)
 
     def apply_grads(self, grads: Mapping[str, torch.Tensor | None], count: float, *,
