@@ -72,15 +72,17 @@ def per_mb(evs, cat: str, skip: int) -> float:
     return statistics.median(ds) if ds else 0.0
 
 
+def in_range(e, lo: int, hi: int) -> bool:
+    """Is ``e`` an event of minibatch (an optimizer event: update) ``lo..hi-1``?"""
+    return lo <= e.args.get("update" if e.category == "optimizer" else "minibatch", -1) < hi
+
+
 def rescaled_prediction(c, timeline, lo: int, hi: int) -> float:
     """The running plan's time per minibatch on ``c``'s profile rescaled to the stage times
     measured over minibatches (and updates) ``lo..hi-1`` of ``timeline`` (one rank per stage)."""
     times = []
     for r in range(len(c.plan.stages)):
-        evs = [e for e in timeline[r]
-               if lo <= e.args.get("update" if e.category == "optimizer" else "minibatch",
-                                   -1) < hi]
-        times.append(replan_measure(evs))
+        times.append(replan_measure([e for e in timeline[r] if in_range(e, lo, hi)]))
     scaled, _ = rescale(c.profile, c.plan, times)
     return plan_for(scaled, fxpipe.Cluster.from_dict(dict(c.plan.cluster)),
                     stage_starts(c.profile, c.plan), c.plan.replicas,
@@ -93,8 +95,7 @@ def window_events(timeline, lo: int, hi: int) -> dict[int, list]:
     out = {}
     for r, evs in timeline.items():
         tagged = [e for e in evs if e.category in ("forward", "backward", "optimizer")
-                  and lo <= e.args.get("update" if e.category == "optimizer" else "minibatch",
-                                       -1) < hi]
+                  and in_range(e, lo, hi)]
         t0, t1 = min(e.start for e in tagged), max(e.end for e in tagged)
         out[r] = [e for e in evs if e.start >= t0 and e.end <= t1]
     return out

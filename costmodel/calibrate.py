@@ -37,6 +37,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from fxpipe.tracing.modelio import ModelIO
+
 from .update import OptimizerFactory
 
 log = logging.getLogger(__name__)
@@ -81,17 +83,6 @@ def _float_leaves(value: Any) -> list[torch.Tensor]:
             and (t.is_floating_point() or t.is_complex())]
 
 
-def _call_args(gm: fx.GraphModule, flat: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``gm``'s call arguments for its placeholders' values ``flat``: an exported graph takes
-    its inputs as the model did (its pytree codegen's ``in_spec``: ``input_ids=..., labels=...``);
-    a symbolic trace takes them positionally."""
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    if info is not None and info.in_spec is not None:
-        args, kwargs = pytree.tree_unflatten(list(flat), info.in_spec)
-        return tuple(args), dict(kwargs)
-    return tuple(flat), {}
-
-
 def time_whole_step(gm: fx.GraphModule, example_inputs: Sequence[Any],
                     optimizer_factory: OptimizerFactory, sync: Callable[[], None], *,
                     warmup: int = 2, repeats: int = 5) -> tuple[float, float, float]:
@@ -107,11 +98,12 @@ def time_whole_step(gm: fx.GraphModule, example_inputs: Sequence[Any],
     if size > UPDATE_CLONE_BYTES:
         log.debug("whole-step calibration: %d parameter bytes, update not timed", size)
     opt = optimizer_factory(clones) if clones else None
+    call_args = ModelIO.from_graph_module(gm).call_args(example_inputs)
     times: list[tuple[float, float, float]] = []
     for _ in range(warmup + repeats):
         args, kwargs = pytree.tree_map(
             lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
-            _call_args(gm, example_inputs))
+            call_args)
         sync()
         t0 = time.perf_counter()
         with torch.enable_grad():

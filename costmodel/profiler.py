@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxpipe.errors import ConfigError, CostingError, InputMismatchError
+from fxpipe.tracing.shapes import differentiable
 
 from .calibrate import calibrate
 from .extract import annotate_parameters, fetch_attr
@@ -205,14 +206,6 @@ def _grad_needed(value: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(value))
 
 
-def _differentiable(value: Any) -> bool:
-    """Can autograd carry a gradient through ``value``? Only floating and complex tensors do:
-    an index (``argmax``, ``histc``'s counts, a ``cumsum(..., dtype=int32)``) never requires grad
-    in eager PyTorch, and neither does a float made from one (``idx.float()``)."""
-    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-               for t in pytree.tree_leaves(value))
-
-
 @contextlib.contextmanager
 def isolated(gm: fx.GraphModule) -> Iterator[None]:
     """Train mode while inside; afterwards modes, buffers and the RNG are as they were."""
@@ -317,9 +310,9 @@ def iter_node_calls(gm: fx.GraphModule, example_inputs: Any) -> Iterator[NodeCal
             # as autograd decides it per tensor: a value needs a gradient when it is floating
             # and made from something that does; an integer output ends the chain (so a float
             # made from indices is a constant, never a leaf that requires grad)
-            differentiable = _differentiable(value)
-            needs_grad[node] = (bool(params) or any(grad_in.values())) and differentiable
-            if not differentiable:
+            floating = differentiable(value)
+            needs_grad[node] = (bool(params) or any(grad_in.values())) and floating
+            if not floating:
                 grad_in = {a: False for a in grad_in}
             wrote = any(t._version != v for t, v in before)
             if wrote and not _is_inplace(node, gm):

@@ -107,13 +107,29 @@ class ModelIO:
                          "shape you train on" + ("" if free else " (at least 2 samples)"))
         return bound
 
+    @property
+    def _spec_has_kwargs(self) -> bool:
+        """The exported signature is ``(args, kwargs)`` (else positional arguments only)."""
+        spec = self.in_spec
+        return (spec is not None and spec.type is tuple and spec.num_children == 2
+                and spec.child(0).type is tuple and spec.child(1).type is dict)
+
+    def call_args(self, flat: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The graph module's call arguments for its placeholders' values ``flat`` (the inverse
+        of :meth:`bind_inputs`' flattening): an exported module takes them as the model did
+        (``input_ids=..., labels=...``), a symbolic trace positionally."""
+        if self.in_spec is None:
+            return tuple(flat), {}
+        tree = pytree.tree_unflatten(list(flat), self.in_spec)
+        if self._spec_has_kwargs:
+            return tuple(tree[0]), dict(tree[1])
+        return tuple(tree), {}
+
     def _flatten_with_spec(self, args: list[Any], kwargs: dict[str, Any]) -> list[Any]:
         spec = self.in_spec
         assert spec is not None
-        has_kwargs = (spec.type is tuple and spec.num_children == 2
-                      and spec.child(0).type is tuple and spec.child(1).type is dict)
         try:
-            if has_kwargs:
+            if self._spec_has_kwargs:
                 return list(tree_flatten_spec((args, kwargs), spec))
             if kwargs:
                 raise InputMismatchError(f"unexpected keyword arguments {sorted(kwargs)}")

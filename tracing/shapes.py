@@ -84,7 +84,11 @@ def describe_value(value: Any) -> dict[str, Any]:
     return info
 
 
-def _floating(value: Any) -> bool:
+def differentiable(value: Any) -> bool:
+    """Can autograd carry a gradient through ``value``? Only floating and complex tensors do:
+    an index (``argmax``, ``histc``'s counts, a ``cumsum(..., dtype=int32)``) never requires grad
+    in eager PyTorch, and neither does a float made from one (``idx.float()``) unless something
+    that carries one flows into it (``_ShapeRecorder`` follows the chain)."""
     return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
                for t in pytree.tree_leaves(value))
 
@@ -113,7 +117,7 @@ class _ShapeRecorder(torch.fx.Interpreter):
         a router's counts) carries none. Every rank traces, so every rank derives the same
         answer (the gradient messages between stages depend on it: ``detached_values``)."""
         if n.op == "placeholder":
-            reach = _floating(value)
+            reach = differentiable(value)
         elif n.op == "get_attr":
             reach = any(isinstance(t, torch.nn.Parameter) and t.requires_grad
                         for t in pytree.tree_leaves(value))
@@ -121,7 +125,7 @@ class _ShapeRecorder(torch.fx.Interpreter):
             own = n.op == "call_module" and any(
                 p.requires_grad for p in self.module.get_submodule(str(n.target)).parameters())
             reach = (own or any(self._reach.get(a, False) for a in n.all_input_nodes)) \
-                and _floating(value)
+                and differentiable(value)
         self._reach[n] = reach
         return reach
 
