@@ -56,6 +56,7 @@ from ..timeline import Recorder, TimelineEvent
 from .allocator import keep_freed_memory, release_freed_memory
 from .comm import Comm, make_groups, rank_name
 from .contract import Batch
+from .leave import close_at_exit
 from .reference import ReferenceExecutor
 from .wire import StretchWire, WirePlan, crossing_values
 
@@ -218,6 +219,7 @@ class DistributedBackend:
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                     init_method="env://", rank=self.index, world_size=self.world,
                                     timeout=self.timeout, **extra)
+            close_at_exit(self)  # a script that never calls Trainer.close (see leave.py)
         elif dist.get_world_size() != self.world:
             raise RuntimeConfigError(f"the process group has {dist.get_world_size()} ranks, the "
                                      f"plan {self.world}", "initialise it with the plan's size, "
@@ -362,17 +364,18 @@ class DistributedBackend:
         with autocast(self.options.precision, self.device):  # the loss as in training
             return eval_metrics(self.loss_fn, out, y)
 
-    def close(self) -> None:
-        """Leave the job. First a barrier (bounded by the pipeline timeout): a rank that tears
-        down its sockets while a peer still reads its part of the last gather can abort that
-        peer. Then the groups are destroyed and this object's references to them dropped, so
+    def close(self, barrier: bool = True) -> None:
+        """Leave the job. First a barrier (bounded by the pipeline timeout; skipped at exit after
+        an uncaught exception, see leave.py): a rank that tears down its sockets while a peer
+        still reads its part of the last gather can abort that peer. Then the groups are destroyed and this object's references to them dropped, so
         their C++ worker threads end here and not during the interpreter's finalisation, where
         a gloo thread releasing a tensor needs the GIL and the process dies with SIGABRT
         ("terminate called without an active exception", seen once in CI at exit)."""
         if not (self._owns_group and dist.is_initialized()):
             return
         try:
-            dist.barrier(group=self.control, async_op=True).wait(self.timeout)
+            if barrier:
+                dist.barrier(group=self.control, async_op=True).wait(self.timeout)
         except RuntimeError as err:  # a peer already gone: still leave cleanly
             log.warning("%s: the closing barrier failed (%s); leaving anyway", self.comm.who, err)
         self.comm.groups.clear()

@@ -85,6 +85,39 @@ def test_surplus_ranks_say_so_and_leave_while_the_plan_trains(tmp_path: Path) ->
         torch.testing.assert_close(got[name], t, rtol=1e-6, atol=1e-7)
 
 
+def test_a_script_that_never_closes_leaves_the_job_before_the_interpreter_ends(tmp_path: Path
+                                                                             ) -> None:
+    """The README's script ends without trainer.close(): fxpipe's exit hook closes the process
+    group while the interpreter is whole (a gloo thread torn down in finalisation aborted a rank
+    with 'terminate called without an active exception' after a completed run in CI)."""
+    res = _torchrun(str(tmp_path / "out.pt"), "--ckpt", str(tmp_path / "ck"), "--no-close")
+    assert res.returncode == 0, res.stdout[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} at exit: process group closed" in res.stdout, res.stdout[-3000:]
+    assert "terminate called" not in res.stdout
+
+
+def test_exit_after_an_uncaught_exception_leaves_without_the_closing_barrier(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an uncaught exception the peers may be gone: waiting for them at the closing barrier
+    would hold a failed rank (and torchrun's verdict) for the pipeline timeout."""
+    from fxpipe.runtime.execution import leave
+
+    seen: list[bool] = []
+
+    class Backend:
+        def close(self, barrier: bool = True) -> None:
+            seen.append(barrier)
+
+    for failed in (False, True):
+        monkeypatch.setitem(leave._STATE, "failed", failed)
+        monkeypatch.setitem(leave._STATE, "hooked", True)  # no real hooks in the test process
+        b = Backend()
+        leave.close_at_exit(b)
+        leave.leave_all()
+    assert seen == [True, False]
+
+
 def test_ranks_reading_different_data_stop_before_training(tmp_path: Path) -> None:
     """Each rank's loader seeded by its rank: rank 0 would feed one minibatch's inputs, rank 1
     compare the outputs with another minibatch's targets. Both stop at the first segment."""

@@ -11,7 +11,8 @@ trainer gathered to rank 0 (during fit, then in state_dict()) to OUT.pt at the e
 ``--pilot N`` (with ``--schedule auto``): a pilot of N minibatches (every rank trains its share of
 the candidates; ``--where pipeline``: the candidates in turn on this job's pipeline, with no copy
 of any stage allowed); OUT.pt then holds auto's decision too. ``--optimizer muon``: the ``"muon"``
-recipe (Muon on the 2-D weights, AdamW on the biases) in place of SGD.
+recipe (Muon on the 2-D weights, AdamW on the biases) in place of SGD. ``--no-close``: ends
+without ``trainer.close()`` and prints, at exit, whether the process group is still open.
 """
 from __future__ import annotations
 
@@ -85,6 +86,9 @@ def main() -> int:
     p.add_argument("--rank-data", action="store_true", help="a loader that differs by rank")
     p.add_argument("--pilot", type=int, default=None, help="auto's pilot length")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"])
+    p.add_argument("--no-close", action="store_true",
+                   help="end without trainer.close(), as the README's script does; at exit, "
+                        "print whether the process group is still open")
     p.add_argument("--where", default="copies", choices=["copies", "pipeline"],
                    help="auto's pilot: on copies of the model, or on the job's pipeline (then "
                    "any copy of the stages for a pilot is an error)")
@@ -104,6 +108,13 @@ def main() -> int:
             sys.stdout.flush()
             os._exit(3)
 
+    if args.no_close:  # runs after fxpipe's own exit hook (atexit is last in, first out)
+        import atexit
+
+        import torch.distributed as dist
+        atexit.register(lambda: print(f"rank {os.environ.get('RANK')} at exit: process group "
+                                      f"{'open' if dist.is_initialized() else 'closed'}",
+                                      flush=True))
     trainer = make_trainer(args, crash if args.crash_after else None)
     gathers = [0]
     real_gather = getattr(trainer.backend, "gather", None)
@@ -123,7 +134,8 @@ def main() -> int:
         torch.save({"state": state, "history": history, "timelines": counts,
                     "gathers": [in_fit, gathers[0] - in_fit], "auto": trainer.auto_decision},
                    Path(args.out))
-    trainer.close()
+    if not args.no_close:
+        trainer.close()
     return 0
 
 

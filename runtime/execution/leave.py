@@ -1,0 +1,55 @@
+"""Leaving a job at interpreter exit when the script did not call ``Trainer.close``.
+
+A torchrun script that trains and returns (the README's example does) leaves its process groups
+to the interpreter's finalisation, where a gloo worker thread releasing a tensor needs the GIL and
+the process dies with SIGABRT ("terminate called without an active exception"; seen in CI at the
+end of a completed run). So every backend that owns a process group is closed by an ``atexit``
+hook, which runs before finalisation with the interpreter whole.
+
+A script that ends on an uncaught exception must not wait at exit for peers that may be gone:
+then the hook leaves without the closing barrier (``sys.excepthook`` runs before ``atexit``).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import weakref
+from types import TracebackType
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Closable(Protocol):
+    def close(self, barrier: bool = True) -> None: ...
+
+
+_OPEN: "weakref.WeakSet[Closable]" = weakref.WeakSet()
+_STATE = {"failed": False, "hooked": False}
+
+
+def close_at_exit(backend: Closable) -> None:
+    """Close ``backend`` at interpreter exit unless it was closed before (closing is idempotent)."""
+    _OPEN.add(backend)
+    if not _STATE["hooked"]:
+        _STATE["hooked"] = True
+        previous = sys.excepthook
+
+        def note_failure(kind: type[BaseException], err: BaseException,
+                         tb: TracebackType | None) -> None:
+            _STATE["failed"] = True
+            previous(kind, err, tb)
+
+        sys.excepthook = note_failure
+        atexit.register(leave_all)
+
+
+def leave_all() -> None:
+    """The ``atexit`` hook: close every open backend (with the barrier after a clean run)."""
+    for backend in list(_OPEN):
+        try:
+            backend.close(barrier=not _STATE["failed"])
+        except Exception as err:  # noqa: BLE001 - at exit, report and go on leaving
+            log.warning("leaving the job at exit failed: %s", err)
+    _OPEN.clear()
