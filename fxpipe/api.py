@@ -22,7 +22,7 @@ from torch import nn
 from fxpipe.codegen import StageSpec, draw_plan, export_stages, load_exported, run_stages, split_graph
 from fxpipe.codegen.visualize import module_span
 from fxpipe.costmodel import Cluster, Profile, estimate_graph, get_device, profile_graph, to_profile
-from fxpipe.errors import ConfigError, PlanFormatError
+from fxpipe.errors import ConfigError, InfeasiblePlanError, PlanFormatError
 from fxpipe.passes import Plan, partition
 from fxpipe.tracing import TracedGraph, trace
 from fxpipe.tracing.trace import on_meta
@@ -338,7 +338,8 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     timed per stage (default: SGD with momentum), since every replica steps after each backward.
     ``choose="simulation"`` picks among the planner's candidates by simulating each one
     (:func:`choose_plan`); ``"planner"`` takes the planner's optimum; the default (``"auto"``)
-    the planner's for ``schedule="pipedream"``, the simulation for any other schedule.
+    the planner's for ``schedule="pipedream"`` unless it splits tied parameters across stages,
+    the simulation otherwise.
     ``tracer``: "auto" (torch.fx.symbolic_trace, else torch.export: the first that gives a graph
     that runs, trains and exports), "symbolic_trace" or "export"; ``compiled.tracer`` says which
     one ran. ``recompute``: activation recomputation per stage, "never", "always" or "auto"
@@ -407,6 +408,13 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
 CHOOSERS = ("auto", "planner", "simulation")
 
 
+def splits_tied(plan: Plan, profile: Profile) -> bool:
+    """Whether ``plan`` puts a parameter shared by several nodes on more than one stage."""
+    from fxpipe.runtime.pricing.plansim import tied_from_profile
+
+    return len(plan.replicas) > 1 and bool(tied_from_profile(plan, profile))
+
+
 def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 stages: int | None = None, straight: bool = False,
                 choose: str = "auto", schedule: str = "pipedream",
@@ -420,6 +428,11 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     parallelism's are then the simulated ones under ``schedule`` (``plan.time_source``), and
     data parallelism is among the candidates, so the plan is never slower than it. ``auto``
     (default): the planner for ``pipedream``, the simulation for every other schedule.
+    Under ``auto`` a pipedream plan that puts a shared parameter (tied embeddings) on two
+    stages is chosen by simulation too: their gradient sum crosses the link at every update,
+    which the planner's objective does not price and the simulator does (on a slow link it can
+    make the pipeline slower than one worker: GPT at 20 Mbit/s in
+    ``benchmarks/pipeline-cluster.md``).
     ``schedule``'s memory is what the plans are fitted with (``microbatches`` per update);
     ``optimizer_state_factor``: state bytes per parameter byte beyond weights and gradients
     (``runtime.replica.state_size``)."""
@@ -431,15 +444,26 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     # the placed kinds (several stages per process) keep PipeDream's rule for their candidates
     rule = memory_rule(schedule, microbatches) if schedule in SHAPES else PIPEDREAM
     if choose == "planner" or (choose == "auto" and schedule == "pipedream"):
-        return partition(profile, cluster, sync=sync, stages=stages, straight=straight,
+        plan = partition(profile, cluster, sync=sync, stages=stages, straight=straight,
                          recompute=recompute, memory_rule=rule,
                          optimizer_state_factor=optimizer_state_factor)
+        if choose == "planner" or not splits_tied(plan, profile):
+            return plan
     from fxpipe.runtime.pricing.plan_choice import choose_by_simulation, priced_by_simulation
 
-    choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages, straight=straight,
-                                  schedules=(schedule,), recompute=recompute, memory_rule=rule,
-                                  microbatches=microbatches,
-                                  optimizer_state_factor=optimizer_state_factor)
+    try:
+        choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages,
+                                      straight=straight, schedules=(schedule,),
+                                      recompute=recompute, memory_rule=rule,
+                                      microbatches=microbatches,
+                                      optimizer_state_factor=optimizer_state_factor)
+    except InfeasiblePlanError as err:
+        if choose != "auto" or schedule != "pipedream":
+            raise
+        # e.g. stages forced and every such plan has tied stages with unequal replica counts
+        log.warning("no candidate simulates under pipedream (%s); keeping the planner's plan, "
+                    "which a flushing schedule trains", err)
+        return plan
     log.info("%s", choice.summary())
     return priced_by_simulation(choice, profile, cluster, sync=sync, microbatches=microbatches)
 

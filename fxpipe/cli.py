@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="planner: the analytic optimum (PipeDream's schedule); simulation: "
                     "simulate the planner's best plan per stage count under --schedule and keep "
                     "the fastest (slower; sees 1F1B start-up, a flush's bubble and replicas "
-                    "waiting for each other); auto (default): planner for pipedream, simulation "
-                    "for the other schedules")
+                    "waiting for each other); auto (default): planner for pipedream (simulation "
+                    "when its plan puts tied parameters on two stages), simulation for the "
+                    "other schedules")
     pl.add_argument("--size", default="mini", help="zoo model size: mini or full")
     pl.add_argument("--batch-size", type=int, default=None)
     pl.add_argument("--input-shape", default=None, help="for factories that return a bare module")

@@ -20,7 +20,7 @@ from ..errors import RuntimeConfigError
 from ..replica.stage import (StageReplica, TiedParameter, check_stages, sync_components,
                              tied_parameters)
 from ..schedules.schedule import (Action, Rank, Schedule, execution_order, tie_delay,
-                                 validate)
+                                 uneven_tied_updates, validate)
 from ..timeline import TimelineEvent
 
 Batch = tuple[Any, Any]
@@ -114,9 +114,8 @@ def check_schedule(stages: Sequence[StageSpec], replicas: Sequence[int], sched: 
     validate(sched)
     tied = tied_parameters(stages)
     for t in tied:
-        counts = {rank: sum(a.kind == "U" for a in sched.actions[rank]) for rank in sched.ranks
-                  if rank[0] in t.stages}
-        if len(set(counts.values())) > 1:
+        counts = uneven_tied_updates(sched, [t.stages])
+        if counts:
             raise RuntimeConfigError(
                 f"parameter {t.key!r} is shared by stages {list(t.stages)}, whose ranks make "
                 f"different numbers of updates {counts}", "tied parameters need the same update "

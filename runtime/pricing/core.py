@@ -27,6 +27,9 @@ from ..timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
 from .memory import schedule_memory
 
 
+TIED_CHUNKS = 8  # pieces a background tied all-reduce takes the ports in (see tied_transfer)
+
+
 @dataclass(frozen=True)
 class TiedSync:
     """Parameters shared by ``stages`` (``nbytes`` of them), summed at every update."""
@@ -101,6 +104,9 @@ class EventLoop:
                 rank, a = data
                 self.finished(rank, a, t)
                 self.advance(rank, t)
+            elif kind == "tied":  # the next piece of a tied all-reduce
+                comp, k, left = data
+                self.tied_transfer(comp, k, t, left)
             else:  # "arrive"
                 self.arrived.add(data)
                 for rank in self.waiting.pop(data, []):
@@ -122,13 +128,12 @@ class EventLoop:
         s, c = rank[0], self.costs[rank[0]]
         if a.kind == "U":
             i, comp = a.minibatch, self.comp.get(s, (s,))
-            if self.delay > 0 and i >= self.delay:  # lagged tied sum: wait for round i - d
-                for t in comp:
-                    need = ("U", t, i - self.delay)
-                    if t != s and (t, i - self.delay) not in self.u_done:
-                        if rank not in self.waiting.get(need, []):
-                            self.waiting.setdefault(need, []).append(rank)
-                        return
+            if self.delay > 0 and i >= self.delay and len(comp) > 1:
+                need = ("T", comp[0], i - self.delay)  # lagged tied sum: round i - d arrived
+                if need not in self.arrived:
+                    if rank not in self.waiting.get(need, []):
+                        self.waiting.setdefault(need, []).append(rank)
+                    return
             group = comp if self.delay == 0 else (s,)
             key = (group[0], i)
             self.barrier[key] = self.barrier.get(key, 0) + 1
@@ -168,8 +173,9 @@ class EventLoop:
             self.u_left[(s, k)] = left
             if left == 0:
                 self.u_done.add((s, k))
-                for waiter in self.waiting.pop(("U", s, k), []):
-                    self.advance(waiter, t)
+                comp = self.comp.get(s, (s,))
+                if self.delay > 0 and len(comp) > 1 and all((c, k) in self.u_done for c in comp):
+                    self.tied_transfer(comp, k, t)
             return
         if a.kind == "W":
             self.done[k] = max(self.done[k], t)
@@ -182,6 +188,34 @@ class EventLoop:
                           ("G", s - 1, k), f"grad B{k}", t)
             else:
                 self.done[k] = max(self.done[k], t)
+
+    def tied_transfer(self, comp: tuple[int, ...], k: int, ready: float,
+                      left: float | None = None) -> None:
+        """Round ``k``'s lagged tied all-reduce, posted once every holder has updated: a ring
+        over the holders' replicas, each sending and receiving ``2 (n - 1) / n`` of the tied
+        bytes. It runs in the background but on the same ports as the cuts (a slow link carries
+        both; the runtime gives it a connection of its own, so the two share the link rather
+        than queue): it takes the ports in ``TIED_CHUNKS`` pieces, each reserved when the one
+        before ends, so a cut waits for at most one piece. Update ``k + d`` waits for it."""
+        holders = [(t, j) for t in comp for j in range(self.sched.replicas[t])]
+        n = len(holders)
+        ring = max(2.0 * (n - 1) / n * self.tied_bytes[t] for t in comp)
+        if left is None:
+            left = ring
+        if left <= 0:
+            self.push(ready + self.lat, "arrive", ("T", comp[0], k))
+            return
+        piece = min(left, ring / TIED_CHUNKS)
+        end = ready
+        for i, src in enumerate(holders):  # each holder sends the piece to the next one
+            dst = holders[(i + 1) % n]
+            ports = [("out" if self.duplex else "port", self.gid[src]),
+                     ("in" if self.duplex else "port", self.gid[dst])]
+            stop = max([ready] + [self.port_free.get(p, 0.0) for p in ports]) + piece / self.bw
+            for p in ports:
+                self.port_free[p] = stop
+            end = max(end, stop)
+        self.push(end, "tied", (comp, k, left - piece))
 
     def send(self, src: Rank, dst: Rank, nbytes: float, key: tuple[str, int, int], name: str,
              ready: float) -> None:

@@ -117,18 +117,22 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
         if key not in seen:
             seen.add(key)
             n = minibatches_for(p.replicas, floor=minibatches)
-            sims.extend((p, k, simulate_plan(
-                p, profile, schedule=k, minibatches=n,
-                microbatches=microbatches if k not in ("pipedream",) else None))
-                for k in one_per_process)
+            for k in one_per_process:
+                try:
+                    sims.append((p, k, simulate_plan(
+                        p, profile, schedule=k, minibatches=n,
+                        microbatches=microbatches if k not in ("pipedream",) else None)))
+                except InfeasiblePlanError as err:  # tied stages updating unequally often
+                    log.info("candidate %s left out: %s", p.replicas, err)
     for k in schedules:
         if k in PLACED_KINDS:
             sims.extend(_placed_candidates(profile, cluster, k, stages, kw, recompute,
                                            minibatches))
     if not sims:
         raise InfeasiblePlanError(f"no plan for the schedules {list(schedules)}",
-                                  "the placed kinds need a straight plan of v x workers stages; "
-                                  "add a one-stage-per-process kind such as 1f1b-flush")
+                                  "the placed kinds need a straight plan of v x workers stages, "
+                                  "pipedream equal replica counts on stages sharing a weight; "
+                                  "add a kind such as 1f1b-flush")
     cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period, k)
                   for p, k, s in sims)
     fastest = min(s.steady_state_period for _, _, s in sims)

@@ -25,8 +25,10 @@ other, and an all-reduce holds every replica of a stage. So this is a discrete-e
   synchronously (the flushing kinds, NOAM = 1) the stages' updates form ONE barrier of all
   their replicas, held for the tied all-reduce (ring: ``2 (n - 1) / n`` of the bytes per
   rank); under pipedream the runtime delays the tied sum by ``d`` rounds
-  (``schedule.tie_delay``), so update i of a stage waits only for update ``i - d`` of the
-  others and the all-reduce runs in the background (its bytes are counted). Pass ``tied`` or a
+  (``schedule.tie_delay``): each round's all-reduce starts once every holder has updated,
+  runs in the background on the holders' ports (delaying the cuts that share them: on a slow
+  link it can be the bottleneck, GPT's 512 kB embedding sum against its 256 kB cut), and update
+  ``i`` waits for round ``i - d``'s to arrive. Pass ``tied`` or a
   profile listing shared parameters to price it; ``tied_delay=0`` prices the lockstep a
   synchronous tied all-reduce would cost;
 * sends are asynchronous (the runtime posts them in the background): communication overlaps
@@ -45,13 +47,13 @@ from typing import Sequence
 
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
-from fxpipe.errors import ConfigError
+from fxpipe.errors import ConfigError, InfeasiblePlanError
 from fxpipe.passes.partition import coefficients
 from fxpipe.passes.plan import Plan, StagePlan
 
 from ..schedules.kinds import make_schedule
 from ..schedules.placement import PLACED_KINDS
-from ..schedules.schedule import tie_delay
+from ..schedules.schedule import tie_delay, uneven_tied_updates
 from ..timeline import busy_between
 from .core import (EventLoop, PlanSimulation, StageCosts, TiedSync, cut_bandwidth, split_backward,
                    stage_costs, tied_from_profile)
@@ -110,6 +112,12 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
                           costs=fbw, comm=wire)
     if tied is None:
         tied = tied_from_profile(plan, profile) if profile is not None else []
+    counts = uneven_tied_updates(sched, [t.stages for t in tied])
+    if counts:
+        raise InfeasiblePlanError(
+            f"replicas {list(plan.replicas)} cannot train under {schedule}: stages sharing a "
+            f"weight update unequally often {counts}", "give the stages sharing it equal "
+            "replica counts, or use a flushing schedule")
     delay = tie_delay(sched, [t.stages for t in tied]) if tied_delay is None else tied_delay
     sim = EventLoop(sched, costs, bandwidth, latency, duplex, tied, delay)
     sim.run()

@@ -316,6 +316,20 @@ def tie_delay(sched: Schedule, tie_stage_sets: Sequence[Sequence[int]]) -> int:
     return max(max(0, sched.windows[min(c)] - sched.windows[max(c)]) for c in tie_stage_sets)
 
 
+def uneven_tied_updates(sched: Schedule, tie_stage_sets: Sequence[Sequence[int]]
+                        ) -> dict[Rank, int] | None:
+    """Updates per rank of the first set of stages sharing a weight whose ranks update unequally
+    often under ``sched`` (None when every set is even). Their updates are one all-reduce, so
+    such a plan cannot run (pipedream with unequal replica counts: a stage of r replicas
+    updates once per r minibatches); the runtime refuses it and the simulator prices none."""
+    for c in tie_stage_sets:
+        counts = {rank: sum(a.kind == "U" for a in sched.actions[rank]) for rank in sched.ranks
+                  if rank[0] in c}
+        if len(set(counts.values())) > 1:
+            return counts
+    return None
+
+
 def validate(sched: Schedule) -> None:
     """Raise :class:`ScheduleError` (or :class:`DeadlockError`) unless an in-order executor can
     carry ``sched`` out to the end with consistent weight versions."""

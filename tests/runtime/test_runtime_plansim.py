@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,67 @@ def test_the_window_that_hides_a_round_trip(x: float, period2: float, want: int)
     assert simulate_plan(plan, prof, noam=3, minibatches=200).steady_state_period == \
         pytest.approx(3.0, rel=1e-9)
     assert noam_for(plan, prof) == want
+
+
+def _tied_pair(weight_bytes: float, cut_bytes: float) -> Profile:
+    """4 nodes of 0.5 + 0.5 s; n0 owns a ``weight_bytes`` parameter that n3 shares; the cut
+    between n1 and n2 carries ``cut_bytes`` each way."""
+    return Profile(nodes=tuple(
+        ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=0.5, backward_s=0.5,
+                    activation_bytes=cut_bytes if i == 1 else 0.0,
+                    parameter_bytes=weight_bytes if i == 0 else 0.0,
+                    inputs=(f"n{i - 1}",) if i else (), params=("w",) if i == 0 else (),
+                    shared_params=("w",) if i == 3 else ()) for i in range(4)), batch_size=4)
+
+
+@pytest.mark.parametrize("w, x", [(1000.0, 0.0), (3e6, 0.0), (3e6, 5e5), (3e6, 1e6)])
+def test_a_lagged_tied_sum_shares_the_link_with_the_cuts(w: float, x: float) -> None:
+    """Two stages of 2 s per minibatch sharing a w-byte weight (pipedream: the sum lags d = 1
+    round, in the background). Each way the link carries the 2-holder ring's w bytes plus the
+    x-byte cut per minibatch, so by hand the period is at least max(2, (w + x) / B), and no more
+    than that plus one piece of the ring (TIED_CHUNKS pieces) per cut message waiting behind it
+    (two per minibatch). Before the sum took the ports, the period was 2 s whatever w was."""
+    from fxpipe.runtime.pricing.core import TIED_CHUNKS
+
+    prof = _tied_pair(w, x)
+    plan = partition(prof, Cluster(workers=2, bandwidth=BW), stages=2, straight=True)
+    sim = simulate_plan(plan, prof, minibatches=200)
+    bound = max(2.0, (w + x) / BW)
+    assert bound <= sim.steady_state_period <= bound + 2 * (w / BW) / TIED_CHUNKS + 1e-9
+    assert sim.sync_bytes_per_minibatch == pytest.approx(2 * w)
+    if w == 3e6 and x > 0:  # link-bound: well above the 2 s of compute
+        assert sim.steady_state_period >= 3.5
+
+
+def test_auto_choice_simulates_a_pipedream_plan_that_splits_tied_weights() -> None:
+    """The planner splits the 4 s of compute into two 2 s stages (it prices the empty cut, not
+    the 6 MB tied sum: 6 s per update on the link); one worker takes 4 s. choose="auto" sees the
+    tie and simulates, so it keeps one worker; "planner" keeps the pipeline (PipeDream's own
+    choice); without the tie both agree on two stages."""
+    from fxpipe.api import choose_plan, splits_tied
+
+    cluster = Cluster(workers=2, bandwidth=BW)
+    prof = _tied_pair(6e6, 0.0)
+    planner = choose_plan(prof, cluster, choose="planner")
+    assert planner.replicas == [1, 1] and splits_tied(planner, prof)
+    auto = choose_plan(prof, cluster)
+    assert auto.replicas == [1]
+    assert auto.time_per_minibatch == pytest.approx(4.0)
+    untied = Profile(nodes=tuple(replace(n, shared_params=()) for n in prof.nodes), batch_size=4)
+    assert choose_plan(untied, cluster).replicas == [1, 1]
+
+
+def test_tied_stages_with_unequal_replicas_are_not_simulated_under_pipedream() -> None:
+    """Replicas [2, 1] with a weight shared by both stages: under pipedream stage 0 updates once
+    per 2 minibatches, stage 1 every minibatch, and their updates are one all-reduce, so the
+    runtime refuses the plan (contract.check_schedule); the simulator says so instead of pricing
+    it (it used to, and the chooser could pick it), and 1f1b-flush, where every rank updates
+    once per batch, is priced."""
+    from fxpipe.errors import InfeasiblePlanError
+    from fxpipe.passes.partition import plan_for
+
+    prof = _tied_pair(1000.0, 0.0)
+    plan = plan_for(prof, Cluster(workers=3, bandwidth=BW), [0, 2], [2, 1])
+    with pytest.raises(InfeasiblePlanError, match=r"update unequally often .*\(0, 0\): 50"):
+        simulate_plan(plan, prof, minibatches=100)
+    assert simulate_plan(plan, prof, schedule="1f1b-flush", minibatches=100).steady_state_period > 0
