@@ -339,6 +339,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                     if self.replanner is not None:  # may switch plans here (trainer_switch)
                         it = self.replanner.after_segment(self, it, train_loader, epoch, pos, n,
                                                           self._dt)
+                        if self.idle:  # re-planned onto fewer workers without this rank
+                            return
                 self.drain(epoch)  # the epoch's last minibatches finish (trainer_schedule)
             finally:
                 it.close()

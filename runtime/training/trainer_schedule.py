@@ -320,8 +320,7 @@ class ScheduleMixin:
                      f"their compute was {total:.3g} s in all: one worker would have been "
                      f"{dt / total:.2f}x faster (the links, the pipeline's bubbles or its "
                      "per-message costs cost more than the split gains); plan for fewer workers "
-                     "(fxpipe.Cluster(workers=1)), or let replan='auto' re-plan from measured "
-                     "stage times")
+                     "(fxpipe.Cluster(workers=1)); replan='auto' goes on with one worker")
         log.warning("this plan does harm: %s", self.harm)
 
     def drain(self, epoch: int) -> None:

@@ -28,6 +28,11 @@ warm-up) and re-planned from its own stages, until a decision keeps the plan or 
 decisions (default 3) are made: one factor per stage cannot tell which nodes of a stage the
 profile got wrong, and the next plan's different cuts narrow it down.
 
+Do no harm (issue 27): when a segment measures slower than one worker doing every stage's
+work (``Trainer.harm``; rank 0's verdict decides for all), :meth:`Replanner.fall_back` switches
+the same way to a one-worker plan: rank 0 trains on alone in its process (reference executor),
+the other ranks become idle and return from ``fit``; no decision follows.
+
 Logged (and kept in :attr:`Replanner.records`): old and new plan, predicted gain, and the
 measured time per minibatch before and after (the gain measured once ``replan_after`` segments
 of the new plan have run).
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -53,8 +59,10 @@ import torch
 from fxpipe.codegen.split import StageSpec, split_graph
 from fxpipe.costmodel import Cluster
 from fxpipe.passes import Plan
+from fxpipe.passes.partition import plan_for
 
 from ..errors import RuntimeConfigError
+from ..execution.trainer_backends import DistributedBackend
 from ..pricing.replan import Proposal, StageTimes, after_first_update, measure, propose
 from . import checkpoint as ckpt
 from .data import PartStream
@@ -63,6 +71,7 @@ from .repartition import Repartition, stage_layout
 log = logging.getLogger(__name__)
 
 REPLAN_MODES = ("auto",)
+_HARM_RATIO = re.compile(r"would have been ([0-9.]+)x faster")  # Trainer.harm's measured ratio
 REPLAN_SCHEDULES = ("1f1b-flush", "gpipe")
 Measure = Callable[[Any], Sequence[StageTimes]]  # trainer -> one StageTimes per stage
 
@@ -132,6 +141,7 @@ class Replanner:
         self._segments: list[float] = []  # s per minibatch of each segment under self.plan
         # every segment of the run: (plans adopted before it, seconds per minibatch)
         self.segment_times: list[tuple[int, float]] = []
+        self.fell_back = False  # re-planned onto one worker (fall_back): the last decision
 
     def bind(self, trainer: Any) -> Replanner:
         """Check the trainer can be re-planned (called when it is built)."""
@@ -163,6 +173,12 @@ class Replanner:
                 log.info("re-plan measured: %.4g -> %.4g ms per minibatch (%+.1f%%; predicted "
                          "%+.1f%%)", rec.measured_before_s * 1e3, rec.measured_after_s * 1e3,
                          100 * (rec.measured_gain or 0.0), 100 * rec.proposal.gain)
+        if self.fell_back:
+            return it  # one worker trains on: nothing left to re-plan
+        if sum(self.plan.replicas) > 1:
+            harm = trainer.backend.broadcast(trainer.harm, "do-no-harm verdict")  # rank 0's
+            if harm is not None:
+                return self.fall_back(trainer, it, loader, epoch, pos, harm)
         if self.records and (not self.records[-1].adopted
                              or len(self.records) >= self.max_decisions):
             return it  # the plan stopped moving, or the decisions are used up
@@ -184,6 +200,30 @@ class Replanner:
         log.info("re-plan at epoch %d minibatch %d: %s", epoch, pos, proposal.summary())
         if not proposal.adopt:
             return it
+        return self._switch_at(trainer, proposal, it, loader, epoch, pos)
+
+    def fall_back(self, trainer: Any, it: PartStream, loader: Iterable[Any], epoch: int,
+                  pos: int, harm: str) -> PartStream:
+        """Do no harm (issue 27): the segments measured slower than one worker doing every
+        stage's work (``Trainer.harm``, rank 0's verdict for every rank), so the job goes on with
+        one worker: rank 0 trains the whole model in its process (the reference executor, the
+        same computation under a flushing schedule) and the other ranks become idle and return
+        from ``fit``. The measured per-minibatch time is the evidence; the gain is what the
+        verdict measured (the segment's time over the stages' compute, less 1)."""
+        cluster = Cluster.from_dict({**dict(self.plan.cluster), "workers": 1})
+        one = plan_for(self.profile, cluster, [0], [1], sync=self.plan.sync)
+        ratio = _HARM_RATIO.search(harm)
+        gain = float(ratio.group(1)) - 1.0 if ratio else 0.0
+        proposal = Proposal(self.plan, one, gain, True, ())
+        log.warning("re-planning onto one worker: %s", harm)
+        before = _mean(self._segments[1:] or self._segments)
+        self.records.append(ReplanRecord(epoch, pos, proposal, True, before,
+                                         before_segments=list(self._segments)))
+        self.fell_back = True
+        return self._switch_at(trainer, proposal, it, loader, epoch, pos)
+
+    def _switch_at(self, trainer: Any, proposal: Proposal, it: PartStream,
+                   loader: Iterable[Any], epoch: int, pos: int) -> PartStream:
         trainer.drain(epoch)  # an asynchronous stretch's minibatches in flight finish first
         self.switch(trainer, proposal, epoch, pos)
         self._segments = []
@@ -217,6 +257,8 @@ class Replanner:
                     "profile": proposal.profile or self.profile}
             kw.update(metrics_path=None, tensorboard_dir=None, progress=False,
                       replan=None, auto_options=auto)
+            if sum(plan.replicas) == 1 and trainer.index == 0:  # one worker: this process
+                kw.update(executor="reference", timeline=False, measure_memory=False)
             new = type(trainer)(specs, plan.replicas, fingerprint=self.plan.model_fingerprint,
                           state_keys=stage_locations(self.compiled.model, specs), **kw)
             source = Repartition(found, new.stages)
@@ -267,7 +309,10 @@ class Replanner:
         setting and re-planner stay. The old backend leaves its groups (not the default one,
         which the new backend now owns)."""
         old = trainer.backend
-        if hasattr(old, "_owns_group"):
+        if isinstance(old, DistributedBackend) and not isinstance(new.backend,
+                                                                  DistributedBackend):
+            old.close()  # one worker on: no process group any more (every rank leaves it)
+        elif hasattr(old, "_owns_group"):
             new.backend._owns_group, old._owns_group = old._owns_group, False
             old.comm.groups.clear()
             old.control = None

@@ -263,12 +263,49 @@ def test_torchrun_replans_in_place(mode: str, right: tuple[Profile, Plan],
     got = [torch.load(f"{out}.{r}.pt", weights_only=False) for r in range(2)]
     recs = [g["records"] for g in got]
     assert 1 <= len(recs[0]) <= 3 and [r[:6] for r in recs[0]] == [r[:6] for r in recs[1]]
+    # a loopback job may also measure slower than one worker (Trainer.harm) and fall back
     assert got[0]["replicas"] == got[1]["replicas"]
     bad, bad_plan = wrong
     if mode == "perfect":  # adopted at 4; measured again on 8..11, kept at 12 (the optimum)
         assert [(r[0], r[1], r[2]) for r in recs[0]] == [(0, M, True), (0, 3 * M, False)]
         assert sum(got[0]["replicas"]) == 2  # the same 2 processes, all of them busy
     ref = compiled(bad_plan, bad).trainer(**options())
+    plain = ref.fit(data(), epochs=2)
+    for name, w in ref.state_dict().items():
+        torch.testing.assert_close(got[0]["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    assert [h["loss"] for h in got[0]["history"]] == pytest.approx(
+        [h["loss"] for h in plain], rel=1e-5)
+
+
+def test_a_plan_that_does_harm_falls_back_to_one_worker(right: tuple[Profile, Plan],
+                                                       tmp_path: Path) -> None:
+    """Do no harm (issue 27): rank 0's verdict after its second segment (forced: a loopback
+    job's timing decides nothing) is everyone's. Both ranks switch at minibatch 8 to one
+    worker: rank 0 trains the whole model on in its own process (no process group left), rank 1
+    is idle and returns from fit; the result equals the reference executor's uninterrupted run
+    of the 2-stage plan (1f1b-flush: the same computation under every plan)."""
+    import sys
+
+    from test_runtime_trainer_dist import HERE, _port, _run
+
+    out = tmp_path / "got"
+    res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                "--master-addr=127.0.0.1", f"--master-port={_port()}",
+                str(HERE / "replan_switch_job.py"), str(out), "harm"])
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert "re-planning onto one worker: 2 workers took 1 s" in res.stdout
+    got = [torch.load(f"{out}.{r}.pt", weights_only=False) for r in range(2)]
+    for g in got:  # the kept plan at 4 (the right profile), the fall back at 8
+        assert [(r[0], r[1], r[2], r[5]) for r in g["records"]] == [
+            (0, M, False, [1, 1]), (0, 2 * M, True, [1])]
+        assert g["records"][1][3] == pytest.approx(1.0)  # the verdict's 2.00x
+        assert g["replicas"] == [1]
+    assert (got[0]["idle"], got[0]["executor"], got[0]["local"]) == (
+        False, "ReferenceBackend", [(0, 0)])
+    assert (got[1]["idle"], got[1]["history"]) == (True, [])
+    assert len(got[0]["history"]) == 2
+    true, plan = right
+    ref = compiled(plan, true).trainer(**options())
     plain = ref.fit(data(), epochs=2)
     for name, w in ref.state_dict().items():
         torch.testing.assert_close(got[0]["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
