@@ -274,12 +274,14 @@ def _run(cmd: list[str], timeout: float = 900) -> None:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
 
 
-def launch(cluster: Any, tmp: Path, worker: list[str], tag: str) -> list[dict]:
-    """One torchrun job across the emulated hosts; each rank's result."""
+def launch(cluster: Any, tmp: Path, worker: list[str], tag: str,
+           module: str = "bench.pipeline_cluster") -> list[dict]:
+    """One torchrun job across the emulated hosts (``python -m module worker...`` on every
+    rank); each rank's result."""
     from tools.cluster import read_output, torchrun_across, wait_all
 
     result = tmp / tag
-    procs = torchrun_across(cluster, ["-m", "bench.pipeline_cluster", *worker, "--result",
+    procs = torchrun_across(cluster, ["-m", module, *worker, "--result",
                                       str(result)], env={"PYTHONPATH": str(ROOT)},
                             log_dir=tmp / f"{tag}-logs")
     codes = wait_all(procs, timeout=900)

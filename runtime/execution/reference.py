@@ -224,6 +224,13 @@ class ReferenceExecutor:
         (:mod:`fxpipe.runtime.replica.stage_update`), as the distributed executor's do: a
         parameter none of the replicas had a gradient for takes no step."""
         t0 = {r: recs[r].now() for r in ranks}
+        if (len(ranks) == 1 and not self._global
+                and not any(ranks[0][0] in t.names for t in self.tied)):
+            r = ranks[0]  # a lone untied replica: no flat buffer, as RankExecutor's update
+            self.workers[r].apply_local_update()
+            recs[r].add("optimizer", f"U{i}", t0[r], recs[r].now(), stage=r[0], replica=r[1],
+                        update=i)
+            return
         locals_ = {r: self.workers[r].local_gradient(flags=True) for r in sorted(ranks)}
         totals = {r: _sum([locals_[q] for q in sorted(ranks) if q[0] == r[0]]).clone()
                   for r in ranks}  # type: ignore[union-attr]

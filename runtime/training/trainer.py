@@ -223,6 +223,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self._shares: dict[int, float] = {}  # minibatch -> its weight in the logged loss
         self._acc, self._dt = [0.0, 0.0, 0.0, 0.0], 0.0  # the epoch's sums; a segment's seconds
         self.harm: str | None = None  # why this plan is slower than one worker (trainer_schedule)
+        self.harm_ratio: float | None = None  # and by how much: segment time / all compute
         self._harm_segments = 0
         self._check_tied_cadence()  # before any process group: a clear error, not a hang
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every

@@ -112,6 +112,7 @@ class ScheduleMixin:
     _note_peaks: Callable[[list[float]], list[float]]
     _record: Callable[..., None]
     harm: str | None
+    harm_ratio: float | None
     _harm_segments: int
     _noam_spec: int | str | None
     _noams: dict[str, int | None]
@@ -308,7 +309,7 @@ class ScheduleMixin:
         seconds per stage, the mean over its replicas), i.e. one worker doing every stage's work
         would have been as fast: the links, the bubbles or the per-message costs of this plan
         cost more than splitting the model gains. Only processes can tell (the reference
-        executor runs every rank in turn); the verdict is :attr:`harm`."""
+        executor runs every rank in turn); the verdict is :attr:`harm` and :attr:`harm_ratio`."""
         self._harm_segments += 1
         if (self.harm is not None or self._harm_segments < 2 or n == 0
                 or sum(self.replicas) < 2 or getattr(self.backend, "world", 1) < 2):
@@ -316,6 +317,7 @@ class ScheduleMixin:
         total = sum(b * r for b, r in zip(busy, self.replicas))
         if total <= 0 or dt <= total:
             return
+        self.harm_ratio = dt / total
         self.harm = (f"{sum(self.replicas)} workers took {dt:.3g} s for {n} minibatches while "
                      f"their compute was {total:.3g} s in all: one worker would have been "
                      f"{dt / total:.2f}x faster (the links, the pipeline's bubbles or its "

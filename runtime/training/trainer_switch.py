@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -71,7 +70,6 @@ from .repartition import Repartition, stage_layout
 log = logging.getLogger(__name__)
 
 REPLAN_MODES = ("auto",)
-_HARM_RATIO = re.compile(r"would have been ([0-9.]+)x faster")  # Trainer.harm's measured ratio
 REPLAN_SCHEDULES = ("1f1b-flush", "gpipe")
 Measure = Callable[[Any], Sequence[StageTimes]]  # trainer -> one StageTimes per stage
 
@@ -176,9 +174,10 @@ class Replanner:
         if self.fell_back:
             return it  # one worker trains on: nothing left to re-plan
         if sum(self.plan.replicas) > 1:
-            harm = trainer.backend.broadcast(trainer.harm, "do-no-harm verdict")  # rank 0's
+            harm, ratio = trainer.backend.broadcast((trainer.harm, trainer.harm_ratio),
+                                                    "do-no-harm verdict")  # rank 0's
             if harm is not None:
-                return self.fall_back(trainer, it, loader, epoch, pos, harm)
+                return self.fall_back(trainer, it, loader, epoch, pos, harm, ratio)
         if self.records and (not self.records[-1].adopted
                              or len(self.records) >= self.max_decisions):
             return it  # the plan stopped moving, or the decisions are used up
@@ -203,7 +202,7 @@ class Replanner:
         return self._switch_at(trainer, proposal, it, loader, epoch, pos)
 
     def fall_back(self, trainer: Any, it: PartStream, loader: Iterable[Any], epoch: int,
-                  pos: int, harm: str) -> PartStream:
+                  pos: int, harm: str, ratio: float) -> PartStream:
         """Do no harm (issue 27): the segments measured slower than one worker doing every
         stage's work (``Trainer.harm``, rank 0's verdict for every rank), so the job goes on with
         one worker: rank 0 trains the whole model in its process (the reference executor, the
@@ -212,9 +211,7 @@ class Replanner:
         verdict measured (the segment's time over the stages' compute, less 1)."""
         cluster = Cluster.from_dict({**dict(self.plan.cluster), "workers": 1})
         one = plan_for(self.profile, cluster, [0], [1], sync=self.plan.sync)
-        ratio = _HARM_RATIO.search(harm)
-        gain = float(ratio.group(1)) - 1.0 if ratio else 0.0
-        proposal = Proposal(self.plan, one, gain, True, ())
+        proposal = Proposal(self.plan, one, ratio - 1.0, True, ())
         log.warning("re-planning onto one worker: %s", harm)
         before = _mean(self._segments[1:] or self._segments)
         self.records.append(ReplanRecord(epoch, pos, proposal, True, before,
@@ -257,8 +254,13 @@ class Replanner:
                     "profile": proposal.profile or self.profile}
             kw.update(metrics_path=None, tensorboard_dir=None, progress=False,
                       replan=None, auto_options=auto)
-            if sum(plan.replicas) == 1 and trainer.index == 0:  # one worker: this process
-                kw.update(executor="reference", timeline=False, measure_memory=False)
+            if sum(plan.replicas) == 1:  # fall_back: the same updates on one worker
+                if trainer.split > 1:  # the cut is invisible: each minibatch runs whole
+                    kw.update(split=None, microbatches=1)
+                else:  # as many minibatches per update as before (default: the workers)
+                    kw["microbatches"] = trainer._per_update() or sum(trainer.replicas)
+                if trainer.index == 0:  # the one worker: this process
+                    kw.update(executor="reference", timeline=False, measure_memory=False)
             new = type(trainer)(specs, plan.replicas, fingerprint=self.plan.model_fingerprint,
                           state_keys=stage_locations(self.compiled.model, specs), **kw)
             source = Repartition(found, new.stages)

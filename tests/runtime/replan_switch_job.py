@@ -2,13 +2,14 @@
 wrong profile (x4 on one stage) gives and train with ``replan="auto"``; rank r saves its
 re-planning records (and rank 0 the gathered weights and history) to OUT.r.pt.
 
-    python -m torch.distributed.run --nproc-per-node 2 replan_switch_job.py OUT MODE
+    python -m torch.distributed.run --nproc-per-node 2 replan_switch_job.py OUT MODE [RECIPE]
 
 MODE ``perfect``: the measurements are the right profile's (a perfect timer: the switch is
 certain; the do-no-harm verdict, a timing, is left out); ``timeline``: each rank's own
 timelines (the default measuring; any decision, falling back to one worker included);
 ``harm``: the right plan, the perfect timer, and rank 0's do-no-harm verdict forced after its second segment
-(rank 1's never set: rank 0's decides), so the job falls back to one worker.
+(rank 1's never set: rank 0's decides), so the job falls back to one worker. RECIPE (see
+``recipe`` in the test): ``microbatches`` (default), ``default`` or ``split``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 import fxpipe
 from test_runtime_trainer_switch import (CLUSTER, M, Net, data, example, options, perfect_timer,
-                                         wrong_start)
+                                         recipe, wrong_start)
 
 
 def main() -> int:
@@ -33,7 +34,8 @@ def main() -> int:
         compiled.profile = bad
     extra = (dict(replan_measure=perfect_timer(true)) if mode in ("perfect", "harm")
              else dict(replan_after=2, replan_threshold=0.0))
-    kw = {**options(replan="auto", **extra), "executor": "distributed", "timeout_s": 60}
+    kw = {**recipe(sys.argv[3] if len(sys.argv) > 3 else "microbatches",
+                   options(replan="auto", **extra)), "executor": "distributed", "timeout_s": 60}
     rank = int(os.environ["RANK"])
     if mode == "harm":
         from fxpipe.runtime.training.trainer import Trainer
@@ -41,6 +43,7 @@ def main() -> int:
         def forced(self, busy, dt, n):  # noqa: ANN001, ANN202 - the verdict on rank 0 only
             self._harm_segments += 1
             if rank == 0 and self._harm_segments == 2 and self.harm is None:
+                self.harm_ratio = 2.0
                 self.harm = ("2 workers took 1 s for 4 minibatches while their compute was "
                              "0.5 s in all: one worker would have been 2.00x faster")
         Trainer._check_harm = forced

@@ -336,3 +336,29 @@ def test_hung_replica_fails_the_bucket_wait_naming_the_group() -> None:
     msg = info.value.errors[0]
     assert "bucket 0 of U0 among 2 replicas of stage 0" in msg, msg
     assert "stage 0 replica 1 (rank 1)" in msg and "timeout 2 s" in msg, msg
+
+
+def test_a_lone_update_equals_the_flat_buffer_update_bit_for_bit() -> None:
+    """apply_local_update (a lone replica: its sums straight to the optimizer, what both
+    executors run for a stage without replicas or ties) against apply_update of the flat buffer
+    with presence flags (what replicas all-reduce): the same weights and momentum, bit for bit,
+    over two updates of two minibatches each (a count to divide by)."""
+    (spec,) = split(wide_mlp(), [])
+    data = batches(4)
+
+    def momentum(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+
+    lone, flat = (StageReplica(spec, momentum, loss_fn=loss_fn) for _ in range(2))
+    for rnd in range(2):
+        for rep in (lone, flat):
+            for k in (2 * rnd, 2 * rnd + 1):
+                rep.forward(k, None, [data[k][0]], data[k][1])
+                rep.backward(k, [])
+        lone.apply_local_update()
+        flat.apply_update(flat.local_gradient(flags=True), None, flags=True)
+    for n in lone.stash.trainable:
+        assert torch.equal(lone.stash.latest[n], flat.stash.latest[n]), n
+    states = [[o.state[p]["momentum_buffer"] for p in o.param_groups[0]["params"]]
+              for o in (lone.stash.optimizer, flat.stash.optimizer)]
+    assert all(torch.equal(a, b) for a, b in zip(*states)) and len(states[0]) == 6

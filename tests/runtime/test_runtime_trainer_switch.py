@@ -142,6 +142,18 @@ def opt_state(t: Any) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def recipe(name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """How updates are made: ``microbatches`` (M loader minibatches per update, named),
+    ``default`` (1f1b-flush's default: as many as the plan's workers) or ``split`` (each loader
+    minibatch cut into 2 microbatches, one update per minibatch)."""
+    opts = dict(opts)
+    if name != "microbatches":
+        del opts["microbatches"]
+    if name == "split":
+        opts["split"] = 2
+    return opts
+
+
 class Crash(Exception):
     pass
 
@@ -277,13 +289,16 @@ def test_torchrun_replans_in_place(mode: str, right: tuple[Profile, Plan],
         [h["loss"] for h in plain], rel=1e-5)
 
 
-def test_a_plan_that_does_harm_falls_back_to_one_worker(right: tuple[Profile, Plan],
+@pytest.mark.parametrize("how", ["microbatches", "default", "split"])
+def test_a_plan_that_does_harm_falls_back_to_one_worker(how: str, right: tuple[Profile, Plan],
                                                        tmp_path: Path) -> None:
     """Do no harm (issue 27): rank 0's verdict after its second segment (forced: a loopback
     job's timing decides nothing) is everyone's. Both ranks switch at minibatch 8 to one
     worker: rank 0 trains the whole model on in its own process (no process group left), rank 1
     is idle and returns from fit; the result equals the reference executor's uninterrupted run
-    of the 2-stage plan (1f1b-flush: the same computation under every plan)."""
+    of the 2-stage plan (1f1b-flush: the same computation under every plan), whatever the
+    recipe: M minibatches per update named, the default (as many as the 2 workers: the one
+    worker keeps 2), or each minibatch split in 2 (the one worker runs it whole)."""
     import sys
 
     from test_runtime_trainer_dist import HERE, _port, _run
@@ -291,7 +306,7 @@ def test_a_plan_that_does_harm_falls_back_to_one_worker(right: tuple[Profile, Pl
     out = tmp_path / "got"
     res = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                 "--master-addr=127.0.0.1", f"--master-port={_port()}",
-                str(HERE / "replan_switch_job.py"), str(out), "harm"])
+                str(HERE / "replan_switch_job.py"), str(out), "harm", how])
     assert res.returncode == 0, res.stdout[-3000:]
     assert "re-planning onto one worker: 2 workers took 1 s" in res.stdout
     got = [torch.load(f"{out}.{r}.pt", weights_only=False) for r in range(2)]
@@ -305,7 +320,7 @@ def test_a_plan_that_does_harm_falls_back_to_one_worker(right: tuple[Profile, Pl
     assert (got[1]["idle"], got[1]["history"]) == (True, [])
     assert len(got[0]["history"]) == 2
     true, plan = right
-    ref = compiled(plan, true).trainer(**options())
+    ref = compiled(plan, true).trainer(**recipe(how, options()))
     plain = ref.fit(data(), epochs=2)
     for name, w in ref.state_dict().items():
         torch.testing.assert_close(got[0]["state"][name], w, rtol=1e-5, atol=1e-6, msg=name)
