@@ -116,13 +116,16 @@ class ReferenceExecutor:
         check_schedule(self.stages, self.replicas, self.schedule, len(batches))
         return self.run_window(self.schedule, batches)
 
-    def run_window(self, sched: Schedule, batches: Sequence[Batch]) -> RunResult:
+    def run_window(self, sched: Schedule, batches: Sequence[Batch], *,
+                   collect_params: bool = True) -> RunResult:
         """Run ``sched``: a complete schedule, or a window of a stretch
         (:class:`~fxpipe.runtime.schedules.stream.Window`; ``batches`` are its new minibatches
         ``[start, stop)``), in its execution order. Activations, gradients, stashed versions
         and tied rounds in flight carry over to the stretch's next window. ``losses`` of the
         result: those of the minibatches whose forward reached the last stage in this run, in
-        minibatch order (:attr:`last_losses` has them by minibatch)."""
+        minibatch order (:attr:`last_losses` has them by minibatch). ``collect_params``: copy
+        the latest weights into the result (the trainer does not: a copy of the whole model
+        per segment)."""
         start, final = getattr(sched, "start", 0), getattr(sched, "final", True)
         if start == 0:
             self._begin(sched)
@@ -191,7 +194,7 @@ class ReferenceExecutor:
         values = ([float(v) for v in torch.stack([losses[k] for k in keys]).tolist()]
                   if keys else [])
         self.last_losses = dict(zip(keys, values))
-        return self.result(values, timeline)
+        return self.result(values, timeline, collect_params=collect_params)
 
     def _begin(self, sched: Schedule) -> None:
         """A new stretch (nothing in flight): its clipping, tied delay and order."""
@@ -297,8 +300,14 @@ class ReferenceExecutor:
         self._rounds.clear()
 
     def result(self, losses: list[float],
-               timeline: dict[int, list[TimelineEvent]] | None = None) -> RunResult:
-        """Package the current state (see :class:`RunResult`)."""
+               timeline: dict[int, list[TimelineEvent]] | None = None, *,
+               collect_params: bool = True) -> RunResult:
+        """Package the current state (see :class:`RunResult`); ``collect_params``: copy every
+        replica's latest weights into it (the trainer does not: it reads the replicas)."""
+        if not collect_params:
+            return RunResult(losses, [], {}, {rank: w.stash.peak_bytes
+                                              for rank, w in self.workers.items()},
+                             dict(timeline or {}))
         rp = {rank: w.parameters() for rank, w in self.workers.items()}
         return RunResult(losses, [rp[(s, 0)] for s in range(len(self.stages))], rp,
                          {rank: w.stash.peak_bytes for rank, w in self.workers.items()},

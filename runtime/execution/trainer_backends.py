@@ -122,7 +122,7 @@ class ReferenceBackend:
         """Run ``sched`` (a complete schedule, or a window of a stretch) on ``parts`` (its new
         minibatches); the losses of the minibatches that reached the last stage, by their
         number in the schedule (a stretch counts from its start)."""
-        self.ex.run_window(sched, parts)
+        self.ex.run_window(sched, parts, collect_params=False)  # the weights stay in place
         return dict(self.ex.last_losses)
 
     def evaluate(self, parts: list[Batch], wire: WirePlan | None) -> Metrics:
