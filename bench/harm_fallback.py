@@ -32,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.pipeline_cluster import BATCHES, MODELS, _run, batches, build, launch, optimizer
+from bench.pipeline_cluster import (BATCHES, MODELS, _run, batches, build, launch, make_plans,
+                                    optimizer, plain_loop_rate)
 
 SECTION = "harm-fallback"
 CASES = (("gpt", 20), ("vgg", 50))
@@ -83,27 +84,6 @@ def worker(args: argparse.Namespace) -> None:
     trainer.close()
 
 
-def one_process(model: str) -> float:
-    """Samples/s of a plain loop on one core over the same minibatches (after the same start)."""
-    import torch
-
-    from fxpipe.runtime.execution.allocator import keep_freed_memory
-
-    keep_freed_memory()
-    torch.set_num_threads(1)
-    net, _, loss_fn = build(model)
-    opt = optimizer(net.parameters())
-    data = batches(model, BATCHES[model], COUNT)
-    t0 = 0.0
-    for i, (x, y) in enumerate(data):
-        if i == FROM:
-            t0 = time.perf_counter()
-        opt.zero_grad()
-        loss_fn(net(x), y).backward()
-        opt.step()
-    return BATCHES[model] * (COUNT - FROM) / (time.perf_counter() - t0)
-
-
 def timed_rate(res: dict, size: int, start: int = FROM) -> float:
     """Samples/s over the segments from minibatch ``start`` on."""
     segs = [(n, dt) for pos, n, dt in res["segments"] if pos >= start]
@@ -124,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         if args.one:
-            Path(args.result).write_text(json.dumps(one_process(args.model)))
+            Path(args.result).write_text(json.dumps(plain_loop_rate(args.model, COUNT, FROM)))
         else:
             worker(args)
         return
@@ -136,11 +116,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fxp-harm-"))
     rows = []
     for model, rate in cases:
-        res = tmp / f"plans-{model}.json"
-        _run(["taskset", "-c", "1", sys.executable, "-m", "bench.pipeline_cluster",
-              "--bench-worker", "--plans", "--model", model, "--dir", str(tmp),
-              "--result", str(res), "--rates", str(rate)])
-        plan = json.loads(res.read_text())[f"{rate}-two"]
+        plan = make_plans(model, [rate], tmp)[f"{rate}-two"]
         got: dict[str, list] = {"two": [], "replan": [], "one": []}
         with EmulatedCluster(hosts=2, bandwidth=f"{rate}Mbit", latency=0, cpus=[0, 1],
                              prefix="fxharm") as cluster:

@@ -142,28 +142,34 @@ def plan_worker(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps(out))
 
 
-def one_worker(args: argparse.Namespace) -> None:
-    """A plain PyTorch loop on one core: the reference a pipeline has to beat. With the malloc
-    tuning fxpipe's ranks use (freed buffers stay in the process): without it this loop pays
-    page faults on every step's fresh gradients, and the comparison would be about that."""
+def plain_loop_rate(model: str, count: int, start: int) -> float:
+    """Samples/s of a plain PyTorch loop on one core over ``count`` batches of ``model``, timed
+    from batch ``start``: the reference a pipeline has to beat. With the malloc tuning fxpipe's
+    ranks use (freed buffers stay in the process): without it this loop pays page faults on
+    every step's fresh gradients, and the comparison would be about that."""
     import torch
 
     from fxpipe.runtime.execution.allocator import keep_freed_memory
 
     keep_freed_memory()
     torch.set_num_threads(1)
-    model, _, loss_fn = build(args.model)
-    opt = optimizer(model.parameters())
-    data = batches(args.model, BATCHES[args.model], WARMUP + TIMED)
+    net, _, loss_fn = build(model)
+    opt = optimizer(net.parameters())
+    data = batches(model, BATCHES[model], count)
     t0 = 0.0
     for i, (x, y) in enumerate(data):
-        if i == WARMUP:
+        if i == start:
             t0 = time.perf_counter()
         opt.zero_grad()
-        loss_fn(model(x), y).backward()
+        loss_fn(net(x), y).backward()
         opt.step()
+    return BATCHES[model] * (count - start) / (time.perf_counter() - t0)
+
+
+def one_worker(args: argparse.Namespace) -> None:
+    """The plain loop over the warm-up and timed batches (:func:`plain_loop_rate`)."""
     Path(args.result).write_text(json.dumps({
-        "samples_per_s": BATCHES[args.model] * TIMED / (time.perf_counter() - t0)}))
+        "samples_per_s": plain_loop_rate(args.model, WARMUP + TIMED, WARMUP)}))
 
 
 def fxpipe_worker(args: argparse.Namespace) -> None:
@@ -272,6 +278,15 @@ def _run(cmd: list[str], timeout: float = 900) -> None:
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+
+
+def make_plans(model: str, rates: Any, tmp: Path) -> dict:
+    """:func:`plan_worker` on one core, in a process of its own: the plans per rate."""
+    res = tmp / f"plans-{model}.json"
+    _run(["taskset", "-c", "1", sys.executable, "-m", "bench.pipeline_cluster",
+          "--bench-worker", "--plans", "--model", model, "--dir", str(tmp),
+          "--result", str(res), "--rates", *map(str, rates)])
+    return json.loads(res.read_text())
 
 
 def launch(cluster: Any, tmp: Path, worker: list[str], tag: str,
@@ -450,11 +465,7 @@ def main() -> None:
     tmp = Path(args.work or tempfile.mkdtemp(prefix="fxp-pipeline-cluster-"))
     tmp.mkdir(parents=True, exist_ok=True)  # every run's raw files stay there
     for model in args.models:
-        res = tmp / f"plans-{model}.json"
-        _run(["taskset", "-c", "1", sys.executable, "-m", "bench.pipeline_cluster",
-              "--bench-worker", "--plans", "--model", model, "--dir", str(tmp),
-              "--result", str(res), "--rates", *map(str, args.rates)])
-        plans = json.loads(res.read_text())
+        plans = make_plans(model, args.rates, tmp)
         runs[model] = {}
         for rate in args.rates:
             r = runs[model][rate] = measure(model, rate, plans, args.launches, tmp)
