@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured time per minibatch: steady state (minibatches {args.warmup}..N-1, end of "
         "`U<k>` on the input stage's timeline). Error = measured / predicted - 1. "
         f"This machine has {cores} cores: at 4 stages, 4 ranks share them, which the plan "
-        "(one worker, one core) does not know.",
+        "(one worker, one core) does not price; `run_distributed` says so in a warning before "
+        "the ranks start (`fxpipe.runtime.execution.cores`).",
         "",
         "| model | stages | predicted ms/minibatch | measured ms/minibatch | error | "
         "busiest rank: compute as run / plan | busiest rank: send + transfer + idle ms |",

@@ -33,6 +33,7 @@ from ..schedules.placement import PlacedSchedule, validate_placed
 from ..schedules.schedule import Schedule
 from .comm import make_groups, synchronized_start
 from .contract import Batch, RunResult, check_schedule
+from .cores import warn_if_oversubscribed
 from .hosted import ProcessExecutor, check_hostable
 from .ports import free_port
 from .wire import WirePlan, make_wire_plan
@@ -78,6 +79,7 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
     sched = schedule.with_vertical_sync() if vertical_sync else schedule
     check_schedule(stages, replicas, sched, len(batches))
     world = len(sched.ranks)
+    warn_if_oversubscribed(world, device, threads=1)  # a spawned rank computes on one thread
     wire = make_wire_plan(stages, [b[0] for b in batches])
     with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as outdir:
         cfg = WorkerConfig(list(stages), sched.kind, tuple(sched.replicas), sched.num_minibatches,
@@ -213,6 +215,7 @@ def run_placed_jobs(jobs: Sequence[PlacedJob], *, timeout_s: float = 60.0,
             j.wire = make_wire_plan(j.stages, [b[0] for b in j.batches],
                                     precision=j.options.precision)
     world = max(j.placed.num_processes for j in jobs)
+    warn_if_oversubscribed(world, "cpu", threads=1)
     with tempfile.TemporaryDirectory(prefix="fxpipe-placed-") as outdir:
         ctx = mp.get_context("spawn")
         args = (jobs, outdir, free_port(), timeout_s, log_level)

@@ -56,6 +56,7 @@ from ..timeline import Recorder, TimelineEvent
 from .allocator import keep_freed_memory, release_freed_memory
 from .comm import Comm, make_groups, rank_name
 from .contract import Batch
+from .cores import warn_if_oversubscribed
 from .leave import close_at_exit
 from .reference import ReferenceExecutor
 from .wire import StretchWire, WirePlan, crossing_values
@@ -212,6 +213,9 @@ class DistributedBackend:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         self.device = dev
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per host
+            warn_if_oversubscribed(int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world))),
+                                   dev.type)
         keep_freed_memory()
         self._owns_group = not dist.is_initialized()
         if self._owns_group:

@@ -79,6 +79,7 @@ class WeightStash:
         self._reads: Counter[int] = Counter(planned_reads or {})
         self._spare: dict[Hashable, list[torch.Tensor]] = {}  # see the module doc
         self.peak_bytes = self.bytes_held()
+        self._peak_versions = 0  # most old versions held at once (see update)
 
     # ------------------------------------------------------------------ reading versions
     @property
@@ -157,7 +158,11 @@ class WeightStash:
             self.masters.copy_down(self._latest)
         self.version += 1
         self._collect()
-        if copied:  # else the storages held are a subset of ones already counted in the peak
+        if copied and len(self._older) > self._peak_versions:
+            # every copy-on-write version holds the same trainable tensors' bytes, so the bytes
+            # held only reach a new peak with a new largest number of versions (a pipedream input
+            # stage copies on every update; summing its storages each time cost ~0.05 ms)
+            self._peak_versions = len(self._older)
             self.peak_bytes = max(self.peak_bytes, self.bytes_held())
         return self.version
 
@@ -176,31 +181,38 @@ class WeightStash:
 
     def _copy_on_write(self) -> None:
         """Keep the current tensors as an old version; give the optimizer copies (written into
-        spares of a dropped version when there are some, else fresh clones)."""
+        spares of a dropped version when there are some, else fresh clones). The spares are
+        written in one ``torch._foreach_copy_`` call: in steady state every tensor has a spare,
+        and a per-tensor ``copy_`` loop cost more than the copy itself on a stage of many small
+        tensors (the zoo's GPT mini: ~75 tensors, 0.4 ms of a 1.2 ms update)."""
         old = self._latest
         new = dict(old)
-        swap: dict[int, torch.Tensor] = {}
-        reused = 0
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for n in self.trainable:
             free = self._spare.get(_key(old[n]))
             if free:
-                with torch.no_grad():
-                    new[n] = free.pop().copy_(old[n])
-                reused += 1
+                new[n] = free.pop()
+                dsts.append(new[n])
+                srcs.append(old[n])
             else:
                 new[n] = old[n].detach().clone().requires_grad_(True)
-            swap[id(old[n])] = new[n]
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
         self._spare.clear()
+        swap = {id(old[n]): new[n] for n in self.trainable}
         assert self.optimizer is not None
         for group in self.optimizer.param_groups:
             group["params"] = [swap.get(id(p), p) for p in group["params"]]
+        state = self.optimizer.state
         for n in self.trainable:
-            if old[n] in self.optimizer.state:
-                self.optimizer.state[new[n]] = self.optimizer.state.pop(old[n])
+            if old[n] in state:
+                state[new[n]] = state.pop(old[n])
         self._older[self.version] = old
         self._latest = new
         log.debug("version %d stashed (%d tensors copied, %d into spares)", self.version,
-                  len(swap), reused)
+                  len(self.trainable), len(dsts))
 
     def _needed(self, v: int) -> bool:
         return self._reads[v] > 0 or v in self._inflight.values()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 
 from fxpipe.runtime.schedules.ncclcheck import check_logs
 from fxpipe.runtime.errors import WorkerFailedError
+from fxpipe.runtime.execution.cores import usable_cores
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.execution.reference import ReferenceExecutor
 from fxpipe.runtime.schedules.kinds import make_schedule
@@ -59,8 +61,9 @@ def test_distributed_equals_reference_and_records_a_timeline(tmp_path) -> None:
         assert busy[rank] == pytest.approx(compute / span, rel=1e-12)
 
 
-def test_killed_rank_makes_the_others_fail_naming_it() -> None:
+def test_killed_rank_makes_the_others_fail_naming_it(caplog: pytest.LogCaptureFixture) -> None:
     sched = make_schedule("pipedream", [1, 1, 1], 8)
+    caplog.set_level(logging.WARNING, logger="fxpipe.runtime.execution.cores")
     with pytest.raises(WorkerFailedError) as info:
         run_distributed(split(tiny_mlp(), [1, 3]), [1, 1, 1], sched, loss_fn, sgd, batches(8),
                         timeout_s=5, join_timeout_s=120, faults={1: ("die", 3)})
@@ -70,6 +73,9 @@ def test_killed_rank_makes_the_others_fail_naming_it() -> None:
     assert err.exitcodes[1] == 17 and err.exitcodes[0] > 0 and err.exitcodes[2] > 0
     for i in (0, 2):
         assert "stage 1 replica 0 (rank 1)" in err.errors[i], err.errors[i]
+    # 3 one-thread ranks on a host of fewer cores are named before they start (cores.py)
+    said = [r.getMessage() for r in caplog.records if "CPU ranks x 1 thread(s)" in r.getMessage()]
+    assert len(said) == (1 if usable_cores() < 3 else 0), said
 
 
 def test_hung_rank_times_out_naming_it() -> None:

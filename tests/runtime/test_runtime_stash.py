@@ -293,3 +293,30 @@ def test_the_stash_puts_the_weights_on_the_device_asked_for() -> None:
     assert {n: t.device.type for n, t in stash.latest.items()} == {"w": "meta", "b": "meta"}
     assert stash.latest["w"].requires_grad and not stash.latest["b"].requires_grad
     assert stash.trainable == ("w",)
+
+
+def test_the_peak_follows_the_most_versions_held_at_once() -> None:
+    """The peak is re-summed only when more old versions are held than ever before (every
+    copy holds the same bytes): 1, 2, 3, 4, then 2 old versions peak at 4 old versions plus
+    the latest, and the one-call copy into spares gives each name its own values."""
+    stash = WeightStash({"w": torch.zeros(4, requires_grad=True),
+                         "b": torch.zeros(2, requires_grad=True)}, sgd)
+    grads = {"w": torch.ones(4), "b": torch.ones(2)}
+    held = []
+    for k, drop in enumerate([0, 0, 0, 2, 2]):
+        if k < 4:
+            stash.acquire(k, None)  # minibatch k's forward reads the current version
+        stash.update(grads)
+        held.append(stash.bytes_held())
+        for m in sorted(stash._inflight)[:drop]:
+            stash.release(m)
+    assert held == [48, 72, 96, 120, 72]  # the latest + 1, 2, 3, 4, 2 old versions (24 B each)
+    assert stash.peak_bytes == max(held) == 120
+    assert stash.versions_held() == [5] and stash.spare_bytes() == 24  # one version's spares
+    want = torch.zeros(1, requires_grad=True)  # the same five steps on one plain parameter
+    opt = sgd([want])
+    for _ in range(5):
+        want.grad = torch.ones(1)
+        opt.step()
+    assert torch.equal(stash.latest["w"], want.detach().expand(4))
+    assert torch.equal(stash.latest["b"], want.detach().expand(2))
