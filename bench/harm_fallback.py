@@ -4,7 +4,8 @@
     sudo .venv/bin/python -m bench.harm_fallback --smoke    # gpt at 20, one launch
 
 Two emulated hosts (``tools.cluster``, one core each, links shaped to R Mbit/s), the models and
-2-stage plans of ``bench.pipeline_cluster`` (costs measured on one core), ``1f1b-flush`` with
+2-stage plans of ``bench.pipeline_cluster`` (costs measured on one core; each rank compiles
+with costs measured on its own core, as a user's job does), ``1f1b-flush`` with
 each minibatch cut into 2 microbatches (``split=2``: one update per minibatch, the user's
 recipe), segments of 8 minibatches (48 in all).
 Three runs per launch, from the same weights on the same minibatches:
@@ -12,14 +13,17 @@ Three runs per launch, from the same weights on the same minibatches:
 * ``2 workers``: the 2-stage plan as planned;
 * ``replan="auto"``: the same, with re-planning on: after the first segment the plan may be
   re-cut from measured stage times (``Replanner``); from a plan's second segment on every rank
-  checks whether the segment took longer than all its stages' compute together
-  (``Trainer.harm``) and, on rank 0's verdict, the job goes on with one worker
+  checks whether the segment took longer than one worker would have (``Trainer.harm``: the
+  least of all its stages' compute together and the compiled profile's whole steps for its
+  samples, + 5%) and, on rank 0's verdict, the job goes on with one worker
   (``Replanner.fall_back``);
 * ``one process``: a plain PyTorch loop on one core, no network.
 
 Reported: samples/s over the last half of the minibatches (from minibatch 24: a fall back at
-the earliest, after a re-cut at 8, happens at 24), median [min-max] over the launches; what the verdict said; the switch's own cost
-(the fit's wall time less its segments').
+the earliest, after a re-cut at 8, happens at 24), median [min-max] over the launches; what the
+verdict said; the switch's own cost (the fit's wall time less its segments'); the verdict's
+inputs in the 2-worker runs (each segment from the second on against the two figures for one
+worker; the median per launch).
 """
 from __future__ import annotations
 
@@ -53,8 +57,10 @@ def worker(args: argparse.Namespace) -> None:
     model, make, loss = build(args.model)
     size = BATCHES[args.model]
     x, _ = make(size, 0)
-    compiled = fxpipe.compile(model, fxpipe.Cluster(workers=2, device="CPU"),
-                              example_inputs=(x,), loss_fn=loss, plan=Plan.load(args.plan))
+    # costs measured on this rank's core, as a user's job would (the harm verdict holds the
+    # segments against the measured profile's whole steps; an estimated one is not used)
+    compiled = fxpipe.compile(model, fxpipe.Cluster(workers=2), example_inputs=(x,),
+                              loss_fn=loss, plan=Plan.load(args.plan))
     kw = dict(optimizer=optimizer, schedule="1f1b-flush", split=M, segment=SEGMENT,
               timeout_s=300, progress=False)
     if args.replan:
@@ -68,6 +74,14 @@ def worker(args: argparse.Namespace) -> None:
         segments.append((pos, n, trainer._dt))
         return out
     trainer._train_segment = timed
+    verdicts: list[tuple[float, float | None, float]] = []  # the verdict's inputs per segment
+    check = trainer._check_harm
+
+    def checked(busy, dt, n):  # noqa: ANN001, ANN202 - the bench's own record
+        verdicts.append((sum(b * r for b, r in zip(busy, trainer.replicas)),
+                         trainer._one_worker_s(trainer._samples), dt))
+        return check(busy, dt, n)
+    trainer._check_harm = checked
     t0 = time.perf_counter()
     trainer.fit(batches(args.model, size, COUNT), epochs=1)
     wall = time.perf_counter() - t0
@@ -78,7 +92,8 @@ def worker(args: argparse.Namespace) -> None:
              "replicas": list(r.proposal.proposed.replicas), "gain": r.proposal.gain}
             for r in trainer.replanner.records]
         Path(f"{args.result}.rank0").write_text(json.dumps({
-            "segments": segments, "wall_s": wall, "records": recs, "harm": trainer.harm}))
+            "segments": segments, "wall_s": wall, "records": recs, "harm": trainer.harm,
+            "verdicts": verdicts}))
     else:
         Path(f"{args.result}.rank{rank}").write_text(json.dumps({"idle": trainer.idle}))
     trainer.close()
@@ -156,7 +171,8 @@ def page(rows: list, launches: int, started: float) -> str:
              __doc__.split("\n\n", 2)[2].strip(), "",
              "| model | Mbit/s | 2-stage plan (predicted ms/minibatch) | one process | 2 workers "
              "| / one | replan='auto' | / one | fell back (launches) | verdict: one worker "
-             "faster by | switch s |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "faster by | switch s | 2 workers: segment / compute sum | segment / profile's "
+             "steps |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for model, rate, plan, got in rows:
         size = BATCHES[model]
         one = got["one"]
@@ -167,12 +183,18 @@ def page(rows: list, launches: int, started: float) -> str:
         ratio = [1 + r[0]["records"][-1]["gain"] for r, f in zip(got["replan"], fell) if f]
         switch = [r[0]["wall_s"] - sum(dt for _, _, dt in r[0]["segments"])
                   for r in got["replan"]]
+        # the verdict's inputs in the 2-worker runs, from the second segment on (medians)
+        vs = [r[0]["verdicts"][1:] for r in got["two"]]
+        by_sum = [statistics.median(dt / c for c, _, dt in v) for v in vs if v]
+        by_step = [statistics.median(dt / p for _, p, dt in v) for v in vs
+                   if v and all(p for _, p, _ in v)]
         lines.append(
             f"| {model} | {rate} | {plan['replicas']} ({1e3 * plan['predicted_s']:.1f}) | "
             f"{_med(one)} | {_med(two)} | {_med([a / b for a, b in zip(two, one)], 2)} | "
             f"{_med(rep)} | {_med([a / b for a, b in zip(rep, one)], 2)} | "
             f"{sum(fell)} of {len(fell)} | {_med(ratio, 2, 'x') if ratio else '-'} | "
-            f"{_med(switch)} |")
+            f"{_med(switch)} | {_med(by_sum, 2) if by_sum else '-'} | "
+            f"{_med(by_step, 2) if by_step else '-'} |")
     lines += ["", f"Models: {'; '.join(f'{k}: {v}' for k, v in MODELS.items())}.", ""]
     return "\n".join(lines)
 

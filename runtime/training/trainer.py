@@ -222,9 +222,14 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self._stream = None  # the running stretch of an asynchronous kind (trainer_schedule)
         self._shares: dict[int, float] = {}  # minibatch -> its weight in the logged loss
         self._acc, self._dt = [0.0, 0.0, 0.0, 0.0], 0.0  # the epoch's sums; a segment's seconds
+        self._samples = 0  # the segment's samples (trainer_cut)
         self.harm: str | None = None  # why this plan is slower than one worker (trainer_schedule)
-        self.harm_ratio: float | None = None  # and by how much: segment time / all compute
+        self.harm_ratio: float | None = None  # and by how much: segment time / one worker's
         self._harm_segments = 0
+        self._harm_streak: list[float] = []  # ratios of the slow segments in a row
+        # the compiled profile one worker's time is read from (kept across re-plans, whose
+        # rescaled profiles time the split run's microbatches: trainer_schedule)
+        self._one_worker_profile = self.auto_options.profile
         self._check_tied_cadence()  # before any process group: a clear error, not a hang
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.keep_checkpoints, self.seed, self.progress = keep_checkpoints, seed, progress

@@ -319,7 +319,8 @@ class Replanner:
             old.comm.groups.clear()
             old.control = None
         keep = {"history", "metrics", "replanner", "progress", "_acc",  # the epoch's sums so far
-                "cut_spec", "loss_rule", "_probe_size", "_bn_warned"}  # the cut: tested once
+                "cut_spec", "loss_rule", "_probe_size", "_bn_warned",  # the cut: tested once
+                "_one_worker_profile"}  # the compiled profile, not a re-plan's rescaled one
         for k, v in vars(new).items():
             if k not in keep:
                 setattr(trainer, k, v)

@@ -292,10 +292,15 @@ def test_a_plan_slower_than_its_own_compute_says_so_once(caplog) -> None:
     trainer._check_harm([1.0, 1.0], 3.0, 8)  # the warm-up segment: never judged
     assert trainer.harm is None
     trainer._check_harm([1.0, 1.0], 1.5, 8)  # pipelined: faster than the 2 s of compute
+    trainer._check_harm([1.0, 0.5], 1.8, 8)  # one slow segment (1.2x)...
+    trainer._check_harm([1.0, 1.0], 1.5, 8)  # ...then a fast one: the streak is broken
+    assert trainer.harm is None
+    trainer._check_harm([1.0, 0.5], 1.95, 8)  # 1.3x
     assert trainer.harm is None
     with caplog.at_level("WARNING"):
-        trainer._check_harm([1.0, 0.5], 1.8, 8)
+        trainer._check_harm([1.0, 0.5], 1.8, 8)  # 1.2x: two in a row, the lesser is said
     assert trainer.harm is not None and "one worker would have been 1.20x faster" in trainer.harm
+    assert trainer.harm_ratio == pytest.approx(1.2)
     assert "this plan does harm" in caplog.text
     trainer._check_harm([1.0, 0.5], 9.0, 8)  # said once
     assert "1.20x" in trainer.harm
@@ -304,3 +309,33 @@ def test_a_plan_slower_than_its_own_compute_says_so_once(caplog) -> None:
     for _ in range(3):
         ref._check_harm([1.0, 0.5], 9.0, 8)
     assert ref.harm is None
+
+
+
+@pytest.mark.parametrize("calibrated,step_s,want", [
+    (True, 0.125, 1.43),   # one worker by the profile: 32 samples = 1.0 s (+5%) < 2 s of compute
+    (True, 0.5, None),     # a profile slower than the compute sum: the sum (2 s) rules
+    (False, 0.125, None),  # not measured here (an estimate): only the compute sum counts
+])
+def test_one_workers_time_is_the_least_of_the_compute_sum_and_the_profiles_step(
+        calibrated: bool, step_s: float, want: float | None) -> None:
+    """Split compute is not one worker's (microbatches, per-stage costs): the verdict also
+    holds the segment against the compiled profile's measured whole step for its samples,
+    with a 5% margin, when the profile was measured (calibrated) on this machine."""
+    from fxpipe.costmodel.profile import Profile, ProfileNode
+
+    prof = Profile((ProfileNode("x", "call_module", "x", step_s / 2, step_s / 2, 0.0, 0.0),),
+                   batch_size=4, meta={"calibration": {"forward_s": 1.0}} if calibrated else {})
+    trainer = Trainer(stages_of(blocks(2), 2), [1, 1], F.mse_loss, momentum, executor="reference",
+                      progress=False, auto_options={"profile": prof})
+    trainer.backend.world = 2
+    trainer._samples = 32  # the segment's samples: 8 profiled batches
+    trainer._check_harm([1.0, 1.0], 3.0, 8)  # warm-up
+    for _ in range(2):  # two segments in a row of 1.5 s: under the 2 s of compute
+        trainer._check_harm([1.0, 1.0], 1.5, 8)
+    if want is None:
+        assert trainer.harm is None
+    else:
+        assert trainer.harm_ratio == pytest.approx(1.5 / 1.05, abs=1e-12)
+        assert f"one worker would have been {want:.2f}x faster" in trainer.harm
+        assert "the profile's whole steps: 1 s" in trainer.harm

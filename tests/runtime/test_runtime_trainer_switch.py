@@ -174,6 +174,9 @@ def test_wrong_profile_replans_and_equals_a_resume_under_the_new_plan(
         stage_starts(bad, bad_plan), bad_plan.replicas)
     assert t.replicas == list(new_plan.replicas)
     assert [st.index for st in t.stages] == list(range(len(new_plan.stages)))
+    # the new plan's trainer reads the rescaled profile; one worker's time (the harm verdict)
+    # still comes from the profile the job was compiled with
+    assert t.auto_options.profile is not bad and t._one_worker_profile is bad
     # the new plan is faster on the TRUE costs than the wrong one (independent costing)
     cost = lambda p: plan_for(true, CLUSTER, stage_starts(true, p), list(p.replicas))  # noqa
     assert cost(new_plan).time_per_minibatch < cost(bad_plan).time_per_minibatch
