@@ -3,7 +3,7 @@
 Why a warning: a plan prices one worker per stage; ranks that share cores time-slice instead, and
 gloo's waits then stall on peers that are not scheduled. Measured on 2 cores (BENCHMARKS
 ``runtime_prediction``): 4 ranks of a 4-stage pipeline ran at 10.1 ms per minibatch where the
-plan said 2.8 and one process alone took 9.6. Nothing breaks, so nothing else would say why the
+plan said 2.9 and one process alone took 9.6. Nothing breaks, so nothing else would say why the
 run is slower than its plan, or slower than one process.
 """
 from __future__ import annotations
