@@ -44,12 +44,14 @@ from fxpipe.runtime.pricing.replan import measure as replan_measure
 from fxpipe.runtime.pricing.replan import rescale, stage_starts
 from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.timeline import busy_fraction, wait_breakdown
+from fxpipe.runtime.training.stage_calibration import calibrate_stages
 
 log = logging.getLogger("runtime_prediction")
 SECTION = "runtime_prediction"
 BATCH = 32
 GPT_BATCH = 16
 CATS = ("forward", "backward", "optimizer", "recv", "send", "idle")
+CALIBRATE = 48  # minibatches the stages run in one process before the run
 
 
 def steady_window(evs) -> tuple[float, float]:
@@ -120,6 +122,8 @@ def decompose(timeline, lo: int, hi: int) -> dict[int, dict[str, float]]:
 
 def measure(c, loss_fn, batches, warmup: int) -> dict:
     specs, replicas = c.stage_specs, c.plan.replicas
+    # before the run: the stages run in this process, the plan priced on them (no links)
+    cal = calibrate_stages(specs, c.plan, c.profile, loss_fn, rc.sgd, batches[:CALIBRATE])
     sched = make_schedule("pipedream", replicas, len(batches))
     res = run_distributed(specs, replicas, sched, loss_fn, rc.sgd, batches, timeout_s=120.0)
     done = rc.fxpipe_done_at(res.timeline, rank=0)
@@ -134,7 +138,8 @@ def measure(c, loss_fn, batches, warmup: int) -> dict:
                                               list(rc.fxpipe_updates(evs).values())[warmup:]))
     half = len(batches) // 2
     tpm2 = (done[-1] - done[half]) / (len(done) - 1 - half)
-    return dict(tpm=tpm, ranks=ranks, tpm2=tpm2,
+    return dict(tpm=tpm, ranks=ranks, tpm2=tpm2, calibrated=cal.time_per_minibatch,
+                factors=cal.factors,
                 parts=decompose(res.timeline, warmup, len(batches) - 1),
                 rescaled=rescaled_prediction(c, res.timeline, warmup, half))
 
@@ -202,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return rc.spread(xs, fmt)
 
     rows, stage_rows, after_rows, part_rows, calib_rows = [], [], [], [], []
+    factor_rows: list[str] = []
     for name in models:
         cal = plans[name, counts[0]].profile.meta.get("calibration", {})
         calib_rows.append(
@@ -224,8 +230,15 @@ def main(argv: list[str] | None = None) -> int:
         ratio = [w[r] / sum(pp[r].values()) for w, r in zip(work, slow)]
         extra = [sum(m["parts"][r][k] for k in ("send", "recv_transfer", "recv_late", "idle"))
                  for m, r in zip(runs, slow)]
+        cal = [m["calibrated"] for m in runs]
         rows.append(f"| {name} | {stages} | {pred * 1e3:.2f} | {s([x * 1e3 for x in meas])} | "
-                    f"**{s(err, '{:+.0f}')}%** | {s(ratio)} | {s([x * 1e3 for x in extra])} |")
+                    f"**{s(err, '{:+.0f}')}%** | {s([x * 1e3 for x in cal])} | "
+                    f"**{s([(x / p - 1) * 100 for x, p in zip(meas, cal)], '{:+.0f}')}%** | "
+                    f"{s(ratio)} | {s([x * 1e3 for x in extra])} |")
+        for r in range(stages):
+            fs = [m["factors"][r] for m in runs]
+            factor_rows.append(f"| {name} | {stages} | {r} | " + " | ".join(
+                s([f[i] for f in fs]) for i in range(3)) + " |")
         m2 = [m["tpm2"] for m in runs]
         resc = [m["rescaled"] for m in runs]
         after_rows.append(
@@ -274,9 +287,21 @@ def main(argv: list[str] | None = None) -> int:
         "the ranks start (`fxpipe.runtime.execution.cores`).",
         "",
         "| model | stages | predicted ms/minibatch | measured ms/minibatch | error | "
+        "after stage calibration: predicted ms | error | "
         "busiest rank: compute as run / plan | busiest rank: send + transfer + idle ms |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
+        "",
+        "After stage calibration: before each run, its stages ran "
+        f"{CALIBRATE} minibatches in this process (the reference executor, the same schedule, "
+        "stage replicas, stash and optimizer; no links) and the plan was priced on its profile "
+        "rescaled to those stage times "
+        "(`fxpipe.runtime.training.stage_calibration.calibrate_stages`); error = measured / that "
+        "prediction - 1. The factors, measured / profiled per stage (forward, backward, update):",
+        "",
+        "| model | stages | stage | forward | backward | update |",
+        "|---|---:|---:|---:|---:|---:|",
+        *factor_rows,
         "",
         "Busiest rank: the one with the most forward + backward + optimizer time per minibatch "
         "in the run; its compute as run over the plan's F + B + U for that stage; and what it "

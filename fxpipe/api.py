@@ -209,6 +209,22 @@ class CompiledModel:
             kwargs["recompute"] = self.plan.recompute
         return make_trainer(self, **kwargs)
 
+    def calibrate_stages(self, batches: Any, optimizer: Any, *, schedule: str = "pipedream"
+                         ) -> Any:
+        """The plan priced on its stages as the runtime runs them, before any distributed run:
+        ``batches`` (a few (inputs, target) minibatches per update) trained in this process on
+        copies of the weights, the profile rescaled to the measured stage times
+        (:mod:`fxpipe.runtime.training.stage_calibration`); ``.time_per_minibatch``,
+        ``.factors`` (measured / profiled per stage), ``.plan``."""
+        from fxpipe.runtime.training.stage_calibration import calibrate_stages
+
+        self._needs_values("calibrate the stages")
+        if self.loss_fn is None:
+            raise ConfigError("this model was compiled without loss_fn",
+                              "pass loss_fn=... to fxpipe.compile (e.g. F.cross_entropy)")
+        return calibrate_stages(self.stage_specs, self.plan, self.profile, self.loss_fn,
+                                optimizer, list(batches), schedule=schedule)
+
     def memory_check(self, trainer: Any) -> tuple[Any, ...]:
         """Predicted against measured memory per stage, after ``trainer`` (made with
         ``measure_memory=True``) has trained a segment: the plan's bytes per replica split into
