@@ -17,6 +17,10 @@ backward, optimizer, send, recv, allreduce, idle per rank) gives:
   posting sends; receive waits split into the transfer, a transfer started late, and the peer's
   compute (``fxpipe.runtime.timeline.wait_breakdown``); the executor's idle time between actions;
 * per-stage busy fraction in steady state (``fxpipe.runtime.timeline.busy_fraction``);
+* after stage calibration: before each run the stages train CALIBRATE (48) minibatches in this
+  process (``CompiledModel.calibrate_stages``: the reference executor, no links) and the plan is
+  priced on the profile rescaled to those stage times: a prediction made before any process
+  starts, with the measured / profiled factors per stage;
 * after re-planning (issue 13, item 3): the profile rescaled stage by stage to the forward,
   backward and optimizer times measured over minibatches --warmup..N/2-1
   (``fxpipe.runtime.pricing.replan.rescale``, what ``trainer(replan="auto")`` does after its first
