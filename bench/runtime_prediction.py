@@ -42,10 +42,9 @@ from bench import runtime_common as rc
 from bench._report import publish
 import fxpipe
 import fxpipe.models
-from fxpipe.passes.partition import plan_for
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.pricing.replan import measure as replan_measure
-from fxpipe.runtime.pricing.replan import rescale, stage_starts
+from fxpipe.runtime.pricing.replan import reprice
 from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.timeline import busy_fraction, wait_breakdown
 from fxpipe.runtime.training.stage_calibration import calibrate_stages
@@ -89,10 +88,8 @@ def rescaled_prediction(c, timeline, lo: int, hi: int) -> float:
     times = []
     for r in range(len(c.plan.stages)):
         times.append(replan_measure([e for e in timeline[r] if in_range(e, lo, hi)]))
-    scaled, _ = rescale(c.profile, c.plan, times)
-    return plan_for(scaled, fxpipe.Cluster.from_dict(dict(c.plan.cluster)),
-                    stage_starts(c.profile, c.plan), c.plan.replicas,
-                    sync=c.plan.sync).time_per_minibatch
+    return reprice(c.profile, c.plan, times, fxpipe.Cluster.from_dict(dict(c.plan.cluster)),
+                   sync=c.plan.sync)[2].time_per_minibatch
 
 
 def window_events(timeline, lo: int, hi: int) -> dict[int, list]:

@@ -135,6 +135,23 @@ def rescale(profile: Profile, plan: Plan, measured: Sequence[StageTimes]
     return replace(profile, nodes=tuple(nodes)), tuple(factors)
 
 
+def mean_times(times: Sequence[StageTimes]) -> StageTimes:
+    """The mean of several measurements of a stage (its replicas, or segments), kind by kind."""
+    return StageTimes(*(sum(getattr(t, f) for t in times) / len(times)
+                        for f in ("forward_s", "backward_s", "update_s")))
+
+
+def reprice(profile: Profile, plan: Plan, measured: Sequence[StageTimes], cluster: Cluster, *,
+            sync: str = "allreduce"
+            ) -> tuple[Profile, tuple[tuple[float, float, float], ...], Plan]:
+    """``profile`` rescaled to ``measured`` (:func:`rescale`), its factors, and ``plan``'s own
+    partition costed on it, memory priced as the plan's was (:func:`memory_terms`)."""
+    scaled, factors = rescale(profile, plan, measured)
+    current = plan_for(scaled, cluster, stage_starts(profile, plan), plan.replicas, sync=sync,
+                       **memory_terms(plan))
+    return scaled, tuple(factors), current
+
+
 def memory_terms(plan: Plan) -> dict[str, Any]:
     """What a re-plan must price memory with to keep ``plan``'s: its schedule's rule and its
     state per parameter byte (``state = P (2 + opt)``, recovered from a stage that records it;
@@ -168,16 +185,14 @@ def propose(profile: Profile, plan: Plan, measured: Sequence[StageTimes], cluste
     ``workers``: re-solve for exactly that many workers (a running job's; see the module doc)."""
     if not threshold >= 0:
         raise ConfigError(f"threshold={threshold!r}", "a non-negative fraction, e.g. 0.05")
-    scaled, factors = rescale(profile, plan, measured)
     if workers is not None:
         cluster = Cluster.from_dict({**cluster.to_dict(), "workers": workers,
                                      "workers_per_machine": 1 if workers % max(
                                          cluster.workers_per_machine, 1) else
                                      cluster.workers_per_machine})
-    terms = memory_terms(plan)  # the re-plan fits memory as the running plan was fitted
-    current = plan_for(scaled, cluster, stage_starts(profile, plan), plan.replicas, sync=sync,
-                       **terms)
-    proposed = partition(scaled, cluster, sync=sync, **terms)
+    scaled, factors, current = reprice(profile, plan, measured, cluster, sync=sync)
+    # the re-plan fits memory as the running plan was fitted
+    proposed = partition(scaled, cluster, sync=sync, **memory_terms(plan))
     if workers is not None:
         proposed = use_all_workers(scaled, cluster, proposed, workers, sync=sync)
     gain = current.time_per_minibatch / proposed.time_per_minibatch - 1.0

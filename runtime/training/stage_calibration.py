@@ -16,7 +16,7 @@ probably computes each slower than a process of its own does (not measured apart
 reference executor: the same stage replicas, stash and optimizer as every rank, one after the
 other, no links), measures each stage's forward, backward and update from its timeline (after the
 first update: warm-up), rescales the profile stage by stage to them (what ``replan="auto"`` does
-after a segment, :func:`fxpipe.runtime.pricing.replan.rescale`) and prices the same cuts again.
+after a segment, :func:`fxpipe.runtime.pricing.replan.reprice`) and prices the same cuts again.
 What it cannot see: links, concurrency between ranks, the executor's waits between actions.
 
     cal = compiled.calibrate_stages(batches[:48], lambda ps: torch.optim.SGD(ps, lr=0.01))
@@ -31,12 +31,11 @@ from typing import Sequence
 from fxpipe.codegen.split import StageSpec
 from fxpipe.costmodel import Cluster, Profile
 from fxpipe.passes import Plan
-from fxpipe.passes.partition import plan_for
 
 from ..errors import RuntimeConfigError
 from ..execution.contract import Batch
 from ..execution.reference import ReferenceExecutor
-from ..pricing.replan import StageTimes, after_first_update, measure, rescale, stage_starts
+from ..pricing.replan import StageTimes, after_first_update, mean_times, measure, reprice
 from ..replica.stage import LossFn
 from ..replica.stash import OptimizerFactory
 from ..schedules.kinds import make_schedule
@@ -79,11 +78,8 @@ def calibrate_stages(stages: Sequence[StageSpec], plan: Plan, profile: Profile,
                 f"{len(batches)} minibatches give stage {rank[0]} one update or none to measure "
                 "after its warm-up", "pass more minibatches (a few per replica and update)")
         by_stage.setdefault(rank[0], []).append(measure(after_first_update(events)))
-    times = tuple(StageTimes(*(sum(getattr(t, f) for t in ts) / len(ts)
-                               for f in ("forward_s", "backward_s", "update_s")))
-                  for _, ts in sorted(by_stage.items()))
-    scaled, factors = rescale(profile, plan, times)
-    priced = plan_for(scaled, Cluster.from_dict(dict(plan.cluster)), stage_starts(profile, plan),
-                      replicas, sync=plan.sync)
-    return StageCalibration(times, tuple(factors), scaled, priced)
+    times = tuple(mean_times(ts) for _, ts in sorted(by_stage.items()))
+    scaled, factors, priced = reprice(profile, plan, times, Cluster.from_dict(dict(plan.cluster)),
+                                      sync=plan.sync)
+    return StageCalibration(times, factors, scaled, priced)
 

@@ -62,7 +62,8 @@ from fxpipe.passes.partition import plan_for
 
 from ..errors import RuntimeConfigError
 from ..execution.trainer_backends import DistributedBackend
-from ..pricing.replan import Proposal, StageTimes, after_first_update, measure, propose
+from ..pricing.replan import (Proposal, StageTimes, after_first_update, mean_times, measure,
+                              propose)
 from . import checkpoint as ckpt
 from .data import PartStream
 from .repartition import Repartition, stage_layout
@@ -364,8 +365,7 @@ def measured_stage_times(trainer: Any, skip: int = 0) -> list[StageTimes]:
         events for events, _ in trainer.timelines[-1:]]
     if segments:
         per = [measure(events) for events in segments]
-        avg = StageTimes(*(sum(getattr(p, f) for p in per) / len(per)
-                           for f in ("forward_s", "backward_s", "update_s")))
+        avg = mean_times(per)
         mine = [(s, avg) for s, _ in trainer.local]
     got = trainer.backend.exchange(mine, "re-plan: measured stage times")
     by_stage: dict[int, list[StageTimes]] = {}
@@ -376,9 +376,7 @@ def measured_stage_times(trainer: Any, skip: int = 0) -> list[StageTimes]:
     if missing:
         raise RuntimeConfigError(f"no timeline of stages {missing} to re-plan from",
                                  "train with timeline=True (distributed executor) first")
-    return [StageTimes(*(sum(getattr(t, f) for t in by_stage[s]) / len(by_stage[s])
-                         for f in ("forward_s", "backward_s", "update_s")))
-            for s in range(len(trainer.stages))]
+    return [mean_times(by_stage[s]) for s in range(len(trainer.stages))]
 
 
 def propose_replan(trainer: Any, cluster: Cluster | None = None,
