@@ -65,7 +65,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "pipedream, 1f1b-flush, gpipe, 2bw, or pipedream+MITIGATIONS (lr_scale, "
                    "predict, dc, momentum, nesterov, joined with +)")
     p.add_argument("--pilot", type=int, default=None,
-                   help="auto: minibatches per candidate in the pilot (0: none, pick 1f1b-flush)")
+                   help="auto: minibatches of 1f1b-flush's pilot, the others the same seconds "
+                   "(0: none, pick 1f1b-flush)")
     p.add_argument("--pilot-on", choices=("copies", "pipeline"), default=None,
                    help="auto: pilot the candidates on copies of the model in each process "
                    "(default) or in turn on this job's own pipeline, the winner continuing")

@@ -11,15 +11,19 @@
   on the job's own pipeline and the winner continues from its pilot's end (:mod:`.auto_pipeline`);
   the rest of this paragraph is the pilot on copies (``where="copies"``, the default).
   Every candidate trains a copy of the user's own model,
-  from the same weights, on the same first ``pilot`` minibatches (default 200, at most
-  ``max_fraction`` = 1/2 of the run's minibatches; from as many epochs of the loader as that
-  takes: the loader must be re-iterable), on the reference executor (the distributed runtime's
+  from the same weights, on the same first minibatches (the baseline ``1f1b-flush`` the first
+  ``pilot``, default 200, at most ``max_fraction`` = 1/2 of the run's minibatches; every other
+  candidate as many as fit in flush's simulated seconds, :func:`pilot_lengths`, at most
+  :data:`STRETCH` times flush's and the same fraction of the run; from as many epochs of the
+  loader as that takes: the loader must be re-iterable), on the reference executor (the distributed runtime's
   single-process oracle; CPU, in this process; the trainer's per-update LR scheduler stepped as
   in training), reading them again for each candidate a training segment at a time
   (:mod:`~fxpipe.runtime.training.auto_data`). The training losses are smoothed (trailing
   mean over ``pilot // 8`` minibatches); the level is where the synchronous baseline
   (``1f1b-flush``) ends the pilot; a candidate's count is the first minibatch whose smoothed
-  loss reaches the level. One that does not within the pilot is not chosen: extrapolating its
+  loss reaches the level within its pilot of equal seconds (:func:`equal_time`: with equal
+  minibatches, a faster candidate a little less efficient per update could never be chosen).
+  One that does not reach it is not chosen: extrapolating its
   progress (an earlier rule) picked stale schedules that were fast early and then stalled short
   of the target (bench/ablation: 4 of 24 rows, one seed).
 * **The choice**: the smallest predicted time, except that an asynchronous candidate must beat
@@ -34,7 +38,8 @@ asynchronous picks that stalled later, on 4 of 27 rows of held-out seeds; half t
 of seeds 0-5. benchmarks/statistical-efficiency.md also gives the result on seeds 6-8, run
 after this was fixed.
 
-Cost: ``len(candidates)`` x ``pilot`` minibatch steps of the whole model in one process (gpipe
+Cost: each trained candidate's pilot minibatches (:func:`pilot_lengths`) in steps of the whole
+model in one process (gpipe
 and the zero-bubble kinds reuse flush's curve: the same minibatch-SGD updates), split over the
 ranks: each trains its share (:mod:`fxpipe.runtime.training.auto_resolve`). A pilot that sees half
 the run costs more than the run (each step is the whole model on one CPU process), so it pays only
@@ -87,6 +92,11 @@ predict+momentum). Each trained candidate costs one pilot of whole-model steps, 
 list is short; pass ``auto_options={"candidates": (...)}`` for others (2bw, +dc, ...)."""
 
 
+STRETCH = 2
+"""A candidate faster than the baseline pilots more minibatches in the baseline's seconds
+(:func:`equal_time`), at most this many times the baseline's (and never past ``max_fraction``
+of the run): what bounds the pilot's reading where the run's length is unknown."""
+
 WHERE = ("copies", "pipeline")
 """Where the pilot trains: copies of the whole model on the reference executor in every rank's
 process (:mod:`.auto_pilot`), or the job's own pipeline, the winner continuing from its pilot
@@ -138,13 +148,15 @@ class AutoOptions:
 
 @dataclass(frozen=True)
 class Row:
-    """One candidate: seconds per minibatch, minibatches to the level, predicted time."""
+    """One candidate: seconds per minibatch, minibatches to the level, predicted time, and the
+    minibatches of its pilot it was judged on (the baseline's seconds: :func:`equal_time`)."""
 
     schedule: str
     period_s: float
     minibatches: float
     time_s: float
     note: str = ""
+    piloted: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,17 +185,19 @@ class Decision:
                      if self.pilot_ranks > 1 else "")
             on = ("this job's pipeline, the winner continuing from its pilot's end"
                   if self.where == "pipeline" else "the reference executor")
-            lines.append(f"  pilot: {self.pilot_minibatches} minibatches per candidate on "
-                         f"{on} ({self.pilot_seconds:.1f} s{split}); loss level "
+            lines.append(f"  pilot: {self.pilot_minibatches} minibatches of 1f1b-flush's "
+                         f"seconds per candidate on {on} ({self.pilot_seconds:.1f} s{split}); "
+                         "loss level "
                          f"{self.level:.4g}; seconds per minibatch from {self.periods_from}")
             if self.memory:
                 lines.append(f"  memory: {self.memory}")
-            lines.append(f"  {'candidate':<28}{'s/minibatch':>12}{'to level':>10}"
-                         f"{'predicted':>12}")
+            lines.append(f"  {'candidate':<28}{'s/minibatch':>12}{'piloted':>9}"
+                         f"{'to level':>10}{'predicted':>12}")
             for r in sorted(self.rows, key=lambda r: r.time_s):
                 to = "never" if math.isinf(r.minibatches) else f"{r.minibatches:.0f}"
                 t = "-" if math.isinf(r.time_s) else f"{r.time_s:.4g} s"
-                lines.append(f"  {r.schedule:<28}{r.period_s:>12.4g}{to:>10}{t:>12}"
+                n = f"{r.piloted}" if r.piloted else "-"
+                lines.append(f"  {r.schedule:<28}{r.period_s:>12.4g}{n:>9}{to:>10}{t:>12}"
                              + (f"  ({r.note})" if r.note else ""))
         return "\n".join(lines)
 
@@ -219,21 +233,85 @@ def require_baseline(candidates: Iterable[str], baseline: str = "1f1b-flush") ->
                                  f"add {baseline!r} to auto_options['candidates']")
 
 
+def equal_time(lengths: Mapping[str, int], periods: Mapping[str, float],
+               baseline: str = "1f1b-flush") -> dict[str, int]:
+    """Minibatches of each candidate that fit in the baseline's pilot seconds
+    (``lengths[baseline] x periods[baseline]``), at most its ``lengths`` and at least one.
+
+    Why equal seconds, not equal minibatches: the level is where the baseline ends its pilot,
+    so with equal minibatches a candidate 1.7x faster per minibatch but 2% less efficient per
+    update never reaches it within the pilot and is never chosen, however much sooner it would
+    get there in time. Replayed on the 1,000-update rows (benchmarks/long-horizon.md), picks
+    made on equal minibatches took 1.25-1.31x the best schedule's time to target, on equal
+    seconds 1.02-1.05x (pilot cost aside, pilots of 50-200 of flush's minibatches). The
+    baseline, not the fastest candidate, sets the budget: on the 200-update MLP at S = 8
+    pipedream's minibatch costs a sixth of flush's, and flush's loss after a sixth of the pilot
+    is a level that stale schedules reach early and then stall short of the target."""
+    budget = lengths[baseline] * periods[baseline]
+    return {c: max(1, min(n, math.floor(budget / periods[c] * (1 + 1e-9))))
+            for c, n in lengths.items()}
+
+
+def pilot_lengths(names: Sequence[str], periods: Mapping[str, float], pilot_len: int, cap: int,
+                  step: int = 1, baseline: str = "1f1b-flush") -> dict[str, int]:
+    """Minibatches each of ``names`` pilots: the baseline ``pilot_len``, the others as many as
+    fit in the baseline's seconds (:func:`equal_time`), at most ``cap`` (what the pilot may
+    read) and in whole multiples of ``step`` (at least one step)."""
+    lengths = equal_time({**{c: cap for c in names}, baseline: pilot_len},
+                         {**periods}, baseline)
+    return {c: max(step, n - n % step) for c, n in lengths.items() if c in names}
+
+
+@dataclass(frozen=True)
+class Level:
+    """The loss level a pilot is judged against: where the baseline's smoothed curve ends
+    (trailing mean over ``window`` = max(5, P // 8) of its P minibatches)."""
+
+    level: float
+    start: float
+    window: int
+
+    @classmethod
+    def of(cls, baseline: Sequence[float]) -> Level:
+        P = len(baseline)
+        window = max(5, P // 8)
+        base = smooth(baseline, window)
+        return cls(base[-1], base[window - 1] if P >= window else base[0], window)
+
+    def minibatches(self, curve: Sequence[float]) -> float:
+        """Minibatches until ``curve`` reaches the level (inf: not within it)."""
+        return to_level(curve, self.level, self.start, self.window)
+
+
+def can_stop(curve: Sequence[float], period: float, level: Level, bound_s: float) -> bool:
+    """Whether a candidate's pilot may end now without changing :func:`decide`'s choice: it
+    has reached the level (its count is known; more minibatches do not change the first one
+    that reached it), or its seconds so far are at least ``bound_s``, the least predicted time
+    of the candidates piloted before it (decide picks the least time, the earlier one on a
+    tie, so it can no longer be picked). The pilot on the pipeline stops there: what it saves
+    is a loser's seconds, which the winner does not repay."""
+    return math.isfinite(level.minibatches(curve)) or len(curve) * period >= bound_s
+
+
 def decide(curves: Mapping[str, Sequence[float]], periods: Mapping[str, float], *,
            baseline: str = "1f1b-flush", margin: float = 0.05,
            notes: Mapping[str, str] | None = None) -> Decision:
-    """The choice from pilot loss curves (same minibatches for every candidate) and seconds per
-    minibatch; pure, so the benchmark applies exactly what the trainer does."""
+    """The choice from pilot loss curves (one loss per minibatch from the same first
+    minibatches) and seconds per minibatch; pure, so the benchmark applies exactly what the
+    trainer does. Every curve is cut to the baseline's pilot seconds (:func:`equal_time`): a
+    candidate twice as fast is judged on twice the minibatches, where its curve has them."""
     require_baseline(curves, baseline)
+    keep = equal_time({c: len(v) for c, v in curves.items()}, periods, baseline)
+    curves = {c: list(v)[:keep[c]] for c, v in curves.items()}
     P = len(curves[baseline])
-    window = max(5, P // 8)
-    base = smooth(curves[baseline], window)
-    level, start = base[-1], base[window - 1] if P >= window else base[0]
+    at = Level.of(curves[baseline])
+    level = at.level
     rows = []
     for name, curve in curves.items():
-        n = to_level(curve, level, start, window)
+        n = at.minibatches(curve)
         period = periods[name]
-        rows.append(Row(name, period, n, n * period, (notes or {}).get(name, "")))
+        rows.append(Row(name, period, n, n * period, (notes or {}).get(name, ""),
+                        len(curve)))
     best = min(rows, key=lambda r: r.time_s)
     sync = min((r for r in rows if r.schedule in SYNCHRONOUS), key=lambda r: r.time_s)
     if best.schedule not in SYNCHRONOUS and not best.time_s < sync.time_s * (1 - margin):
@@ -309,22 +387,27 @@ def merge(parts: Sequence[tuple[Mapping[str, list[float]], Mapping[str, str]]],
 Gather = Callable[[Any, str], Sequence[Any]]
 """Every rank's object, in rank order (the trainer's ``backend.exchange(obj, what)``)."""
 
-__all__ = ["AutoOptions", "Decision", "Row", "budget", "choose", "decide", "merge", "periods",
-           "pilot", "price", "probe", "share_of", "split_for", "trained"]
+__all__ = ["AutoOptions", "Decision", "Level", "Row", "budget", "can_stop", "choose", "decide",
+           "equal_time", "merge",
+           "periods", "pilot", "pilot_lengths", "price", "probe", "share_of", "split_for",
+           "trained"]
 
 
-def price(options: AutoOptions, replicas: Sequence[int], num_stages: int, pilot_len: int,
-          run_minibatches: int | None, world: int, microbatches: int | None = None, *,
-          step_s: float | None = None) -> Decision | None:
-    """``1f1b-flush`` when a pilot of ``pilot_len`` minibatches is predicted to cost more than
-    ``options.max_cost`` of the run's training time (:func:`budget`), else None (also when the
-    run's length or the limit is unknown). ``step_s``: a whole-model step as :func:`probe`
+def price(options: AutoOptions, replicas: Sequence[int], num_stages: int,
+          lengths: Mapping[str, int], run_minibatches: int | None, world: int,
+          microbatches: int | None = None, *, step_s: float | None = None,
+          per: Mapping[str, float] | None = None) -> Decision | None:
+    """``1f1b-flush`` when a pilot of ``lengths`` minibatches per trained candidate
+    (:func:`pilot_lengths`) is predicted to cost more than ``options.max_cost`` of the run's
+    training time (:func:`budget`: the largest rank's share of whole-model steps), else None
+    (also when the run's length or the limit is unknown). ``per``: the candidates' seconds per
+    minibatch where known (flush's is simulated otherwise). ``step_s``: a whole-model step as :func:`probe`
     measured it; None prices it from the plan's profile (its stages' compute summed), and
     without a plan says nothing. Why a profile first: the probe and its exchange cost about
     half a second, a sixth of a short job, and the profile's step is the optimistic one (an
     accelerator, or one idle core, where the pilot's copies share the CPU), so a pilot it
     already prices out would not be affordable measured either."""
-    if not run_minibatches or options.max_cost is None or pilot_len <= 0:
+    if not run_minibatches or options.max_cost is None or not lengths:
         return None
     how = "measured"
     if step_s is None:
@@ -332,15 +415,16 @@ def price(options: AutoOptions, replicas: Sequence[int], num_stages: int, pilot_
             return None
         step_s = sum(st.compute_s * st.replicas for st in options.plan.stages)
         how = "the profile's compute"
-    flush, _ = periods(("1f1b-flush",), replicas, plan=options.plan, profile=options.profile,
-                       microbatches=microbatches)
-    n = len(share_of(options.candidates, 0, world))  # the largest share
-    cost, run = budget(step_s, n, pilot_len, run_minibatches, flush["1f1b-flush"],
+    flush = per or periods(("1f1b-flush",), replicas, plan=options.plan,
+                           profile=options.profile, microbatches=microbatches)[0]
+    shares = [share_of(options.candidates, i, world) for i in range(world)]
+    steps, n = max((sum(lengths.get(c, 0) for c in sh), len(sh)) for sh in shares)
+    cost, run = budget(step_s, 1, steps, run_minibatches, flush["1f1b-flush"],
                        None if options.plan is not None else 3.0 * num_stages)
     if cost <= options.max_cost * run:
         return None
-    return Decision("1f1b-flush", f"a pilot would cost about {cost:.3g} s ({n} candidates x "
-                    f"{pilot_len} minibatches x {step_s * 1e3:.3g} ms, {how}), more than "
+    return Decision("1f1b-flush", f"a pilot would cost about {cost:.3g} s ({n} candidates, "
+                    f"{steps} whole-model steps on a rank x {step_s * 1e3:.3g} ms, {how}), more than "
                     f"{options.max_cost:.0%} of the run's predicted {run:.3g} s of training: "
                     f"{SAFE}")
 
@@ -379,19 +463,21 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
                                  "pass gather= (every rank's object, in rank order)")
     P = min(options.pilot, count)
     mine = share_of(options.candidates, index, world)
-    args = (options, replicas, len(stages), P, run_minibatches, world, microbatches)
-    early = price(*args)  # from the plan's profile: no probe where it already prices out
+    per, source = periods(options.candidates, replicas, plan=options.plan,
+                          profile=options.profile, microbatches=microbatches)
+    lengths = pilot_lengths(trained(options.candidates), per, P, count)
+    args = (options, replicas, len(stages), lengths, run_minibatches, world, microbatches)
+    early = price(*args, per=per)  # the plan's profile: no probe where it already prices out
     if early is None and run_minibatches and options.max_cost is not None:
         step = (probe(stages, replicas, loss_fn, optimizer, data.first(5),
                       step_options=step_options) if mine else 0.0)
         step = max(gather(step, "auto: pilot probe")) if gather is not None else step
-        early = price(*args, step_s=step)
+        early = price(*args, step_s=step, per=per)
     if early is not None:
         return replace(early, pilot_seconds=time.perf_counter() - t0)
-    per, source = periods(options.candidates, replicas, plan=options.plan,
-                          profile=options.profile, microbatches=microbatches)
-    curves_notes = pilot(stages, replicas, loss_fn, optimizer, data.limited(P), mine,
-                         microbatches=microbatches, seed=seed, step_options=step_options,
+    curves_notes = pilot(stages, replicas, loss_fn, optimizer, data, mine,
+                         lengths=lengths, microbatches=microbatches, seed=seed,
+                         step_options=step_options,
                          lr_scheduler=lr_scheduler,
                          cut=cut(data.first(1)) if cut is not None and any(
                              split_for(c, replicas, microbatches) > 1

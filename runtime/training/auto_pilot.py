@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from typing import Any, Callable, Sequence, TYPE_CHECKING
+from typing import Any, Callable, Mapping, Sequence, TYPE_CHECKING
 
 import torch
 
@@ -74,7 +74,8 @@ def _on_a_copy(stages: Sequence[Any], replicas: Sequence[int], sched: Any,
 
 def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[..., Any],
           optimizer: Callable[..., Any], batches: Sequence[Any] | PilotData,
-          candidates: Sequence[str], *, microbatches: int | None = None, seed: int = 0,
+          candidates: Sequence[str], *, lengths: Mapping[str, int] | None = None,
+          microbatches: int | None = None, seed: int = 0,
           step_options: StepOptions | None = None,
           lr_scheduler: Callable[[Any], Any] | None = None, cut: Cut | None = None
           ) -> tuple[dict[str, list[float]], dict[str, str]]:
@@ -83,7 +84,8 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     recomputation ``step_options``); a candidate that cannot run this model (e.g. momentum
     correction with an unsupported optimizer) is left out with a note. Every candidate given
     is trained: :func:`share_of` picks a rank's, :func:`merge` adds the kinds that reuse
-    flush's curve. ``lr_scheduler``: the trainer's per-update scheduler factory, stepped after
+    flush's curve. ``lengths``: the first minibatches each candidate trains
+    (:func:`~.auto.pilot_lengths`: the same seconds for each; None: all of ``batches``). ``lr_scheduler``: the trainer's per-update scheduler factory, stepped after
     every update of each stage as in training (a warm-up changes what staleness costs, so a
     pilot at the base rate would measure another run). Microbatched kinds cut each minibatch
     into :func:`split_for` microbatches (see the module doc): every curve has one loss per
@@ -115,7 +117,8 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
         for c in candidates:
             torch.manual_seed(seed)
             try:
-                curves[c] = _candidate(c, data, k_cut, stages, replicas, loss_fn, optimizer,
+                mine = data if lengths is None else data.limited(lengths[c])
+                curves[c] = _candidate(c, mine, k_cut, stages, replicas, loss_fn, optimizer,
                                        microbatches, step_options, lr_scheduler, cut)
             except _NotRun as err:
                 notes[c] = f"not run: {err.error.message}"

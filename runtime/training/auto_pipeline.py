@@ -8,7 +8,11 @@ the trainer's own executor, ranks and devices:
 1. every trained candidate (``1f1b-flush`` first: it sets the loss level) is adopted
    (:meth:`~.trainer_schedule.ScheduleMixin.adopt`: each rank's replicas made again from the
    stages' initial weights, a fresh optimizer and LR scheduler), and trains the run's first
-   ``P`` minibatches as training would (the same segments, cut and seeds; it drains at ``P``);
+   minibatches as training would (the same segments, cut and seeds; it drains at the end of
+   its pilot): flush ``P`` of them, every other candidate as many as fit in flush's simulated
+   seconds (:func:`~.auto.pilot_lengths`), so all are judged on equal time; a candidate
+   after flush stops early where that cannot change the choice (:func:`~.auto.can_stop`: it
+   has reached flush's level, or its seconds already exceed the best predicted time so far);
 2. its per-minibatch training losses are gathered on every rank (only the output stage has
    them), and its seconds on the pipeline are measured;
 3. each rank writes the end state of its own replicas (weights, buffers, masters, optimizer,
@@ -28,18 +32,19 @@ alike: on a 50M-parameter MLP, ``pipedream+predict+momentum`` held 1.6x flush's 
 stage (benchmarks/auto-memory.md).
 
 A synchronous winner other than flush (gpipe, the zero-bubble kinds: the same minibatch-SGD
-updates) continues from flush's end state. The pilot's own cost (every candidate's ``P``
-minibatches on the pipeline, the winner's included) is measured and reported with the
-decision (:attr:`~.auto.Decision.pilot_seconds`).
+updates) continues from flush's end state. The pilot's own cost (every candidate's pilot on
+the pipeline, the winner's included) is measured and reported with the decision
+(:attr:`~.auto.Decision.pilot_seconds`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,8 +52,8 @@ from fxpipe.errors import FxpipeError
 
 from ..schedules.spec import parse_schedule
 from ..schedules.stream import STREAM_KINDS
-from .auto import (SAFE, SYNCHRONOUS, AutoOptions, Decision, Row, decide, periods,
-                   require_baseline, trained)
+from .auto import (SAFE, SYNCHRONOUS, AutoOptions, Decision, Level, Row, can_stop, decide,
+                   periods, pilot_lengths, require_baseline, trained)
 from .auto_pilot import split_for
 from .data import PartStream
 
@@ -62,18 +67,28 @@ def pilot_step(trainer: Any) -> int:
     return math.lcm(g, trainer.microbatches or 1)
 
 
-def run_pilot(trainer: Any, loader: Any, P: int, what: str
+def run_pilot(trainer: Any, loader: Any, P: int, what: str,
+              stop: Callable[[list[float]], bool] | None = None
               ) -> tuple[list[float], float, tuple[int, list[float]]]:
     """Train the adopted schedule on the first ``P`` minibatches of epoch 0 as ``fit`` would
-    (segments, cut, dropout seeds), draining at ``P``; returns (one training loss per
+    (segments, cut, dropout seeds), draining at its end; returns (one training loss per
     minibatch, on every rank; the seconds it took; (the minibatches read, the epoch's
-    accumulators there): where ``fit`` continues if this candidate wins)."""
+    accumulators there): where ``fit`` continues if this candidate wins). ``stop(curve so
+    far)``: asked after every segment, on every rank with the same curve (one exchange per
+    segment); True ends the pilot there (:func:`~.auto.can_stop`)."""
     it = PartStream(loader, 0, trainer.seed, need_inputs=trainer.need_inputs,
                     need_targets=trainer.need_targets)
     trainer._acc = [0.0, 0.0, 0.0, 0.0]
     seen: dict[int, list[float]] = {}  # minibatch -> [sum of weight x loss, sum of weights]
     stream = trainer.kind in STREAM_KINDS
     pos, base = 0, 0  # base: microbatches before this segment (complete schedules count from 0)
+
+    def note(losses: dict[int, float], weights: dict[int, float], off: int) -> None:
+        for k, v in losses.items():
+            acc = seen.setdefault((off + k) // trainer.split, [0.0, 0.0])
+            acc[0] += weights[k] * v
+            acc[1] += weights[k]
+
     t0 = time.perf_counter()
     try:
         while pos < P:
@@ -83,29 +98,35 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str
                 break
             final = n < want or pos + n >= P
             losses, weights = trainer._train_segment(parts, 0, pos, n, final)
-            off = 0 if stream else base
-            for k, v in losses.items():
-                acc = seen.setdefault((off + k) // trainer.split, [0.0, 0.0])
-                acc[0] += weights[k] * v
-                acc[1] += weights[k]
+            note(losses, weights, 0 if stream else base)
             base += len(parts)
             pos += n
             del parts
             if n < want:
                 break
-        trainer.drain(0)  # nothing in flight past the pilot (final above drained it already)
+            if stop is not None and not final and stop(_merged(trainer, seen, what)):
+                break
+        # nothing in flight past the pilot (a final segment drained it already); the losses
+        # of the minibatches that finish now belong to the curve
+        note(*trainer.drain(0), 0 if stream else base)
     finally:
         it.close()
     seconds = time.perf_counter() - t0
+    curve = _merged(trainer, seen, what)
+    seconds = max(trainer.backend.exchange(seconds, f"{what} seconds"))
+    return curve, seconds, (pos, list(trainer._acc))
+
+
+def _merged(trainer: Any, seen: dict[int, list[float]], what: str) -> list[float]:
+    """Every rank's losses so far put together (only the output stage has them): one loss per
+    minibatch, in order, on every rank."""
     merged: dict[int, list[float]] = {}
     for part in trainer.backend.exchange(seen, f"{what} losses"):
         for m, (s, w) in part.items():
             acc = merged.setdefault(m, [0.0, 0.0])
             acc[0] += s
             acc[1] += w
-    curve = [merged[m][0] / merged[m][1] for m in sorted(merged) if merged[m][1] > 0]
-    seconds = max(trainer.backend.exchange(seconds, f"{what} seconds"))
-    return curve, seconds, (pos, list(trainer._acc))
+    return [merged[m][0] / merged[m][1] for m in sorted(merged) if merged[m][1] > 0]
 
 
 def extra_copies(kind: str, mitigation: Any, in_flight: int, stashing: bool = True) -> int:
@@ -192,21 +213,25 @@ def _too_big(trainer: Any, c: str, peak: int | None, max_memory: float) -> str:
     return ""
 
 
-def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions
-                      ) -> tuple[Decision, list[float]]:
+def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
+                      cap: int | None = None) -> tuple[Decision, list[float]]:
     """The decision (see the module doc; ``fit`` continues at its ``continued`` minibatch of
     the first epoch) and the epoch's accumulators there. Every rank runs it; the candidates'
-    order is the options'."""
+    order is the options'. ``1f1b-flush`` pilots ``P`` minibatches, every other candidate as
+    many as fit in flush's seconds (:func:`~.auto.pilot_lengths`), at most ``cap``."""
     require_baseline(opts.candidates)
     order = trained(opts.candidates)
     order.sort(key=lambda c: c != "1f1b-flush")  # the baseline first: it sets the level
     per, source = periods(opts.candidates, trainer.replicas, plan=opts.plan,
                           profile=opts.profile, microbatches=trainer.microbatches)
+    lengths = pilot_lengths(order, per, P, max(cap or P, P), pilot_step(trainer))
     curves: dict[str, list[float]] = {}
     notes: dict[str, str] = {}
     seconds: dict[str, float] = {}
     ends: dict[str, tuple[Path, tuple[int, list[float]]]] = {}
     best_async: tuple[float, str] | None = None
+    level: Level | None = None  # flush's, once its pilot ran
+    bound = math.inf  # the least predicted time so far: a later candidate stops past it
     metrics_on, trainer.metrics.enabled = trainer.metrics.enabled, False  # pilots: no rows
     t0 = time.perf_counter()
     try:
@@ -225,10 +250,18 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions
                 except FxpipeError as err:  # every rank refuses alike (same optimizer, stages)
                     notes[c] = f"not run: {err.message}"
                     continue
-                curve, secs, end = run_pilot(trainer, loader, P, f"auto pilot {c}")
+                stop = None
+                if c != "1f1b-flush" and level is not None:
+                    stop = functools.partial(can_stop, period=per[c], level=level,
+                                             bound_s=bound)
+                curve, secs, end = run_pilot(trainer, loader, lengths[c], f"auto pilot {c}",
+                                             stop)
                 curves[c], seconds[c] = curve, secs
                 log.info("auto: pilot of %s on the pipeline: %d minibatches in %.3g s, last "
                          "loss %.4g", c, len(curve), secs, curve[-1] if curve else math.nan)
+                if c == "1f1b-flush" and curve:
+                    level = Level.of(curve)
+                bound = min(bound, (level.minibatches(curve) * per[c]) if level else math.inf)
                 if c == "1f1b-flush":
                     peak = process_peak_bytes(getattr(trainer.backend, "device",
                                                       torch.device("cpu")))

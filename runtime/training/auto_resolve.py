@@ -9,8 +9,8 @@ from typing import Any
 
 from ..errors import RuntimeConfigError
 from ..schedules.spec import parse_schedule
-from .auto import (ONE_STAGE, SAFE, AutoOptions, Decision, choose, periods, price, share_of,
-                   split_for, trained)
+from .auto import (ONE_STAGE, SAFE, STRETCH, AutoOptions, Decision, choose, periods,
+                   pilot_lengths, price, share_of, split_for, trained)
 from .auto_data import PilotData, loader_length
 from .auto_memory import (available_bytes, optimizer_state_factor, rank_estimate,
                           training_bytes)
@@ -21,11 +21,19 @@ log = logging.getLogger("fxpipe.runtime.training.auto")
 
 
 def pilot_length(opts: AutoOptions, total: int | None) -> int:
-    """Minibatches the pilot may read: ``pilot``, at most ``max_fraction`` of the run's
+    """Minibatches the baseline's pilot reads: ``pilot``, at most ``max_fraction`` of the run's
     ``total`` minibatches when the loader has a length (a pilot longer than that would cost
     more than it can save; below ``min_pilot`` there is none)."""
     n = opts.pilot if total is None else min(opts.pilot, int(opts.max_fraction * total))
     return max(n, 0)
+
+
+def pilot_cap(opts: AutoOptions, total: int | None, want: int) -> int:
+    """The most minibatches any candidate's pilot reads: a faster candidate trains more of
+    them in the baseline's seconds (:func:`~.auto.pilot_lengths`), at most :data:`~.auto.STRETCH`
+    times the baseline's ``want`` and ``max_fraction`` of the run."""
+    cap = STRETCH * want
+    return cap if total is None else max(want, min(cap, int(opts.max_fraction * total)))
 
 
 def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decision:
@@ -53,13 +61,16 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
     on_pipeline = opts.where == "pipeline"
     if decision is None:
         want = pilot_length(opts, total)
+        cap = pilot_cap(opts, total, want)
         if on_pipeline:  # within the first epoch, whole updates of every candidate
+            step = pilot_step(trainer)
             want = min(want, length) if length is not None else want
-            want -= want % pilot_step(trainer)
+            want -= want % step
+            cap = min(cap, length) if length is not None else cap
+            cap = max(want, cap - cap % step)
         if want >= opts.min_pilot:  # priced out by the profile: the pilot's data is not read
-            decision = (price_pipeline(opts, trainer, want, total) if on_pipeline else
-                        price(opts, trainer.replicas, len(trainer.stages), want, total,
-                              trainer.backend.world, trainer.microbatches))
+            decision = (price_pipeline(opts, trainer, want, total, cap) if on_pipeline else
+                        price_copies(opts, trainer, want, total, cap))
         if decision is None and 0 < want < opts.min_pilot:
             decision = Decision("1f1b-flush", f"a pilot may read {want} minibatches of this run "
                                 f"(at most {opts.max_fraction:.0%} of {epochs} x {length}), "
@@ -68,14 +79,14 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
             decision, memory = pilot_memory(trainer, opts)
     if decision is None and on_pipeline and opts.pilot > 0 and want >= opts.min_pilot:
         decision, trainer._continue_acc = pipeline_decision(trainer, loader,
-                                                            min(opts.pilot, want), opts)
+                                                            min(opts.pilot, want), opts, cap)
         trainer.auto_decision = decision
         log.info("%s", decision.summary())
         if opts.report is not None:
             opts.report(decision)
         return decision  # adopted, and its pilot's end state loaded
     if decision is None:
-        data = PilotData(loader, want, chunk=trainer.segment, seed=trainer.seed)
+        data = PilotData(loader, cap, chunk=trainer.segment, seed=trainer.seed)
 
         def cut(first: list[Any]) -> Cut | None:
             """The trainer's cut and loss rule, tested once (trainer_cut), for the pilot."""
@@ -104,25 +115,42 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
 
 
 def price_pipeline(opts: AutoOptions, trainer: Any, pilot_len: int,
-                   run_minibatches: int | None) -> Decision | None:
+                   run_minibatches: int | None, cap: int | None = None) -> Decision | None:
     """``1f1b-flush`` when a pilot on the pipeline would cost more than ``opts.max_cost`` of the
-    run's predicted training time, else None. Its cost is every trained candidate's
-    ``pilot_len`` minibatches at its simulated seconds per minibatch, less the cheapest one's
-    (the winner's pilot is training the run does not repeat); the run is its minibatches at
-    flush's (the same units with or without a plan)."""
+    run's predicted training time, else None. Its cost is every trained candidate's pilot
+    (:func:`~.auto.pilot_lengths`: ``pilot_len`` minibatches of flush's seconds, at most ``cap``
+    minibatches) at its simulated seconds per minibatch, less the cheapest one's (the winner's
+    pilot is training the run does not repeat); the run is its minibatches at flush's (the same
+    units with or without a plan)."""
     if not run_minibatches or opts.max_cost is None or pilot_len <= 0:
         return None
     names = trained(opts.candidates)
     per, source = periods(names, trainer.replicas, plan=opts.plan, profile=opts.profile,
                           microbatches=trainer.microbatches)
-    cost = pilot_len * (sum(per.values()) - min(per.values()))
+    lengths = pilot_lengths(names, per, pilot_len, cap or pilot_len, pilot_step(trainer))
+    each = [lengths[c] * per[c] for c in names]
+    cost = sum(each) - min(each)
     run = run_minibatches * per["1f1b-flush"]
     if cost <= opts.max_cost * run:
         return None
     return Decision("1f1b-flush", f"a pilot on the pipeline would cost about {cost / run:.0%} "
                     f"of the run's predicted training ({len(names)} candidates x {pilot_len} "
-                    f"minibatches, seconds per minibatch from {source}), more than "
+                    f"minibatches of 1f1b-flush's seconds, seconds per minibatch from {source}), "
+                    "more than "
                     f"max_cost={opts.max_cost:.0%}: {SAFE}")
+
+
+def price_copies(opts: AutoOptions, trainer: Any, pilot_len: int, run_minibatches: int | None,
+                 cap: int) -> Decision | None:
+    """:func:`~.auto.price` from the plan's profile, before the pilot's data is read (None
+    without a plan: only a probe prices a pilot then)."""
+    if opts.plan is None or not run_minibatches or opts.max_cost is None:
+        return None
+    per, _ = periods(opts.candidates, trainer.replicas, plan=opts.plan, profile=opts.profile,
+                     microbatches=trainer.microbatches)
+    lengths = pilot_lengths(trained(opts.candidates), per, pilot_len, cap)
+    return price(opts, trainer.replicas, len(trainer.stages), lengths, run_minibatches,
+                 trainer.backend.world, trainer.microbatches, per=per)
 
 
 def pilot_memory(trainer: Any, opts: AutoOptions) -> tuple[Decision | None, str]:

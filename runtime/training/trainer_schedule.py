@@ -366,14 +366,15 @@ class ScheduleMixin:
             return None
         return prof.total_compute_s * samples / prof.batch_size
 
-    def drain(self, epoch: int) -> None:
+    def drain(self, epoch: int) -> tuple[dict[int, float], dict[int, float]]:
         """Let an asynchronous stretch's minibatches in flight finish, so the pipeline is
         drained (weights and optimizer states a consistent cut): at an epoch's end, before a
-        switch of plans. Nothing to do when no stretch runs; every rank calls it."""
+        switch of plans. Nothing to do when no stretch runs; every rank calls it. Returns the
+        losses of the minibatches that finished (and their weights), as :meth:`_run`."""
         if not self.stretch_open:
-            return
+            return {}, {}
         self._samples, self._share, self._wire = 0, [], None
-        self._run(self._segment_schedule(0, True), [], epoch, 0)
+        return self._run(self._segment_schedule(0, True), [], epoch, 0)
 
     def _placed(self, n: int) -> Schedule:
         """A placed kind's per-stage lists (the reference executor runs them; their order is

@@ -83,8 +83,35 @@ def test_auto_replay_pays_the_losers_pilots() -> None:
     flush["train_losses"], pd["train_losses"] = losses, losses
     recs = {"1f1b-flush": [flush], "pipedream": [pd]}
     per = {"1f1b-flush": 2.0, "pipedream": 1.0}
-    assert auto_time(recs, 0, 10, per, 3.0, False) == ("pipedream", 10 * 2.0 + 20 * 1.0)
-    # pipedream a tie on time (within the 5% margin): flush wins, pays pipedream's pilot and
-    # reaches the target at 30
+    # flush's level: the mean of its last 5 pilot losses, 3.6, at its 10th update (20 s);
+    # pipedream reaches it at its 10th too (10 s) and stops its pilot there (12 read)
+    assert auto_time(recs, 0, 10, per, 3.0, False, 1000) == ("pipedream", 10 * 2.0 + 20 * 1.0,
+                                                             "piloted")
+    # pipedream a tie on time (within the 5% margin): flush wins, pays pipedream's pilot (10
+    # updates: flush's 10 s hold 10 of its 0.99 s) and reaches the target at 30
     per = {"1f1b-flush": 1.0, "pipedream": 0.99}
-    assert auto_time(recs, 0, 10, per, 3.0, False) == ("1f1b-flush", 10 * 0.99 + 30 * 1.0)
+    assert auto_time(recs, 0, 10, per, 3.0, False, 1000) == ("1f1b-flush", 10 * 0.99 + 30 * 1.0,
+                                                             "piloted")
+    # a 30-update run: the losers' pilot (10 x 0.99 s) is more than a quarter of flush's 30 s,
+    # so no pilot: flush alone, to its target at 30
+    assert auto_time(recs, 0, 10, per, 3.0, False, 30) == ("1f1b-flush", 30.0, "priced out")
+
+
+def test_auto_replay_judges_on_flushs_seconds() -> None:
+    """pipedream (0.5 s per update) reaches flush's level (3.6) at its 16th update, past
+    flush's 10-update pilot but within flush's 20 s (40 of its updates, at most 2P = 20
+    read): it wins at 8 s against 20 s, stops its pilot at the segment end 20, and reaches the
+    target at 20 (10 s) after flush's paid 20 s. On equal updates it would not have reached
+    the level at all."""
+    from bench.ablation.long_report import auto_time
+    from fxpipe.runtime.training.auto import decide
+
+    flush = rec("1f1b-flush", 4, 0, {0: 5.0, 30: 2.9})
+    pd = rec("pipedream", 4, 0, {0: 5.0, 10: 3.5, 20: 2.95})
+    flush["train_losses"] = [5.0, 4.8, 4.6, 4.4, 4.2, 4.0, 3.8, 3.6, 3.4, 3.2, 3.0, 2.9]
+    pd["train_losses"] = [5.0 - 0.11 * i for i in range(24)]
+    recs = {"1f1b-flush": [flush], "pipedream": [pd]}
+    per = {"1f1b-flush": 2.0, "pipedream": 0.5}
+    assert auto_time(recs, 0, 10, per, 3.0, False, 1000) == ("pipedream", 20.0 + 10.0, "piloted")
+    equal_updates = {"1f1b-flush": flush["train_losses"][:10], "pipedream": pd["train_losses"][:10]}
+    assert decide(equal_updates, per).schedule == "1f1b-flush"

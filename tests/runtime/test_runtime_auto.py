@@ -10,8 +10,9 @@ import pytest
 import torch
 from rt_helpers import batches, loss_fn, split, tiny_mlp
 
-from fxpipe.runtime.training.auto import (AutoOptions, budget, choose, decide, merge, periods,
-                                          pilot, share_of, smooth, to_level)
+from fxpipe.runtime.training.auto import (AutoOptions, Level, budget, can_stop, choose, decide,
+                                          equal_time, merge, periods, pilot, pilot_lengths,
+                                          share_of, smooth, to_level)
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.training.trainer import Trainer
 
@@ -56,6 +57,82 @@ def test_diverged_and_slow_candidates() -> None:
     assert d.schedule == "1f1b-flush"
     with pytest.raises(RuntimeConfigError, match="baseline"):
         decide({"pipedream": flush}, {"pipedream": 1.0})
+
+
+def test_equal_time_by_hand() -> None:
+    """The baseline's seconds (100 x 2.0 s) bound every candidate's minibatches, as do their
+    own lengths; a slower candidate gets fewer, never fewer than one."""
+    per = {"1f1b-flush": 2.0, "pipedream": 1.2, "slow": 4.0, "huge": 1e9}
+    got = equal_time({"1f1b-flush": 100, "pipedream": 500, "slow": 100, "huge": 100}, per)
+    assert got == {"1f1b-flush": 100, "pipedream": 166, "slow": 50, "huge": 1}  # 200 / 1.2
+    assert equal_time({"1f1b-flush": 100, "pipedream": 120}, per)["pipedream"] == 120
+    # the pilot's lengths: at most the cap, whole steps (floor 166 -> 164, 133 -> 132)
+    lengths = pilot_lengths(["1f1b-flush", "pipedream", "2bw"],
+                            {"1f1b-flush": 2.0, "pipedream": 1.2, "2bw": 1.5}, 100, 300, step=4)
+    assert lengths == {"1f1b-flush": 100, "pipedream": 164, "2bw": 132}
+    assert pilot_lengths(["1f1b-flush", "pipedream"], per, 100, 150)["pipedream"] == 150
+    assert pilot_lengths(["pipedream"], per, 100, 300) == {"pipedream": 166}  # a rank's share
+
+
+def test_a_faster_candidate_is_judged_on_the_baselines_seconds() -> None:
+    """A candidate twice as fast per minibatch but 5% less efficient per update reaches
+    flush's level in about 84 of its minibatches: after flush's pilot of 80 (equal minibatches)
+    it has not, and could never be chosen; in flush's seconds (160 of its minibatches) it
+    has, and wins at about half flush's time."""
+    flush = line(2.0, 1.0)
+    slower = line(2.0, 1.0, round(P * 1.05))  # the same drop over 5% more minibatches
+    stale = slower + [1.0] * (2 * P - len(slower))
+    per = {"1f1b-flush": 2.0, "pipedream": 1.0}
+    d = decide({"1f1b-flush": flush, "pipedream": stale}, per)
+    rows = {r.schedule: r for r in d.rows}
+    assert d.schedule == "pipedream" and rows["pipedream"].piloted == 2 * P
+    assert P < rows["pipedream"].minibatches <= P * 1.05 + 1
+    assert rows["pipedream"].time_s < 0.6 * rows["1f1b-flush"].time_s
+    assert decide({"1f1b-flush": flush, "pipedream": stale[:P]}, per).schedule == "1f1b-flush"
+    # a longer curve than flush's seconds allow is cut to them: it cannot buy the level late
+    late = [2.0] * (2 * P) + [0.5] * P
+    d = decide({"1f1b-flush": flush, "pipedream": late}, per)
+    assert d.schedule == "1f1b-flush"
+    assert {r.schedule: r.piloted for r in d.rows}["pipedream"] == 2 * P
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stopping_a_pilot_early_never_changes_the_choice(seed: int) -> None:
+    """The pipeline's early stop (auto.can_stop, asked after every segment of a candidate
+    piloted after flush) on random curves and periods: decide on the stopped curves picks
+    what decide on the whole curves picks, and the winner's minibatches to the level and
+    time are the same."""
+    import random
+
+    rng = random.Random(seed)
+    flush = [2.0 - i / P + rng.gauss(0, 0.05) for i in range(P)]
+    per = {"1f1b-flush": 2.0}
+    curves = {"1f1b-flush": flush}
+    for name in ("pipedream", "pipedream+lr_scale", "2bw", "pipedream+nesterov"):
+        per[name] = rng.uniform(0.8, 2.4)
+        rate, floor = rng.uniform(0.3, 1.6), rng.uniform(0.6, 1.4)
+        n = equal_time({"1f1b-flush": P, name: 4 * P}, per)[name]
+        curves[name] = [max(floor, 2.0 - rate * i / P) + rng.gauss(0, 0.05) for i in range(n)]
+    whole = decide(curves, per)
+    level, bound = Level.of(flush), Level.of(flush).minibatches(flush) * per["1f1b-flush"]
+    stopped = {"1f1b-flush": flush}
+    sizes = [8, 16, 32, 64, 128, 256, 512]
+    for name, curve in curves.items():
+        if name == "1f1b-flush":
+            continue
+        end, k = 0, 0
+        while end < len(curve):  # segments of the trainer's ramp
+            end = min(end + sizes[min(k, len(sizes) - 1)], len(curve))
+            k += 1
+            if can_stop(curve[:end], per[name], level, bound):
+                break
+        stopped[name] = curve[:end]
+        bound = min(bound, level.minibatches(stopped[name]) * per[name])
+    early = decide(stopped, per)
+    assert early.schedule == whole.schedule
+    win = {r.schedule: r for r in whole.rows}[whole.schedule]
+    got = {r.schedule: r for r in early.rows}[whole.schedule]
+    assert (got.minibatches, got.time_s) == (win.minibatches, win.time_s)
 
 
 def test_unit_cost_periods_see_the_flush_bubble() -> None:
@@ -234,7 +311,7 @@ def test_an_unaffordable_or_pointless_pilot_is_not_run() -> None:
     short = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, run_minibatches=96)
     assert short.schedule == "1f1b-flush" and not short.rows  # 4 x 48 steps for a 96-step run
     assert "more than 25% of the run's predicted" in short.reason
-    assert "4 candidates x 48 minibatches" in short.reason
+    assert "4 candidates, 192 whole-model steps" in short.reason
     long = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, run_minibatches=10**6)
     assert long.pilot_minibatches == 48 and len(long.rows) == len(opts.candidates)
     unknown = choose(stages, [1, 1, 1], loss_fn, opt, data, opts)  # no length: no limit
@@ -271,7 +348,7 @@ def test_ranks_price_the_pilot_at_the_slowest_ranks_probe() -> None:
     d = choose(stages, [1, 1, 1], loss_fn, opt, data, opts, share=(0, 2), gather=gather,
                run_minibatches=10**8)
     assert seen == ["auto: pilot probe"] and d.schedule == "1f1b-flush"
-    assert "2 candidates x 48 minibatches x 1e+06 ms" in d.reason
+    assert "2 candidates, 96 whole-model steps on a rank x 1e+06 ms" in d.reason
 
 
 def test_a_pilot_the_profile_prices_out_is_skipped_without_a_probe(monkeypatch) -> None:
@@ -300,8 +377,8 @@ def test_a_pilot_the_profile_prices_out_is_skipped_without_a_probe(monkeypatch) 
     opt = lambda ps: torch.optim.SGD(ps, lr=0.05)  # noqa: E731
     d = choose(compiled.stage_specs, [1, 1, 1], loss_fn, opt, data, opts, run_minibatches=96)
     assert d.schedule == "1f1b-flush" and not d.rows
-    assert f"about {cost:.3g} s (4 candidates x 48 minibatches x {step * 1e3:.3g} ms, the " \
-        "profile's compute)" in d.reason
+    assert f"about {cost:.3g} s (4 candidates, 192 whole-model steps on a rank x " \
+        f"{step * 1e3:.3g} ms, the profile's compute)" in d.reason
     assert f"predicted {run:.3g} s" in d.reason
 
     class Counted(list):  # how often the trainer iterates the loader

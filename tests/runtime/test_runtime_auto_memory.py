@@ -83,8 +83,10 @@ def test_the_pilot_holds_no_more_minibatches_than_a_segment() -> None:
     d = t.auto_decision
     assert d.pilot_minibatches == 48 and {r.schedule for r in d.rows} == set(OPTS["candidates"])
     assert 0 < loader.peak <= 8
-    assert decided == [2 * 48 + 1]  # a pass per trained candidate, and the first minibatch
-    # once more, on which the trainer tests how to cut (trainer_cut)
+    piloted = {r.schedule: r.piloted for r in d.rows}
+    assert piloted["1f1b-flush"] == 48 < piloted["pipedream"] <= 96  # flush's seconds
+    assert decided == [48 + piloted["pipedream"] + 1]  # a pass per trained candidate, and the
+    # first minibatch once more, on which the trainer tests how to cut (trainer_cut)
     assert "memory: the largest pilot copy" in d.summary()
 
 
