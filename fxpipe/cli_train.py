@@ -67,6 +67,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pilot", type=int, default=None,
                    help="auto: minibatches of 1f1b-flush's pilot, the others the same seconds "
                    "(0: none, pick 1f1b-flush)")
+    p.add_argument("--look-again", type=float, default=None, metavar="K",
+                   help="auto on the pipeline: race an asynchronous pick against 1f1b-flush "
+                   "again after K times its pilot (default 2; 0: never)")
     p.add_argument("--pilot-on", choices=("copies", "pipeline"), default=None,
                    help="auto: pilot the candidates on copies of the model in each process "
                    "(default) or in turn on this job's own pipeline, the winner continuing")
@@ -175,8 +178,10 @@ def plan_schedule(schedule: str) -> str:
 
 
 def auto_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``schedule="auto"``'s options from ``--pilot`` and ``--pilot-on`` (only those given)."""
-    return {k: v for k, v in (("pilot", args.pilot), ("where", args.pilot_on)) if v is not None}
+    """``schedule="auto"``'s options from ``--pilot``, ``--pilot-on`` and ``--look-again``
+    (only those given)."""
+    return {k: v for k, v in (("pilot", args.pilot), ("where", args.pilot_on),
+                              ("look_again", args.look_again)) if v is not None}
 
 
 def cmd_train(args: argparse.Namespace) -> int:

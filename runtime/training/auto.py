@@ -113,7 +113,10 @@ class AutoOptions:
     ``max_memory`` to what the rank's training holds (``None``: that check is off);
     ``available_bytes``: what a rank may use (default
     :func:`~fxpipe.runtime.training.auto_memory.available_bytes`; None from it: unknown).
-    ``where``: :data:`WHERE` ("pipeline": no copies, so the memory checks do not apply)."""
+    ``where``: :data:`WHERE` ("pipeline": no copies, so the memory checks do not apply).
+    ``look_again``: on the pipeline, after an asynchronous pick has trained this many times its
+    pilot's minibatches beyond the pilot, race it against flush once more from there and fall
+    back to flush if it has stalled (:mod:`~fxpipe.runtime.training.auto_look`; 0: never)."""
 
     pilot: int = 200
     min_pilot: int = 40
@@ -128,6 +131,7 @@ class AutoOptions:
     max_memory: float | None = 0.2
     available_bytes: Callable[[], int | None] | None = None
     where: str = "copies"
+    look_again: float = 2.0
 
     @classmethod
     def make(cls, value: AutoOptions | Mapping[str, Any] | None) -> AutoOptions:
@@ -140,6 +144,9 @@ class AutoOptions:
         opts = cls(**{**value, "candidates": tuple(value.get("candidates", DEFAULT_CANDIDATES))})
         for c in opts.candidates:
             parse_schedule(c)
+        if not opts.look_again >= 0:
+            raise RuntimeConfigError(f"auto option look_again={opts.look_again!r}",
+                                     "use a number >= 0 (0: no second look)")
         if opts.where not in WHERE:
             raise RuntimeConfigError(f"auto option where={opts.where!r}",
                                      f"use one of {WHERE}")
@@ -175,6 +182,7 @@ class Decision:
     memory: str = ""  # what the pilot's copies were priced at, and against what (auto_memory)
     where: str = "copies"  # the pilot trained copies (auto_pilot) or the pipeline (auto_pipeline)
     continued: int = 0  # where="pipeline": fit went on from this minibatch of the first epoch
+    later: tuple[str, ...] = ()  # what auto did after the pilot (auto_look: a second look)
 
     def summary(self) -> str:
         cut = (f" (each minibatch cut into {self.split} microbatches: one update per minibatch)"
@@ -199,6 +207,7 @@ class Decision:
                 n = f"{r.piloted}" if r.piloted else "-"
                 lines.append(f"  {r.schedule:<28}{r.period_s:>12.4g}{n:>9}{to:>10}{t:>12}"
                              + (f"  ({r.note})" if r.note else ""))
+        lines += [f"  then: {x}" for x in self.later]
         return "\n".join(lines)
 
 

@@ -68,20 +68,22 @@ def pilot_step(trainer: Any) -> int:
 
 
 def run_pilot(trainer: Any, loader: Any, P: int, what: str,
-              stop: Callable[[list[float]], bool] | None = None
+              stop: Callable[[list[float]], bool] | None = None, *, epoch: int = 0,
+              start: int = 0, acc: list[float] | None = None
               ) -> tuple[list[float], float, tuple[int, list[float]]]:
-    """Train the adopted schedule on the first ``P`` minibatches of epoch 0 as ``fit`` would
-    (segments, cut, dropout seeds), draining at its end; returns (one training loss per
-    minibatch, on every rank; the seconds it took; (the minibatches read, the epoch's
-    accumulators there): where ``fit`` continues if this candidate wins). ``stop(curve so
-    far)``: asked after every segment, on every rank with the same curve (one exchange per
-    segment); True ends the pilot there (:func:`~.auto.can_stop`)."""
-    it = PartStream(loader, 0, trainer.seed, need_inputs=trainer.need_inputs,
-                    need_targets=trainer.need_targets)
-    trainer._acc = [0.0, 0.0, 0.0, 0.0]
+    """Train the adopted schedule on ``P`` minibatches of ``epoch`` from position ``start`` (the
+    first ones of epoch 0 by default) as ``fit`` would (segments, cut, dropout seeds),
+    draining at its end; returns (one training loss per minibatch, on every rank; the seconds
+    it took; (the epoch position reached, the epoch's accumulators there, from ``acc``): where
+    ``fit`` continues if this candidate wins). ``stop(curve so far)``: asked after every
+    segment, on every rank with the same curve (one exchange per segment); True ends the pilot
+    there (:func:`~.auto.can_stop`)."""
+    it = PartStream(loader, epoch, trainer.seed, need_inputs=trainer.need_inputs,
+                    need_targets=trainer.need_targets, start=start)
+    trainer._acc = list(acc) if acc is not None else [0.0, 0.0, 0.0, 0.0]
     seen: dict[int, list[float]] = {}  # minibatch -> [sum of weight x loss, sum of weights]
     stream = trainer.kind in STREAM_KINDS
-    pos, base = 0, 0  # base: microbatches before this segment (complete schedules count from 0)
+    done, base = 0, 0  # base: microbatches before this segment (complete schedules count from 0)
 
     def note(losses: dict[int, float], weights: dict[int, float], off: int) -> None:
         for k, v in losses.items():
@@ -91,16 +93,17 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str,
 
     t0 = time.perf_counter()
     try:
-        while pos < P:
-            want = min(trainer._segment_at(pos), P - pos)
+        while done < P:
+            pos = start + done
+            want = min(trainer._segment_at(pos), P - done)
             parts, n = trainer._lead(it, want, f"{what} segment at {pos}")
             if n == 0:
                 break
-            final = n < want or pos + n >= P
-            losses, weights = trainer._train_segment(parts, 0, pos, n, final)
+            final = n < want or done + n >= P
+            losses, weights = trainer._train_segment(parts, epoch, pos, n, final)
             note(losses, weights, 0 if stream else base)
             base += len(parts)
-            pos += n
+            done += n
             del parts
             if n < want:
                 break
@@ -108,13 +111,13 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str,
                 break
         # nothing in flight past the pilot (a final segment drained it already); the losses
         # of the minibatches that finish now belong to the curve
-        note(*trainer.drain(0), 0 if stream else base)
+        note(*trainer.drain(epoch), 0 if stream else base)
     finally:
         it.close()
     seconds = time.perf_counter() - t0
     curve = _merged(trainer, seen, what)
     seconds = max(trainer.backend.exchange(seconds, f"{what} seconds"))
-    return curve, seconds, (pos, list(trainer._acc))
+    return curve, seconds, (start + done, list(trainer._acc))
 
 
 def _merged(trainer: Any, seen: dict[int, list[float]], what: str) -> list[float]:
@@ -179,15 +182,15 @@ def candidate_memory(trainer: Any, c: str) -> int:
     return total
 
 
-def _save(trainer: Any, folder: Path, name: str) -> Path:
+def save_state(trainer: Any, folder: Path, name: str) -> Path:
     """This rank's replicas' end state (what a checkpoint holds) in its private folder."""
     path = folder / f"{name.replace('+', '_')}.pt"
     torch.save({rank: trainer._stage_state(rank, 0, 0) for rank in trainer.local}, path)
     return path
 
 
-def _load(trainer: Any, path: Path) -> None:
-    """The winner's end state back into its replicas (its own file, written by :func:`_save`:
+def load_state(trainer: Any, path: Path) -> None:
+    """The end state back into its replicas (its own file, written by :func:`save_state`:
     not memory-mapped, since the optimizer may keep the loaded state tensors as its own)."""
     states = torch.load(path, map_location="cpu", weights_only=False)
     for rank, w in trainer.local.items():
@@ -265,7 +268,7 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
                 if c == "1f1b-flush":
                     peak = process_peak_bytes(getattr(trainer.backend, "device",
                                                       torch.device("cpu")))
-                    ends[c] = (_save(trainer, folder, c), end)
+                    ends[c] = (save_state(trainer, folder, c), end)
                     if len(curve) < max(opts.min_pilot, 1):  # the loader ran out first
                         break
                     continue
@@ -276,7 +279,7 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
                     if best_async is not None:  # one asynchronous end state kept at a time
                         ends.pop(best_async[1])[0].unlink()
                     best_async = (row.time_s, c)
-                    ends[c] = (_save(trainer, folder, c), end)
+                    ends[c] = (save_state(trainer, folder, c), end)
             full = dict(curves)
             for c in opts.candidates:  # gpipe and the zero-bubble kinds: flush's updates
                 if c not in full and parse_schedule(c).kind in SYNCHRONOUS:
@@ -295,7 +298,7 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
                 raise RuntimeError(f"auto chose {winner!r} whose pilot state was not kept "
                                    f"(kept: {sorted(ends)}): an fxpipe bug")
             trainer.adopt(winner, split_for(winner, trainer.replicas, trainer.microbatches))
-            _load(trainer, path)
+            load_state(trainer, path)
     finally:
         trainer.metrics.enabled = metrics_on
     spent = time.perf_counter() - t0

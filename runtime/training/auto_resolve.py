@@ -14,6 +14,7 @@ from .auto import (ONE_STAGE, SAFE, STRETCH, AutoOptions, Decision, choose, peri
 from .auto_data import PilotData, loader_length
 from .auto_memory import (available_bytes, optimizer_state_factor, rank_estimate,
                           training_bytes)
+from .auto_look import plan_look
 from .auto_pipeline import pilot_step, pipeline_decision
 from .loss_split import Cut
 
@@ -80,6 +81,8 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
     if decision is None and on_pipeline and opts.pilot > 0 and want >= opts.min_pilot:
         decision, trainer._continue_acc = pipeline_decision(trainer, loader,
                                                             min(opts.pilot, want), opts, cap)
+        trainer._look_at, note = plan_look(trainer, opts, decision, length, total)
+        decision = replace(decision, later=(note,)) if note else decision
         trainer.auto_decision = decision
         log.info("%s", decision.summary())
         if opts.report is not None:

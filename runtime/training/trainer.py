@@ -75,6 +75,7 @@ from ..schedules.schedule import Schedule
 from ..schedules.spec import AUTO, parse_schedule
 from ..schedules.staleness import own_delays
 from .auto import DEFAULT_CANDIDATES, AutoOptions, Decision
+from .auto_look import look_again
 from .auto_resolve import resolve as resolve_auto
 from .data import PartStream
 from .loss_split import WeightedLoss
@@ -286,6 +287,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self._busy_seen: dict[tuple[int, int], float] = {}
         self.memory_peaks: dict[tuple[int, int], int] = {}  # measure_memory (trainer_results)
         self._continue_acc: list[float] = [0.0, 0.0, 0.0, 0.0]  # auto on the pipeline
+        self._look_at: int | None = None  # auto on the pipeline: a second look (auto_look)
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise RuntimeConfigError(f"prefetch={prefetch!r}", "use 0 (no reading ahead) or a "
                                      "positive number of minibatches")
@@ -340,6 +342,19 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                self._acc[2] / max(self._acc[3], 1e-9))
                     if n < want:
                         break
+                    if self._look_at is not None and epoch == 0 and pos >= self._look_at:
+                        self._look_at = None  # once: race the pick against flush (auto_look)
+                        it.close()
+                        done, self._acc = look_again(self, train_loader, epoch, pos,
+                                                     self.auto_options)
+                        bar.update(done - pos, self._acc[0] / max(self._acc[1], 1),
+                                   self._acc[2] / max(self._acc[3], 1e-9))
+                        pos = done
+                        it = PartStream(train_loader, epoch, self.seed,
+                                        need_inputs=self.need_inputs,
+                                        need_targets=self.need_targets, start=pos,
+                                        prefetch=self.prefetch if self.need_inputs
+                                        or self.need_targets else 0)
                     if self.checkpoint_every and pos % self.checkpoint_every == 0:
                         self._checkpoint(epoch, pos, self._acc)
                     if self.replanner is not None:  # may switch plans here (trainer_switch)

@@ -23,7 +23,8 @@ def test_digits_for_a_model_that_is_no_image_classifier() -> None:
 
 
 def test_pilot_options_reach_auto_and_the_workers() -> None:
-    """--pilot and --pilot-on become auto_options (only those given) and travel to the ranks."""
+    """--pilot, --pilot-on and --look-again become auto_options (only those given) and travel
+    to the ranks."""
     import argparse
 
     from fxpipe.cli_train import _add_arguments, _worker_argv, auto_options
@@ -31,10 +32,12 @@ def test_pilot_options_reach_auto_and_the_workers() -> None:
     p = argparse.ArgumentParser()
     _add_arguments(p)
     assert auto_options(p.parse_args(["mlp", "--data", "synthetic"])) == {}
-    args = p.parse_args(["mlp", "--data", "synthetic", "--pilot", "40", "--pilot-on", "pipeline"])
-    assert auto_options(args) == {"pilot": 40, "where": "pipeline"}
+    args = p.parse_args(["mlp", "--data", "synthetic", "--pilot", "40", "--pilot-on", "pipeline",
+                         "--look-again", "0"])
+    assert auto_options(args) == {"pilot": 40, "where": "pipeline", "look_again": 0.0}
     argv = _worker_argv(args)
     assert argv[argv.index("--pilot-on") + 1] == "pipeline"
+    assert argv[argv.index("--look-again") + 1] == "0.0"
     with pytest.raises(SystemExit):
         p.parse_args(["mlp", "--data", "synthetic", "--pilot-on", "gpu"])
 

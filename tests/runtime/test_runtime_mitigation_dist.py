@@ -24,7 +24,9 @@ def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> Non
     for i, (schedule, extra) in enumerate((("pipedream+predict+dc+momentum", []),
                                            ("pipedream+nesterov", ["--optimizer", "muon"]),
                                            ("auto", []), ("auto", ["--pilot", "12"]),
-                                           ("auto", ["--pilot", "12", "--where", "pipeline"]))):
+                                           ("auto", ["--pilot", "12", "--where", "pipeline"]),
+                                           ("auto", ["--pilot", "6", "--where", "pipeline",
+                                                     "--samples", "160", "--look-again", "1"]))):
         ref = _run([sys.executable, str(HERE / "trainer_job.py"), str(tmp_path / "ref.pt"),
                     "--ckpt", str(tmp_path / f"ref-{i}"), "--executor", "reference",
                     "--schedule", schedule, *extra])
@@ -39,7 +41,13 @@ def test_mitigated_pipedream_distributed_equals_reference(tmp_path: Path) -> Non
             # sizes): one update per minibatch on both executors
             assert (want["auto"].schedule, want["auto"].split) == ("1f1b-flush", 2)
             assert (got["auto"].schedule, got["auto"].split) == ("1f1b-flush", 2)
-        if "pipeline" in extra:  # the candidates in turn on each executor's own pipeline,
+        if "--look-again" in extra:  # an asynchronous pick raced against flush again at
+            # minibatch 12 of 40, on both executors alike (auto_look)
+            a, b = want["auto"], got["auto"]
+            assert a.schedule not in ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")
+            assert "looked again at minibatch 12" in a.later[-1]
+            assert [x.split(" (")[0] for x in b.later] == [x.split(" (")[0] for x in a.later]
+        elif "pipeline" in extra:  # the candidates in turn on each executor's own pipeline,
             # the winner going on from its pilot (7 minibatches: the first epoch's)
             a, b = want["auto"], got["auto"]
             assert (a.where, b.where, a.continued, b.continued) == ("pipeline",) * 2 + (7, 7)

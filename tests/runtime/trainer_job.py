@@ -10,7 +10,8 @@ trainer gathered to rank 0 (during fit, then in state_dict()) to OUT.pt at the e
 ``--rank-data``: each rank gets a loader seeded by its rank (a mistake the trainer must catch).
 ``--pilot N`` (with ``--schedule auto``): a pilot of N minibatches (every rank trains its share of
 the candidates; ``--where pipeline``: the candidates in turn on this job's pipeline, with no copy
-of any stage allowed); OUT.pt then holds auto's decision too. ``--optimizer muon``: the ``"muon"``
+of any stage allowed; ``--look-again K``: auto's second look, ``--samples N``: a longer epoch for
+it); OUT.pt then holds auto's decision too. ``--optimizer muon``: the ``"muon"``
 recipe (Muon on the 2-D weights, AdamW on the biases) in place of SGD. ``--no-close``: ends
 without ``trainer.close()`` and prints, at exit, whether the process group is still open.
 """
@@ -44,9 +45,9 @@ def stages(cut: int = 3) -> list:
     return split_graph(gm, {n.name: int(i > cut) for i, n in enumerate(placed_nodes(gm))})
 
 
-def dataset() -> ShardedDataset:
+def dataset(samples: int = 28) -> ShardedDataset:
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(28, 4, generator=g), torch.randn(28, 2, generator=g)
+    x, y = torch.randn(samples, 4, generator=g), torch.randn(samples, 2, generator=g)
     return ShardedDataset(x, y, batch_size=4, seed=3)
 
 
@@ -71,7 +72,7 @@ def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
                    on_checkpoint=on_checkpoint, timeline=args.timeline,
                    auto_options=None if args.pilot is None else
                    {"pilot": args.pilot, "min_pilot": 4, "max_fraction": 1.0, "max_cost": None,
-                    "where": args.where})
+                    "where": args.where, "look_again": args.look_again})
 
 
 def main() -> int:
@@ -86,6 +87,8 @@ def main() -> int:
     p.add_argument("--rank-data", action="store_true", help="a loader that differs by rank")
     p.add_argument("--pilot", type=int, default=None, help="auto's pilot length")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"])
+    p.add_argument("--samples", type=int, default=28, help="samples per epoch (4 a minibatch)")
+    p.add_argument("--look-again", type=float, default=2.0, help="auto's second look")
     p.add_argument("--no-close", action="store_true",
                    help="end without trainer.close(), as the README's script does; at exit, "
                         "print whether the process group is still open")
@@ -123,7 +126,7 @@ def main() -> int:
             gathers[0] += 1
             return real_gather(*a, **kw)
         trainer.backend.gather = counted
-    data = rank_data() if args.rank_data else dataset()
+    data = rank_data() if args.rank_data else dataset(args.samples)
     history = trainer.fit(data, epochs=2, eval_loader=None if args.rank_data else dataset(),
                           resume=args.resume)
     in_fit = gathers[0]

@@ -1,0 +1,120 @@
+"""``schedule="auto"`` looks again later (``auto_options={"where": "pipeline", "look_again": k}``).
+
+A pilot sees the start of training, and staleness can cost more later: an asynchronous winner
+that was ahead after the pilot may stall short of where the synchronous schedule would go
+(bench/ablation: a quarter-run pilot let such picks through on 4 of 27 rows of held-out seeds).
+So where auto picked an asynchronous schedule on the job's pipeline, it races it against
+``1f1b-flush`` once more, from where the run has got to, after ``k`` times the winner's pilot
+has been trained beyond the pilot (default 2):
+
+1. the pipeline drains (as at a checkpoint) and each rank saves its replicas' state;
+2. ``1f1b-flush`` is adopted, loads that state (weights, optimizer, LR scheduler: the same
+   optimizer, so its state carries over) and trains the next ``P`` minibatches (P = flush's
+   pilot) as ``fit`` would; its state at the end is saved;
+3. the winner is adopted again, loads the state of step 1 and trains the same minibatches for
+   the same simulated seconds (:func:`~.auto.pilot_lengths`), stopping early where that cannot
+   change the choice (:func:`~.auto.can_stop`);
+4. :func:`~.auto.decide` on the two curves (a near tie goes to flush): the winner keeps going
+   from the end of its own race; otherwise flush is adopted again, loads its saved end state and
+   ``fit`` continues from flush's end. Nothing of the loser's race reaches the run.
+
+Its cost is the loser's race: flush's ``P`` minibatches where the winner keeps going. It is
+priced with the pilot (:func:`plan_look`): where the pilot's losers and this race together
+would cost more than ``max_cost`` of the run's predicted training time, or the first epoch has
+no room for it, there is no second look (the decision says so). Only on the pipeline: the pilot
+on copies has no run to continue from.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .auto import (SYNCHRONOUS, AutoOptions, Decision, Level, can_stop, decide, periods,
+                   pilot_lengths, trained)
+from .auto_pilot import split_for
+from .auto_pipeline import load_state, pilot_step, run_pilot, save_state
+
+log = logging.getLogger("fxpipe.runtime.training.auto")
+
+BASELINE = "1f1b-flush"
+
+
+def plan_look(trainer: Any, opts: AutoOptions, decision: Decision, length: int | None,
+              run_minibatches: int | None) -> tuple[int | None, str]:
+    """(the epoch position at which to look again, or None; a note for the decision). Looks
+    only after an asynchronous pick on the pipeline, within the first epoch of a loader with a
+    length, and where the pilot's losers plus one race of flush's pilot cost at most
+    ``max_cost`` of the run (flush's seconds per minibatch, as :func:`~.auto_resolve
+    .price_pipeline` prices the pilot)."""
+    k = opts.look_again
+    if not k or decision.where != "pipeline" or decision.schedule in SYNCHRONOUS:
+        return None, ""
+    P, step = decision.pilot_minibatches, pilot_step(trainer)
+    at = decision.continued + math.ceil(k * decision.continued / step) * step
+    if length is None or at + 2 * P > length:
+        return None, (f"no second look: the first epoch has no room for a race of {2 * P} "
+                      f"minibatches after minibatch {at}")
+    rows = {r.schedule: r for r in decision.rows if math.isfinite(r.period_s)}
+    if opts.max_cost is not None and run_minibatches and BASELINE in rows:
+        each = [rows[c].piloted * rows[c].period_s for c in trained(opts.candidates)
+                if c in rows and rows[c].piloted]  # gpipe, zb-*: flush's curve, not trained
+        race = P * rows[BASELINE].period_s
+        run = run_minibatches * rows[BASELINE].period_s
+        if sum(each) - min(each) + race > opts.max_cost * run:
+            return None, (f"no second look: the pilot and a race of {P} minibatches of "
+                          f"{BASELINE} would cost more than max_cost={opts.max_cost:.0%} of the "
+                          "run's predicted training")
+    return at, f"looks again at minibatch {at} of the first epoch"
+
+
+def look_again(trainer: Any, loader: Any, epoch: int, pos: int, opts: AutoOptions
+               ) -> tuple[int, list[float]]:
+    """Race the running asynchronous schedule against flush from epoch position ``pos`` (see
+    the module doc); returns where ``fit`` continues and the epoch's accumulators there, and
+    records the outcome on ``trainer.auto_decision``. Every rank runs it."""
+    d: Decision = trainer.auto_decision
+    winner = trainer.schedule_name
+    per, _ = periods((BASELINE, winner), trainer.replicas, plan=opts.plan, profile=opts.profile,
+                     microbatches=trainer.microbatches)
+    P = d.pilot_minibatches
+    lengths = pilot_lengths([BASELINE, winner], per, P, 2 * P, pilot_step(trainer))
+    trainer.drain(epoch)
+    acc = list(trainer._acc)
+    split = trainer.split
+    with tempfile.TemporaryDirectory(prefix="fxpipe-auto-") as tmp:
+        folder = Path(tmp)
+        here = save_state(trainer, folder, "here")
+        trainer.adopt(BASELINE, split_for(BASELINE, trainer.replicas, trainer.microbatches))
+        load_state(trainer, here)
+        flush, _, flush_end = run_pilot(trainer, loader, lengths[BASELINE],
+                                        f"auto look-again {BASELINE}", epoch=epoch, start=pos,
+                                        acc=acc)
+        flush_state = save_state(trainer, folder, BASELINE)
+        trainer.adopt(winner, split)
+        load_state(trainer, here)
+        level = Level.of(flush)
+        stop = functools.partial(can_stop, period=per[winner], level=level,
+                                 bound_s=level.minibatches(flush) * per[BASELINE])
+        mine, _, end = run_pilot(trainer, loader, lengths[winner], f"auto look-again {winner}",
+                                 stop, epoch=epoch, start=pos, acc=acc)
+        again = decide({BASELINE: flush, winner: mine}, per, margin=opts.margin)
+        if again.schedule != winner:
+            trainer.adopt(BASELINE, split_for(BASELINE, trainer.replicas, trainer.microbatches))
+            load_state(trainer, flush_state)
+            end = flush_end
+    rows = {r.schedule: r for r in again.rows}
+    note = (f"looked again at minibatch {pos}: {winner} "
+            + ("kept" if again.schedule == winner else f"fell back to {BASELINE}")
+            + f" ({winner} {rows[winner].time_s:.4g} s to {BASELINE}'s level after {len(flush)} "
+            f"minibatches, {BASELINE} {rows[BASELINE].time_s:.4g} s); continues at "
+            f"minibatch {end[0]}")
+    log.info("auto: %s", note)
+    trainer.auto_decision = replace(d, later=d.later + (note,))
+    if opts.report is not None:
+        opts.report(trainer.auto_decision)
+    return end
