@@ -274,7 +274,8 @@ def pilot_lengths(names: Sequence[str], periods: Mapping[str, float], pilot_len:
 @dataclass(frozen=True)
 class Level:
     """The loss level a pilot is judged against: where the baseline's smoothed curve ends
-    (trailing mean over ``window`` = max(5, P // 8) of its P minibatches)."""
+    (trailing mean over ``window`` = max(5, P // 8) of its P minibatches, at most P: a pilot
+    shorter than 5 minibatches must still reach its own level)."""
 
     level: float
     start: float
@@ -283,7 +284,7 @@ class Level:
     @classmethod
     def of(cls, baseline: Sequence[float]) -> Level:
         P = len(baseline)
-        window = max(5, P // 8)
+        window = max(1, min(max(5, P // 8), P))
         base = smooth(baseline, window)
         return cls(base[-1], base[window - 1] if P >= window else base[0], window)
 

@@ -59,6 +59,20 @@ def test_diverged_and_slow_candidates() -> None:
         decide({"pipedream": flush}, {"pipedream": 1.0})
 
 
+def test_a_pilot_shorter_than_the_window_reaches_its_own_level() -> None:
+    """Four minibatches of flush (fewer than the 5-minibatch smoothing window): the level is
+    their mean, which flush reaches at its 4th; before, its count was never and the reason
+    said 'infx faster'."""
+    flush = [2.0, 1.8, 1.6, 1.4]
+    level = Level.of(flush)
+    assert (level.level, level.window) == (pytest.approx(1.7), 4)
+    assert level.minibatches(flush) == 4
+    d = decide({"1f1b-flush": flush, "pipedream": [2.0, 1.8, 1.4, 1.2, 1.0, 0.9]},
+               {"1f1b-flush": 3.0, "pipedream": 2.0})
+    assert d.schedule == "pipedream" and "inf" not in d.reason
+    assert {r.schedule: r.minibatches for r in d.rows} == {"1f1b-flush": 4, "pipedream": 4}
+
+
 def test_equal_time_by_hand() -> None:
     """The baseline's seconds (100 x 2.0 s) bound every candidate's minibatches, as do their
     own lengths; a slower candidate gets fewer, never fewer than one."""
