@@ -5,10 +5,11 @@ model (``costmodel.calibrate``). A stage as the runtime runs it costs more than 
 step: its forward is a separate call with its own weights dict, its backward starts from the
 received gradients (``torch.autograd.grad``), its update pays the stash's copy under pipedream.
 On the zoo's GPT mini cut in two, the stages ran 1.29-1.35x their planned forward and backward
-and 2.3-2.7x their update (BENCHMARKS ``runtime_prediction``): the plan promised 6.8 ms per
-minibatch, the run took 10.1, and only re-planning after a first distributed segment said so.
-Priced on these stage times the prediction was 10.1 ms (within 1%). The MLP cut in two was
-over-predicted by 25% instead (by 9% and 16% in two earlier runs): one process alternating
+and 2.3-2.7x their update (BENCHMARKS ``runtime_prediction``, an earlier run): the plan promised
+6.8 ms per minibatch, the run took 10.1, and only re-planning after a first distributed segment
+said so. Priced on these stage times the prediction was 10.1 ms (within 1%; +9% in the latest
+run). The MLP cut in two was over-predicted in some runs (by 25% in one, by 9%, 16% and, in one
+round of the latest, 22% in others; the latest's median is -5%): one process alternating
 between two stages whose weights and momenta (about 30 MB) do not fit its cache together
 probably computes each slower than a process of its own does (not measured apart).
 
