@@ -355,6 +355,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                         need_targets=self.need_targets, start=pos,
                                         prefetch=self.prefetch if self.need_inputs
                                         or self.need_targets else 0)
+                        continue  # the race's segments were not fit's: no re-plan from them
                     if self.checkpoint_every and pos % self.checkpoint_every == 0:
                         self._checkpoint(epoch, pos, self._acc)
                     if self.replanner is not None:  # may switch plans here (trainer_switch)

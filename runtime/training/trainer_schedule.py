@@ -392,5 +392,10 @@ class ScheduleMixin:
         return placed.schedule
 
     def _segment_at(self, pos: int) -> int:
-        """Minibatches in the segment starting at epoch position ``pos`` (see DEFAULT_SEGMENT)."""
-        return min(self.segment, pos + self._first) if self._ramp else self.segment
+        """Minibatches in the segment starting at epoch position ``pos`` (see DEFAULT_SEGMENT).
+        Fixed segments end on multiples of ``segment`` (where checkpoints fall): after auto's
+        pilot or second look, ``fit`` may go on from any position, and the first segment from
+        there is cut short so that the next ones line up again."""
+        if self._ramp:
+            return min(self.segment, pos + self._first)
+        return self.segment - pos % self.segment

@@ -118,3 +118,30 @@ def test_the_second_look_is_planned_only_where_it_fits_and_pays() -> None:
 def test_look_again_must_be_a_number_of_pilots() -> None:
     with pytest.raises(RuntimeConfigError, match="look_again"):
         AutoOptions.make({"look_again": -1})
+
+
+def test_checkpoints_stay_on_their_multiples_after_the_pilot_and_the_second_look(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """checkpoint_every=8 and a flush pilot of 20: with the second race forced to flush, fit
+    goes on from the end of flush's 20-minibatch race (not a multiple of 8); the first segment
+    from there is cut short, so every checkpoint still falls on a multiple of 8 and they go on
+    to the epoch's end. So does a flush winning the pilot itself (fit goes on from 20)."""
+    real = auto_look.decide
+    monkeypatch.setattr(auto_look, "decide",
+                        lambda *a, **k: replace(real(*a, **k), schedule="1f1b-flush"))
+    for candidates in (("1f1b-flush", "pipedream"), ("1f1b-flush",)):
+        seen: list[tuple[int, int]] = []
+        auto = Trainer(split(tiny_mlp(), [1, 3]), STAGES, loss_fn,
+                       lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.5), schedule="auto",
+                       executor="reference", progress=False,
+                       checkpoint_dir=str(tmp_path / str(len(candidates))), checkpoint_every=8,
+                       on_checkpoint=lambda e, p: seen.append((e, p)),
+                       auto_options={**OPTIONS, "pilot": 20, "candidates": candidates})
+        auto.fit(batches(120), epochs=1)
+        d = auto.auto_decision
+        end = positions(d)[1] if len(candidates) > 1 else d.continued
+        assert end % 8, (candidates, end)  # the test needs a position off the multiples
+        inside = [p for e, p in seen if e == 0]
+        assert inside and all(p % 8 == 0 for p in inside), inside
+        assert [p for p in inside if p > end][0] == end + 8 - end % 8
+        assert max(inside) == 120
