@@ -15,7 +15,9 @@
   ``pilot``, default 200, at most ``max_fraction`` = 1/2 of the run's minibatches; every other
   candidate as many as fit in flush's simulated seconds, :func:`pilot_lengths`, at most
   :data:`STRETCH` times flush's and the same fraction of the run; from as many epochs of the
-  loader as that takes: the loader must be re-iterable), on the reference executor (the distributed runtime's
+  loader as that takes: the loader must be re-iterable, and give the same minibatches each
+  time; an iterator such as a generator gets no pilot, auto trains flush on it), on the
+  reference executor (the distributed runtime's
   single-process oracle; CPU, in this process; the trainer's per-update LR scheduler stepped as
   in training), reading them again for each candidate a training segment at a time
   (:mod:`~fxpipe.runtime.training.auto_data`). The training losses are smoothed (trailing

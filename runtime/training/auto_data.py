@@ -51,7 +51,9 @@ class PilotData:
         self.loader, self.minibatches, self.chunk, self.seed = loader, minibatches, chunk, seed
         self._held = held
         self._count: int | None = None if held is None else min(len(held), minibatches)
-        self._marks: list[str | None] | None = None  # the first complete pass's fingerprints
+        # shared with every view of these minibatches (:meth:`limited`): the fingerprints of
+        # the longest complete pass so far, and the most minibatches a pass has read
+        self._shared: dict[str, Any] = {"marks": None, "read": None}
 
     @classmethod
     def held(cls, batches: Sequence[Batch], chunk: int | None = None) -> PilotData:
@@ -63,6 +65,7 @@ class PilotData:
         if n >= self.minibatches:
             return self
         out = PilotData(self.loader, n, chunk=self.chunk, seed=self.seed, held=self._held)
+        out._shared = self._shared  # every candidate's pass is checked against the others'
         if self._count is not None:
             out._count = min(self._count, n)
         return out
@@ -120,9 +123,8 @@ class PilotData:
             got += len(out)
             yield out
             out = []  # the caller's chunk is dropped before the next read
-        if record and self._marks is None:
-            self._marks = marks
-            self._count = got if self._count is None else self._count
+        if record:
+            self._complete(marks, got)
 
     def _parts(self, marks: list[str | None], streams: list[PartStream]) -> Iterator[Batch]:
         """The pass's minibatches over as many epochs as it takes (see the module doc); an
@@ -145,11 +147,33 @@ class PilotData:
             if n == start:  # an empty epoch: the loader has nothing more to give
                 return
 
+    def _complete(self, marks: list[str | None], got: int) -> None:
+        """A pass ended after ``got`` minibatches: fewer than an earlier pass read (up to this
+        view's length) means the loader gives less when it is iterated again (a stream read
+        once): an error, not a short pilot. The longest pass's fingerprints are kept."""
+        shared = self._shared
+        before = shared["read"]
+        if before is not None and got < min(before, self.minibatches):
+            raise RuntimeConfigError(
+                f"the loader gave {got} minibatches when auto's pilot read it again, "
+                f"{min(before, self.minibatches)} before", "auto trains every candidate on the "
+                "same first minibatches, reading the loader once per candidate: give a loader "
+                "that yields the same minibatches each time it is iterated (a list, a "
+                "DataLoader; not a stream that can be read once), or name a schedule")
+        if shared["marks"] is None or len(marks) > len(shared["marks"]):
+            shared["marks"] = marks
+        shared["read"] = max(before or 0, got)
+        self._count = got if self._count is None else self._count
+
     def _check(self, marks: Sequence[str | None]) -> None:
-        """Compare this pass's fingerprints so far with the first complete pass's."""
-        if self._marks is None:
+        """Compare this pass's fingerprints so far with the longest complete pass's (those of
+        chunks of the same length: a shorter pass's last chunk may end early)."""
+        kept = self._shared["marks"]
+        if kept is None:
             return
-        for i, (a, b) in enumerate(zip(marks, self._marks)):
+        for i, (a, b) in enumerate(zip(marks, kept)):
+            if a is not None and b is not None and a.split(":")[0] != b.split(":")[0]:
+                continue  # a chunk cut short by this pass's (or that pass's) length
             if a != b:
                 raise RuntimeConfigError(
                     f"the loader gave different minibatches when auto's pilot read it again "

@@ -101,7 +101,8 @@ def look_again(trainer: Any, loader: Any, epoch: int, pos: int, opts: AutoOption
         stop = functools.partial(can_stop, period=per[winner], level=level,
                                  bound_s=level.minibatches(flush) * per[BASELINE])
         mine, _, end = run_pilot(trainer, loader, lengths[winner], f"auto look-again {winner}",
-                                 stop, epoch=epoch, start=pos, acc=acc)
+                                 stop, epoch=epoch, start=pos, acc=acc,
+                                 expect=flush_end[0] - pos)
         again = decide({BASELINE: flush, winner: mine}, per, margin=opts.margin)
         if again.schedule != winner:
             trainer.adopt(BASELINE, split_for(BASELINE, trainer.replicas, trainer.microbatches))

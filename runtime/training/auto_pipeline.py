@@ -50,6 +50,7 @@ import torch
 
 from fxpipe.errors import FxpipeError
 
+from ..errors import RuntimeConfigError
 from ..schedules.spec import parse_schedule
 from ..schedules.stream import STREAM_KINDS
 from .auto import (SAFE, SYNCHRONOUS, AutoOptions, Decision, Level, Row, can_stop, decide,
@@ -69,7 +70,7 @@ def pilot_step(trainer: Any) -> int:
 
 def run_pilot(trainer: Any, loader: Any, P: int, what: str,
               stop: Callable[[list[float]], bool] | None = None, *, epoch: int = 0,
-              start: int = 0, acc: list[float] | None = None
+              start: int = 0, acc: list[float] | None = None, expect: int = 0
               ) -> tuple[list[float], float, tuple[int, list[float]]]:
     """Train the adopted schedule on ``P`` minibatches of ``epoch`` from position ``start`` (the
     first ones of epoch 0 by default) as ``fit`` would (segments, cut, dropout seeds),
@@ -77,7 +78,9 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str,
     it took; (the epoch position reached, the epoch's accumulators there, from ``acc``): where
     ``fit`` continues if this candidate wins). ``stop(curve so far)``: asked after every
     segment, on every rank with the same curve (one exchange per segment); True ends the pilot
-    there (:func:`~.auto.can_stop`)."""
+    there (:func:`~.auto.can_stop`). ``expect``: minibatches an earlier pass read from
+    ``start`` on: a loader that runs out before them gives less when it is iterated again (a
+    stream read once), an error rather than a short pilot."""
     it = PartStream(loader, epoch, trainer.seed, need_inputs=trainer.need_inputs,
                     need_targets=trainer.need_targets, start=start)
     trainer._acc = list(acc) if acc is not None else [0.0, 0.0, 0.0, 0.0]
@@ -97,6 +100,14 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str,
             pos = start + done
             want = min(trainer._segment_at(pos), P - done)
             parts, n = trainer._lead(it, want, f"{what} segment at {pos}")
+            if n < want and done + n < min(expect, P):
+                raise RuntimeConfigError(
+                    f"the loader gave {done + n} minibatches from minibatch {start} of epoch "
+                    f"{epoch} when auto's pilot read it again, {min(expect, P)} before",
+                    "auto trains the candidates in turn on the same minibatches, reading the "
+                    "loader once per candidate: give a loader that yields the same minibatches "
+                    "each time it is iterated (a list, a DataLoader; not a stream that can be "
+                    "read once), or name a schedule")
             if n == 0:
                 break
             final = n < want or done + n >= P
@@ -235,6 +246,7 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
     best_async: tuple[float, str] | None = None
     level: Level | None = None  # flush's, once its pilot ran
     bound = math.inf  # the least predicted time so far: a later candidate stops past it
+    flush_read = 0  # minibatches flush's pilot read: every later pass must find them again
     metrics_on, trainer.metrics.enabled = trainer.metrics.enabled, False  # pilots: no rows
     t0 = time.perf_counter()
     try:
@@ -258,10 +270,12 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
                     stop = functools.partial(can_stop, period=per[c], level=level,
                                              bound_s=bound)
                 curve, secs, end = run_pilot(trainer, loader, lengths[c], f"auto pilot {c}",
-                                             stop)
+                                             stop, expect=flush_read)
                 curves[c], seconds[c] = curve, secs
                 log.info("auto: pilot of %s on the pipeline: %d minibatches in %.3g s, last "
                          "loss %.4g", c, len(curve), secs, curve[-1] if curve else math.nan)
+                if c == "1f1b-flush":
+                    flush_read = end[0]
                 if c == "1f1b-flush" and curve:
                     level = Level.of(curve)
                 bound = min(bound, (level.minibatches(curve) * per[c]) if level else math.inf)

@@ -4,6 +4,7 @@ over the ranks, agree on one decision and adopt it (the rule itself:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -59,6 +60,11 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
             decision = Decision(found, "the checkpoint being resumed was trained with it")
     if decision is None and len(trainer.stages) == 1:
         decision = Decision("pipedream", ONE_STAGE)
+    if decision is None and isinstance(loader, Iterator):  # a generator: one pass, no pilot
+        decision = Decision("1f1b-flush", f"no pilot: the loader is an iterator "
+                            f"({type(loader).__name__}), which can be read once, and a pilot "
+                            f"reads the first minibatches again for every candidate (pass a "
+                            f"list or a DataLoader to let auto pilot): {SAFE}")
     on_pipeline = opts.where == "pipeline"
     if decision is None:
         want = pilot_length(opts, total)

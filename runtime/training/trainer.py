@@ -56,6 +56,7 @@ timelines, metrics); :mod:`.trainer_backends` carries segments out on the execut
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -316,6 +317,12 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         told = False
         if resume:
             epoch0, pos0, partial = self._resume()
+        if isinstance(train_loader, Iterator) and epochs - epoch0 > 1:
+            raise RuntimeConfigError(
+                f"{epochs - epoch0} epochs from an iterator ({type(train_loader).__name__}), "
+                "which can be read once: every epoch after the first would train nothing",
+                "pass a list or a DataLoader (re-iterable), or train one epoch per fit call "
+                "with a fresh iterator each time")
         total = len(train_loader) if hasattr(train_loader, "__len__") else None  # type: ignore
         for epoch in range(epoch0, epochs):
             pos = pos0 if epoch == epoch0 else 0

@@ -123,6 +123,71 @@ def test_a_loader_that_changes_between_passes_is_refused() -> None:
         pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, SGD, data, OPTS["candidates"])
 
 
+class OnePass:
+    """A stream: everything on its first iteration, nothing after."""
+
+    def __init__(self, data: list) -> None:
+        self.data, self.used = data, False
+
+    def __iter__(self) -> Iterator[tuple]:
+        if self.used:
+            return iter(())
+        self.used = True
+        return iter(self.data)
+
+
+def test_passes_of_different_lengths_are_checked_against_each_other() -> None:
+    """Each candidate reads its own number of minibatches (auto.pilot_lengths: flush's seconds),
+    from views of one PilotData: every pass is still compared with the others where their
+    chunks are whole, and one that finds fewer minibatches than an earlier pass read is
+    refused (before, a stream read once left every candidate after the first an empty curve)."""
+    cands, lengths = ("1f1b-flush", "pipedream"), {"1f1b-flush": 24, "pipedream": 40}
+    steady = batches(48)
+    curves, _ = pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, SGD,
+                      PilotData(steady, 48, chunk=16), cands, lengths=lengths)
+    assert [len(curves[c]) for c in cands] == [24, 40]
+    alone, _ = pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, SGD, steady[:40],
+                     ("pipedream",))
+    assert curves["pipedream"] == alone["pipedream"]
+
+    class Drifting:  # another order each time it is iterated
+        passes = 0
+
+        def __len__(self) -> int:
+            return 48
+
+        def __iter__(self) -> Iterator[tuple]:
+            Drifting.passes += 1
+            return iter(batches(48, seed=Drifting.passes))
+
+    with pytest.raises(RuntimeConfigError, match="different minibatches when auto's pilot"):
+        pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, SGD,
+              PilotData(Drifting(), 48, chunk=16), cands, lengths=lengths)
+    stream = PilotData(OnePass(steady), 48, chunk=16)
+    assert stream.count() == 48  # as auto.choose counts first: a whole pass
+    with pytest.raises(RuntimeConfigError, match="gave 0 minibatches when auto's pilot read it "
+                       "again, 24 before"):
+        pilot(split(tiny_mlp(), [1, 3]), [1, 1, 1], loss_fn, SGD, stream, cands,
+              lengths=lengths)
+
+
+@pytest.mark.parametrize("where", ["copies", "pipeline"])
+def test_a_generator_trains_flush_without_a_pilot_and_a_stream_is_refused(where: str) -> None:
+    """A generator (an iterator: one pass) gets no pilot: auto trains 1f1b-flush on every
+    minibatch of it (before, the pilot read the minibatches and the run trained what was left:
+    7 of 120 on copies). A re-iterable stream that gives nothing the second time is a clear
+    error on either pilot, not a run on part of the data."""
+    opts = {**OPTS, "pilot": 24, "min_pilot": 8, "max_fraction": 0.5, "where": where}
+    data = batches(120)
+    t = trainer(auto_options=opts)
+    t.fit((b for b in data), epochs=1)
+    assert t.schedule_name == "1f1b-flush" and "the loader is an iterator" in \
+        t.auto_decision.reason
+    assert t.history[0]["samples"] == sum(len(x) for x, _ in data)
+    with pytest.raises(RuntimeConfigError, match="when auto's pilot read it again"):
+        trainer(auto_options=opts).fit(OnePass(data), epochs=1)
+
+
 def test_the_estimate_by_hand() -> None:
     stages = split(tiny_mlp(), [1, 3])  # 4x8 + 8, 8x8 + 8, 8x2 + 2 floats
     sizes = stage_bytes(stages)

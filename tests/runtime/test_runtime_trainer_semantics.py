@@ -138,6 +138,21 @@ def test_a_distributed_sampler_is_refused_with_the_way_out() -> None:
     trainer.fit(DataLoader(ds, batch_size=4, sampler=one), epochs=1)
 
 
+def test_several_epochs_from_an_iterator_are_refused_with_the_way_out() -> None:
+    """A generator can be read once: a second epoch from it trained nothing and reported a loss
+    of 0. Several epochs from one are refused before training; one epoch per fit call, each
+    from a fresh generator, trains them all."""
+    data = batches(6)
+    trainer = Trainer(split(tiny_mlp(), [2]), [1, 1], loss_fn, momentum, executor="reference",
+                      progress=False)
+    with pytest.raises(RuntimeConfigError, match=r"2 epochs from an iterator \(generator\)"):
+        trainer.fit((b for b in data), epochs=2)
+    assert trainer.history == []
+    for _ in range(2):
+        trainer.fit((b for b in data), epochs=1)
+    assert [h["samples"] for h in trainer.history] == [24.0, 24.0]
+
+
 def test_fingerprints_tell_whether_two_ranks_read_the_same_minibatches() -> None:
     from fxpipe.runtime.training.data import PartStream
 
