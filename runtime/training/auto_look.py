@@ -8,9 +8,10 @@ So where auto picked an asynchronous schedule on the job's pipeline, it races it
 has been trained beyond the pilot (default 2):
 
 1. the pipeline drains (as at a checkpoint) and each rank saves its replicas' state;
-2. ``1f1b-flush`` is adopted, loads that state (weights, optimizer, LR scheduler: the same
-   optimizer, so its state carries over) and trains the next ``P`` minibatches (P = flush's
-   pilot) as ``fit`` would; its state at the end is saved;
+2. ``1f1b-flush`` is adopted, loads that state (weights, buffers, the optimizer's momenta and
+   moments, the LR scheduler's position; flush's own hyperparameters: :func:`carry_into`) and
+   trains the next ``P`` minibatches (P = flush's pilot) as ``fit`` would; its end state is
+   saved;
 3. the winner is adopted again, loads the state of step 1 and trains the same minibatches for
    the same simulated seconds (:func:`~.auto.pilot_lengths`), stopping early where that cannot
    change the choice (:func:`~.auto.can_stop`);
@@ -72,6 +73,42 @@ def plan_look(trainer: Any, opts: AutoOptions, decision: Decision, length: int |
     return at, f"looks again at minibatch {at} of the first epoch"
 
 
+def carry_into(trainer: Any, path: Path) -> None:
+    """Load the state the pick saved at ``path`` into flush's freshly adopted replicas: its
+    weights, buffers, the optimizer's per-parameter state (momenta, moments) and the LR
+    scheduler's position, but flush's own hyperparameters. A mitigation gives the pick another
+    optimizer configuration (lr_scale a smaller lr, nesterov a larger momentum with Nesterov's
+    form, NAdam for AdamW), and ``load_state_dict`` would carry it over with the state; flush
+    trains the user's recipe. The lr is flush's own initial one times the factor the pick's
+    scheduler had reached (its current lr over its initial one)."""
+    own: dict[Any, list[dict[str, Any]]] = {}
+    bases: dict[Any, list[float]] = {}
+    for rank, w in trainer.local.items():
+        opt = w.stash.optimizer
+        if opt is not None:
+            own[rank] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        sch = trainer.schedulers.get(rank)
+        if sch is not None and hasattr(sch, "base_lrs"):
+            bases[rank] = list(sch.base_lrs)
+    load_state(trainer, path)
+    for rank, groups in own.items():
+        opt = trainer.local[rank].stash.optimizer
+        if len(opt.param_groups) != len(groups):
+            raise RuntimeError(f"auto's second look: the pick's optimizer has "
+                               f"{len(opt.param_groups)} parameter groups on stage {rank[0]}, "
+                               f"flush's {len(groups)}: an fxpipe bug")
+        for g, mine in zip(opt.param_groups, groups):
+            factor = g["lr"] / g["initial_lr"] if g.get("initial_lr") else None
+            params = g["params"]
+            g.clear()
+            g.update(mine)
+            g["params"] = params
+            if factor is not None and mine.get("initial_lr"):
+                g["lr"] = mine["initial_lr"] * factor
+    for rank, b in bases.items():
+        trainer.schedulers[rank].base_lrs = b
+
+
 def look_again(trainer: Any, loader: Any, epoch: int, pos: int, opts: AutoOptions
                ) -> tuple[int, list[float]]:
     """Race the running asynchronous schedule against flush from epoch position ``pos`` (see
@@ -90,7 +127,7 @@ def look_again(trainer: Any, loader: Any, epoch: int, pos: int, opts: AutoOption
         folder = Path(tmp)
         here = save_state(trainer, folder, "here")
         trainer.adopt(BASELINE, split_for(BASELINE, trainer.replicas, trainer.microbatches))
-        load_state(trainer, here)
+        carry_into(trainer, here)
         flush, _, flush_end = run_pilot(trainer, loader, lengths[BASELINE],
                                         f"auto look-again {BASELINE}", epoch=epoch, start=pos,
                                         acc=acc)

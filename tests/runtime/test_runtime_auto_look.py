@@ -145,3 +145,64 @@ def test_checkpoints_stay_on_their_multiples_after_the_pilot_and_the_second_look
         assert inside and all(p % 8 == 0 for p in inside), inside
         assert [p for p in inside if p > end][0] == end + 8 - end % 8
         assert max(inside) == 120
+
+
+@pytest.mark.parametrize("pick", ["pipedream+nesterov", "pipedream+lr_scale"])
+def test_flush_goes_on_from_a_mitigated_picks_state_with_its_own_hyperparameters(
+        pick: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mitigation gives the pick another optimizer configuration (nesterov: Nesterov's form
+    with a larger momentum; lr_scale: a smaller lr on the stale stages). Where flush takes over
+    at the second look, it keeps the pick's weights, momenta and LR-schedule position but its
+    own hyperparameters: the user's momentum, no Nesterov, and its own lr times the warm-up
+    factor reached (carry_into; load_state_dict alone carried the pick's over)."""
+    import fxpipe.runtime.training.auto_pipeline as auto_pipeline
+
+    real_pilot, real_look = auto_pipeline.decide, auto_look.decide
+    monkeypatch.setattr(auto_pipeline, "decide",
+                        lambda *a, **k: replace(real_pilot(*a, **k), schedule=pick))
+    monkeypatch.setattr(auto_look, "decide",
+                        lambda *a, **k: replace(real_look(*a, **k), schedule="1f1b-flush"))
+
+    def warmup(step: int) -> float:
+        return min(1.0, (step + 1) / 200)
+
+    def make(schedule: str, **kw) -> Trainer:
+        return trainer(schedule, lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, warmup), **kw)
+
+    auto = make("auto", auto_options={**OPTIONS, "candidates": ("1f1b-flush", pick)})
+    auto.fit(batches(120), epochs=1)
+    assert auto.schedule_name == "1f1b-flush" and "fell back" in auto.auto_decision.later[-1]
+    fresh = make("1f1b-flush", split=3)
+    for rank, w in auto.local.items():
+        steps = auto.schedulers[rank].last_epoch
+        assert steps > 24  # flush's updates after the pilot, the pick's before
+        for g, mine in zip(w.stash.optimizer.param_groups,
+                           fresh.local[rank].stash.optimizer.param_groups):
+            assert (g["momentum"], g["nesterov"]) == (0.5, False)
+            assert g["initial_lr"] == mine["initial_lr"] == 0.05
+            assert g["lr"] == pytest.approx(0.05 * warmup(steps))
+        assert auto.schedulers[rank].base_lrs == [0.05] * len(w.stash.optimizer.param_groups)
+
+
+def test_carry_into_sets_flushs_lr_at_the_picks_point_of_the_schedule(tmp_path: Path) -> None:
+    """Right after carry_into, before any update: flush's lr is its own initial lr times the
+    factor the pick's warm-up had reached (lr_scale's pick ran at half that lr on stage 0)."""
+    from fxpipe.runtime.training.auto_look import carry_into
+
+    def warmup(step: int) -> float:
+        return min(1.0, (step + 1) / 200)
+
+    t = trainer("pipedream+lr_scale", lr_scheduler=lambda opt:
+                torch.optim.lr_scheduler.LambdaLR(opt, warmup))
+    t.fit(batches(30), epochs=1)
+    steps = {r: s.last_epoch for r, s in t.schedulers.items()}
+    picked = {r: [g["lr"] for g in w.stash.optimizer.param_groups] for r, w in t.local.items()}
+    assert picked[(0, 0)][0] == pytest.approx(0.05 / 3 * warmup(steps[(0, 0)]))  # delay 2
+    path = save_state(t, tmp_path, "pick")
+    t.adopt("1f1b-flush", 3)
+    carry_into(t, path)
+    for r, w in t.local.items():
+        for g in w.stash.optimizer.param_groups:
+            assert g["lr"] == pytest.approx(0.05 * warmup(steps[r]))
+        assert t.schedulers[r].last_epoch == steps[r]
