@@ -74,6 +74,8 @@ from ..errors import RuntimeConfigError
 from ..schedules.kinds import make_schedule
 from ..schedules.spec import parse_schedule
 from .auto_data import PilotData
+from .auto_level import (STRETCH, Level, can_stop, equal_time, pilot_lengths, smooth,
+                         to_level)
 from .auto_pilot import budget, pilot, probe, split_for
 
 if TYPE_CHECKING:
@@ -93,11 +95,6 @@ and the two mitigations that came out best in bench/ablation's goal table (lr_sc
 predict+momentum). Each trained candidate costs one pilot of whole-model steps, so the default
 list is short; pass ``auto_options={"candidates": (...)}`` for others (2bw, +dc, ...)."""
 
-
-STRETCH = 2
-"""A candidate faster than the baseline pilots more minibatches in the baseline's seconds
-(:func:`equal_time`), at most this many times the baseline's (and never past ``max_fraction``
-of the run): what bounds the pilot's reading where the run's length is unknown."""
 
 WHERE = ("copies", "pipeline")
 """Where the pilot trains: copies of the whole model on the reference executor in every rank's
@@ -215,94 +212,11 @@ class Decision:
 
 # ----------------------------------------------------------------------------- the decision
 
-def smooth(losses: Sequence[float], window: int) -> list[float]:
-    """Trailing mean over ``window`` values (fewer at the start); NaN/inf stay NaN/inf."""
-    out, acc = [], 0.0
-    for i, x in enumerate(losses):
-        acc += x
-        if i >= window:
-            acc -= losses[i - window]
-        out.append(acc / min(i + 1, window) if math.isfinite(acc) else math.inf)
-    return out
-
-
-def to_level(curve: Sequence[float], level: float, start: float, window: int) -> float:
-    """Minibatches until the smoothed ``curve`` reaches ``level`` (see the module doc)."""
-    sm = smooth(curve, window)
-    if not sm or not all(math.isfinite(x) for x in curve):
-        return math.inf
-    for i in range(window - 1, len(sm)):
-        if sm[i] <= level:
-            return float(i + 1)
-    return math.inf
-
-
 def require_baseline(candidates: Iterable[str], baseline: str = "1f1b-flush") -> None:
     """auto compares every candidate with the synchronous ``baseline``: it must be one."""
     if baseline not in candidates:
         raise RuntimeConfigError(f"auto needs the baseline {baseline!r} among the candidates",
                                  f"add {baseline!r} to auto_options['candidates']")
-
-
-def equal_time(lengths: Mapping[str, int], periods: Mapping[str, float],
-               baseline: str = "1f1b-flush") -> dict[str, int]:
-    """Minibatches of each candidate that fit in the baseline's pilot seconds
-    (``lengths[baseline] x periods[baseline]``), at most its ``lengths`` and at least one.
-
-    Why equal seconds, not equal minibatches: the level is where the baseline ends its pilot,
-    so with equal minibatches a candidate 1.7x faster per minibatch but 2% less efficient per
-    update never reaches it within the pilot and is never chosen, however much sooner it would
-    get there in time. Replayed on the 1,000-update rows (benchmarks/long-horizon.md), picks
-    made on equal minibatches took 1.25-1.31x the best schedule's time to target, on equal
-    seconds 1.02-1.05x (pilot cost aside, pilots of 50-200 of flush's minibatches). The
-    baseline, not the fastest candidate, sets the budget: on the 200-update MLP at S = 8
-    pipedream's minibatch costs a sixth of flush's, and flush's loss after a sixth of the pilot
-    is a level that stale schedules reach early and then stall short of the target."""
-    budget = lengths[baseline] * periods[baseline]
-    return {c: max(1, min(n, math.floor(budget / periods[c] * (1 + 1e-9))))
-            for c, n in lengths.items()}
-
-
-def pilot_lengths(names: Sequence[str], periods: Mapping[str, float], pilot_len: int, cap: int,
-                  step: int = 1, baseline: str = "1f1b-flush") -> dict[str, int]:
-    """Minibatches each of ``names`` pilots: the baseline ``pilot_len``, the others as many as
-    fit in the baseline's seconds (:func:`equal_time`), at most ``cap`` (what the pilot may
-    read) and in whole multiples of ``step`` (at least one step)."""
-    lengths = equal_time({**{c: cap for c in names}, baseline: pilot_len},
-                         {**periods}, baseline)
-    return {c: max(step, n - n % step) for c, n in lengths.items() if c in names}
-
-
-@dataclass(frozen=True)
-class Level:
-    """The loss level a pilot is judged against: where the baseline's smoothed curve ends
-    (trailing mean over ``window`` = max(5, P // 8) of its P minibatches, at most P: a pilot
-    shorter than 5 minibatches must still reach its own level)."""
-
-    level: float
-    start: float
-    window: int
-
-    @classmethod
-    def of(cls, baseline: Sequence[float]) -> Level:
-        P = len(baseline)
-        window = max(1, min(max(5, P // 8), P))
-        base = smooth(baseline, window)
-        return cls(base[-1], base[window - 1] if P >= window else base[0], window)
-
-    def minibatches(self, curve: Sequence[float]) -> float:
-        """Minibatches until ``curve`` reaches the level (inf: not within it)."""
-        return to_level(curve, self.level, self.start, self.window)
-
-
-def can_stop(curve: Sequence[float], period: float, level: Level, bound_s: float) -> bool:
-    """Whether a candidate's pilot may end now without changing :func:`decide`'s choice: it
-    has reached the level (its count is known; more minibatches do not change the first one
-    that reached it), or its seconds so far are at least ``bound_s``, the least predicted time
-    of the candidates piloted before it (decide picks the least time, the earlier one on a
-    tie, so it can no longer be picked). The pilot on the pipeline stops there: what it saves
-    is a loser's seconds, which the winner does not repay."""
-    return math.isfinite(level.minibatches(curve)) or len(curve) * period >= bound_s
 
 
 def decide(curves: Mapping[str, Sequence[float]], periods: Mapping[str, float], *,
@@ -399,10 +313,9 @@ def merge(parts: Sequence[tuple[Mapping[str, list[float]], Mapping[str, str]]],
 Gather = Callable[[Any, str], Sequence[Any]]
 """Every rank's object, in rank order (the trainer's ``backend.exchange(obj, what)``)."""
 
-__all__ = ["AutoOptions", "Decision", "Level", "Row", "budget", "can_stop", "choose", "decide",
-           "equal_time", "merge",
-           "periods", "pilot", "pilot_lengths", "price", "probe", "share_of", "split_for",
-           "trained"]
+__all__ = ["STRETCH", "AutoOptions", "Decision", "Level", "Row", "budget", "can_stop", "choose",
+           "decide", "equal_time", "merge", "periods", "pilot", "pilot_lengths", "price",
+           "probe", "share_of", "smooth", "split_for", "to_level", "trained"]
 
 
 def price(options: AutoOptions, replicas: Sequence[int], num_stages: int,
@@ -413,12 +326,12 @@ def price(options: AutoOptions, replicas: Sequence[int], num_stages: int,
     (:func:`pilot_lengths`) is predicted to cost more than ``options.max_cost`` of the run's
     training time (:func:`budget`: the largest rank's share of whole-model steps), else None
     (also when the run's length or the limit is unknown). ``per``: the candidates' seconds per
-    minibatch where known (flush's is simulated otherwise). ``step_s``: a whole-model step as :func:`probe`
-    measured it; None prices it from the plan's profile (its stages' compute summed), and
-    without a plan says nothing. Why a profile first: the probe and its exchange cost about
-    half a second, a sixth of a short job, and the profile's step is the optimistic one (an
-    accelerator, or one idle core, where the pilot's copies share the CPU), so a pilot it
-    already prices out would not be affordable measured either."""
+    minibatch where known (flush's is simulated otherwise). ``step_s``: a whole-model step as
+    :func:`probe` measured it; None prices it from the plan's profile (its stages' compute
+    summed), and without a plan says nothing. Why a profile first: the probe and its exchange
+    cost about half a second, a sixth of a short job, and the profile's step is the optimistic
+    one (an accelerator, or one idle core, where the pilot's copies share the CPU), so a pilot
+    it already prices out would not be affordable measured either."""
     if not run_minibatches or options.max_cost is None or not lengths:
         return None
     how = "measured"
@@ -436,8 +349,8 @@ def price(options: AutoOptions, replicas: Sequence[int], num_stages: int,
     if cost <= options.max_cost * run:
         return None
     return Decision("1f1b-flush", f"a pilot would cost about {cost:.3g} s ({n} candidates, "
-                    f"{steps} whole-model steps on a rank x {step_s * 1e3:.3g} ms, {how}), more than "
-                    f"{options.max_cost:.0%} of the run's predicted {run:.3g} s of training: "
+                    f"{steps} whole-model steps on a rank x {step_s * 1e3:.3g} ms, {how}), more "
+                    f"than {options.max_cost:.0%} of the run's predicted {run:.3g} s of training: "
                     f"{SAFE}")
 
 

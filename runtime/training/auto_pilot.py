@@ -85,9 +85,10 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     correction with an unsupported optimizer) is left out with a note. Every candidate given
     is trained: :func:`share_of` picks a rank's, :func:`merge` adds the kinds that reuse
     flush's curve. ``lengths``: the first minibatches each candidate trains
-    (:func:`~.auto.pilot_lengths`: the same seconds for each; None: all of ``batches``). ``lr_scheduler``: the trainer's per-update scheduler factory, stepped after
-    every update of each stage as in training (a warm-up changes what staleness costs, so a
-    pilot at the base rate would measure another run). Microbatched kinds cut each minibatch
+    (:func:`~.auto.pilot_lengths`: the same seconds for each; None: all of ``batches``).
+    ``lr_scheduler``: the trainer's per-update scheduler factory, stepped after every update
+    of each stage as in training (a warm-up changes what staleness costs, so a pilot at the
+    base rate would measure another run). Microbatched kinds cut each minibatch
     into :func:`split_for` microbatches (see the module doc): every curve has one loss per
     minibatch. A minibatch too small to cut (an epoch's short last one: a pilot may span
     epochs, where training would end a segment with it) is left out of every candidate's
