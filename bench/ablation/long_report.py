@@ -224,7 +224,7 @@ def auto_time(recs: dict[str, list[dict]], i: int, pilot: int, per: dict[str, fl
     time = the others' ``piloted x period`` + the winner's updates to target x its period
     (inf where it never reaches it)."""
     from fxpipe.runtime.training.auto import STRETCH, Level, can_stop, decide, pilot_lengths
-    from fxpipe.runtime.training.trainer_schedule import DEFAULT_SEGMENT
+    from fxpipe.runtime.training.trainer_schedule import DEFAULT_SEGMENT, FIRST_SEGMENT
 
     cap = max(pilot, min(STRETCH * pilot, budget // 2))
     lengths = pilot_lengths(list(recs), per, pilot, cap)
@@ -241,7 +241,7 @@ def auto_time(recs: dict[str, list[dict]], i: int, pilot: int, per: dict[str, fl
             continue
         end = 0
         while end < len(curve):  # the trainer's segments: 8, 16, 32, ... minibatches
-            end = min(end + min(DEFAULT_SEGMENT, end + 8), len(curve))
+            end = min(end + min(DEFAULT_SEGMENT, end + FIRST_SEGMENT), len(curve))
             if can_stop(curve[:end], per[v], level, bound):
                 break
         curves[v] = curve[:end]

@@ -37,6 +37,17 @@ def loader_length(loader: Any) -> int | None:
         return None
 
 
+def reread_error(got: int, before: int, where: str = "") -> RuntimeConfigError:
+    """The error for a loader that gave ``got`` minibatches when auto's pilot read it again
+    (``where``: from which position), ``before`` on an earlier pass: a stream read once."""
+    return RuntimeConfigError(
+        f"the loader gave {got} minibatches{where} when auto's pilot read it again, {before} "
+        "before", "auto trains every candidate on the same minibatches, reading the loader "
+        "once per candidate: give a loader that yields the same minibatches each time it is "
+        "iterated (a list, a DataLoader; not a stream that can be read once), or name a "
+        "schedule")
+
+
 class PilotData:
     """The first ``minibatches`` of a loader, or minibatches held in a list (:meth:`held`: the
     callers that already have them), read in chunks of at most ``chunk`` (None: one chunk).
@@ -154,12 +165,7 @@ class PilotData:
         shared = self._shared
         before = shared["read"]
         if before is not None and got < min(before, self.minibatches):
-            raise RuntimeConfigError(
-                f"the loader gave {got} minibatches when auto's pilot read it again, "
-                f"{min(before, self.minibatches)} before", "auto trains every candidate on the "
-                "same first minibatches, reading the loader once per candidate: give a loader "
-                "that yields the same minibatches each time it is iterated (a list, a "
-                "DataLoader; not a stream that can be read once), or name a schedule")
+            raise reread_error(got, min(before, self.minibatches))
         if shared["marks"] is None or len(marks) > len(shared["marks"]):
             shared["marks"] = marks
         shared["read"] = max(before or 0, got)

@@ -25,8 +25,9 @@ def smooth(losses: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def to_level(curve: Sequence[float], level: float, start: float, window: int) -> float:
-    """Minibatches until the smoothed ``curve`` reaches ``level`` (see the module doc)."""
+def to_level(curve: Sequence[float], level: float, window: int) -> float:
+    """Minibatches until ``curve``, smoothed over ``window``, reaches ``level`` (inf: never;
+    the first ``window - 1`` minibatches, a partial mean, do not count)."""
     sm = smooth(curve, window)
     if not sm or not all(math.isfinite(x) for x in curve):
         return math.inf
@@ -72,19 +73,17 @@ class Level:
     shorter than 5 minibatches must still reach its own level)."""
 
     level: float
-    start: float
     window: int
 
     @classmethod
     def of(cls, baseline: Sequence[float]) -> Level:
         P = len(baseline)
         window = max(1, min(max(5, P // 8), P))
-        base = smooth(baseline, window)
-        return cls(base[-1], base[window - 1] if P >= window else base[0], window)
+        return cls(smooth(baseline, window)[-1], window)
 
     def minibatches(self, curve: Sequence[float]) -> float:
         """Minibatches until ``curve`` reaches the level (inf: not within it)."""
-        return to_level(curve, self.level, self.start, self.window)
+        return to_level(curve, self.level, self.window)
 
 
 def can_stop(curve: Sequence[float], period: float, level: Level, bound_s: float) -> bool:

@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .auto import (SYNCHRONOUS, AutoOptions, Decision, Level, can_stop, decide, periods,
+from .auto import (SYNCHRONOUS, AutoOptions, Decision, Level, can_stop, decide,
                    pilot_lengths, trained)
 from .auto_pilot import split_for
 from .auto_pipeline import load_state, pilot_step, run_pilot, save_state
@@ -116,8 +116,7 @@ def look_again(trainer: Any, loader: Any, epoch: int, pos: int, opts: AutoOption
     records the outcome on ``trainer.auto_decision``. Every rank runs it."""
     d: Decision = trainer.auto_decision
     winner = trainer.schedule_name
-    per, _ = periods((BASELINE, winner), trainer.replicas, plan=opts.plan, profile=opts.profile,
-                     microbatches=trainer.microbatches)
+    per = {r.schedule: r.period_s for r in d.rows if r.schedule in (BASELINE, winner)}
     P = d.pilot_minibatches
     lengths = pilot_lengths([BASELINE, winner], per, P, 2 * P, pilot_step(trainer))
     trainer.drain(epoch)

@@ -50,11 +50,11 @@ import torch
 
 from fxpipe.errors import FxpipeError
 
-from ..errors import RuntimeConfigError
 from ..schedules.spec import parse_schedule
 from ..schedules.stream import STREAM_KINDS
 from .auto import (SAFE, SYNCHRONOUS, AutoOptions, Decision, Level, Row, can_stop, decide,
                    periods, pilot_lengths, require_baseline, trained)
+from .auto_data import reread_error
 from .auto_pilot import split_for
 from .data import PartStream
 
@@ -101,13 +101,8 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str,
             want = min(trainer._segment_at(pos), P - done)
             parts, n = trainer._lead(it, want, f"{what} segment at {pos}")
             if n < want and done + n < min(expect, P):
-                raise RuntimeConfigError(
-                    f"the loader gave {done + n} minibatches from minibatch {start} of epoch "
-                    f"{epoch} when auto's pilot read it again, {min(expect, P)} before",
-                    "auto trains the candidates in turn on the same minibatches, reading the "
-                    "loader once per candidate: give a loader that yields the same minibatches "
-                    "each time it is iterated (a list, a DataLoader; not a stream that can be "
-                    "read once), or name a schedule")
+                raise reread_error(done + n, min(expect, P),
+                                   f" from minibatch {start} of epoch {epoch}")
             if n == 0:
                 break
             final = n < want or done + n >= P
@@ -274,10 +269,8 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
                 curves[c], seconds[c] = curve, secs
                 log.info("auto: pilot of %s on the pipeline: %d minibatches in %.3g s, last "
                          "loss %.4g", c, len(curve), secs, curve[-1] if curve else math.nan)
-                if c == "1f1b-flush":
-                    flush_read = end[0]
-                if c == "1f1b-flush" and curve:
-                    level = Level.of(curve)
+                if c == "1f1b-flush":  # sets the level, and what every later pass must read
+                    flush_read, level = end[0], Level.of(curve) if curve else None
                 bound = min(bound, (level.minibatches(curve) * per[c]) if level else math.inf)
                 if c == "1f1b-flush":
                     peak = process_peak_bytes(getattr(trainer.backend, "device",

@@ -44,11 +44,10 @@ def test_diverged_and_slow_candidates() -> None:
     flush = line(2.0, 1.0)
     half = line(2.0, 1.5)  # half of flush's drop within the pilot: never reaches the level
     w = max(5, P // 8)
-    start = sum(flush[:w]) / w
     level = sum(flush[-w:]) / w
-    assert to_level(half, level, start, w) == math.inf
-    assert to_level(flush, smooth(flush, w)[-1], start, w) == P  # the baseline: at the end
-    assert to_level([math.nan] * P, level, start, w) == math.inf
+    assert to_level(half, level, w) == math.inf
+    assert to_level(flush, smooth(flush, w)[-1], w) == P  # the baseline: at the end
+    assert to_level([math.nan] * P, level, w) == math.inf
     # however much faster per minibatch, a candidate that has not reached the level loses
     d = decide({"1f1b-flush": flush, "pipedream": half}, {"1f1b-flush": 1.0, "pipedream": 0.01})
     assert d.schedule == "1f1b-flush"
