@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -77,7 +77,9 @@ class WeightStash:
         self._older: dict[int, dict[str, torch.Tensor]] = {}
         self._inflight: dict[int, int] = {}  # minibatch -> version its forward read
         self._reads: Counter[int] = Counter(planned_reads or {})
-        self._spare: dict[Hashable, list[torch.Tensor]] = {}  # see the module doc
+        # a dropped version's own tensors, by parameter name, for the next copy-on-write (see
+        # the module doc): a parameter's versions all share its shape, dtype and device
+        self._spare: dict[str, torch.Tensor] = {}
         self.peak_bytes = self.bytes_held()
         self._peak_versions = 0  # most old versions held at once (see update)
 
@@ -190,11 +192,12 @@ class WeightStash:
         new = dict(old)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        spare = self._spare
         for n in self.trainable:
-            free = self._spare.get(_key(old[n]))
-            if free:
-                new[n] = free.pop()
-                dsts.append(new[n])
+            free = spare.get(n)
+            if free is not None:
+                new[n] = free
+                dsts.append(free)
                 srcs.append(old[n])
             else:
                 new[n] = old[n].detach().clone().requires_grad_(True)
@@ -208,8 +211,9 @@ class WeightStash:
             group["params"] = [swap.get(id(p), p) for p in group["params"]]
         state = self.optimizer.state
         for n in self.trainable:
-            if old[n] in state:
-                state[new[n]] = state.pop(old[n])
+            st = state.pop(old[n], None)
+            if st is not None:
+                state[new[n]] = st
         self._older[self.version] = old
         self._latest = new
         log.debug("version %d stashed (%d tensors copied, %d into spares)", self.version,
@@ -225,11 +229,12 @@ class WeightStash:
         for v in [v for v in self._older if not self._needed(v)]:
             dropped = self._older.pop(v)
             if not self._spare:
+                latest = self._latest
                 for n in self.trainable:
                     t = dropped[n]
-                    if t is not self._latest[n]:
+                    if t is not latest[n]:
                         t.grad = None
-                        self._spare.setdefault(_key(t), []).append(t)
+                        self._spare[n] = t
 
     # ------------------------------------------------------------------ accounting
     def bytes_held(self) -> int:
@@ -239,12 +244,7 @@ class WeightStash:
     def spare_bytes(self) -> int:
         """Bytes kept for the next copy-on-write (a dropped version's tensors; not counted in
         :meth:`bytes_held`, and never more than one version's worth)."""
-        return _unique_bytes(t for ts in self._spare.values() for t in ts)
-
-
-def _key(t: torch.Tensor) -> Hashable:
-    """Tensors interchangeable as copy-on-write targets: same layout, dtype and device."""
-    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+        return _unique_bytes(self._spare.values())
 
 
 def _unique_bytes(tensors: Iterable[torch.Tensor]) -> int:

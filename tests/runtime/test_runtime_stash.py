@@ -186,18 +186,20 @@ def test_a_dropped_versions_tensors_are_reused_by_the_next_copy() -> None:
     assert stash.spare_bytes() == 0 and stash.peak_bytes == 48
 
 
-def test_spares_only_fit_tensors_of_the_same_layout() -> None:
-    """A spare is keyed by shape, stride, dtype and device: a transposed twin is not reused."""
-    w = torch.zeros(2, 3, requires_grad=True)
-    stash = WeightStash({"w": w}, sgd)
+def test_a_dropped_versions_tensors_are_the_next_copys_targets() -> None:
+    """A spare is kept by parameter name (a parameter's versions share its layout) and written
+    by the next copy-on-write: no new tensor once every parameter has one."""
+    w, v = torch.zeros(2, 3, requires_grad=True), torch.zeros(3, 2, requires_grad=True)
+    stash = WeightStash({"w": w, "v": v.t()}, sgd)
     stash.acquire(0, 0)
-    stash.update({"w": torch.ones(2, 3)})
+    stash.update({"w": torch.ones(2, 3), "v": torch.ones(2, 3)})
     stash.release(0)
-    spare = next(iter(stash._spare.values()))[0]
-    assert stash._spare.keys() == {((2, 3), (3, 1), torch.float32, torch.device("cpu"))}
+    spares = dict(stash._spare)
+    assert spares.keys() == {"w", "v"} and spares["v"].shape == (2, 3)
     stash.acquire(1, 1)
-    stash.update({"w": torch.ones(2, 3)})
-    assert stash.latest["w"] is spare
+    stash.update({"w": torch.ones(2, 3), "v": torch.ones(2, 3)})
+    assert stash.latest["w"] is spares["w"] and stash.latest["v"] is spares["v"]
+    assert torch.equal(stash.get(1)["w"], torch.full((2, 3), -0.1))  # the copy, not a reset
 
 
 def test_bytes_held_counts_each_storage_once() -> None:
