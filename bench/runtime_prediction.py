@@ -35,6 +35,7 @@ import math
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -42,6 +43,8 @@ from bench import runtime_common as rc
 from bench._report import publish
 import fxpipe
 import fxpipe.models
+from fxpipe.api import choose_plan
+from fxpipe.costmodel.overheads import Overheads, with_overheads
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.pricing.replan import measure as replan_measure
 from fxpipe.runtime.pricing.replan import reprice
@@ -145,6 +148,14 @@ def measure(c, loss_fn, batches, warmup: int) -> dict:
                 rescaled=rescaled_prediction(c, res.timeline, warmup, half))
 
 
+def overhead_line(ov: Overheads) -> str:
+    """The overheads the plans were priced with, in words."""
+    return (f"{ov.action_s * 1e3:.2f} ms per stage and minibatch, {ov.tensor_s * 1e6:.1f} us per "
+            f"parameter tensor, {ov.message_s * 1e3:.2f} ms per message, "
+            f"{ov.stash_tensor_s * 1e6:.1f} us per tensor more where the stash copies; "
+            f"{ov.source}")
+
+
 def plan_parts(c) -> list[dict[str, float]]:
     """The plan's forward, backward and update seconds per stage (its profile's nodes)."""
     prof = {n.name: n for n in c.profile.nodes}
@@ -184,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models.split(",")
     counts = [int(k) for k in args.stages.split(",")]
     plans, loads, descr = {}, {}, {}
+    bare: dict[tuple[str, int], float] = {}
     for name in models:
         model, x, loss_fn, batches, descr[name] = workload(name, args.minibatches)
         loads[name] = (loss_fn, batches)
@@ -192,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                                loss_fn=loss_fn, stages=stages, straight=True)
             assert c.plan.replicas == [1] * stages, c.plan.replicas
             plans[name, stages] = c
+            # the same profile planned the same way without the runtime's overheads
+            bare[name, stages] = choose_plan(
+                replace(c.profile, meta=with_overheads(c.profile.meta, Overheads(source="off"))),
+                fxpipe.Cluster(workers=stages), stages=stages,
+                straight=True).time_per_minibatch
     got: dict[tuple[str, int], list[dict]] = {k: [] for k in plans}
     for rnd in range(args.rounds):
         order = list(plans) if rnd % 2 == 0 else list(reversed(plans))
@@ -232,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         extra = [sum(m["parts"][r][k] for k in ("send", "recv_transfer", "recv_late", "idle"))
                  for m, r in zip(runs, slow)]
         cal = [m["calibrated"] for m in runs]
-        rows.append(f"| {name} | {stages} | {pred * 1e3:.2f} | {s([x * 1e3 for x in meas])} | "
+        b = bare[key]
+        rows.append(f"| {name} | {stages} | {b * 1e3:.2f} | "
+                    f"{s([(x / b - 1) * 100 for x in meas], '{:+.0f}')}% | "
+                    f"{max(st.overhead_s for st in plan.stages) * 1e3:.2f} | "
+                    f"{pred * 1e3:.2f} | {s([x * 1e3 for x in meas])} | "
                     f"**{s(err, '{:+.0f}')}%** | {s([x * 1e3 for x in cal])} | "
                     f"**{s([(x / p - 1) * 100 for x, p in zip(meas, cal)], '{:+.0f}')}%** | "
                     f"{s(ratio)} | {s([x * 1e3 for x in extra])} |")
@@ -283,14 +304,18 @@ def main(argv: list[str] | None = None) -> int:
         "(node by node, then scaled to whole training steps: `fxpipe.costmodel.calibrate`). "
         f"Measured time per minibatch: steady state (minibatches {args.warmup}..N-1, end of "
         "`U<k>` on the input stage's timeline). Error = measured / predicted - 1. "
+        "The plan prices the runtime's overheads (`fxpipe.costmodel.overheads`; "
+        f"{overhead_line(next(iter(plans.values())).profile.overheads)}); \"without the "
+        "overheads\" is the same profile planned with them off (the cost model before them). "
         f"This machine has {cores} cores: at 4 stages, 4 ranks share them, which the plan "
         "(one worker, one core) does not price; `run_distributed` says so in a warning before "
         "the ranks start (`fxpipe.runtime.execution.cores`).",
         "",
-        "| model | stages | predicted ms/minibatch | measured ms/minibatch | error | "
+        "| model | stages | without the overheads: predicted ms | error | overheads of the "
+        "busiest stage ms | predicted ms/minibatch | measured ms/minibatch | error | "
         "after stage calibration: predicted ms | error | "
         "busiest rank: compute as run / plan | busiest rank: send + transfer + idle ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "After stage calibration: before each run, its stages ran "

@@ -40,7 +40,8 @@ from .extract import annotate_parameters, fetch_attr
 from .hardware import DeviceSpec, get_device
 from .profiler import NodeCall, costing_error, is_inplace_error, isolated, iter_node_calls
 from .saved import SavedRecorder, record_saved
-from .update import SGD_BYTES_FACTOR, estimate_update_s, owned_trainable
+from .update import (SGD_BYTES_FACTOR, estimate_stash_copy, estimate_update_s,
+                     owned_trainable, record_stash_copy, trainable)
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
             for stale in ("forward_iqr_s", "backward_iqr_s"):  # an earlier measurement's
                 meta.pop(stale, None)
             meta.update(fake.meta["fxpipe"])
+    record_stash_copy(gm, estimate_stash_copy(trainable(gm), spec))
     log.info("estimated %d nodes for %s", len(gm.graph.nodes), spec.name)
     return gm
 

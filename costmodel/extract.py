@@ -167,5 +167,9 @@ def to_profile(gm: fx.GraphModule, *, batch_size: int | None = None,
                         if n.op == "output"), None)
     if calibration is not None:  # profile_graph's whole-step ratios (costmodel/calibrate.py)
         meta["calibration"] = dict(calibration)
+    copy_s = next((n.meta.get("fxpipe", {}).get("stash_copy_s") for n in gm.graph.nodes
+                   if n.op == "output"), None)
+    if copy_s is not None:  # the stash's copy of every weight (costmodel/update.py)
+        meta["stash_copy_s"] = float(copy_s)
     return Profile(nodes=tuple(nodes), batch_size=batch_size, device=device, source=source,
                    meta=meta)

@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fxpipe.costmodel.overheads import Overheads, overheads_of
 from fxpipe.costmodel.pipedream import read_pipedream_graph
 from fxpipe.errors import ProfileFormatError
 from fxpipe.jsonio import read_json, write_json_atomic
@@ -116,6 +117,12 @@ class Profile:
     @property
     def total_update_s(self) -> float:
         return sum(n.update_s for n in self.nodes)
+
+    @property
+    def overheads(self) -> Overheads:
+        """What the runtime pays per stage beyond the nodes (``meta["overheads"]``; zero in
+        profiles that record none): see :mod:`fxpipe.costmodel.overheads`."""
+        return overheads_of(self.meta)
 
     @property
     def total_parameter_bytes(self) -> float:

@@ -33,7 +33,8 @@ from .calibrate import calibrate
 from .extract import annotate_parameters, fetch_attr
 from .saved import (Origins, record_saved, state_origins, storage_id, tensors,
                     value_origins)
-from .update import OptimizerFactory, default_optimizer, measure_updates
+from .update import (OptimizerFactory, default_optimizer, measure_stash_copy, measure_updates,
+                     record_stash_copy)
 
 log = logging.getLogger(__name__)
 
@@ -487,6 +488,8 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
         for node in gm.graph.nodes:
             if node.op in ("placeholder", "call_module", "call_function", "call_method"):
                 node.meta["fxpipe"]["update_s"] = updates.get(node.name, 0.0)
+        record_stash_copy(gm, measure_stash_copy(
+            gm, lambda copy: timing(lambda: copy, reuse=True).median_s))
         if whole_step:
             calibrate(gm, example_inputs if isinstance(example_inputs, (tuple, list))
                       else (example_inputs,), optimizer_factory or default_optimizer, sync,

@@ -18,6 +18,12 @@ Everything runs on detached clones with random gradients: the real parameters an
 
 Estimated (:func:`estimate_update_s`): ``factor * bytes / mem_bandwidth + tensors * launch``
 with ``factor`` ~5 for SGD with momentum and ~7 for Adam.
+
+The stash's copy (:func:`measure_stash_copy`, :func:`estimate_stash_copy`): under a schedule that
+stashes weight versions, an update that finds its old version still in use copies the stage's
+weights into spare tensors first (one ``torch._foreach_copy_``, runtime/replica/stash.py), which
+on a CPU is a read and a write of every weight; timed here for the whole model, a stage pays its
+share by bytes (:mod:`fxpipe.costmodel.overheads`).
 """
 from __future__ import annotations
 
@@ -70,6 +76,48 @@ def estimate_update_s(params: Sequence[torch.Tensor], device: DeviceSpec,
         return 0.0
     return (optimizer_bytes_factor * _nbytes(params) / device.mem_bandwidth
             + len(params) * device.launch_overhead_s)
+
+
+def trainable(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """The graph's trainable parameters, each once (tied ones are one tensor)."""
+    return list({id(p): p for p in gm.parameters() if p.requires_grad}.values())
+
+
+def measure_stash_copy(gm: fx.GraphModule, timer: Timer, *,
+                       group_bytes: int = GROUP_BYTES) -> float:
+    """Seconds to copy every trainable parameter of ``gm`` into spare tensors with one
+    ``torch._foreach_copy_`` per group of at most ``group_bytes`` (so the spares stay small on a
+    big model; the runtime copies a stage in one call, so this over-counts the fixed cost by a
+    call per extra group). The parameters are only read."""
+    total = 0.0
+    group: list[torch.Tensor] = []
+    size = 0
+    params = trainable(gm)
+    for i, p in enumerate(params):
+        group.append(p.detach())
+        size += p.numel() * p.element_size()
+        if size >= group_bytes or i == len(params) - 1:
+            spares = [torch.empty_like(t) for t in group]
+            total += timer(lambda s=spares, g=group: torch._foreach_copy_(s, g))
+            del spares
+            group, size = [], 0
+    return total
+
+
+def record_stash_copy(gm: fx.GraphModule, seconds: float) -> None:
+    """Record the stash's copy time on the graph's output node (``meta["fxpipe"]``), from where
+    :func:`~fxpipe.costmodel.extract.to_profile` copies it into ``Profile.meta``."""
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            node.meta.setdefault("fxpipe", {})["stash_copy_s"] = float(seconds)
+
+
+def estimate_stash_copy(params: Sequence[torch.Tensor], device: DeviceSpec) -> float:
+    """Roofline time of the stash's copy of ``params``: every byte read and written once, one
+    multi-tensor launch."""
+    if not params:
+        return 0.0
+    return 2.0 * _nbytes(params) / device.mem_bandwidth + device.launch_overhead_s
 
 
 def _step_time(tensors: Sequence[torch.Tensor], factory: OptimizerFactory, timer: Timer) -> float:

@@ -19,6 +19,7 @@ _LAZY = {
     "compile": "fxpipe.api", "CompiledModel": "fxpipe.api", "load": "fxpipe.api",
     "choose_plan": "fxpipe.api",
     "Cluster": "fxpipe.costmodel.hardware", "Profile": "fxpipe.costmodel.profile",
+    "Overheads": "fxpipe.costmodel.overheads",
     "Plan": "fxpipe.passes.plan", "partition": "fxpipe.passes.partition",
     "trace": "fxpipe.tracing",
 }
@@ -29,6 +30,7 @@ __all__ = sorted([*_LAZY, "ConfigError", "CostingError", "FxpipeError", "Infeasi
 if TYPE_CHECKING:
     from fxpipe.api import CompiledModel, choose_plan, compile, load
     from fxpipe.costmodel.hardware import Cluster
+    from fxpipe.costmodel.overheads import Overheads
     from fxpipe.costmodel.profile import Profile
     from fxpipe.passes.partition import partition
     from fxpipe.passes.plan import Plan

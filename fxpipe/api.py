@@ -22,6 +22,7 @@ from torch import nn
 from fxpipe.codegen import StageSpec, draw_plan, export_stages, load_exported, run_stages, split_graph
 from fxpipe.codegen.visualize import module_span
 from fxpipe.costmodel import Cluster, Profile, estimate_graph, get_device, profile_graph, to_profile
+from fxpipe.costmodel.overheads import Overheads, with_overheads
 from fxpipe.errors import ConfigError, InfeasiblePlanError, PlanFormatError
 from fxpipe.passes import Plan, partition
 from fxpipe.tracing import TracedGraph, trace
@@ -305,6 +306,34 @@ def cost_graph(traced: TracedGraph, cluster: Cluster, *, repeats: int = 5,
 
 
 TRACERS = ("auto", "symbolic_trace", "export")
+OVERHEADS = ("auto", "measure", "off")
+
+
+def with_runtime_overheads(profile: Profile, cluster: Cluster,
+                           how: str | Overheads | None = None, *, on_cuda: bool = False
+                           ) -> Profile:
+    """``profile`` recording the runtime overheads the plan is priced with (see
+    :func:`compile`'s ``overheads``; None: ``$FXPIPE_OVERHEADS``, else "auto")."""
+    if how is None:
+        how = os.environ.get("FXPIPE_OVERHEADS", "auto")
+    if isinstance(how, Overheads):
+        ov = how
+    elif how not in OVERHEADS:
+        raise ConfigError(f"unknown overheads={how!r}",
+                          f"use one of {', '.join(OVERHEADS)}, or an fxpipe.Overheads")
+    elif how == "off":
+        ov = Overheads(source="off")
+    else:
+        copy = float(profile.meta.get("stash_copy_s", 0.0))
+        if cluster.device is not None or on_cuda:
+            where = cluster.device or "CUDA"
+            ov = Overheads(stash_copy_s=copy, source=f"the stash's copy only ({where}: the "
+                           "runtime's calls and messages are measured on CPUs only)")
+        else:
+            from fxpipe.runtime.execution.overhead_probe import machine_overheads
+
+            ov = replace(machine_overheads(refresh=how == "measure"), stash_copy_s=copy)
+    return replace(profile, meta=with_overheads(profile.meta, ov))
 
 
 def model_loss(output: Any, target: Any = None) -> torch.Tensor:
@@ -339,7 +368,8 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             tracer: str = "auto", plan_timeout_s: float = 600.0,
             recompute: str = "never", schedule: str = "pipedream",
             microbatches: int | None = None,
-            master_weights: bool | None = None) -> CompiledModel:
+            master_weights: bool | None = None,
+            overheads: str | Overheads | None = None) -> CompiledModel:
     """Compile ``model`` for ``cluster``: trace, cost, partition, split.
 
     ``example_inputs``: a tuple of positional inputs, a dict of keyword inputs (a Hugging Face
@@ -368,6 +398,14 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     gradients, ``optimizer``'s state measured on stand-ins, and float32 masters for low-precision
     parameters unless ``master_weights=False`` (pass the Trainer the same).
 
+    ``overheads``: what the runtime pays per stage beyond the nodes' times (its calls, its
+    messages, the stash's copy; :mod:`fxpipe.costmodel.overheads`), priced into the plan:
+    ``"auto"`` (default, or ``$FXPIPE_OVERHEADS``): on this machine's CPU, measured once by a
+    probe on one rank and two and cached (:mod:`fxpipe.runtime.execution.overhead_probe`, about
+    10 s the first time); for an estimated device or a model on CUDA only the stash's copy (the
+    calls and messages there are not measured); ``"measure"``: probe again; ``"off"``: none
+    (the nodes' times alone, the cost model before them); or an :class:`Overheads`.
+
     In a distributed job (torchrun: ``WORLD_SIZE > 1``) only rank 0 measures costs and plans;
     the other ranks receive its profile and plan (waiting at most ``plan_timeout_s``), so every
     rank runs the same pipeline however differently their cores are loaded.
@@ -390,7 +428,9 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     def make() -> dict[str, Any]:
         from fxpipe.runtime.replica.state_size import state_factor
 
-        profile = cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer)
+        profile = with_runtime_overheads(
+            cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer), cluster,
+            overheads, on_cuda=any(p.is_cuda for p in traced.gm.parameters()))
         factor = state_factor(list(traced.gm.parameters()), optimizer, master_weights)
         chosen = plan if plan is not None else replace(
             choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,

@@ -51,7 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               loss_fn=spec.loss_fn, stages=args.stages, straight=args.straight,
                               sync=args.sync, choose=args.choose, tracer=args.tracer,
                               recompute=args.recompute, schedule=args.schedule,
-                              microbatches=args.microbatches)
+                              microbatches=args.microbatches, overheads=args.overheads)
         print(f"traced {spec.name} with {compiled.tracer} ({len(compiled.traced.gm.graph.nodes)} "
               "graph nodes)")
         plan, profile = compiled.plan, compiled.profile

@@ -32,3 +32,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--meta", action="store_true", help="build the hf: model on the meta device "
                    "(shapes only: plans a model larger than memory; needs --device)")
     p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])
+    add_overheads_argument(p)
+
+
+def add_overheads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overheads", default=None, choices=["auto", "measure", "off"],
+                   help="the runtime's overheads per stage (calls, messages, stash copies) in the "
+                   "plan: auto (default, or $FXPIPE_OVERHEADS): measured once on this machine's "
+                   "CPU and cached; measure: again; off: the nodes' times alone")

@@ -79,7 +79,8 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
         spec = resolve_model(args)
         profile = fx_compile(spec.model, cluster, example_inputs=spec.example_inputs,
                              stages=args.stages, straight=args.straight, sync=args.sync,
-                             tracer=args.tracer, recompute=args.recompute).profile
+                             tracer=args.tracer, recompute=args.recompute,
+                             overheads=args.overheads).profile
     if args.plan:
         plan = Plan.load(args.plan)
         missing = set(plan.stage_of()) - set(profile.names)

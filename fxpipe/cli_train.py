@@ -42,6 +42,7 @@ import time
 from typing import Any, Sequence
 
 from fxpipe.errors import ConfigError, FxpipeError
+from fxpipe.cli_args import add_overheads_argument
 
 log = logging.getLogger("fxpipe")
 
@@ -90,6 +91,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")
     p.add_argument("--tracer", default="auto", choices=["auto", "symbolic_trace", "export"])
+    add_overheads_argument(p)
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw", "muon"],
                    help="muon: torch.optim.Muon on the hidden matrices, AdamW on embeddings, "
                    "the head, norms and biases (one --lr and --weight-decay for both)")
@@ -372,7 +374,7 @@ def run_worker(args: argparse.Namespace) -> int:
                           example_inputs=spec.example_inputs, loss_fn=spec.loss_fn, plan=plan,
                           stages=args.stages, straight=args.straight, tracer=args.tracer,
                           schedule=plan_schedule(args.schedule),
-                          microbatches=args.microbatches)
+                          microbatches=args.microbatches, overheads=args.overheads)
     if rank == 0:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
     train, evaluate = _loaders(args, spec)

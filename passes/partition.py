@@ -19,6 +19,7 @@ from fxpipe.units import format_bytes
 
 from .cuts import all_crossing_values, cut_bytes
 from .memory_rule import PIPEDREAM, MemoryRule
+from .overhead_pricing import stage_overheads
 from .plan import Plan, StagePlan
 from .solver import RECOMPUTE_MODES, Solution, evaluate, minimum_memory, solve
 
@@ -134,8 +135,22 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
             + "or optimizer_state_factor matching your optimizer") from None
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
                   memory_rule=memory_rule)
-    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha, optimizer_state_factor,
-                      memory_rule)
+    plan = _make_plan(profile, cluster, sync, sol, _priced(profile, dp, memory_rule)[1], alpha,
+                      optimizer_state_factor, memory_rule)
+    if stages is None and len(sol.starts) > 1 and not profile.overheads.zero:
+        # the overheads are priced on the solver's cuts (overhead_pricing.py): a pipeline pays
+        # messages one stage does not, so it must beat the one-stage plan priced the same way
+        one = evaluate(*args, [0], [1 if straight else m],
+                       optimizer_state_factor=optimizer_state_factor, memory_rule=memory_rule)
+        if cluster.memory is None or one.memory[0] <= cluster.memory:
+            single = _make_plan(profile, cluster, sync, one, plan.data_parallel_time, alpha,
+                                optimizer_state_factor, memory_rule)
+            if single.time_per_minibatch <= plan.time_per_minibatch * (1.0 + TIE_TOLERANCE):
+                log.info("the %d-stage plan (%.4g s with the runtime's overheads) is no faster "
+                         "than one stage (%.4g s): one stage", len(sol.starts),
+                         plan.time_per_minibatch, single.time_per_minibatch)
+                return single
+    return plan
 
 
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,
@@ -174,8 +189,15 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
                    memory_rule=memory_rule, **_recompute_inputs(profile))
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
                   memory_rule=memory_rule)
-    return _make_plan(profile, cluster, sync, sol, dp.bottleneck, alpha, optimizer_state_factor,
-                      memory_rule)
+    return _make_plan(profile, cluster, sync, sol, _priced(profile, dp, memory_rule)[1], alpha,
+                      optimizer_state_factor, memory_rule)
+
+
+def _priced(profile: Profile, sol: Solution, rule: MemoryRule) -> tuple[list[float], float]:
+    """Per stage, the runtime's overheads on ``sol``'s partition, and its bottleneck with them
+    (stage times plus overheads, and the cuts' times)."""
+    extra = stage_overheads(profile, sol.starts, sol.replicas, sol.in_flight, rule)
+    return extra, max([t + x for t, x in zip(sol.stage_times, extra)] + list(sol.cut_times))
 
 
 def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
@@ -185,12 +207,14 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
     held = _recompute_inputs(profile)["held"]
     bounds = list(sol.starts) + [len(names)]
     crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])
+    extra, bottleneck = _priced(profile, sol, memory_rule)
     stage_plans = []
     for s, r in enumerate(sol.replicas):
         a, e = bounds[s], bounds[s + 1]
         stage_plans.append(StagePlan(
-            index=s, nodes=tuple(names[a:e]), replicas=r, compute_s=sol.compute_times[s],
-            sync_s=sol.sync_times[s], stage_time_s=sol.stage_times[s],
+            index=s, nodes=tuple(names[a:e]), replicas=r,
+            compute_s=sol.compute_times[s] + extra[s], sync_s=sol.sync_times[s],
+            stage_time_s=sol.stage_times[s] + extra[s], overhead_s=extra[s],
             input_bytes=sol.cut_bytes[s], comm_s=sol.cut_times[s],
             parameter_bytes=float(sum(nd.parameter_bytes for nd in profile.nodes[a:e])),
             activation_bytes=float(sum(nd.held_bytes for nd in profile.nodes[a:e])),
@@ -214,7 +238,7 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
     shared = {p: tuple(sorted(v)) for p, v in users.items() if len(v) > 1}
     workers_used = sum(sol.replicas)
     plan = Plan(stages=tuple(stage_plans), cluster=dict(cluster.to_dict()), sync=sync,
-                time_per_minibatch=sol.bottleneck, noam=math.ceil(workers_used / sol.replicas[0]),
+                time_per_minibatch=bottleneck, noam=math.ceil(workers_used / sol.replicas[0]),
                 data_parallel_time=dp_time, batch_size=profile.batch_size,
                 shared_parameters=shared,
                 model_fingerprint=profile.meta.get("model_fingerprint"),

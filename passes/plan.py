@@ -55,6 +55,10 @@ class StagePlan:
     # Per minibatch in flight, what a recomputing stage keeps: the bytes entering it and the
     # model inputs inside it (None: the stage does not recompute, or a plan saved before).
     kept_input_bytes: float | None = None
+    # What the runtime pays per minibatch beyond the stage's nodes (its calls, its messages,
+    # the stash's copy: fxpipe.costmodel.overheads), already inside compute_s and stage_time_s
+    # (0 in plans saved before it was priced, and for profiles that record no overheads).
+    overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,11 @@ class Plan:
                             if rc else ""))
         lines.append("(compute = forward + backward + update + sync, per minibatch; update = "
                      "the optimizer step, included in compute)")
+        if any(s.overhead_s for s in self.stages):
+            lines.append("(compute includes the runtime's overheads per minibatch: "
+                         + ", ".join(f"stage {s.index} {format_seconds(s.overhead_s)}"
+                                     for s in self.stages)
+                         + "; its calls, messages and stash copies, fxpipe.costmodel.overheads)")
         if rc:
             lines.append("(recompute = the extra forward of activation recomputation, included in "
                          "compute; such a stage keeps only its inputs per minibatch in flight)")
@@ -195,8 +204,8 @@ class Plan:
                     if not all(isinstance(x, str) for x in nodes):
                         raise PlanFormatError(f"{where}: field 'nodes' must be a list of names")
                     kw["nodes"] = tuple(nodes)
-                elif f.name in ("update_s", "recompute_s") and f.name not in sd:
-                    kw[f.name] = 0.0  # written before the update / recomputation was modelled
+                elif f.name in ("update_s", "recompute_s", "overhead_s") and f.name not in sd:
+                    kw[f.name] = 0.0  # written before the update / recomputation / overheads
                 elif f.name == "recompute":
                     kw[f.name] = _get(sd, f.name, bool, where) if f.name in sd else False
                 elif f.name in ("state_bytes", "kept_input_bytes"):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from fxpipe.costmodel import Cluster, Profile
+from fxpipe.costmodel.overheads import with_overheads
 from fxpipe.errors import ConfigError
 from fxpipe.passes import Plan
 from fxpipe.passes.partition import partition, plan_for
@@ -101,11 +102,14 @@ def stage_starts(profile: Profile, plan: Plan) -> list[int]:
                           "pass the profile the plan was made from") from err
 
 
-def rescale(profile: Profile, plan: Plan, measured: Sequence[StageTimes]
+def rescale(profile: Profile, plan: Plan, measured: Sequence[StageTimes], *,
+            ties_measured: bool = False
             ) -> tuple[Profile, tuple[tuple[float, float, float], ...]]:
     """``profile`` with each stage's node costs multiplied so that the stage's predicted forward,
     backward and update equal the measured ones (a stage with no predicted cost of a kind keeps
-    it); returns the per-stage factors too."""
+    it); returns the per-stage factors too. The runtime's overheads left to price are those
+    measured stage times do not hold (``Overheads.in_measured_stages``; ``ties_measured``: the
+    updates measured hold the tied all-reduces, as the reference executor's do)."""
     if len(measured) != len(plan.stages):
         raise ConfigError(f"{len(measured)} stage measurements for a plan of "
                           f"{len(plan.stages)} stages", "measure every stage")
@@ -132,7 +136,12 @@ def rescale(profile: Profile, plan: Plan, measured: Sequence[StageTimes]
             nd = nodes[i]
             nodes[i] = replace(nd, forward_s=nd.forward_s * ff, backward_s=nd.backward_s * fb,
                                update_s=nd.update_s * fu)
-    return replace(profile, nodes=tuple(nodes)), tuple(factors)
+    # measured forward, backward and update already hold the replica's calls and the stash's
+    # copy: of the runtime's overheads only the messages are still missing
+    ov = profile.overheads
+    meta = (profile.meta if ov.zero
+            else with_overheads(profile.meta, ov.in_measured_stages(ties=ties_measured)))
+    return replace(profile, nodes=tuple(nodes), meta=meta), tuple(factors)
 
 
 def mean_times(times: Sequence[StageTimes]) -> StageTimes:
@@ -142,11 +151,11 @@ def mean_times(times: Sequence[StageTimes]) -> StageTimes:
 
 
 def reprice(profile: Profile, plan: Plan, measured: Sequence[StageTimes], cluster: Cluster, *,
-            sync: str = "allreduce"
+            sync: str = "allreduce", ties_measured: bool = False
             ) -> tuple[Profile, tuple[tuple[float, float, float], ...], Plan]:
     """``profile`` rescaled to ``measured`` (:func:`rescale`), its factors, and ``plan``'s own
     partition costed on it, memory priced as the plan's was (:func:`memory_terms`)."""
-    scaled, factors = rescale(profile, plan, measured)
+    scaled, factors = rescale(profile, plan, measured, ties_measured=ties_measured)
     current = plan_for(scaled, cluster, stage_starts(profile, plan), plan.replicas, sync=sync,
                        **memory_terms(plan))
     return scaled, tuple(factors), current

@@ -1,0 +1,114 @@
+"""What the runtime pays per stage that no node's time contains (plain numbers, no torch).
+
+Why: the profile prices a stage as the sum of its nodes' forward, backward and update, each
+timed as plain PyTorch runs it. A stage as the runtime runs it also pays
+
+* fixed costs per minibatch: three calls (F, B, U) through the stage replica (weights swapped
+  in, stash versions acquired and released, gradient sums kept, the timeline) and the executor
+  between them;
+* per message: posting each send and taking each received tensor (every value that crosses a
+  cut is one message forward and, if it carries a gradient, one back);
+* under a schedule that stashes weight versions (``pipedream``, ``2bw``), a copy of the stage's
+  weights at every update that finds its old version still in use.
+
+On this project's 2-core machine these were about 0.23 ms per stage and minibatch, 3 us per
+parameter tensor and 0.24 ms per message (``fxpipe.runtime.execution.overhead_probe``): the zoo's
+GPT mini cut in two, whose stages compute 5.5 ms each, ran at 7.75 ms per minibatch while the
+plan without them said 5.47 (+42%); with them, 7.40 (+5%; BENCHMARKS ``runtime_prediction``).
+:class:`Overheads` holds the measured values; the planner adds :meth:`Overheads.stage_s` to every
+stage (``fxpipe.passes.overhead_pricing``), and a plan that pays message costs must beat the
+one-stage plan that pays none (``fxpipe.passes.partition``).
+
+The values travel in ``Profile.meta["overheads"]`` (so a saved profile keeps them and older
+profiles load without them: zero, the cost model before them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from fxpipe.errors import ProfileFormatError
+
+META_KEY = "overheads"
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Seconds the runtime spends beyond the nodes' times (see the module doc).
+
+    ``action_s``: per minibatch and stage replica (its F, B and U calls and the executor between
+    them). ``tensor_s``: per minibatch and parameter tensor the stage holds (swapped into the
+    stage's module for every call, its gradient summed, its version kept by the stash).
+    ``message_s``: per point-to-point message a stage posts or takes; ``tie_s``: per set of
+    stages it shares a parameter with (their gradient all-reduce at every update, posted and
+    waited for). ``stash_copy_s``: one
+    copy of ALL the model's trainable weights (a stage pays its share by parameter bytes, at
+    every update, where its schedule stashes versions), and ``stash_tensor_s`` per parameter
+    tensor of the stage (the stash's bookkeeping of a new version: spares, the optimizer's
+    tensors and state handed over). ``source``: where the numbers come from (shown in plan
+    summaries)."""
+
+    action_s: float = 0.0
+    message_s: float = 0.0
+    stash_copy_s: float = 0.0
+    source: str = "none"
+    tensor_s: float = 0.0
+    stash_tensor_s: float = 0.0
+    tie_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("action_s", "message_s", "stash_copy_s", "tensor_s", "stash_tensor_s",
+                     "tie_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0:
+                raise ProfileFormatError(f"overheads: {name}={v!r}",
+                                         "seconds must be finite and non-negative")
+
+    @property
+    def zero(self) -> bool:
+        return not (self.action_s or self.message_s or self.stash_copy_s or self.tensor_s
+                    or self.stash_tensor_s or self.tie_s)
+
+    def stage_s(self, messages: int, tensors: int, parameter_share: float,
+                stashes: bool, ties: int = 0) -> float:
+        """Seconds per minibatch a stage replica pays beyond its nodes: the fixed action cost,
+        ``tensors`` parameter tensors, ``messages`` messages (posted and taken, per minibatch),
+        ``ties`` tied all-reduces, and where ``stashes``, a copy of ``parameter_share`` (its
+        fraction of the model's parameter bytes) of the weights."""
+        stash = self.stash_copy_s * parameter_share + self.stash_tensor_s * tensors
+        return (self.action_s + self.tensor_s * tensors + self.message_s * messages
+                + self.tie_s * ties + (stash if stashes else 0.0))
+
+    def in_measured_stages(self, ties: bool = False) -> Overheads:
+        """What is still missing from stage times MEASURED by the runtime (a re-plan's or a stage
+        calibration's forward, backward and update: those already contain the calls and the
+        stash's copy): the messages, and the tied all-reduces unless ``ties`` (the single-process
+        reference executor sums tied gradients inside its update; the distributed one records
+        them apart, as ``allreduce``)."""
+        return Overheads(message_s=self.message_s, tie_s=0.0 if ties else self.tie_s,
+                         source=f"{self.source}; messages only")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Overheads:
+        if not d:
+            return cls()
+        try:
+            return cls(**dict(d))
+        except TypeError as e:
+            raise ProfileFormatError(f"malformed overheads {dict(d)!r}: {e}",
+                                     "regenerate the profile with fxpipe") from None
+
+
+def overheads_of(meta: Mapping[str, Any]) -> Overheads:
+    """The overheads a profile's ``meta`` records (zero when it records none)."""
+    return Overheads.from_dict(meta.get(META_KEY))
+
+
+def with_overheads(meta: Mapping[str, Any], overheads: Overheads) -> dict[str, Any]:
+    """A copy of ``meta`` recording ``overheads``."""
+    return {**meta, META_KEY: overheads.to_dict()}

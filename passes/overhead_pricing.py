@@ -1,0 +1,63 @@
+"""The runtime's overheads priced onto a partition (pure numbers, no torch).
+
+Why after the solver rather than inside it: the overheads (:mod:`fxpipe.costmodel.overheads`) are
+a fixed cost per stage, a cost per message across each of its cuts and a share of the stash's
+copy. Inside the solver's search a stage's cost must grow with its end (its monotone searches
+rely on it), and a stage that ends the graph sends nothing on, so its message cost drops exactly
+there. Priced here, on the cuts the solver chose, a plan states what it will cost; the cuts
+themselves balance the nodes' times, which is where the overheads move them least (every stage
+pays the fixed part, an interior one two messages per value more than an end one). What the
+overheads do decide is whether to pipeline at all: :func:`fxpipe.passes.partition.partition`
+keeps a plan of several stages only if it beats the one-stage plan, which pays no message.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from fxpipe.costmodel.overheads import Overheads
+from fxpipe.costmodel.profile import Profile
+
+from .cuts import all_crossing_values
+from .memory_rule import MemoryRule
+
+
+def messages(crossing_in: int, crossing_out: int) -> int:
+    """Messages a stage posts or takes per minibatch: each value crossing a cut travels once
+    forward and once back (its gradient), on both of the cut's sides."""
+    return 2 * crossing_in + 2 * crossing_out
+
+
+def tie_sets_per_stage(profile: Profile, bounds: Sequence[int]) -> list[int]:
+    """Per stage, the distinct sets of stages it shares some parameter with (the runtime runs
+    one all-reduce per set: ``runtime/replica/stage_set.py:tie_sets``)."""
+    holders: dict[str, set[int]] = {}
+    for s in range(len(bounds) - 1):
+        for nd in profile.nodes[bounds[s]:bounds[s + 1]]:
+            for p in (*nd.params, *nd.shared_params):
+                holders.setdefault(p, set()).add(s)
+    keys = {tuple(sorted(v)) for v in holders.values() if len(v) > 1}
+    return [sum(1 for k in keys if s in k) for s in range(len(bounds) - 1)]
+
+
+def stage_overheads(profile: Profile, starts: Sequence[int], replicas: Sequence[int],
+                    in_flight: Sequence[int], rule: MemoryRule,
+                    overheads: Overheads | None = None) -> list[float]:
+    """Seconds per minibatch (of the pipeline: a stage with r replicas pays 1/r) each stage of
+    the partition pays beyond its nodes' times, by ``overheads`` (default: the profile's)."""
+    ov = profile.overheads if overheads is None else overheads
+    if ov.zero:
+        return [0.0] * len(starts)
+    n = len(profile.nodes)
+    bounds = list(starts) + [n]
+    crossing = all_crossing_values(profile, [a for a in bounds if 0 < a < n])
+    total_p = sum(nd.parameter_bytes for nd in profile.nodes)
+    ties = tie_sets_per_stage(profile, bounds)
+    out = []
+    for s, r in enumerate(replicas):
+        a, e = bounds[s], bounds[s + 1]
+        msgs = messages(len(crossing.get(a, ())), len(crossing.get(e, ())))
+        share = (sum(nd.parameter_bytes for nd in profile.nodes[a:e]) / total_p
+                 if total_p > 0 else 0.0)
+        tensors = len({p for nd in profile.nodes[a:e] for p in (*nd.params, *nd.shared_params)})
+        out.append(ov.stage_s(msgs, tensors, share, rule.stashed(in_flight[s]) > 0, ties[s]) / r)
+    return out
