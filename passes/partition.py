@@ -140,17 +140,30 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     if stages is None and len(sol.starts) > 1 and not profile.overheads.zero:
         # the overheads are priced on the solver's cuts (overhead_pricing.py): a pipeline pays
         # messages one stage does not, so it must beat the one-stage plan priced the same way
-        one = evaluate(*args, [0], [1 if straight else m],
-                       optimizer_state_factor=optimizer_state_factor, memory_rule=memory_rule)
-        if cluster.memory is None or one.memory[0] <= cluster.memory:
-            single = _make_plan(profile, cluster, sync, one, plan.data_parallel_time, alpha,
-                                optimizer_state_factor, memory_rule)
-            if single.time_per_minibatch <= plan.time_per_minibatch * (1.0 + TIE_TOLERANCE):
-                log.info("the %d-stage plan (%.4g s with the runtime's overheads) is no faster "
-                         "than one stage (%.4g s): one stage", len(sol.starts),
-                         plan.time_per_minibatch, single.time_per_minibatch)
-                return single
+        single = _one_stage(profile, cluster, sync, args, straight, recompute, alpha,
+                            optimizer_state_factor, memory_rule, plan.data_parallel_time)
+        if single is not None and (single.time_per_minibatch
+                                   <= plan.time_per_minibatch * (1.0 + TIE_TOLERANCE)):
+            log.info("the %d-stage plan (%.4g s with the runtime's overheads) is no faster than "
+                     "one stage (%.4g s): one stage", len(sol.starts), plan.time_per_minibatch,
+                     single.time_per_minibatch)
+            return single
     return plan
+
+
+def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, straight: bool,
+               recompute: str, alpha: list[float], optimizer_state_factor: float,
+               memory_rule: MemoryRule, dp_time: float) -> Plan | None:
+    """The one-stage plan (every worker a replica; one worker when ``straight``), recomputing
+    only where ``recompute`` allows and it must to fit; None when it does not fit the cap."""
+    for flag in {"never": (False,), "always": (True,), "auto": (False, True)}[recompute]:
+        one = evaluate(*args, [0], [1 if straight else cluster.workers], recompute=[flag],
+                       optimizer_state_factor=optimizer_state_factor, memory_rule=memory_rule,
+                       **_recompute_inputs(profile))
+        if cluster.memory is None or one.memory[0] <= cluster.memory:
+            return _make_plan(profile, cluster, sync, one, dp_time, alpha,
+                              optimizer_state_factor, memory_rule)
+    return None
 
 
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,

@@ -165,3 +165,18 @@ def test_measured_stage_times_still_miss_only_the_messages() -> None:
                                                 source="by hand; messages only")
     assert OV.in_measured_stages(ties=True) == Overheads(message_s=10.0,
                                                          source="by hand; messages only")
+
+
+def test_the_one_stage_plan_recomputes_as_asked() -> None:
+    """``recompute="always"``: every stage, the one-stage plan included, runs its forward twice
+    (all compute is forward here: 4 nodes of 1 ms). Two stages at 1 ms per message: 2 x 2 ms +
+    2 messages + the action = 6.1 ms, against one stage's 8 + 0.1: two stages. At 3 ms per
+    message two stages cost 4 + 6 + 0.1 = 10.1 ms: one stage, recomputing as asked."""
+    cluster = Cluster(workers=2)
+    two = partition(small(Overheads(action_s=1e-4, message_s=1e-3)), cluster, straight=True,
+                    recompute="always")
+    assert len(two.stages) == 2 and two.recompute == [True, True]
+    assert two.time_per_minibatch == pytest.approx(6.1e-3)
+    one = partition(small(Overheads(action_s=1e-4, message_s=3e-3)), cluster, straight=True,
+                    recompute="always")
+    assert one.recompute == [True] and one.time_per_minibatch == pytest.approx(8.1e-3)
