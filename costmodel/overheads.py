@@ -5,11 +5,13 @@ timed as plain PyTorch runs it. A stage as the runtime runs it also pays
 
 * fixed costs per minibatch: three calls (F, B, U) through the stage replica (weights swapped
   in, stash versions acquired and released, gradient sums kept, the timeline) and the executor
-  between them;
+  between them, plus a little per parameter tensor it holds;
 * per message: posting each send and taking each received tensor (every value that crosses a
-  cut is one message forward and, if it carries a gradient, one back);
+  cut is one message forward and one back: priced as two, although a value that carries no
+  gradient sends nothing back), and per set of stages sharing a tied parameter, the all-reduce
+  of its gradient at every update;
 * under a schedule that stashes weight versions (``pipedream``, ``2bw``), a copy of the stage's
-  weights at every update that finds its old version still in use.
+  weights at every update that finds its old version still in use, and the bookkeeping of it.
 
 On this project's 2-core machine these were about 0.23 ms per stage and minibatch, 3 us per
 parameter tensor and 0.24 ms per message (``fxpipe.runtime.execution.overhead_probe``): the zoo's
@@ -37,25 +39,22 @@ META_KEY = "overheads"
 class Overheads:
     """Seconds the runtime spends beyond the nodes' times (see the module doc).
 
-    ``action_s``: per minibatch and stage replica (its F, B and U calls and the executor between
-    them). ``tensor_s``: per minibatch and parameter tensor the stage holds (swapped into the
-    stage's module for every call, its gradient summed, its version kept by the stash).
-    ``message_s``: per point-to-point message a stage posts or takes; ``tie_s``: per set of
-    stages it shares a parameter with (their gradient all-reduce at every update, posted and
-    waited for). ``stash_copy_s``: one
-    copy of ALL the model's trainable weights (a stage pays its share by parameter bytes, at
-    every update, where its schedule stashes versions), and ``stash_tensor_s`` per parameter
-    tensor of the stage (the stash's bookkeeping of a new version: spares, the optimizer's
-    tensors and state handed over). ``source``: where the numbers come from (shown in plan
-    summaries)."""
+    Per minibatch and stage replica: ``action_s``, its F, B and U calls and the executor between
+    them; ``tensor_s`` per parameter tensor it holds (swapped into the stage's module for every
+    call, its gradient summed); ``message_s`` per point-to-point message it posts or takes;
+    ``tie_s`` per set of stages it shares a parameter with (their gradient all-reduce, posted and
+    waited for); where its schedule stashes versions, ``stash_copy_s`` (one copy of ALL the
+    model's trainable weights) times its share of the parameter bytes, plus ``stash_tensor_s``
+    per parameter tensor (the new version's bookkeeping: spares, the optimizer's tensors and
+    state handed over). ``source``: where the numbers come from (shown in plan summaries)."""
 
     action_s: float = 0.0
-    message_s: float = 0.0
-    stash_copy_s: float = 0.0
-    source: str = "none"
     tensor_s: float = 0.0
-    stash_tensor_s: float = 0.0
+    message_s: float = 0.0
     tie_s: float = 0.0
+    stash_copy_s: float = 0.0
+    stash_tensor_s: float = 0.0
+    source: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("action_s", "message_s", "stash_copy_s", "tensor_s", "stash_tensor_s",

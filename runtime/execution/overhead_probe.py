@@ -195,8 +195,9 @@ def stash_per_tensor(tensors: int = 128) -> float:
 
 
 def measure_overheads(minibatches: int = MINIBATCHES) -> Overheads:
-    """Run the probe on one rank and on two (see the module doc); ``stash_copy_s`` is left 0
-    (the profile measures it, per model)."""
+    """Run the probe (one rank, one rank with many tensors, two ranks) and the plain steps,
+    and derive the overheads (see the module doc); ``stash_copy_s`` is left 0 (the profile
+    measures it, per model)."""
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
                for _ in range(minibatches)]
