@@ -26,7 +26,11 @@ probe's own profile, whose error would land in the overheads):
 * ``stash_tensor_s``: a copy-on-write update of 128 tiny parameters against a plain one, per
   tensor (:func:`stash_per_tensor`, in this process).
 
-Each is clamped at 0. Cached in ``$FXPIPE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fxpipe`` or
+Each is clamped at 0. ``machine_overheads`` runs the probe in a fresh interpreter
+(:func:`measure_in_subprocess`): the ranks are started with multiprocessing's spawn, which runs
+the parent's main script again in each child, and a user's script that compiles at its top level
+(no ``__main__`` guard, the README's pattern) must not run again inside the probe. A probe that
+fails is a warning and no overheads (not cached). Cached in ``$FXPIPE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fxpipe`` or
 ``~/.cache/fxpipe``), ``overheads.json``, under a key naming the host, its cores and the torch,
 Python and fxpipe versions; ``machine_overheads(refresh=True)`` measures again. About 10 s
 (three launches). On the project's 2-core machine, five probes gave 0.19-0.38 ms per stage and
@@ -226,6 +230,33 @@ def measure_overheads(minibatches: int = MINIBATCHES) -> Overheads:
     return ov
 
 
+# the launcher's variables a probe must not inherit (it is a job of its own, on this machine)
+_JOB_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "MASTER_ADDR", "MASTER_PORT")
+
+
+def measure_in_subprocess(timeout_s: float = 300.0) -> Overheads:
+    """:func:`measure_overheads` in a fresh interpreter (``python -m`` this module).
+
+    Why not in this process: the probe launches ranks with multiprocessing's spawn, which runs
+    the parent's main script again in every child; a user's script that calls
+    ``fxpipe.compile`` at its top level (the README's pattern, under torchrun) would start
+    compiling, and training, inside the probe's ranks. A fresh interpreter's main script is this
+    module. Raises ``RuntimeError`` with the child's last lines when it fails."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in _JOB_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    res = subprocess.run([sys.executable, "-m", __name__, "--json"], capture_output=True,
+                         text=True, timeout=timeout_s, env=env)
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-5:])
+        raise RuntimeError(f"the probe exited with {res.returncode}: {tail}")
+    return Overheads.from_dict(json.loads(lines[-1]))
+
+
 def cache_dir() -> Path:
     env = os.environ.get("FXPIPE_CACHE_DIR")
     if env:
@@ -248,7 +279,8 @@ def machine_key() -> str:
 def machine_overheads(refresh: bool = False) -> Overheads:
     """This machine's overheads: from the cache, else (or with ``refresh``) measured by the
     probe and cached. An unreadable cache is measured over; a cache that cannot be written
-    only costs the next process the probe again."""
+    only costs the next process the probe again; a probe that fails (no local port, no
+    processes) is a warning and no overheads, not cached, so the next compile tries again."""
     import json
 
     path = cache_dir() / CACHE_FILE
@@ -265,10 +297,34 @@ def machine_overheads(refresh: bool = False) -> Overheads:
             return Overheads.from_dict(cached[key])
         except Exception as e:  # noqa: BLE001 - a hand-edited cache: measure again
             log.warning("ignoring the cached overheads in %s (%s)", path, e)
-    ov = measure_overheads()
+    try:
+        ov = measure_in_subprocess()
+    except Exception as e:  # noqa: BLE001 - a probe that cannot run must not stop a compile
+        log.warning("could not measure the runtime's overheads (%s: %s); the plan leaves them "
+                    "out (FXPIPE_OVERHEADS=off says so quietly)", type(e).__name__, e)
+        return Overheads(source=f"not measured: the probe failed ({type(e).__name__})")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, {**cached, key: ov.to_dict()})
     except OSError as e:
         log.warning("could not cache the runtime overheads in %s (%s)", path, e)
     return ov
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fxpipe.runtime.execution.overhead_probe [--json]``: measure and print."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="measure the runtime's overheads on this machine")
+    ap.add_argument("--json", action="store_true", help="print them as one JSON line")
+    args = ap.parse_args(argv)
+    if not args.json:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ov = measure_overheads()
+    print(json.dumps(ov.to_dict()) if args.json else ov)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
