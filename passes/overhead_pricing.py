@@ -5,11 +5,10 @@ a fixed cost per stage, a cost per message across each of its cuts and a share o
 copy. Inside the solver's search a stage's cost must grow with its end (its monotone searches
 rely on it), and a stage that ends the graph sends nothing on, so its message cost drops exactly
 there. Priced here, on the cuts the solver chose, a plan states what it will cost; the cuts
-balance the nodes' times, which is where the overheads move them least (every stage pays the
-fixed part, an interior one two messages per value more than an end one), and
-:func:`fxpipe.passes.partition.partition` then moves a cut a few nodes to where fewer values
-cross when that prices faster. What the overheads decide most: whether to pipeline at all, a
-plan of several stages being kept only if it beats the one-stage plan, which pays no message.
+themselves balance the nodes' times, which is where the overheads move them least (every stage
+pays the fixed part, an interior one two messages per value more than an end one). What the
+overheads do decide is whether to pipeline at all: :func:`fxpipe.passes.partition.partition`
+keeps a plan of several stages only if it beats the one-stage plan, which pays no message.
 """
 from __future__ import annotations
 

@@ -29,8 +29,6 @@ SYNC_MODELS = ("allreduce", "parameter-server")
 # Plans within this relative distance of the optimum are ties (won by fewer stages, i.e. data
 # parallelism first): profiles are measured to ~1e-3, not to the last bit.
 TIE_TOLERANCE = 1e-9
-# How far (nodes) a cut may move to one crossed by fewer values (_fewer_messages).
-MESSAGE_WINDOW = 4
 
 
 def coefficients(cluster: Cluster, sync: str) -> tuple[list[float], list[float], list[float]]:
@@ -135,8 +133,6 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
             + ("a flushing schedule (schedule='1f1b-flush': no stashed weight versions), "
                if memory_rule.schedule in ("pipedream", "2bw") else "")
             + "or optimizer_state_factor matching your optimizer") from None
-    sol = _fewer_messages(profile, sol, args, cb, cluster.memory, optimizer_state_factor,
-                          memory_rule)
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
                   memory_rule=memory_rule)
     plan = _make_plan(profile, cluster, sync, sol, _priced(profile, dp, memory_rule)[1], alpha,
@@ -153,41 +149,6 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                      single.time_per_minibatch)
             return single
     return plan
-
-
-def _fewer_messages(profile: Profile, sol: Solution, args: tuple, cb: np.ndarray,
-                    cap: float | None, optimizer_state_factor: float,
-                    memory_rule: MemoryRule) -> Solution:
-    """``sol`` with each cut moved, one after the other, by up to :data:`MESSAGE_WINDOW` nodes
-    where the plan priced with the runtime's overheads is faster and still fits ``cap``.
-
-    Why: the solver balances the nodes' times alone (overhead_pricing.py), and two cuts of
-    nearly equal balance can differ in what crosses them: before a residual add, both of its
-    summands (four messages per minibatch on each side), after it, their sum (two). Only when the
-    profile prices messages; the replicas and recomputation flags stay the solver's."""
-    if profile.overheads.message_s <= 0 or len(sol.starts) < 2:
-        return sol
-    n = len(profile.nodes)
-    flags = list(sol.recompute) if any(sol.recompute) else None
-    best, best_t = sol, _priced(profile, sol, memory_rule)[1]
-    starts = list(sol.starts)
-    for s in range(1, len(starts)):
-        lo = max(starts[s - 1] + 1, starts[s] - MESSAGE_WINDOW)
-        hi = min((starts[s + 1] if s + 1 < len(starts) else n) - 1, starts[s] + MESSAGE_WINDOW)
-        for p in range(lo, hi + 1):
-            if p == starts[s] or not np.isfinite(cb[p - 1]):  # (its cut time is inf too)
-                continue
-            cand = starts[:s] + [p] + starts[s + 1:]
-            ev = evaluate(*args, cand, list(sol.replicas), recompute=flags,
-                          optimizer_state_factor=optimizer_state_factor,
-                          memory_rule=memory_rule, **_recompute_inputs(profile))
-            if cap is not None and max(ev.memory) > cap:
-                continue
-            t = _priced(profile, ev, memory_rule)[1]
-            if t < best_t * (1.0 - TIE_TOLERANCE):
-                best, best_t = ev, t
-        starts = list(best.starts)
-    return best
 
 
 def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, straight: bool,

@@ -10,8 +10,6 @@ term can be read off the sum.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from fxpipe.costmodel.hardware import Cluster
@@ -182,40 +180,3 @@ def test_the_one_stage_plan_recomputes_as_asked() -> None:
     one = partition(small(Overheads(action_s=1e-4, message_s=3e-3)), cluster, straight=True,
                     recompute="always")
     assert one.recompute == [True] and one.time_per_minibatch == pytest.approx(8.1e-3)
-
-
-def residual(ov: Overheads) -> Profile:
-    """n0 -> n1 -> n2, and n3 = n1 + n2 (a residual): the cut before n3 is crossed by n1 and n2
-    (two values), the one before n2 by n1 alone. Compute 0.5, 0.5, 1, 2 ms."""
-    return with_ov([node(0, (), c=5e-4), node(1, ("n0",), c=5e-4), node(2, ("n1",), c=1e-3),
-                    node(3, ("n1", "n2"), c=2e-3)], ov)
-
-
-def test_a_cut_moves_to_where_fewer_values_cross() -> None:
-    """Two stages. By the nodes alone the best cut is before n3: 2 | 2 ms. With 0.6 ms per
-    message it costs 2 + 4 x 0.6 = 4.4 ms per stage; before n2 (one value): max(1, 3) + 2 x 0.6
-    = 4.2 ms, so the cut moves there. Without message costs it stays."""
-    cluster = Cluster(workers=2)
-    plain = partition(residual(Overheads(action_s=1e-9)), cluster, stages=2, straight=True)
-    assert [s.nodes for s in plain.stages] == [("n0", "n1", "n2"), ("n3",)]
-    moved = partition(residual(Overheads(message_s=6e-4)), cluster, stages=2, straight=True)
-    assert [s.nodes for s in moved.stages] == [("n0", "n1"), ("n2", "n3")]
-    assert moved.time_per_minibatch == pytest.approx(4.2e-3)
-    # at 0.2 ms per message the balance wins: 2 + 0.8 = 2.8 against 3 + 0.4 = 3.4
-    kept = partition(residual(Overheads(message_s=2e-4)), cluster, stages=2, straight=True)
-    assert [s.nodes for s in kept.stages] == [("n0", "n1", "n2"), ("n3",)]
-
-
-def test_a_cut_does_not_move_out_of_the_memory_cap() -> None:
-    """As above, with 1 GB of parameters on n2 and on n3, flush's rule (3 bytes of state per
-    parameter byte, no stash) and a 4 GB cap: the faster cut before n2 would put both on stage
-    1 (6 GB), so the cut stays before n3 (3 GB per stage)."""
-    nodes = list(residual(Overheads(message_s=6e-4)).nodes)
-    nodes[2] = replace(nodes[2], parameter_bytes=1e9, params=("w2",))
-    nodes[3] = replace(nodes[3], parameter_bytes=1e9, params=("w3",))
-    prof = with_ov(nodes, Overheads(message_s=6e-4))
-    plan = partition(prof, Cluster(workers=2, memory=4e9), stages=2, straight=True,
-                     memory_rule=FLUSH)
-    assert [s.nodes for s in plan.stages] == [("n0", "n1", "n2"), ("n3",)]
-    free = partition(prof, Cluster(workers=2), stages=2, straight=True, memory_rule=FLUSH)
-    assert [s.nodes for s in free.stages] == [("n0", "n1"), ("n2", "n3")]
