@@ -15,8 +15,9 @@ timed as plain PyTorch runs it. A stage as the runtime runs it also pays
 
 On this project's 2-core machine these were about 0.23 ms per stage and minibatch, 3 us per
 parameter tensor and 0.24 ms per message (``fxpipe.runtime.execution.overhead_probe``): the zoo's
-GPT mini cut in two, whose stages compute 5.5 ms each, ran at 7.75 ms per minibatch while the
-plan without them said 5.47 (+42%); with them, 7.40 (+5%; BENCHMARKS ``runtime_prediction``).
+GPT mini cut in two, whose stages compute 5.2-5.5 ms each, ran at 7.6-7.75 ms per minibatch while
+the plan without them said 5.2-5.5 (+42-46%); with them, 6.7-7.4 (+5-15%, BENCHMARKS
+``runtime_prediction``).
 :class:`Overheads` holds the measured values; the planner adds :meth:`Overheads.stage_s` to every
 stage (``fxpipe.passes.overhead_pricing``), and a plan that pays message costs must beat the
 one-stage plan that pays none (``fxpipe.passes.partition``).
