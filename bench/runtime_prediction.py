@@ -49,7 +49,8 @@ from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.pricing.replan import measure as replan_measure
 from fxpipe.runtime.pricing.replan import reprice
 from fxpipe.runtime.schedules.kinds import make_schedule
-from fxpipe.runtime.timeline import busy_fraction, wait_breakdown
+from fxpipe.runtime.timeline import (busy_fraction, minibatch_window, of_minibatches,
+                                     wait_breakdown)
 from fxpipe.runtime.training.stage_calibration import calibrate_stages
 
 log = logging.getLogger("runtime_prediction")
@@ -80,31 +81,14 @@ def per_mb(evs, cat: str, skip: int) -> float:
     return statistics.median(ds) if ds else 0.0
 
 
-def in_range(e, lo: int, hi: int) -> bool:
-    """Is ``e`` an event of minibatch (an optimizer event: update) ``lo..hi-1``?"""
-    return lo <= e.args.get("update" if e.category == "optimizer" else "minibatch", -1) < hi
-
-
 def rescaled_prediction(c, timeline, lo: int, hi: int) -> float:
     """The running plan's time per minibatch on ``c``'s profile rescaled to the stage times
     measured over minibatches (and updates) ``lo..hi-1`` of ``timeline`` (one rank per stage)."""
     times = []
     for r in range(len(c.plan.stages)):
-        times.append(replan_measure([e for e in timeline[r] if in_range(e, lo, hi)]))
+        times.append(replan_measure([e for e in timeline[r] if of_minibatches(e, lo, hi)]))
     return reprice(c.profile, c.plan, times, fxpipe.Cluster.from_dict(dict(c.plan.cluster)),
                    sync=c.plan.sync)[2].time_per_minibatch
-
-
-def window_events(timeline, lo: int, hi: int) -> dict[int, list]:
-    """Each rank's events of minibatches (and updates) ``lo..hi-1``, plus the events between
-    them (sends, receive waits, idle) by time: the steady-state window of every rank."""
-    out = {}
-    for r, evs in timeline.items():
-        tagged = [e for e in evs if e.category in ("forward", "backward", "optimizer")
-                  and in_range(e, lo, hi)]
-        t0, t1 = min(e.start for e in tagged), max(e.end for e in tagged)
-        out[r] = [e for e in evs if e.start >= t0 and e.end <= t1]
-    return out
 
 
 def decompose(timeline, lo: int, hi: int) -> dict[int, dict[str, float]]:
@@ -113,7 +97,7 @@ def decompose(timeline, lo: int, hi: int) -> dict[int, dict[str, float]]:
     :func:`~fxpipe.runtime.timeline.wait_breakdown` (for the peer's compute; for a transfer
     posted late; for the transfer itself), idle (the executor between actions)."""
     n = hi - lo
-    win = window_events(timeline, lo, hi)
+    win = minibatch_window(timeline, lo, hi)
     waits = wait_breakdown(win)
     out = {}
     for r, evs in win.items():

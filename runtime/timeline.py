@@ -232,6 +232,23 @@ def busy_between(events: Iterable[TimelineEvent], lo: float, hi: float,
     return min(1.0, busy / (hi - lo))
 
 
+def of_minibatches(e: TimelineEvent, lo: int, hi: int) -> bool:
+    """Is ``e`` an event of minibatch ``lo..hi-1`` (an optimizer event: of update ``lo..hi-1``)?"""
+    return lo <= int(e.args.get("update" if e.category == "optimizer" else "minibatch", -1)) < hi
+
+
+def minibatch_window(timeline: Timeline, lo: int, hi: int) -> dict[int, list[TimelineEvent]]:
+    """Each rank's events from its first compute event of minibatches ``lo..hi-1`` to its last
+    (:func:`of_minibatches`), with everything between them by time (sends, receive waits,
+    idle): the steady-state window in which a rank's seconds per minibatch are counted."""
+    out: dict[int, list[TimelineEvent]] = {}
+    for rank, evs in timeline.items():
+        tagged = [e for e in evs if e.category in COMPUTE and of_minibatches(e, lo, hi)]
+        t0, t1 = min(e.start for e in tagged), max(e.end for e in tagged)
+        out[rank] = [e for e in evs if e.start >= t0 and e.end <= t1]
+    return out
+
+
 WAITS = ("peer", "transfer", "late", "unmatched")
 
 

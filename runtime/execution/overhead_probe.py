@@ -39,10 +39,13 @@ same order as the run-to-run spread of the profile it is added to.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,7 +66,7 @@ from fxpipe.tracing import trace
 
 from ..replica.stash import WeightStash
 from ..schedules.kinds import make_schedule
-from ..timeline import TimelineEvent, wait_breakdown
+from ..timeline import TimelineEvent, minibatch_window, wait_breakdown
 from .launch import run_distributed
 
 log = logging.getLogger(__name__)
@@ -109,22 +112,11 @@ def probe_model(small: int = 0) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _window(events: Sequence[TimelineEvent], lo: int, hi: int) -> list[TimelineEvent]:
-    """The rank's events from the first action of minibatch ``lo`` to the last of ``hi - 1``
-    (updates by their number), sends, waits and idle between them included."""
-    def k(e: TimelineEvent) -> int:
-        return int(e.args.get("update" if e.category == "optimizer" else "minibatch", -1))
-    tagged = [e for e in events if e.category in ("forward", "backward", "optimizer")
-              and lo <= k(e) < hi]
-    t0, t1 = min(e.start for e in tagged), max(e.end for e in tagged)
-    return [e for e in events if e.start >= t0 and e.end <= t1]
-
-
 def host_seconds(timeline: dict[int, list[TimelineEvent]], lo: int, hi: int) -> list[float]:
     """Per rank (one per stage), seconds per minibatch over minibatches ``lo..hi-1`` that the
     rank was not waiting for its peer's compute: its forward, backward and update as run, its
     sends' posting, its idle time and its receive waits for the transfer itself."""
-    wins = {r: _window(evs, lo, hi) for r, evs in timeline.items()}
+    wins = minibatch_window(timeline, lo, hi)
     waits = wait_breakdown(wins)
     n = hi - lo
     out = []
@@ -162,7 +154,7 @@ def _run(stages: int, batches: list[tuple[torch.Tensor, torch.Tensor]], small: i
     estimate_graph(traced.gm, traced.flat_inputs, "cpu")
     profile = to_profile(traced.gm, batch_size=BATCH, device="cpu (estimated)")
     plan = partition(profile, Cluster(workers=stages), stages=stages, straight=True)
-    specs = split_graph(traced.gm, {n: st.index for st in plan.stages for n in st.nodes})
+    specs = split_graph(traced.gm, plan.stage_of())
     copies = stage_overheads(profile, [profile.names.index(st.nodes[0]) for st in plan.stages],
                              plan.replicas, [st.in_flight for st in plan.stages],
                              plan.memory_rule,
@@ -243,9 +235,6 @@ def measure_in_subprocess(timeout_s: float = 300.0) -> Overheads:
     ``fxpipe.compile`` at its top level (the README's pattern, under torchrun) would start
     compiling, and training, inside the probe's ranks. A fresh interpreter's main script is this
     module. Raises ``RuntimeError`` with the child's last lines when it fails."""
-    import json
-    import subprocess
-
     env = {k: v for k, v in os.environ.items()
            if k not in _JOB_VARIABLES and not k.startswith("TORCHELASTIC_")}
     res = subprocess.run([sys.executable, "-m", __name__, "--json"], capture_output=True,
@@ -281,8 +270,6 @@ def machine_overheads(refresh: bool = False) -> Overheads:
     probe and cached. An unreadable cache is measured over; a cache that cannot be written
     only costs the next process the probe again; a probe that fails (no local port, no
     processes) is a warning and no overheads, not cached, so the next compile tries again."""
-    import json
-
     path = cache_dir() / CACHE_FILE
     key = machine_key()
     cached: dict[str, Any] = {}
@@ -313,9 +300,6 @@ def machine_overheads(refresh: bool = False) -> Overheads:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m fxpipe.runtime.execution.overhead_probe [--json]``: measure and print."""
-    import argparse
-    import json
-
     ap = argparse.ArgumentParser(description="measure the runtime's overheads on this machine")
     ap.add_argument("--json", action="store_true", help="print them as one JSON line")
     args = ap.parse_args(argv)
