@@ -86,7 +86,8 @@ def worker(args: argparse.Namespace) -> None:
                        "parameter_bytes": [sp.parameter_bytes for sp in plan.stages],
                        "activation_bytes": [sp.activation_bytes for sp in plan.stages],
                        "rows": [{"stage": c.stage, "state": c.state, "versions": c.versions,
-                                 "activations": c.activations, "measured": c.measured}
+                                 "activations": c.activations, "measured": c.measured,
+                                 "walked": c.walked, "walked_parts": dict(c.walked_parts)}
                                 for c in checks]}
     Path(args.result).with_suffix(f".rank{rank}.json").write_text(json.dumps(out))
     trainer.close()
@@ -135,7 +136,9 @@ def _rows(runs: list[dict]) -> list[dict]:
                         "predicted": row["state"] + row["versions"] + row["activations"],
                         "held": parts.get("held", 0), "F": parts.get("F", 0),
                         "BW": parts.get("B", 0) + parts.get("W", 0), "U": parts.get("U", 0),
-                        "comm": parts.get("comm", 0) + parts.get("other", 0)})
+                        "comm": parts.get("comm", 0) + parts.get("other", 0),
+                        "walked": row.get("walked") or float("nan"),
+                        "wparts": row.get("walked_parts") or {}})
     return out
 
 
@@ -173,8 +176,22 @@ def page(runs: list[dict]) -> str:
         acts = [r["F"] / r["activations"] for r in rows if r["recompute"] == "never"]
         working = [max(r["BW"] - r["P"], 0) / r["predicted"] for r in rows]
         comm = [r["comm"] / r["predicted"] for r in rows]
+        walked = [r["measured"] / r["walked"] for r in rows]
+        wbest = min(range(len(rows)), key=lambda i: walked[i])
+        wworst = max(range(len(rows)), key=lambda i: walked[i])
         lines += [
-            f"Stages within 10% of their prediction: {sum(0.9 <= x <= 1.1 for x in ratio)} of "
+            f"**The walked peak** (`fxpipe.runtime.pricing.memory_walk`: the schedule's action "
+            "list walked with the receive buffers posted ahead, the sent tensors not yet proven "
+            "received, the backward's working set, what a split backward leaves for W, the "
+            "loss's output, and the optimizer step's temporaries; what `compiled.memory_check` "
+            "reports): stages within 10%: "
+            f"**{sum(0.9 <= x <= 1.1 for x in walked)} of {len(rows)}**; measured / walked "
+            f"from {walked[wbest]:.2f} ({name(wbest)}) to {walked[wworst]:.2f} "
+            f"({name(wworst)}), median {sorted(walked)[len(walked) // 2]:.2f}. Outside 10%: "
+            + (", ".join(f"{name(i)} ({walked[i]:.2f})" for i in range(len(rows))
+                         if not 0.9 <= walked[i] <= 1.1) or "none") + ".", "",
+            "**The plan's rule** (what the planner fits to the memory cap; below, by term): "
+            f"stages within 10% of their prediction: {sum(0.9 <= x <= 1.1 for x in ratio)} of "
             f"{len(rows)}; measured / predicted from {ratio[best]:.2f} ({name(best)}) to "
             f"{ratio[worst]:.2f} ({name(worst)}), median {sorted(ratio)[len(ratio) // 2]:.2f}. "
             "Which term misses (min / median / max over the stages):", "",
@@ -191,14 +208,16 @@ def page(runs: list[dict]) -> str:
             "the runtime posts receives ahead of the compute that needs them (issue 27), each a "
             "buffer of the message's size.", ""]
     lines += ["| model | schedule | recompute | stage | predicted | state | versions | "
-              "activations | measured | measured / predicted | held | F | B+W | U | comm |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "activations | measured | measured / predicted | walked | measured / walked | "
+              "held | F | B+W | U | comm |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['kind']} | {r['recompute']} | {r['stage']} | "
             f"{_mib(r['predicted'])} | {_mib(r['state'])} | {_mib(r['versions'])} | "
             f"{_mib(r['activations'])} | {_mib(r['measured'])} | "
-            f"{r['measured'] / r['predicted']:.2f} | {_mib(r['held'])} | {_mib(r['F'])} | "
+            f"{r['measured'] / r['predicted']:.2f} | {_mib(r['walked'])} | "
+            f"{r['measured'] / r['walked']:.2f} | {_mib(r['held'])} | {_mib(r['F'])} | "
             f"{_mib(r['BW'])} | {_mib(r['U'])} | {_mib(r['comm'])} |")
     for run in failed:
         lines.append(f"\nFailed: {run['model']} {run['kind']} recompute {run['recompute']}: "

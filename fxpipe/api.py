@@ -9,7 +9,6 @@ a frozen report; this module wires them together and owns nothing but the glue.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import os
@@ -233,13 +232,15 @@ class CompiledModel:
         replicas (:func:`fxpipe.runtime.pricing.memory.check_memory`; ``memory_table`` prints
         them). Every rank gets every stage's peak; the parts of the peak only for its own."""
         from fxpipe.runtime.pricing.memory import check_memory
+        from fxpipe.runtime.training.memory_fit import walked_peaks
 
         measured = trainer.measured_memory()
         if measured is None:
             raise ConfigError("the trainer has measured no memory",
                               "make it with compiled.trainer(measure_memory=True) under "
                               "torchrun and call fit before memory_check")
-        return check_memory(self.plan, measured, trainer.memory_parts)
+        return check_memory(self.plan, measured, trainer.memory_parts,
+                            walked_peaks(self.plan, self.profile, trainer))
 
     def torch_stages(self, rank: int, world_size: int, *, placement: str = "loop",
                      device: Any = None, group: Any = None) -> Any:
@@ -426,17 +427,24 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             f"this model is {fingerprint})", "re-plan with fxpipe.compile(model, cluster, ...)")
 
     def make() -> dict[str, Any]:
-        from fxpipe.runtime.replica.state_size import state_factor
+        from fxpipe.peak_fit import fit_peaks
+        from fxpipe.runtime.replica.state_size import state_factor, temporaries_for
 
         profile = with_runtime_overheads(
             cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer), cluster,
             overheads, on_cuda=any(p.is_cuda for p in traced.gm.parameters()))
         factor = state_factor(list(traced.gm.parameters()), optimizer, master_weights)
-        chosen = plan if plan is not None else replace(
-            choose_plan(profile, cluster, sync=sync, stages=stages, straight=straight,
-                        choose=choose, recompute=recompute, schedule=schedule,
-                        microbatches=microbatches, optimizer_state_factor=factor),
-            model_fingerprint=fingerprint)
+        if plan is not None:  # the user's plan, as saved
+            chosen = plan
+        else:  # the cap held against each stage's walked peak, the step's temporaries included
+            temporaries = temporaries_for(traced.gm.parameters(), optimizer, cluster.device)
+            chosen = replace(fit_peaks(
+                lambda c: choose_plan(profile, c, sync=sync, stages=stages, straight=straight,
+                                      choose=choose, recompute=recompute, schedule=schedule,
+                                      microbatches=microbatches,
+                                      optimizer_state_factor=factor),
+                profile, cluster, schedule, microbatches, temporaries),
+                model_fingerprint=fingerprint)
         return {"profile": profile.to_dict(), "plan": chosen.to_dict()}
 
     from fxpipe.runtime.execution.agree import shared  # a torchrun job: rank 0 plans for every rank
@@ -462,6 +470,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
 
 
 CHOOSERS = ("auto", "planner", "simulation")
+
 
 
 def splits_tied(plan: Plan, profile: Profile) -> bool:

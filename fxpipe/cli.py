@@ -12,7 +12,6 @@ MODEL is a zoo name (``fxpipe.models.names()``), ``file.py:factory`` (factory() 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import os
 import sys
@@ -40,9 +39,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError("--export and --svg need a model, not a profile",
                               "pass a zoo name or file.py:factory")
         profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
-        plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
-                           straight=args.straight, choose=args.choose, recompute=args.recompute,
-                           schedule=args.schedule, microbatches=args.microbatches)
+        from fxpipe.peak_fit import fit_peaks
+
+        plan = fit_peaks(  # the cap held against the walked peak (no optimizer: no temporaries)
+            lambda c: choose_plan(profile, c, sync=args.sync, stages=args.stages,
+                                  straight=args.straight, choose=args.choose,
+                                  recompute=args.recompute, schedule=args.schedule,
+                                  microbatches=args.microbatches),
+            profile, cluster, args.schedule, args.microbatches, (0.0, 0.0))
     else:
         from fxpipe.api import compile as fx_compile
 

@@ -98,10 +98,14 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
                                stages=v * (args.stages or cluster.workers), straight=True,
                                choose="planner", recompute=args.recompute)
         else:
-            plan = choose_plan(profile, cluster, sync=args.sync, stages=args.stages,
-                               straight=args.straight, choose=args.choose,
-                               schedule=args.schedule, recompute=args.recompute,
-                               microbatches=args.microbatches)
+            from fxpipe.peak_fit import fit_peaks
+
+            plan = fit_peaks(  # the cap held against the walked peak, as `fxpipe plan` does
+                lambda c: choose_plan(profile, c, sync=args.sync, stages=args.stages,
+                                      straight=args.straight, choose=args.choose,
+                                      schedule=args.schedule, recompute=args.recompute,
+                                      microbatches=args.microbatches),
+                profile, cluster, args.schedule, args.microbatches, (0.0, 0.0))
     return profile, plan
 
 

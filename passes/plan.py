@@ -59,6 +59,11 @@ class StagePlan:
     # the stash's copy: fxpipe.costmodel.overheads), already inside compute_s and stage_time_s
     # (0 in plans saved before it was priced, and for profiles that record no overheads).
     overhead_s: float = 0.0
+    # The peak of live bytes per replica walked through the schedule the plan was compiled for
+    # (fxpipe.runtime.pricing.memory_walk: memory_bytes plus the message buffers, working sets
+    # and optimizer temporaries live during an action), what a run measures; None: not walked
+    # (the planner alone, the placed kinds, plans saved before it was).
+    peak_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,10 @@ class Plan:
         in words (default: its first and last node), e.g. the modules a compiled model's stages
         cover, which read better than an aten graph's node names."""
         rc = any(self.recompute)  # the column only when some stage recomputes
+        walked = all(s.peak_bytes is not None for s in self.stages)
         head = (f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10} {'update':>10} "
-                f"{'comm':>10} {'memory':>10}" + (f" {'recompute':>10}" if rc else ""))
+                f"{'comm':>10} {'memory':>10}" + (f" {'peak':>10}" if walked else "")
+                + (f" {'recompute':>10}" if rc else ""))
         lines = [head, "-" * len(head)]
         for s in self.stages:
             span = (f"{s.nodes[0]}..{s.nodes[-1]} ({len(s.nodes)})" if len(s.nodes) > 1
@@ -140,6 +147,7 @@ class Plan:
                          f"{format_seconds(s.compute_s + s.sync_s):>10} "
                          f"{format_seconds(s.update_s):>10} {format_seconds(s.comm_s):>10} "
                          f"{format_bytes(s.memory_bytes):>10}"
+                         + (f" {format_bytes(s.peak_bytes or 0.0):>10}" if walked else "")
                          + (f" {format_seconds(s.recompute_s) if s.recompute else 'no':>10}"
                             if rc else ""))
         lines.append("(compute = forward + backward + update + sync, per minibatch; update = "
@@ -149,6 +157,13 @@ class Plan:
                          + ", ".join(f"stage {s.index} {format_seconds(s.overhead_s)}"
                                      for s in self.stages)
                          + "; its calls, messages and stash copies, fxpipe.costmodel.overheads)")
+        if walked:
+            lines.append("(memory = weights, gradients, optimizer state, stashed versions and "
+                         "activations held between actions, as the schedule's rule prices them; "
+                         "peak = the most live at once, walked through the schedule's actions: "
+                         "with the receive buffers posted ahead, sends not yet proven received, "
+                         "the backward's working set and the optimizer step's temporaries; the "
+                         "cap is held against the peak)")
         if rc:
             lines.append("(recompute = the extra forward of activation recomputation, included in "
                          "compute; such a stage keeps only its inputs per minibatch in flight)")
@@ -208,7 +223,7 @@ class Plan:
                     kw[f.name] = 0.0  # written before the update / recomputation / overheads
                 elif f.name == "recompute":
                     kw[f.name] = _get(sd, f.name, bool, where) if f.name in sd else False
-                elif f.name in ("state_bytes", "kept_input_bytes"):
+                elif f.name in ("state_bytes", "kept_input_bytes", "peak_bytes"):
                     kw[f.name] = _num(sd, f.name, where) if sd.get(f.name) is not None else None
                 elif f.name in ("index", "replicas", "in_flight"):
                     kw[f.name] = _get(sd, f.name, int, where)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fxpipe.errors import ConfigError
 from fxpipe.passes.memory_rule import MemoryRule
@@ -127,6 +128,10 @@ class MemoryCheck:
     activations: float
     measured: int
     parts: Mapping[str, int] = field(default_factory=dict)
+    # The peak walked through the schedule's action list (:mod:`.memory_walk`: the rule's terms
+    # plus the buffers and working sets live during an action) and its parts; None: not walked.
+    walked: float | None = None
+    walked_parts: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def predicted(self) -> float:
@@ -137,32 +142,50 @@ class MemoryCheck:
         """Measured over predicted (1.0: exact; above: the plan under-predicts)."""
         return self.measured / self.predicted if self.predicted > 0 else float("inf")
 
+    @property
+    def walked_ratio(self) -> float | None:
+        """Measured over the walked peak (None where not walked)."""
+        if self.walked is None:
+            return None
+        return self.measured / self.walked if self.walked > 0 else float("inf")
+
 
 def check_memory(plan: Plan, measured: Sequence[int],
-                 parts: Mapping[int, Mapping[str, int]] | None = None) -> tuple[MemoryCheck, ...]:
+                 parts: Mapping[int, Mapping[str, int]] | None = None,
+                 walked: Sequence[Any] | None = None) -> tuple[MemoryCheck, ...]:
     """The plan's memory per stage, by its rule's terms (state ``P (2 + opt)``, stashed
     versions, activations: the rest of ``memory_bytes``, i.e. the in-flight sets, or a
     recomputing stage's kept inputs and its one recomputed set), next to ``measured`` (bytes per
-    stage). ``parts``: per stage, the measured peak's parts (:class:`MemoryCheck`)."""
+    stage). ``parts``: per stage, the measured peak's parts (:class:`MemoryCheck`); ``walked``:
+    per stage, the :class:`~.memory_walk.StagePeak` of the schedule that ran."""
     if len(measured) != len(plan.stages):
         raise ValueError(f"{len(measured)} measured stages for a plan of {len(plan.stages)}")
     rows = []
     for sp, got in zip(plan.stages, measured):
         state = state_bytes(sp)
         versions = plan.memory_rule.stashed(max(sp.in_flight, 1)) * sp.parameter_bytes
+        w = walked[sp.index] if walked is not None else None
         rows.append(MemoryCheck(sp.index, state, versions,
                                 sp.memory_bytes - state - versions, int(got),
-                                dict((parts or {}).get(sp.index, {}))))
+                                dict((parts or {}).get(sp.index, {})),
+                                None if w is None else w.peak,
+                                {} if w is None else dict(w.parts)))
     return tuple(rows)
 
 
 def memory_table(rows: Sequence[MemoryCheck]) -> str:
     """A Markdown table of :func:`check_memory`'s rows (MiB, and measured / predicted)."""
     mib = 1 << 20
+    walk = any(r.walked is not None for r in rows)
     lines = ["| stage | predicted | state | versions | activations | measured | measured / "
-             "predicted |", "|---|---|---|---|---|---|---|"]
+             "predicted |" + (" walked peak | measured / walked |" if walk else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if walk else "")]
     for r in rows:
-        lines.append(f"| {r.stage} | {r.predicted / mib:.2f} | {r.state / mib:.2f} | "
-                     f"{r.versions / mib:.2f} | {r.activations / mib:.2f} | "
-                     f"{r.measured / mib:.2f} | {r.ratio:.2f} |")
+        line = (f"| {r.stage} | {r.predicted / mib:.2f} | {r.state / mib:.2f} | "
+                f"{r.versions / mib:.2f} | {r.activations / mib:.2f} | "
+                f"{r.measured / mib:.2f} | {r.ratio:.2f} |")
+        if walk:
+            line += (" - | - |" if r.walked is None else
+                     f" {r.walked / mib:.2f} | {r.walked_ratio:.2f} |")
+        lines.append(line)
     return "\n".join(lines)

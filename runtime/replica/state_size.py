@@ -14,9 +14,10 @@ meta device too, since only their dtypes and ranks are read.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -52,6 +53,91 @@ def state_per_byte(optimizer: Callable[..., torch.optim.Optimizer],
     state = sum(v.numel() * v.element_size() for t in tiny for v in opt.state.get(t, {}).values()
                 if isinstance(v, torch.Tensor) and v.numel() == t.numel())
     return state / max(sum(t.numel() * t.element_size() for t in tiny), 1), None
+
+
+def step_temporaries(optimizer: Callable[..., torch.optim.Optimizer],
+                     shapes: Sequence[tuple[int, torch.dtype]], stage: int = 0,
+                     foreach_default: bool = False) -> tuple[float, float] | None:
+    """What an optimizer step allocates and frees again, as ``(per_byte, per_largest)``: its
+    peak temporaries are ``per_byte * P + per_largest * L`` for parameters of P bytes whose
+    largest tensor has L. Why two terms: a foreach step (torch's default on CUDA) makes its
+    temporaries for every tensor at once (AdamW's square roots of the second moments: about P),
+    the per-tensor loop (the default on the CPU) for one tensor at a time (a few times the
+    largest). A replica's peak can fall inside its update, where these sit beside everything
+    it holds (issue 26: VGG-mini's last stage, whose classifier dominates its parameters).
+
+    Measured like :func:`state_per_byte` on tiny stand-ins (same ranks and dtypes), stepped
+    once to make their state and then once counted by :class:`~.live_bytes.LiveBytes`, twice:
+    all of one size, and with the first 8 times larger (two equations, two unknowns). None when
+    the factory will not run on them. ``foreach_default``: measure the path torch takes by
+    default for CUDA tensors (foreach) rather than the CPU's, for a run planned for a GPU from
+    this machine (an optimizer that names ``foreach=`` or ``fused=`` keeps its own)."""
+    from .live_bytes import LiveBytes, reachable_storages  # only when measuring
+
+    def peak(scale_first: int) -> tuple[float, float, float]:
+        tiny = [torch.zeros(((math.ceil(64 ** (1 / nd)),) * nd if nd else ()), dtype=dt)
+                for nd, dt in shapes]
+        if tiny and tiny[0].dim():
+            tiny[0] = torch.zeros((tiny[0].shape[0] * scale_first, *tiny[0].shape[1:]),
+                                  dtype=tiny[0].dtype)
+        for t in tiny:
+            t.requires_grad_(True)
+        opt = bind_optimizer(optimizer, stage, 0)(tiny)
+        for t in tiny:
+            t.grad = torch.ones_like(t)
+        opt.step()
+        # what exists before (weights, gradients, state) is held: in-place results not counted
+        meter = LiveBytes(reachable_storages([tiny, opt]))
+        held = meter.current
+        with meter:
+            opt.step()
+        sizes = [t.numel() * t.element_size() for t in tiny]
+        return meter.peak - held, float(sum(sizes)), float(max(sizes))
+
+    if not shapes or not any(nd for nd, _ in shapes):
+        return None
+    try:
+        with _foreach_everywhere(foreach_default):
+            (p1, t1, l1), (p2, t2, l2) = peak(1), peak(8)
+    except Exception:  # noqa: BLE001 - any factory: an estimate is not worth failing for
+        return None
+    det = t1 * l2 - t2 * l1
+    if det == 0:
+        return None
+    per_byte = (p1 * l2 - p2 * l1) / det
+    per_largest = (t1 * p2 - t2 * p1) / det
+    return max(per_byte, 0.0), max(per_largest, 0.0)
+
+
+@contextlib.contextmanager
+def _foreach_everywhere(on: bool) -> Iterator[None]:
+    """Within: torch's optimizers take their foreach path by default for tensors of any device
+    (as they do for CUDA ones), through the private device list their default consults."""
+    import torch.optim.optimizer as base
+
+    old = getattr(base, "_get_foreach_kernels_supported_devices", None)
+    if not on or old is None:
+        yield
+        return
+    base._get_foreach_kernels_supported_devices = lambda: [*old(), "cpu"]  # type: ignore
+    try:
+        yield
+    finally:
+        base._get_foreach_kernels_supported_devices = old  # type: ignore
+
+
+def temporaries_for(params: Sequence[torch.Tensor],
+                    optimizer: Callable[..., torch.optim.Optimizer] | None,
+                    device: str | None = None) -> tuple[float, float]:
+    """:func:`step_temporaries` for these parameters (stand-ins of their ranks and dtypes;
+    ``optimizer`` None: SGD with momentum), on torch's default path for CUDA tensors where the
+    run is for a GPU (``device``, a cluster's estimated device such as "H100", or parameters
+    on CUDA); none where the factory will not run on stand-ins."""
+    params = list(params)
+    gpu = (device is not None and "cpu" not in device.lower()) or any(p.is_cuda for p in params)
+    shapes = [(p.dim(), p.dtype) for p in params if p.requires_grad]
+    got = step_temporaries(optimizer or _default_optimizer, shapes, foreach_default=gpu)
+    return got if got is not None else (0.0, 0.0)
 
 
 def state_factor(params: Sequence[torch.Tensor],

@@ -19,6 +19,7 @@ from fxpipe.units import format_bytes
 
 from ..errors import RuntimeConfigError
 from ..pricing.memory import schedule_memory
+from ..pricing.memory_walk import walk_memory
 from ..pricing.plansim import simulate_plan
 from ..schedules.placement import PLACED_KINDS
 from ..schedules.spec import AUTO, parse_schedule
@@ -27,12 +28,16 @@ log = logging.getLogger(__name__)
 
 
 def check_schedule_memory(plan: Any, profile: Any, schedule: str, microbatches: int | None,
-                          split: int | None) -> tuple[float, ...]:
+                          split: int | None, temporaries: tuple[float, float] = (0.0, 0.0)
+                          ) -> tuple[float, ...]:
     """Per stage, the bytes a replica holds under ``schedule`` (empty where it is not priced:
     ``auto``, whose candidates are priced by its own decision, and the placed kinds); raises
     :class:`RuntimeConfigError` where a stage needs more than the plan's cluster memory.
     ``split``: microbatches each loader minibatch is cut into (each holds its share of the
-    profiled minibatch's activations)."""
+    profiled minibatch's activations). Under a cap, what is held against it is what the
+    planner fitted (``fxpipe.peak_fit``): the larger of the schedule's rule and its peak walked
+    through the actions (:func:`~fxpipe.runtime.pricing.memory_walk.walk_memory`, the
+    optimizer step's ``temporaries`` included)."""
     spec = parse_schedule(schedule)
     if spec.kind == AUTO or spec.kind in PLACED_KINDS:
         return ()
@@ -43,18 +48,24 @@ def check_schedule_memory(plan: Any, profile: Any, schedule: str, microbatches: 
                             minibatches=max(4 * S, 2 * (k or S)))
     except ConfigError:  # a combination the Trainer refuses with its own message
         return ()
-    memory = schedule_memory(plan.stages, spec.kind, sim.in_flight,
-                             1.0 / split if split and split > 1 else 1.0)
+    scale = 1.0 / split if split and split > 1 else 1.0
+    memory = schedule_memory(plan.stages, spec.kind, sim.in_flight, scale)
     cap = plan.cluster.get("memory")
+    if cap is not None and profile is not None:
+        peaks = walk_memory(plan, profile, spec.kind, microbatches=k, temporaries=temporaries,
+                            scale=scale)
+        memory = tuple(max(b, p.peak) for b, p in zip(memory, peaks))
     over = [(s, b) for s, b in enumerate(memory) if cap is not None and b > cap]
     if over:
         s, need = max(over, key=lambda x: x[1])
         held = sim.in_flight[s]
+        sp = plan.stages[s]
+        fitted = max(sp.memory_bytes, sp.peak_bytes or 0.0)
         raise RuntimeConfigError(
-            f"schedule {schedule!r} needs {format_bytes(need)} per worker on stage {s} "
-            f"({held} minibatches' activations held at once"
+            f"schedule {schedule!r} needs {format_bytes(need)} per worker on stage {s} at its "
+            f"peak ({held} minibatches' activations held at once"
             + (f", microbatches={k}" if k else "") + f"), the cluster has {format_bytes(cap)} "
-            f"per worker (the plan fits {format_bytes(plan.stages[s].memory_bytes)} as "
+            f"per worker (the plan fits {format_bytes(fitted)} as "
             f"{plan.memory_rule.label()} holds it)",
             "use fewer microbatches per update, the schedule the plan was made for, "
             "schedule='1f1b-flush' (it holds at most one set per stage after it), or compile "
@@ -66,7 +77,8 @@ def check_schedule_memory(plan: Any, profile: Any, schedule: str, microbatches: 
 
 
 def fitting_candidates(plan: Any, profile: Any, candidates: Sequence[str],
-                       microbatches: int | None, split: int | None) -> tuple[str, ...]:
+                       microbatches: int | None, split: int | None,
+                       temporaries: tuple[float, float] = (0.0, 0.0)) -> tuple[str, ...]:
     """``auto``'s candidates whose memory the plan fits (a plan made for ``1f1b-flush`` under a
     cap may not fit ``pipedream``'s stashed versions): the others are dropped, with a log line,
     before any pilot runs; when the baseline (``1f1b-flush``) does not fit, or nothing does, its
@@ -76,7 +88,7 @@ def fitting_candidates(plan: Any, profile: Any, candidates: Sequence[str],
     kept, dropped = [], []
     for c in candidates:
         try:
-            check_schedule_memory(plan, profile, c, microbatches, split)
+            check_schedule_memory(plan, profile, c, microbatches, split, temporaries)
             kept.append(c)
         except RuntimeConfigError as err:
             dropped.append((c, err))
@@ -89,3 +101,24 @@ def fitting_candidates(plan: Any, profile: Any, candidates: Sequence[str],
     if not kept:
         raise dropped[0][1]
     return tuple(kept)
+
+
+def walked_peaks(plan: Any, profile: Any, trainer: Any) -> tuple[Any, ...] | None:
+    """Per stage, the peak walked through the schedule ``trainer`` runs
+    (:func:`fxpipe.runtime.pricing.memory_walk.walk_memory`), its optimizer's step temporaries
+    measured on stand-ins of the stages' parameters; None where it is not
+    walked (``auto``, whose pick may change, the placed kinds, no profile)."""
+    if profile is None or trainer.kind == AUTO or trainer.kind in PLACED_KINDS:
+        return None
+    from ..replica.state_size import temporaries_for
+
+    temporaries = temporaries_for((p for st in trainer.stages for p in st.gm.parameters()),
+                                  trainer.optimizer)
+    split = trainer.split if trainer.split and trainer.split > 1 else None
+    try:
+        return walk_memory(plan, profile, trainer.kind,
+                           microbatches=split or trainer.microbatches,
+                           temporaries=temporaries,
+                           scale=1.0 / split if split else 1.0)
+    except ConfigError:  # a combination the Trainer refuses with its own message
+        return None

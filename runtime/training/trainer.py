@@ -70,6 +70,7 @@ from ..execution.trainer_backends import (DistributedBackend, IdleBackend, Refer
                                           surplus_rank)
 from ..replica.stage import LossFn, StageReplica, check_stages
 from ..replica.stash import OptimizerFactory
+from ..replica.state_size import temporaries_for
 from ..replica.step_options import StepOptions
 from ..schedules.placement import PLACED_KINDS
 from ..schedules.schedule import Schedule
@@ -428,15 +429,19 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     keys = {k: own[k] if where is None else where
             for k, where in compiled.state_locations().items()}
     kwargs.setdefault("schedule", "auto")  # the default for a compiled model: see training/auto.py
+    temporaries = (0.0, 0.0)  # the optimizer step's, held against a cap with the rest
+    if compiled.plan.cluster.get("memory") is not None:
+        temporaries = temporaries_for(compiled.traced.gm.parameters(), kwargs.get("optimizer"),
+                                      compiled.plan.cluster.get("device"))
     check_schedule_memory(compiled.plan, compiled.profile, kwargs["schedule"],
-                          kwargs.get("microbatches"), kwargs.get("split"))
+                          kwargs.get("microbatches"), kwargs.get("split"), temporaries)
     report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
     auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
             **dict(kwargs.pop("auto_options", None) or {})}
     if kwargs["schedule"] == "auto":  # only candidates whose memory the plan fits
         auto["candidates"] = fitting_candidates(
             compiled.plan, compiled.profile, auto.get("candidates", DEFAULT_CANDIDATES),
-            kwargs.get("microbatches"), kwargs.get("split"))
+            kwargs.get("microbatches"), kwargs.get("split"), temporaries)
     replan = make_replanner(compiled, kwargs)  # replan="auto": issue 13 (trainer_switch)
     if replan is not None:
         replan.kwargs.update(loss_fn=loss_fn, auto_options=auto)

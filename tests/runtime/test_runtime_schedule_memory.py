@@ -21,6 +21,7 @@ from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.pricing.memory import memory_rule, schedule_memory, stashed_versions
 from fxpipe.runtime.pricing.plansim import simulate_plan
 from fxpipe.runtime.pricing.sim_measure import peak_in_flight
+from fxpipe.runtime.pricing.memory_walk import walk_memory
 from fxpipe.runtime.training.memory_fit import fitting_candidates
 from fxpipe.runtime.schedules.kinds import make_schedule
 
@@ -94,15 +95,16 @@ def test_trainer_refuses_a_schedule_the_memory_does_not_fit() -> None:
     loss = lambda o, t: (o - t).pow(2).mean()  # noqa: E731
     probe = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100"), example_inputs=(x,),
                            loss_fn=loss, stages=4, straight=True)
-    # a cap the plan fits by PipeDream's rule, but not gpipe's 16 microbatches on stage 0
+    # a cap the plan fits by PipeDream's rule (and its walked peak, which compile holds against
+    # the cap), but not gpipe's 16 microbatches
     need = simulate_plan(probe.plan, probe.profile, schedule="gpipe", minibatches=32,
                          microbatches=16).memory[0]
-    cap = max(sp.memory_bytes for sp in probe.plan.stages) * 1.01
+    cap = max(sp.peak_bytes or 0.0 for sp in probe.plan.stages) * 1.01
     assert need > cap
     compiled = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100", memory=cap),
                               example_inputs=(x,), loss_fn=loss, stages=4, straight=True)
-    with pytest.raises(RuntimeConfigError, match=r"schedule 'gpipe' needs .* on stage 0 .*"
-                       r"microbatches=16.*the cluster has"):
+    with pytest.raises(RuntimeConfigError, match=r"schedule 'gpipe' needs .* on stage \d at its "
+                       r"peak .*microbatches=16.*the cluster has"):
         compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), schedule="gpipe",
                          microbatches=16, executor="reference", progress=False)
     # the schedules that fit are accepted
@@ -158,9 +160,10 @@ def test_a_cap_between_the_rules_plans_for_the_flushing_schedule() -> None:
         assert fs.memory_bytes == sp.state_bytes + min(v, 2) * sp.activation_bytes
         assert sp.memory_bytes == sp.state_bytes + (v - 1) * sp.parameter_bytes \
             + v * sp.activation_bytes
-    cap = (max(sp.memory_bytes for sp in flush.plan.stages)
-           + max(sp.memory_bytes for sp in probe.plan.stages)) / 2
-    assert max(sp.memory_bytes for sp in flush.plan.stages) < cap
+    # the cap is held against each plan's peak walked through its schedule (fxpipe.peak_fit)
+    flush_peak = max(sp.peak_bytes or 0.0 for sp in flush.plan.stages)
+    cap = (flush_peak + max(sp.peak_bytes or 0.0 for sp in probe.plan.stages)) / 2
+    assert max(sp.memory_bytes for sp in flush.plan.stages) <= flush_peak < cap
     cluster = fxpipe.Cluster(workers=4, device="V100", memory=cap)
     with pytest.raises(InfeasiblePlanError, match="flushing schedule"):
         fxpipe.compile(model, cluster, **kw)
@@ -191,7 +194,11 @@ def test_auto_refuses_with_the_baselines_own_message_when_flush_does_not_fit() -
     tiny = dataclasses.replace(plan, cluster={**plan.cluster, "memory": 3 * P})
     with pytest.raises(RuntimeConfigError, match="schedule '1f1b-flush' needs"):
         fitting_candidates(tiny, prof, ("pipedream", "1f1b-flush"), None, None)
-    roomy = dataclasses.replace(plan, cluster={**plan.cluster, "memory": 3 * P + 4 * A})
-    # 1f1b-flush holds 3P + 4A on stage 0: it fits; pipedream's 3P + 3P + 4A does not
+    # 1f1b-flush holds 3P + 4A on stage 0 between actions and more at its walked peak
+    # (runtime/pricing/memory_walk.py, tested by hand there): a cap at that peak fits it;
+    # pipedream's 3P + 3P + 4A does not
+    flush = max(p.peak for p in walk_memory(plan, prof, "1f1b-flush"))
+    assert 3 * P + 4 * A < flush < 6 * P + 4 * A
+    roomy = dataclasses.replace(plan, cluster={**plan.cluster, "memory": flush})
     assert fitting_candidates(roomy, prof, ("1f1b-flush", "pipedream"), None, None) \
         == ("1f1b-flush",)

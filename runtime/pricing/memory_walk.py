@@ -1,0 +1,237 @@
+"""A replica's peak memory, walked action by action through the schedule that runs (issue 26).
+
+:func:`~.memory.schedule_memory` prices what a replica holds between its actions: its state, the
+versions it stashes and the activation sets in flight. Measured (benchmarks/memory-check.md),
+the peak is 1.3x that in the median, because the peak falls inside an action, beside buffers the
+runtime holds for the messages around it. This walks each rank's own action list and adds, at
+each action, what is live during it:
+
+- **receive buffers posted ahead**: the runtime posts each receive as early as the global
+  message order and its lead allow (:mod:`~fxpipe.runtime.schedules.commplan`), so up to a few
+  minibatches' inputs and gradients wait in buffers before the action that consumes them. The
+  walk replays the runtime's own :class:`~fxpipe.runtime.schedules.commplan.Issuer` on the
+  schedule (unit costs, as the executor plans it);
+- **sent tensors not yet proven received**: a send's tensor lives until a later message from its
+  peer proves the transfer done (:class:`~fxpipe.runtime.schedules.proofs.SendProofs`, replayed
+  the same way);
+- **the backward's working set**: the gradients flowing through the stage while it computes its
+  backward (estimated from the graph as the largest node's output and inputs: a node's output
+  gradient and its inputs' gradients live together), and a recomputing stage's recomputed set;
+- **the optimizer step's temporaries**: ``per_byte * P + per_largest * L`` measured on the
+  optimizer (:func:`~fxpipe.runtime.replica.state_size.step_temporaries`), during each ``U``.
+
+What crosses each cut comes from the profile (the values produced in one stage and consumed in a
+later one, each sent once to each consuming stage, as codegen sends them), with the bytes of
+their outputs; every value is taken to carry a gradient back (an integer value crossing a cut
+has none: over-priced by its bytes).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from fxpipe.costmodel.profile import Profile
+from fxpipe.passes.plan import Plan
+
+from ..schedules.commplan import MODEL, Issuer, Msg, RankPlan, StageLinks, comm_plans
+from ..schedules.kinds import make_schedule
+from ..schedules.proofs import SendProofs
+from ..schedules.schedule import Rank, Schedule
+from .memory import activation_memory, state_bytes, stashed_versions
+from .sim_measure import peak_in_flight
+
+
+@dataclass(frozen=True)
+class StageBytes:
+    """What one replica of a stage holds and makes, in bytes: ``base`` always (state and
+    stashed versions), ``held`` per minibatch from its F to its B (or W where the backward is
+    split), ``backward`` during each B, ``update`` during each U, and ``for_w`` from each B to
+    its W where the backward is split."""
+
+    base: float
+    held: float
+    backward: float
+    update: float
+    for_w: float = 0.0  # a split backward: what B leaves for W, per minibatch
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """The walked peak of one stage (its largest replica) and what is live at it, by part:
+    ``base`` (state and versions), ``held`` (activation sets in flight), ``working`` (the
+    running action's backward working set or optimizer temporaries), ``received`` (receive
+    buffers posted and not yet consumed), ``sent`` (sent tensors not yet proven received)."""
+
+    stage: int
+    peak: float
+    parts: Mapping[str, float]
+
+
+def stage_links(plan: Plan, profile: Profile) -> tuple[tuple[StageLinks, ...], dict[str, float]]:
+    """The plan's stages' communication shape from the profile (what codegen would build), and
+    the bytes of each value that crosses."""
+    stage = plan.stage_of()
+    nodes = {n.name: n for n in profile.nodes}
+    placeholders = {n.name for n in profile.nodes if n.op == "placeholder"}
+    S = len(plan.stages)
+    consumers: dict[str, set[int]] = {}
+    for n in profile.nodes:
+        if n.name in placeholders or n.name not in stage:
+            continue
+        for i in n.inputs:
+            consumers.setdefault(i, set()).add(stage[n.name])
+        if n.is_output and stage[n.name] != S - 1:
+            consumers.setdefault(n.name, set()).add(S - 1)
+    links = []
+    for s in range(S):
+        ins = sorted(v for v, cs in consumers.items() if s in cs
+                     and (v in placeholders or stage.get(v, s) < s))
+        outs = sorted(v for v, cs in consumers.items() if v not in placeholders
+                      and stage.get(v) == s and any(c > s for c in cs))
+        links.append(StageLinks(
+            tuple(ins), tuple(MODEL if v in placeholders else stage[v] for v in ins),
+            tuple(outs), tuple(tuple(sorted(c for c in consumers[v] if c > s)) for v in outs)))
+    sizes = {v: float(nodes[v].activation_bytes) for v in consumers if v in nodes}
+    return tuple(links), sizes
+
+
+def backward_working_set(plan: Plan, profile: Profile) -> tuple[float, ...]:
+    """Per stage, the largest of its nodes' output bytes plus their inputs' bytes: a node's
+    backward holds its output's gradient and makes its inputs' (an estimate from the graph)."""
+    nodes = {n.name: n for n in profile.nodes}
+    out = []
+    for sp in plan.stages:
+        best = 0.0
+        for name in sp.nodes:
+            n = nodes.get(name)
+            if n is None or n.op == "placeholder":
+                continue
+            best = max(best, n.activation_bytes
+                       + sum(nodes[i].activation_bytes for i in n.inputs if i in nodes))
+        out.append(best)
+    return tuple(out)
+
+
+def weight_gradient_inputs(plan: Plan, profile: Profile) -> tuple[float, ...]:
+    """Per stage, the output bytes of its nodes that use a parameter: what a split backward's B
+    leaves for its W (each weight's gradient needs its node's output gradient), per minibatch."""
+    nodes = {n.name: n for n in profile.nodes}
+    return tuple(sum(nodes[n].activation_bytes for n in sp.nodes if n in nodes
+                     and (nodes[n].params or nodes[n].shared_params
+                          or nodes[n].parameter_bytes > 0))
+                 for sp in plan.stages)
+
+
+def loss_bytes(plan: Plan, profile: Profile) -> float:
+    """The model output's bytes, which the loss on the last stage keeps for its backward (a
+    cross entropy's log-softmax) and whose gradient it makes; the loss is not in the graph."""
+    return float(sum(n.activation_bytes for n in profile.nodes if n.is_output))
+
+
+def largest_parameter(plan: Plan, profile: Profile) -> tuple[float, ...]:
+    """Per stage, the most parameter bytes one node owns (the largest tensor, or a layer's
+    weight and bias together: an upper bound of it)."""
+    nodes = {n.name: n for n in profile.nodes}
+    return tuple(max((nodes[n].parameter_bytes for n in sp.nodes if n in nodes), default=0.0)
+                 for sp in plan.stages)
+
+
+def stage_bytes(plan: Plan, profile: Profile, kind: str, in_flight: Sequence[int],
+                temporaries: tuple[float, float] = (0.0, 0.0), scale: float = 1.0
+                ) -> tuple[StageBytes, ...]:
+    """Each stage's :class:`StageBytes` under ``kind``. ``in_flight``: the schedule's peak
+    minibatches held per stage (for the stashed versions); ``temporaries``: the optimizer's
+    ``(per_byte, per_largest)``; ``scale``: each set's share of the profiled minibatch."""
+    ws = backward_working_set(plan, profile)
+    big = largest_parameter(plan, profile)
+    for_w = weight_gradient_inputs(plan, profile)
+    loss = loss_bytes(plan, profile)
+    per_byte, per_largest = temporaries
+    out = []
+    last = len(plan.stages) - 1
+    for sp, v, w, L, fw in zip(plan.stages, in_flight, ws, big, for_w):
+        held = activation_memory(sp, 1, scale) if not sp.recompute else \
+            activation_memory(sp, 1, scale) - sp.activation_bytes * scale  # kept inputs
+        recomputed = sp.activation_bytes * scale if sp.recompute else 0.0
+        extra = loss * scale if sp.index == last else 0.0
+        out.append(StageBytes(
+            base=state_bytes(sp) + stashed_versions(kind, v) * sp.parameter_bytes,
+            held=held + extra, backward=w * scale + extra + recomputed,
+            update=per_byte * sp.parameter_bytes + per_largest * L,
+            for_w=fw * scale + recomputed))
+    return tuple(out)
+
+
+def _index(links: Sequence[StageLinks]) -> dict[str, int]:
+    """The message tags' value numbers (any fixed numbering: both ends agree)."""
+    values = {v for st in links for v in (*st.inputs, *st.outputs)}
+    return {v: i for i, v in enumerate(sorted(values))}
+
+
+def walk_rank(sched: Schedule, links: Sequence[StageLinks], sizes: Mapping[str, float],
+              rank: Rank, terms: StageBytes, scale: float = 1.0,
+              plan: RankPlan | None = None) -> tuple[float, dict[str, float]]:
+    """The peak of live bytes on ``rank`` over its actions of ``sched``, and its parts (see
+    :class:`StagePeak`); messages as the executor posts them (``plan``: the rank's message plan,
+    made here when not given)."""
+    index = _index(links)
+    if plan is None:
+        plan = comm_plans(links, sched, index, lambda n, k: True, ranks=[rank])[rank]
+    posted: dict[Msg, float] = {}  # receives posted, not yet consumed
+    sent: dict[Msg, float] = {}  # sends posted, not yet proven received
+    held: dict[int, float] = {}
+    proofs = SendProofs(links, lambda s, k: (s, k % sched.replicas[s]), rank, index,
+                        lambda n, k: True)
+    proofs.window(sched.actions, (m for ms in plan.sends for m in ms))
+    issuer = Issuer(plan, lambda m: posted.__setitem__(m, sizes.get(m.name, 0.0) * scale),
+                    lambda m: sent.__setitem__(m, sizes.get(m.name, 0.0) * scale))
+    issuer.start()
+    split = any(a.kind == "W" for a in sched.actions[rank])
+    best, parts = -1.0, {}
+    for i, a in enumerate(sched.actions[rank]):
+        issuer.at(i)
+        for m in plan.recvs[i]:  # waited for now: proves the peer got our earlier sends
+            for p in proofs.proven_by(m):
+                sent.pop(p, None)
+        working = {"B": terms.backward, "U": terms.update}.get(a.kind, 0.0)
+        now = {"base": terms.base, "held": sum(held.values()), "working": working,
+               "received": sum(posted.values()), "sent": sum(sent.values())}
+        total = sum(now.values())
+        if total > best:
+            best, parts = total, now
+        for m in plan.recvs[i]:  # consumed: an input is the activations' now, a gradient gone
+            posted.pop(m, None)
+        if a.kind == "F":
+            held[a.minibatch] = terms.held
+        elif a.kind == "B" and split:  # W still needs the output gradients (and the graph)
+            held[a.minibatch] = held.get(a.minibatch, 0.0) + terms.for_w
+        elif a.kind in ("B", "W"):
+            held.pop(a.minibatch, None)
+        for m in plan.sends[i]:
+            issuer.send(m)
+    return best, parts
+
+
+def walk_memory(plan: Plan, profile: Profile, kind: str, *, microbatches: int | None = None,
+                temporaries: tuple[float, float] = (0.0, 0.0), scale: float = 1.0,
+                minibatches: int | None = None) -> tuple[StagePeak, ...]:
+    """Per stage, the walked peak of its busiest replica under ``kind`` (see the module doc):
+    the schedule generated as the planner's simulation generates it, ``minibatches`` long
+    (default: enough for its steady state, 4 S or two updates)."""
+    S = len(plan.stages)
+    n = minibatches or max(4 * S, 2 * (microbatches or S))
+    sched = make_schedule(kind, list(plan.replicas), n,
+                          microbatches=microbatches if kind != "pipedream" else None)
+    links, sizes = stage_links(plan, profile)
+    in_flight = [max(peak_in_flight(sched.actions[(s, j)]) for j in range(r))
+                 for s, r in enumerate(plan.replicas)]
+    terms = stage_bytes(plan, profile, kind, in_flight, temporaries, scale)
+    plans = comm_plans(links, sched, _index(links), lambda n, k: True)  # every rank, one pass
+    out = []
+    for s, r in enumerate(plan.replicas):
+        walked = [walk_rank(sched, links, sizes, (s, j), terms[s], scale, plans[(s, j)])
+                  for j in range(r)]
+        peak, parts = max(walked, key=lambda w: w[0])
+        out.append(StagePeak(s, peak, parts))
+    return tuple(out)
+
