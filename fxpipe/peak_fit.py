@@ -79,11 +79,24 @@ def fit_peaks(choose: Callable[[Cluster], Plan], profile: Profile, cluster: Clus
     worst = max(plan.stages, key=lambda sp: sp.peak_bytes or 0.0)
     raise InfeasiblePlanError(
         f"stage {worst.index} peaks at {format_bytes(worst.peak_bytes or 0.0)} per worker "
-        f"under {schedule} (its rule's {format_bytes(worst.memory_bytes)} plus the message "
-        f"buffers, working sets and optimizer temporaries live during its actions), over the "
+        f"under {schedule} ({_parts(plan, profile, schedule, microbatches, temporaries, worst.index)}; "
+        f"its rule's {format_bytes(worst.memory_bytes)} between actions), over the "
         f"cluster's {format_bytes(cap)}, and no plan for a lower cap fits",
         "use more workers, recompute='auto', a flushing schedule that holds less "
         "(schedule='1f1b-flush'), or a larger memory")
+
+
+def _parts(plan: Plan, profile: Profile, schedule: str, microbatches: int | None,
+           temporaries: tuple[float, float], stage: int) -> str:
+    """What stage ``stage``'s walked peak is made of, in words."""
+    from fxpipe.runtime.pricing.memory_walk import walk_memory
+
+    parts = walk_memory(plan, profile, schedule, microbatches=microbatches,
+                        temporaries=temporaries)[stage].parts
+    words = {"base": "state and versions", "held": "activations held",
+             "working": "the action's working set", "received": "receive buffers posted",
+             "sent": "sends not yet proven received"}
+    return ", ".join(f"{words[k]} {format_bytes(v)}" for k, v in parts.items() if v)
 
 
 def _fits(plan: Plan, cap: float) -> bool:

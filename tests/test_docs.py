@@ -51,6 +51,7 @@ LM = ('.venv/bin/fxpipe train docs/examples/lm_stdlib.py:model --data '
       '--microbatches 4 --optimizer adamw --lr 0.003 --weight-decay 0.1 --warmup 15 '
       '--schedule-lr cosine --clip 1.0 --precision bf16 --epochs {epochs} --metrics out.jsonl')
 GPU = ".venv/bin/python -m tests.gpu.gpu_check"
+ONE_GPU = ".venv/bin/python -m tests.gpu.one_gpu_check"
 MUTATION = ("nice -n 10 .venv/bin/python -m tools.mutation --reuse && "
             ".venv/bin/python -m tools.mutation --report")
 EXPERIMENT = ".venv/bin/python -m bench.experiment.run"
@@ -85,6 +86,10 @@ CHEAP: dict[str, tuple[str | None, str]] = {
     f"{GPU} --dry": (f"{GPU} --help",
                      "every case on gloo takes several minutes on 2 cores; tests/gpu/"
                      "test_gpu_check.py's test_dry_* run one case and the Trainer check of it"),
+    f"{ONE_GPU} --publish": (f"{ONE_GPU} --help",
+                             "needs a CUDA GPU, and writes benchmarks/; tests/gpu/"
+                             "test_one_gpu_check.py runs its --dry (which the page's other "
+                             "line names, run here as written)"),
     MUTATION: (".venv/bin/python -m tools.mutation --help && "
                ".venv/bin/python -m tools.mutation --report --out mutation-report.md",
                "the mutation run takes hours on 2 cores: its arguments are checked and the "

@@ -19,6 +19,7 @@ import torch
 from fxpipe.codegen.split import MODEL, StageSpec
 
 from ..replica.clipping import stage_clipper
+from ..replica.device import to_device
 from ..replica.global_step import reference_step
 from ..replica.mitigation import check_mitigation, make_replica
 from ..replica.stage import (LossFn, StageReplica, TiedParameter, detached_values, model_env,
@@ -69,9 +70,13 @@ class ReferenceExecutor:
                  stashing: bool = True, vertical_sync: bool = False,
                  mitigation: Mitigation | str | None = None,
                  delays: Sequence[int] | None = None,
-                 options: StepOptions = DEFAULT) -> None:
+                 options: StepOptions = DEFAULT,
+                 device: torch.device | str | None = None) -> None:
         self.stages = list(stages)
         self.options = options
+        # every replica's weights on one device (the one-GPU check: the same arithmetic on
+        # CUDA as on the CPU); model inputs and targets are copied there. None: the CPU.
+        self.device = torch.device(device) if device is not None else None
         self.replicas = list(replicas)
         self.schedule = schedule.with_vertical_sync() if vertical_sync else schedule
         check_schedule(self.stages, self.replicas, self.schedule)
@@ -90,7 +95,8 @@ class ReferenceExecutor:
                                depth=len(self.stages),
                                loss_fn=loss_fn if rank[0] == last else None, stashing=stashing,
                                planned_reads=planned_reads(self.schedule, rank),
-                               detached=detached, **options.replica_kwargs(rank[0]))
+                               detached=detached, device=self.device,
+                               **options.replica_kwargs(rank[0]))
             for rank in self.schedule.ranks}
         self.tied = tied_parameters(self.stages)
         self._sync = sync_components(self.tied)
@@ -105,6 +111,10 @@ class ReferenceExecutor:
         # delayed tied rounds (see tied_delay): (tie set, round) -> rank -> (local segment,
         # that rank's stage count of the round)
         self._rounds: dict[tuple[tuple[int, ...], int], dict[Rank, tuple[torch.Tensor, float]]] = {}
+
+    def _input(self, x: Any) -> Any:
+        """A model input or target on the replicas' device (as it is where none was named)."""
+        return x if self.device is None else to_device(x, self.device)
 
     def step(self, inputs: Sequence[Any], targets: Sequence[Any]) -> RunResult:
         """Train on one sequence of minibatches (``inputs[k]``, ``targets[k]``)."""
@@ -147,9 +157,9 @@ class ReferenceExecutor:
             if a.kind == "F":
                 if k not in self._envs:
                     self._envs[k] = model_env(self.stages, self._data[k][0])
-                ins = [self._envs[k][n] if src == MODEL else self._acts.pop((n, k, s))
-                       for n, src in zip(st.inputs, st.sources)]
-                outs, loss = w.forward(k, a.version, ins, self._data[k][1])
+                ins = [self._input(self._envs[k][n]) if src == MODEL
+                       else self._acts.pop((n, k, s)) for n, src in zip(st.inputs, st.sources)]
+                outs, loss = w.forward(k, a.version, ins, self._input(self._data[k][1]))
                 if loss is not None:
                     losses[k] = loss
                 if s == last:  # every stage forwarded it: its inputs are no longer needed

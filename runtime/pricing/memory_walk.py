@@ -22,12 +22,12 @@ each action, what is live during it:
 
 What crosses each cut comes from the profile (the values produced in one stage and consumed in a
 later one, each sent once to each consuming stage, as codegen sends them), with the bytes of
-their outputs; every value is taken to carry a gradient back (an integer value crossing a cut
-has none: over-priced by its bytes).
+their outputs; a gradient goes back along the values computed from a parameter
+(:func:`gradient_values`), as the runtime sends none for the others.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fxpipe.costmodel.profile import Profile
@@ -93,6 +93,18 @@ def stage_links(plan: Plan, profile: Profile) -> tuple[tuple[StageLinks, ...], d
             tuple(outs), tuple(tuple(sorted(c for c in consumers[v] if c > s)) for v in outs)))
     sizes = {v: float(nodes[v].activation_bytes) for v in consumers if v in nodes}
     return tuple(links), sizes
+
+
+def gradient_values(profile: Profile) -> frozenset[str]:
+    """The values a gradient flows back along: those computed from a parameter (the model's
+    inputs carry none, nor an attention mask or rotary table made from them and buffers), so
+    the walk plans no gradient message for the others, as the runtime plans none."""
+    grads: set[str] = set()
+    for n in profile.nodes:  # program order: inputs before their users
+        if n.op != "placeholder" and (n.params or n.shared_params or n.parameter_bytes > 0
+                                      or any(i in grads for i in n.inputs)):
+            grads.add(n.name)
+    return frozenset(grads)
 
 
 def backward_working_set(plan: Plan, profile: Profile) -> tuple[float, ...]:
@@ -170,18 +182,19 @@ def _index(links: Sequence[StageLinks]) -> dict[str, int]:
 
 def walk_rank(sched: Schedule, links: Sequence[StageLinks], sizes: Mapping[str, float],
               rank: Rank, terms: StageBytes, scale: float = 1.0,
-              plan: RankPlan | None = None) -> tuple[float, dict[str, float]]:
+              plan: RankPlan | None = None,
+              grads: Callable[[str, int], bool] = lambda n, k: True
+              ) -> tuple[float, dict[str, float]]:
     """The peak of live bytes on ``rank`` over its actions of ``sched``, and its parts (see
     :class:`StagePeak`); messages as the executor posts them (``plan``: the rank's message plan,
-    made here when not given)."""
+    made here when not given; ``grads(value, minibatch)``: whether a gradient goes back)."""
     index = _index(links)
     if plan is None:
-        plan = comm_plans(links, sched, index, lambda n, k: True, ranks=[rank])[rank]
+        plan = comm_plans(links, sched, index, grads, ranks=[rank])[rank]
     posted: dict[Msg, float] = {}  # receives posted, not yet consumed
     sent: dict[Msg, float] = {}  # sends posted, not yet proven received
     held: dict[int, float] = {}
-    proofs = SendProofs(links, lambda s, k: (s, k % sched.replicas[s]), rank, index,
-                        lambda n, k: True)
+    proofs = SendProofs(links, lambda s, k: (s, k % sched.replicas[s]), rank, index, grads)
     proofs.window(sched.actions, (m for ms in plan.sends for m in ms))
     issuer = Issuer(plan, lambda m: posted.__setitem__(m, sizes.get(m.name, 0.0) * scale),
                     lambda m: sent.__setitem__(m, sizes.get(m.name, 0.0) * scale))
@@ -226,10 +239,15 @@ def walk_memory(plan: Plan, profile: Profile, kind: str, *, microbatches: int | 
     in_flight = [max(peak_in_flight(sched.actions[(s, j)]) for j in range(r))
                  for s, r in enumerate(plan.replicas)]
     terms = stage_bytes(plan, profile, kind, in_flight, temporaries, scale)
-    plans = comm_plans(links, sched, _index(links), lambda n, k: True)  # every rank, one pass
+    carries = gradient_values(profile)
+
+    def grads(value: str, k: int) -> bool:
+        return value in carries
+
+    plans = comm_plans(links, sched, _index(links), grads)  # every rank, one pass
     out = []
     for s, r in enumerate(plan.replicas):
-        walked = [walk_rank(sched, links, sizes, (s, j), terms[s], scale, plans[(s, j)])
+        walked = [walk_rank(sched, links, sizes, (s, j), terms[s], scale, plans[(s, j)], grads)
                   for j in range(r)]
         peak, parts = max(walked, key=lambda w: w[0])
         out.append(StagePeak(s, peak, parts))

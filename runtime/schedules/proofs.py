@@ -17,6 +17,17 @@ wait returns at once: :class:`SendProofs` names, per message this rank receives,
 proves complete, a window of a stretch at a time (the consuming action or the proof may come in
 a later window; a send with no proof before the stretch ends is waited for by the final flush,
 as before).
+
+The peer need not be the one who tells. Any message whose sending action comes after the peer's
+consuming action in the window's happens-before order (program order on each rank, and each
+message's send before its receive) proves ``m`` just as well: the chain of receipts from the
+peer's wait to this rank's says the transfer was over. That matters for a value sent to a stage
+that never sends back to its producer (a Hugging Face model's attention mask and rotary tables,
+made on the first stage and read by every later one): with the peer's own messages only, its
+every copy was held until the stretch's end (measured: a 4-stage Llama's first stage grew by
+0.34 MB per minibatch over a 64-minibatch stretch; planned for Llama-70B on 64 GPUs, 75 GB).
+So the proof is the first message this rank receives in the window from an action that follows
+the consumption, the peer's own first message after it where none does.
 """
 from __future__ import annotations
 
@@ -50,6 +61,14 @@ class SendProofs:
         """A new window: ``actions`` every rank's actions in it, ``sends`` the messages this rank
         sends in it (its plan's). Finds the proofs that this window's actions give."""
         self._open.extend(_Open(m) for m in sends)
+        peers = {o.msg.peer for o in self._open}
+        where = {(r, a.kind, a.minibatch): i for r, acts in actions.items()
+                 for i, a in enumerate(acts) if a.kind in ("F", "B")}
+        after = self._follows(actions, peers, where)  # (rank, i) -> {peer: latest before}
+        mine = [(r, after.get((r.peer, i), {})) for a in actions.get(self.me, ())
+                for r in self._received(a)  # what this rank waits for, in its order
+                for i in [where.get((r.peer, "F" if r.direction == FORWARD else "B",
+                                     r.minibatch), -1)]]
         to_me: dict[Rank, list[Msg | None]] = {}  # per peer, per action: its first send to me
         still: list[_Open] = []
         for o in self._open:
@@ -63,15 +82,70 @@ class SendProofs:
                 if start < 0:
                     still.append(o)
                     continue
-            firsts = to_me.get(m.peer)
-            if firsts is None:
-                firsts = to_me[m.peer] = [self._first_to_me(m.peer, a) for a in acts]
-            proof = next((p for p in firsts[start:] if p is not None), None)
+            proof = next((r for r, seen in mine  # a chain from the peer's consumption to me
+                          if seen.get(m.peer, -1) >= start), None)
+            if proof is None:  # else the peer's own first message after it (maybe later)
+                firsts = to_me.get(m.peer)
+                if firsts is None:
+                    firsts = to_me[m.peer] = [self._first_to_me(m.peer, a) for a in acts]
+                proof = next((p for p in firsts[start:] if p is not None), None)
             if proof is None:
                 still.append(_Open(m, consumed=True))
             else:
                 self._proofs.setdefault(proof, []).append(m)
         self._open = still
+
+    def _received(self, action: Action) -> tuple[Msg, ...]:
+        """The messages this rank waits for before ``action``, in the order it waits."""
+        return action_messages(self.links, self.owner, self.me, action, self.index,
+                               self.grad_ok)[0]
+
+    def _follows(self, actions: Mapping[Rank, Sequence[Action]], peers: set[Rank],
+                 where: Mapping[tuple[Rank, str, int], int]
+                 ) -> dict[tuple[Rank, int], dict[Rank, int]]:
+        """For every action of the window, the latest action of each of ``peers`` that happens
+        before it (or is it): program order on each rank, and each message's sending action
+        before the action that waits for it (a vector clock restricted to ``peers``). Messages
+        from earlier windows add nothing (their senders are not in the window). ``where``:
+        (rank, kind, minibatch) -> index of that F or B in the rank's list."""
+        clock: dict[tuple[Rank, int], dict[Rank, int]] = {}
+        nxt = {r: 0 for r in actions}
+        waiting = {r: self._needs(r, acts, where) for r, acts in actions.items()}
+        progress = True
+        while progress:  # advance every rank as far as its senders allow (the schedule runs)
+            progress = False
+            for r, acts in actions.items():
+                while nxt[r] < len(acts):
+                    i = nxt[r]
+                    deps = waiting[r][i]
+                    if any(d not in clock for d in deps):
+                        break
+                    vc = dict(clock[(r, i - 1)]) if i else {}
+                    for d in deps:
+                        for p, j in clock[d].items():
+                            if j > vc.get(p, -1):
+                                vc[p] = j
+                    if r in peers:
+                        vc[r] = i
+                    clock[(r, i)] = vc
+                    nxt[r] = i + 1
+                    progress = True
+        return clock
+
+    def _needs(self, r: Rank, acts: Sequence[Action],
+               where: Mapping[tuple[Rank, str, int], int]) -> list[list[tuple[Rank, int]]]:
+        """Per action of rank ``r``: the actions of the window that sent what it waits for."""
+        out = []
+        for a in acts:
+            deps = []
+            if a.kind in ("F", "B"):
+                for m in action_messages(self.links, self.owner, r, a, self.index,
+                                         self.grad_ok)[0]:
+                    i = where.get((m.peer, "F" if m.direction == FORWARD else "B", m.minibatch))
+                    if i is not None:
+                        deps.append((m.peer, i))
+            out.append(deps)
+        return out
 
     def proven_by(self, received: Msg) -> list[Msg]:
         """The sends ``received`` (a message this rank has now waited for) proves complete."""

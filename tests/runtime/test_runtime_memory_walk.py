@@ -10,8 +10,8 @@ import torch
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.runtime.pricing.memory import check_memory, memory_rule, memory_table
-from fxpipe.runtime.pricing.memory_walk import (StageBytes, StagePeak, stage_bytes, stage_links,
-                                                walk_memory, walk_rank)
+from fxpipe.runtime.pricing.memory_walk import (StageBytes, StagePeak, gradient_values,
+                                                stage_bytes, stage_links, walk_memory, walk_rank)
 from fxpipe.runtime.replica.state_size import step_temporaries
 from fxpipe.runtime.schedules.commplan import MODEL, StageLinks
 from fxpipe.runtime.schedules.kinds import make_schedule
@@ -159,3 +159,12 @@ def test_check_memory_reports_the_walk() -> None:
     (plain,) = check_memory(plan, [550])
     assert plain.walked is None and plain.walked_ratio is None
     assert "walked" not in memory_table([plain])
+
+
+def test_gradients_flow_back_only_along_values_computed_from_parameters() -> None:
+    # x (model input) -> mask(x) (an attention mask: no parameter); a(x) with a weight;
+    # b(a, mask); c(mask) still none: a gradient goes back along a and b only
+    prof = Profile(nodes=(_node("x", op="placeholder", out=8), _node("mask", ("x",), 4),
+                          _node("a", ("x",), 16, p=40), _node("b", ("a", "mask"), 16),
+                          _node("c", ("mask",), 4)))
+    assert gradient_values(prof) == {"a", "b"}

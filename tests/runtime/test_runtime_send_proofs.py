@@ -52,8 +52,42 @@ def test_two_stage_pipedream_literally() -> None:
     assert got1 == {f"0.0:act{k + 2}": [f"0.0:grad{k}"] for k in range(4)} and open1 == 2
 
 
+def _happens_before(sched, links, owner, idx, ok):  # noqa: ANN001, ANN202
+    """An independent happens-before of the whole schedule: (rank, i) -> every (rank, j) that
+    precedes it or is it (program order, and a message's sending action before its waiter)."""
+    where = {(r, a.kind, a.minibatch): i for r, acts in sched.actions.items()
+             for i, a in enumerate(acts)}
+    preds: dict = {}
+    for r, acts in sched.actions.items():
+        for i, a in enumerate(acts):
+            ps = [(r, i - 1)] if i else []
+            if a.kind in ("F", "B"):
+                for m in action_messages(links, owner, r, a, idx, ok)[0]:
+                    kind = "F" if m.direction == FORWARD else "B"
+                    ps.append((m.peer, where[(m.peer, kind, m.minibatch)]))
+            preds[(r, i)] = ps
+    memo: dict = {}
+
+    def before(node):  # noqa: ANN001, ANN202 - iterative DFS, memoised
+        if node in memo:
+            return memo[node]
+        seen, todo = {node}, [node]
+        while todo:
+            for q in preds[todo.pop()]:
+                if q not in seen:
+                    seen.add(q)
+                    todo.append(q)
+        memo[node] = seen
+        return seen
+    return before, where
+
+
 @pytest.mark.parametrize("kind", ["pipedream", "2bw", "1f1b-flush", "gpipe"])
-def test_proofs_follow_the_consuming_action_and_do_not_depend_on_windows(kind: str) -> None:
+def test_every_proof_follows_the_consumption(kind: str) -> None:
+    """The rule, checked against an independent happens-before of the whole schedule: the
+    message that proves a send was sent by an action that the peer's consuming action precedes
+    (the chain of receipts says the transfer was over), whole or a window at a time; and it is
+    the first such message this rank waits for in the window."""
     rng = random.Random(kind)
     for _ in range(12):
         n_st = rng.randint(2, 4)
@@ -65,26 +99,55 @@ def test_proofs_follow_the_consuming_action_and_do_not_depend_on_windows(kind: s
         def owner(s: int, k: int) -> tuple[int, int]:
             return (s, k % reps[s])
 
+        before, where = _happens_before(whole, links, owner, idx, ok)
         for me in whole.actions:
-            want, _ = _proofs(links, reps, [whole], me)
-            # the rule, checked on the peer's whole list: the proof is sent by the peer at or
-            # after the action that consumes the proven send, and is the first such message
-            for r, proven in want.items():
-                peer = tuple(int(x) for x in r.split(":")[0].split("."))
-                acts = whole.actions[peer]
-                sent_at = next(j for j, a in enumerate(acts) if any(
-                    f"{me[0]}.{me[1]}:{_label(m)}" == f"{me[0]}.{me[1]}:{r.split(':')[1]}"
-                    and m.peer == me
-                    for m in action_messages(links, owner, peer, a, idx, ok)[1]))
-                for s in proven:
-                    lab = s.split(":")[1]
-                    kind_ = "F" if lab.startswith("act") else "B"
-                    k = int(lab[3:] if kind_ == "F" else lab[4:])
-                    used = next(j for j, a in enumerate(acts) if a.kind == kind_
-                                and a.minibatch == k)
-                    assert used <= sent_at, (kind, me, r, s)
-                    assert not any(m.peer == me for a in acts[used:sent_at] for m in
-                                   action_messages(links, owner, peer, a, idx, ok)[1]), (r, s)
+            plans = [_proofs(links, reps, [whole], me)[0]]
             if kind in ("pipedream", "2bw"):
-                windows = cut_up(kind, reps, n, random_sizes(rng, n))
-                assert _proofs(links, reps, windows, me)[0] == want, (kind, reps, me)
+                plans.append(_proofs(links, reps, cut_up(kind, reps, n, random_sizes(rng, n)),
+                                     me)[0])
+            for got in plans:
+                for r, proven in got.items():
+                    peer = tuple(int(x) for x in r.split(":")[0].split("."))
+                    lab = r.split(":")[1]
+                    sent = where[(peer, "F" if lab.startswith("act") else "B",
+                                  int(lab[3:] if lab.startswith("act") else lab[4:]))]
+                    for s in proven:
+                        to = tuple(int(x) for x in s.split(":")[0].split("."))
+                        sl = s.split(":")[1]
+                        used = where[(to, "F" if sl.startswith("act") else "B",
+                                      int(sl[3:] if sl.startswith("act") else sl[4:]))]
+                        assert (to, used) in before((peer, sent)), (kind, me, r, s)
+
+
+def test_a_value_read_by_a_stage_that_never_replies_is_proven_through_the_others() -> None:
+    """Three stages; stage 0 also sends ``k`` straight to stage 2, which carries no gradient
+    back (an attention mask): stage 2 never sends to stage 0. Under 1f1b-flush (m = 3)
+
+        stage 0: F0 F1 F2 B0 B1 B2 U0 F3 F4 F5 B3 B4 B5 U1
+        stage 1: F0 F1 B0 F2 B1 B2 U0 F3 F4 B3 F5 B4 B5 U1
+        stage 2: F0 B0 F1 B1 F2 B2 U0 F3 B3 F4 B4 F5 B5 U1
+
+    stage 1's gradient of minibatch j (sent by its B j, after its F j+1 read h0 of j+1, and
+    after its wait for stage 2's gradient of j, which stage 2 sent after reading k of j) proves
+    k of j and h0 of j and j+1 (h0 of j+1 only when stage 1 ran F j+1 before B j). With the
+    peer's own messages only, every k waited for the flush."""
+    links = chain(3, skip=True)
+
+    def no_k(name: str, k: int) -> bool:
+        return name != "k"
+
+    def owner(s: int, k: int) -> tuple[int, int]:
+        return (s, 0)
+
+    sched = make_schedule("1f1b-flush", [1, 1, 1], 6, microbatches=3)
+    p = SendProofs(links, owner, (0, 0), index_of(links), no_k)
+    p.window(sched.actions, [m for a in sched.actions[(0, 0)]
+                             for m in action_messages(links, owner, (0, 0), a, index_of(links),
+                                                      no_k)[1]])
+    got = {r.minibatch: sorted((s.peer[0], s.name, s.minibatch) for s in p.proven_by(r))
+           for r in list(p._proofs)}
+    assert got == {0: [(1, "h0", 0), (1, "h0", 1), (2, "k", 0)],
+                   1: [(1, "h0", 2), (2, "k", 1)], 2: [(2, "k", 2)],
+                   3: [(1, "h0", 3), (1, "h0", 4), (2, "k", 3)],
+                   4: [(1, "h0", 5), (2, "k", 4)], 5: [(2, "k", 5)]}
+    assert p.unproven == 0  # nothing is left for the flush
