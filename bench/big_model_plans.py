@@ -62,8 +62,15 @@ def plan_one(name: str, cfg: object, workers: int) -> str:
     count = sum(p.numel() for p in model.parameters())
     cluster = fxpipe.Cluster(workers=workers, device="H100", memory=MEMORY)
     t0 = time.perf_counter()
-    compiled = fxpipe.compile(model, cluster, example_inputs={"input_ids": ids, "labels": ids},
-                              optimizer=_adamw, schedule="1f1b-flush", recompute="auto")
+    try:
+        compiled = fxpipe.compile(model, cluster, example_inputs={"input_ids": ids,
+                                                                  "labels": ids},
+                                  optimizer=_adamw, schedule="1f1b-flush", recompute="auto")
+    except InfeasiblePlanError as err:  # the cap held against the walked peak refuses it
+        return "\n".join([
+            f"### {name} on {workers} x H100 ({MEMORY} each)", "",
+            f"{count / 1e9:.2f}B parameters in bfloat16 ({format_bytes(2 * count)}); refused "
+            f"after {time.perf_counter() - t0:.0f} s:", "", "```", err.message, "```", ""]) + "\n"
     took = time.perf_counter() - t0
     plan = compiled.plan
     factor = state_factor(list(model.parameters()), _adamw)

@@ -101,6 +101,22 @@ def test_every_proof_follows_the_consumption(kind: str) -> None:
 
         before, where = _happens_before(whole, links, owner, idx, ok)
         for me in whole.actions:
+            # planned whole, the proof of each send is the first message this rank waits for
+            # whose sending action follows the send's consumption
+            waits = [(m, (m.peer, where[(m.peer, "F" if m.direction == FORWARD else "B",
+                                        m.minibatch)]))
+                     for a in whole.actions[me]
+                     for m in action_messages(links, owner, me, a, idx, ok)[0]]
+            p = SendProofs(links, owner, me, idx, ok)
+            sends = [m for a in whole.actions[me]
+                     for m in action_messages(links, owner, me, a, idx, ok)[1]]
+            p.window(whole.actions, sends)
+            for m in sends:
+                used = (m.peer, where[(m.peer, "F" if m.direction == FORWARD else "B",
+                                       m.minibatch)])
+                first = next((r for r, sender in waits if used in before(sender)), None)
+                got = next((r for r, v in p._proofs.items() if m in v), None)
+                assert got == first, (kind, me, m)
             plans = [_proofs(links, reps, [whole], me)[0]]
             if kind in ("pipedream", "2bw"):
                 plans.append(_proofs(links, reps, cut_up(kind, reps, n, random_sizes(rng, n)),
