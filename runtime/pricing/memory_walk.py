@@ -11,12 +11,14 @@ each action, what is live during it:
   minibatches' inputs and gradients wait in buffers before the action that consumes them. The
   walk replays the runtime's own :class:`~fxpipe.runtime.schedules.commplan.Issuer` on the
   schedule (unit costs, as the executor plans it);
-- **sent tensors not yet proven received**: a send's tensor lives until a later message from its
-  peer proves the transfer done (:class:`~fxpipe.runtime.schedules.proofs.SendProofs`, replayed
-  the same way);
+- **sent tensors not yet proven received**: a send's tensor lives until a message that follows
+  its receipt comes back (:class:`~fxpipe.runtime.schedules.proofs.SendProofs`, replayed the
+  same way);
 - **the backward's working set**: the gradients flowing through the stage while it computes its
   backward (estimated from the graph as the largest node's output and inputs: a node's output
   gradient and its inputs' gradients live together), and a recomputing stage's recomputed set;
+  where the backward is split, what B leaves for W (the weighted nodes' output gradients, and
+  the recomputed set) until W; on the last stage the loss's copy of the model output;
 - **the optimizer step's temporaries**: ``per_byte * P + per_largest * L`` measured on the
   optimizer (:func:`~fxpipe.runtime.replica.state_size.step_temporaries`), during each ``U``.
 

@@ -78,12 +78,14 @@ def test_training_with_the_plans_flags_equals_training_without() -> None:
 
 
 def test_cli_plan_and_simulate_show_the_flags(tmp_path, capsys) -> None:
-    """`fxpipe plan` and `fxpipe simulate` on a profile only recomputation fits in 2000 B at its
-    walked peak (fxpipe/peak_fit.py; by hand in tests/runtime/test_runtime_memory_walk.py):
-    without recomputation stage 0 peaks at 2130 B (2 sets of 310 B, its working set 310, three
-    gradients of 300 B posted ahead, one activation sent), recomputing at 1840 B (its input per
-    set, the recomputed set 310 with the working set 310): --recompute auto makes the plan
-    (without it: one clear line naming the option), and both print the recompute column."""
+    """`fxpipe plan` and `fxpipe simulate` on a profile where only recomputation fits 400 B by
+    the planner's rule: without --recompute auto, one clear line naming the option. With it, at
+    1900 B, the plan recomputes stage 0: the cap is held against its walked peak
+    (fxpipe/peak_fit.py; the walk by hand in tests/runtime/test_runtime_memory_walk.py), 1856 B
+    (its state 16, its input per set, the recomputed set 310 with the working set 310, three
+    gradients of 300 B posted ahead, one activation sent), where the plain plan's is 2146 B; and
+    both commands print the recompute column. l1 holds 4 B of weights, so a gradient flows back
+    to stage 0 (none does to a stage computed from the model's inputs alone)."""
     from fxpipe.cli import main
 
     def node(name: str, f: float, p: float, a: float, inputs: tuple[str, ...] = (),
@@ -93,11 +95,12 @@ def test_cli_plan_and_simulate_show_the_flags(tmp_path, capsys) -> None:
 
     prof = tmp_path / "profile.json"  # tests/passes/test_recompute.py's cap case, by hand
     Profile(nodes=(node("x", 0.0, 0.0, 10.0, op="placeholder"),
-                   node("l1", 1.0, 0.0, 300.0, ("x",)), node("l2", 1.0, 100.0, 10.0, ("l1",))),
+                   node("l1", 1.0, 4.0, 300.0, ("x",)), node("l2", 1.0, 100.0, 10.0, ("l1",))),
             batch_size=4).save(prof)
-    args = ["--workers", "2", "--bandwidth", "1GB/s", "--memory", "2000B"]
-    assert main(["plan", str(prof), *args]) != 0
+    assert main(["plan", str(prof), "--workers", "2", "--bandwidth", "1GB/s", "--memory",
+                 "400B"]) != 0
     assert "recompute='auto'" in capsys.readouterr().err
+    args = ["--workers", "2", "--bandwidth", "1GB/s", "--memory", "1900B"]
     assert main(["plan", str(prof), *args, "--recompute", "auto", "--save-plan",
                  str(tmp_path / "plan.json")]) == 0
     out = capsys.readouterr().out
