@@ -8,14 +8,15 @@ temporaries (measured 1.32x the rule in the median, benchmarks/memory-check.md).
 :func:`fit_peaks` walks the chosen plan through its schedule
 (:func:`fxpipe.runtime.pricing.memory_walk.walk_memory`) and, where a stage's walked peak is over
 the cap, plans again for lower caps (from the cap minus that stage's excess over its rule, then
-by bisection) and keeps the fastest plan whose peaks fit; the plan records the walked peaks (``StagePlan.peak_bytes``, shown by ``summary()``) and
-keeps the user's cap.
+by bisection) and keeps the fastest plan whose peaks fit; the plan records the walked peaks
+(``StagePlan.peak_bytes``, shown by ``summary()``) and keeps the user's cap.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from dataclasses import replace
+
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import InfeasiblePlanError
@@ -77,9 +78,10 @@ def fit_peaks(choose: Callable[[Cluster], Plan], profile: Profile, cluster: Clus
     if best is not None:
         return best
     worst = max(plan.stages, key=lambda sp: sp.peak_bytes or 0.0)
+    parts = _parts(plan, profile, schedule, microbatches, temporaries, worst.index)
     raise InfeasiblePlanError(
         f"stage {worst.index} peaks at {format_bytes(worst.peak_bytes or 0.0)} per worker "
-        f"under {schedule} ({_parts(plan, profile, schedule, microbatches, temporaries, worst.index)}; "
+        f"under {schedule} ({parts}; "
         f"its rule's {format_bytes(worst.memory_bytes)} between actions), over the "
         f"cluster's {format_bytes(cap)}, and no plan for a lower cap fits",
         "use more workers, recompute='auto', a flushing schedule that holds less "

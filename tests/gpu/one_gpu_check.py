@@ -341,9 +341,12 @@ def markdown(res: dict, dry: bool, seconds: float) -> str:
                          f"{w / mib:.2f} | {r['measured'] / mib:.2f} | "
                          f"{r['measured'] / r['rule']:.2f} | {r['measured'] / w:.2f} |")
         by = {(r["kind"], r["recompute"]): r for r in r4}
-        saving = [f"{k}: measured {by[(k, 'always')]['measured'] / by[(k, 'never')]['measured']:.2f}"
-                  f", walked {(by[(k, 'always')]['walked'] or 0) / (by[(k, 'never')]['walked'] or 1):.2f}"
-                  for k in KINDS if (k, "always") in by and (k, "never") in by]
+        saving = []
+        for k in KINDS:
+            if (k, "always") in by and (k, "never") in by:
+                rc, plain = by[(k, "always")], by[(k, "never")]
+                saving.append(f"{k}: measured {rc['measured'] / plain['measured']:.2f}, walked "
+                              f"{(rc['walked'] or 0) / (plain['walked'] or 1):.2f}")
         lines += ["", "Recomputation's peak over the plain run's: " + "; ".join(saving) + "."]
     return "\n".join(lines)
 
