@@ -106,14 +106,16 @@ def fitting_candidates(plan: Any, profile: Any, candidates: Sequence[str],
 def walked_peaks(plan: Any, profile: Any, trainer: Any) -> tuple[Any, ...] | None:
     """Per stage, the peak walked through the schedule ``trainer`` runs
     (:func:`fxpipe.runtime.pricing.memory_walk.walk_memory`), its optimizer's step temporaries
-    measured on stand-ins of the stages' parameters; None where it is not
-    walked (``auto``, whose pick may change, the placed kinds, no profile)."""
+    measured on stand-ins of the stages' parameters, on the path torch takes on the rank's
+    device; None where it is not walked (``auto``, whose pick may change, the placed kinds, no
+    profile)."""
     if profile is None or trainer.kind == AUTO or trainer.kind in PLACED_KINDS:
         return None
     from ..replica.state_size import temporaries_for
 
+    device = getattr(trainer.backend, "device", None)  # CUDA: torch's foreach step
     temporaries = temporaries_for((p for st in trainer.stages for p in st.gm.parameters()),
-                                  trainer.optimizer)
+                                  trainer.optimizer, str(device) if device is not None else None)
     split = trainer.split if trainer.split and trainer.split > 1 else None
     try:
         return walk_memory(plan, profile, trainer.kind,
