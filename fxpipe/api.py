@@ -394,7 +394,9 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     recomputes in those stages, see ``plan.recompute``). ``schedule`` (and ``microbatches`` per
     update): the schedule whose memory the plan fits the cluster's with (default PipeDream's
     rule, which stashes a weight version per minibatch in flight; ``"1f1b-flush"`` stashes
-    none, so a plan that fits only under it is found for it; ``plan.memory_rule`` says which).
+    none, so a plan that fits only under it is found for it; ``plan.memory_rule`` says which),
+    and whose peak, walked through its actions, each stage must fit too
+    (:func:`choose_fitted_plan`; ``plan.stages[s].peak_bytes``, the summary's ``peak``).
     A stage's state is priced as the run keeps it (``runtime/replica/state_size.py``): weights,
     gradients, ``optimizer``'s state measured on stand-ins, and float32 masters for low-precision
     parameters unless ``master_weights=False`` (pass the Trainer the same).
@@ -427,7 +429,6 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             f"this model is {fingerprint})", "re-plan with fxpipe.compile(model, cluster, ...)")
 
     def make() -> dict[str, Any]:
-        from fxpipe.peak_fit import fit_peaks
         from fxpipe.runtime.replica.state_size import state_factor, temporaries_for
 
         profile = with_runtime_overheads(
@@ -436,14 +437,12 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
         factor = state_factor(list(traced.gm.parameters()), optimizer, master_weights)
         if plan is not None:  # the user's plan, as saved
             chosen = plan
-        else:  # the cap held against each stage's walked peak, the step's temporaries included
+        else:  # the cap held against each stage's walked peak, the step's temporaries in it
             temporaries = temporaries_for(traced.gm.parameters(), optimizer, cluster.device)
-            chosen = replace(fit_peaks(
-                lambda c: choose_plan(profile, c, sync=sync, stages=stages, straight=straight,
-                                      choose=choose, recompute=recompute, schedule=schedule,
-                                      microbatches=microbatches,
-                                      optimizer_state_factor=factor),
-                profile, cluster, schedule, microbatches, temporaries),
+            chosen = replace(choose_fitted_plan(
+                profile, cluster, sync=sync, stages=stages, straight=straight, choose=choose,
+                recompute=recompute, schedule=schedule, microbatches=microbatches,
+                optimizer_state_factor=factor, temporaries=temporaries),
                 model_fingerprint=fingerprint)
         return {"profile": profile.to_dict(), "plan": chosen.to_dict()}
 
@@ -531,6 +530,28 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
         return plan
     log.info("%s", choice.summary())
     return priced_by_simulation(choice, profile, cluster, sync=sync, microbatches=microbatches)
+
+
+def choose_fitted_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
+                       stages: int | None = None, straight: bool = False,
+                       choose: str = "auto", schedule: str = "pipedream",
+                       recompute: str = "never", microbatches: int | None = None,
+                       optimizer_state_factor: float = 1.0,
+                       temporaries: tuple[float, float] = (0.0, 0.0)) -> Plan:
+    """:func:`choose_plan`, with the cluster's memory cap held against each stage's peak walked
+    through ``schedule`` (:func:`fxpipe.peak_fit.fit_peaks`: planned again for lower caps where
+    a stage peaks over it), the walked peaks recorded on the plan: what ``compile``, ``fxpipe
+    plan`` and ``fxpipe simulate`` plan with. ``temporaries``: the optimizer step's
+    ``(per_byte, per_largest)`` (:func:`fxpipe.runtime.replica.state_size.temporaries_for`;
+    none where no optimizer is known)."""
+    from fxpipe.peak_fit import fit_peaks
+
+    return fit_peaks(
+        lambda c: choose_plan(profile, c, sync=sync, stages=stages, straight=straight,
+                              choose=choose, schedule=schedule, recompute=recompute,
+                              microbatches=microbatches,
+                              optimizer_state_factor=optimizer_state_factor),
+        profile, cluster, schedule, microbatches, temporaries)
 
 
 def load(directory: str | os.PathLike[str]) -> tuple[Plan | None, list[StageSpec]]:

@@ -25,7 +25,7 @@ log = logging.getLogger("fxpipe")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fxpipe.api import choose_plan
+    from fxpipe.api import choose_fitted_plan
     from fxpipe.costmodel import Cluster, Profile
     from fxpipe.units import format_seconds
 
@@ -39,14 +39,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise ConfigError("--export and --svg need a model, not a profile",
                               "pass a zoo name or file.py:factory")
         profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
-        from fxpipe.peak_fit import fit_peaks
-
-        plan = fit_peaks(  # the cap held against the walked peak (no optimizer: no temporaries)
-            lambda c: choose_plan(profile, c, sync=args.sync, stages=args.stages,
-                                  straight=args.straight, choose=args.choose,
-                                  recompute=args.recompute, schedule=args.schedule,
-                                  microbatches=args.microbatches),
-            profile, cluster, args.schedule, args.microbatches, (0.0, 0.0))
+        plan = choose_fitted_plan(  # no optimizer is known: no step temporaries
+            profile, cluster, sync=args.sync, stages=args.stages, straight=args.straight,
+            choose=args.choose, recompute=args.recompute, schedule=args.schedule,
+            microbatches=args.microbatches)
     else:
         from fxpipe.api import compile as fx_compile
 

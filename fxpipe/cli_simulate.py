@@ -88,7 +88,7 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
             raise ConfigError(f"plan {args.plan!r} names nodes the profile lacks "
                               f"(e.g. {sorted(missing)[0]!r})", "pass the model the plan was made for")
     else:
-        from fxpipe.api import choose_plan
+        from fxpipe.api import choose_fitted_plan, choose_plan
 
         if args.schedule in PLACED:  # v x workers stages, v per worker (runtime.pricing.placed_sim)
             from fxpipe.runtime.pricing.placed_sim import stages_per_process, virtual_cluster
@@ -97,15 +97,11 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
             plan = choose_plan(profile, virtual_cluster(cluster, v), sync=args.sync,
                                stages=v * (args.stages or cluster.workers), straight=True,
                                choose="planner", recompute=args.recompute)
-        else:
-            from fxpipe.peak_fit import fit_peaks
-
-            plan = fit_peaks(  # the cap held against the walked peak, as `fxpipe plan` does
-                lambda c: choose_plan(profile, c, sync=args.sync, stages=args.stages,
+        else:  # the cap held against the walked peak, as `fxpipe plan` does
+            plan = choose_fitted_plan(profile, cluster, sync=args.sync, stages=args.stages,
                                       straight=args.straight, choose=args.choose,
                                       schedule=args.schedule, recompute=args.recompute,
-                                      microbatches=args.microbatches),
-                profile, cluster, args.schedule, args.microbatches, (0.0, 0.0))
+                                      microbatches=args.microbatches)
     return profile, plan
 
 

@@ -30,12 +30,12 @@ Each is clamped at 0. ``machine_overheads`` runs the probe in a fresh interprete
 (:func:`measure_in_subprocess`): the ranks are started with multiprocessing's spawn, which runs
 the parent's main script again in each child, and a user's script that compiles at its top level
 (no ``__main__`` guard, the README's pattern) must not run again inside the probe. A probe that
-fails is a warning and no overheads (not cached). Cached in ``$FXPIPE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fxpipe`` or
-``~/.cache/fxpipe``), ``overheads.json``, under a key naming the host, its cores and the torch,
-Python and fxpipe versions; ``machine_overheads(refresh=True)`` measures again. About 10 s
-(three launches). On the project's 2-core machine, five probes gave 0.19-0.38 ms per stage and
-minibatch, 0-3.9 us per tensor and 0.21-0.48 ms per message: the machine's own noise, of the
-same order as the run-to-run spread of the profile it is added to.
+fails is a warning and no overheads (not cached). Cached in ``$FXPIPE_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/fxpipe`` or ``~/.cache/fxpipe``), ``overheads.json``, under a key naming the
+host, its cores and the torch, Python and fxpipe versions; ``machine_overheads(refresh=True)``
+measures again. About 10 s (three launches). On the project's 2-core machine, five probes gave
+0.19-0.38 ms per stage and minibatch, 0-3.9 us per tensor and 0.21-0.48 ms per message: the
+machine's own noise, of the same order as the run-to-run spread of the profile it is added to.
 """
 from __future__ import annotations
 

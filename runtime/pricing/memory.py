@@ -93,14 +93,19 @@ def activation_memory(sp: StagePlan, in_flight: int, scale: float = 1.0,
     (:data:`SPLIT_BACKWARD`), else one."""
     if not sp.recompute:
         return in_flight * sp.activation_bytes * scale
-    if sp.kept_input_bytes is not None:  # per minibatch in flight, its inputs (X + H)
-        inputs = sp.kept_input_bytes
-    else:  # plans saved before it was recorded, by PipeDream's rule: v (X + H) + A
-        v = max(sp.in_flight, 1)
-        inputs = (sp.memory_bytes - state_bytes(sp) - (v - 1) * sp.parameter_bytes
-                  - sp.activation_bytes) / v
     full = in_flight if kind in SPLIT_BACKWARD else 1
-    return (in_flight * max(inputs, 0.0) + full * sp.activation_bytes) * scale
+    return (in_flight * kept_inputs(sp) + full * sp.activation_bytes) * scale
+
+
+def kept_inputs(sp: StagePlan) -> float:
+    """What a recomputing stage keeps per minibatch in flight, its inputs (X + H): recorded by
+    the planner; for plans saved before it was, recovered from the plan's memory figure by
+    PipeDream's rule, ``v (X + H) + A``."""
+    if sp.kept_input_bytes is not None:
+        return sp.kept_input_bytes
+    v = max(sp.in_flight, 1)
+    return max((sp.memory_bytes - state_bytes(sp) - (v - 1) * sp.parameter_bytes
+                - sp.activation_bytes) / v, 0.0)
 
 
 def schedule_memory(stages: Sequence[StagePlan], kind: str, in_flight: Sequence[int],

@@ -39,7 +39,7 @@ from ..schedules.commplan import MODEL, Issuer, Msg, RankPlan, StageLinks, comm_
 from ..schedules.kinds import make_schedule
 from ..schedules.proofs import SendProofs
 from ..schedules.schedule import Rank, Schedule
-from .memory import activation_memory, state_bytes, stashed_versions
+from .memory import kept_inputs, state_bytes, stashed_versions
 from .sim_measure import peak_in_flight
 
 
@@ -164,8 +164,7 @@ def stage_bytes(plan: Plan, profile: Profile, kind: str, in_flight: Sequence[int
     out = []
     last = len(plan.stages) - 1
     for sp, v, w, L, fw in zip(plan.stages, in_flight, ws, big, for_w):
-        held = activation_memory(sp, 1, scale) if not sp.recompute else \
-            activation_memory(sp, 1, scale) - sp.activation_bytes * scale  # kept inputs
+        held = (kept_inputs(sp) if sp.recompute else sp.activation_bytes) * scale
         recomputed = sp.activation_bytes * scale if sp.recompute else 0.0
         extra = loss * scale if sp.index == last else 0.0
         out.append(StageBytes(

@@ -18,7 +18,7 @@ from fxpipe.errors import ConfigError
 from fxpipe.units import format_bytes
 
 from ..errors import RuntimeConfigError
-from ..pricing.memory import schedule_memory
+from ..pricing.memory import SHAPES, schedule_memory
 from ..pricing.memory_walk import walk_memory
 from ..pricing.plansim import simulate_plan
 from ..schedules.placement import PLACED_KINDS
@@ -107,9 +107,9 @@ def walked_peaks(plan: Any, profile: Any, trainer: Any) -> tuple[Any, ...] | Non
     """Per stage, the peak walked through the schedule ``trainer`` runs
     (:func:`fxpipe.runtime.pricing.memory_walk.walk_memory`), its optimizer's step temporaries
     measured on stand-ins of the stages' parameters, on the path torch takes on the rank's
-    device; None where it is not walked (``auto``, whose pick may change, the placed kinds, no
-    profile)."""
-    if profile is None or trainer.kind == AUTO or trainer.kind in PLACED_KINDS:
+    device; None where it is not walked: no profile, or a kind without a memory rule (``auto``,
+    whose pick may change, the placed kinds), as ``fxpipe.peak_fit`` does not walk them."""
+    if profile is None or trainer.kind not in SHAPES:  # e.g. auto, the placed kinds
         return None
     from ..replica.state_size import temporaries_for
 
