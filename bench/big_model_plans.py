@@ -82,6 +82,7 @@ def plan_one(name: str, cfg: object, workers: int) -> str:
     biggest = max(sp.memory_bytes for sp in plan.stages)
     lines.append(f"Largest stage: {format_bytes(biggest)} of {MEMORY}; "
                  f"{sum(plan.recompute)} of {len(plan.stages)} stages recompute.")
+    lines.append(made_again_line(compiled.profile, plan))
     for rc in ("never", "auto"):
         try:
             pd = choose_plan(compiled.profile, cluster, schedule="pipedream", recompute=rc,
@@ -92,6 +93,31 @@ def plan_one(name: str, cfg: object, workers: int) -> str:
             got = err.message
         lines.append(f"- Under PipeDream's rule (recompute={rc!r}): {got}.")
     return "\n".join(lines) + "\n"
+
+
+def made_again_line(profile, plan) -> str:
+    """What the stages make again from the model's inputs instead of receiving it (the
+    attention mask and rotary tables: fxpipe.passes.made_here), and what that costs them."""
+    from fxpipe.passes.made_here import made_here_in
+    from fxpipe.passes.overhead_pricing import made_again_s
+    from fxpipe.units import format_bytes, format_seconds
+
+    made = made_here_in(profile)
+    index = {n.name: i for i, n in enumerate(profile.nodes)}
+    bounds = [index[sp.nodes[0]] for sp in plan.stages] + [len(profile.nodes)]
+    again = made_again_s(profile, bounds)
+    read_later = {i for sp in plan.stages[1:] for name in sp.nodes
+                  for i in profile.nodes[index[name]].inputs
+                  if i in made and index[i] < index[sp.nodes[0]]}
+    worst = max(range(len(again)), key=again.__getitem__)
+    spared = sum(profile.nodes[index[v]].activation_bytes for v in read_later)
+    share = again[worst] / plan.stages[worst].compute_s if plan.stages[worst].compute_s else 0.0
+    return (f"- Made again on each stage that reads them (`fxpipe.passes.made_here`): "
+            f"{len(made)} values from the inputs alone; later stages read {len(read_later)} of "
+            f"them ({format_bytes(spared)} per minibatch, which each would otherwise receive), "
+            f"at most "
+            f"{format_seconds(again[worst])} of forward per minibatch on a stage "
+            f"({100 * share:.2f}% of stage {worst}'s compute).")
 
 
 def main() -> None:

@@ -17,6 +17,8 @@ import torch.fx as fx
 
 from fxpipe.errors import ConfigError
 
+from fxpipe.costmodel.extract import describe_target, reaches_parameters
+from fxpipe.passes.made_here import NodeFacts, made_here
 from fxpipe.tracing.modelio import ModelIO
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,8 @@ def split_graph(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> list[StageSp
     stage_inputs: list[dict[fx.Node, int]] = [{} for _ in range(num_stages)]  # node -> source
     stage_outputs: list[dict[fx.Node, set[int]]] = [{} for _ in range(num_stages)]
     baked: list[dict[fx.Node, Any]] = [{} for _ in range(num_stages)]
-    recomputed: list[set[fx.Node]] = [set() for _ in range(num_stages)]  # sizes, see _provide
+    recomputed: list[set[fx.Node]] = [set() for _ in range(num_stages)]  # see _provide
+    made = made_here(node_facts(gm, nodes))
     for n in nodes:
         src = stage_of[n.name]
         is_input = n.op == "placeholder"
@@ -150,7 +153,7 @@ def split_graph(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> list[StageSp
                               if u.op in _PLACED_OPS and not is_guard_node(u)})
         for c in user_stages:
             if is_input or c > src:
-                _provide(n, c, stage_of, stage_inputs, stage_outputs, baked, recomputed)
+                _provide(n, c, stage_of, stage_inputs, stage_outputs, baked, recomputed, made)
         if n.name in model_out:
             _route_model_output(n, src, num_stages - 1, stage_inputs, stage_outputs, baked)
 
@@ -171,26 +174,44 @@ def split_graph(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> list[StageSp
     return specs
 
 
+def node_facts(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[NodeFacts]:
+    """What :func:`fxpipe.passes.made_here.made_here` reads of ``nodes``, as the profile
+    records it (plus ``inplace=True``, which the profile does not record)."""
+    facts = []
+    for n in nodes:
+        inputs = tuple(dict.fromkeys(a.name for a in n.all_input_nodes
+                                     if a.op != "get_attr" and not is_guard_node(a)))
+        writes = n.kwargs.get("inplace") is True or (
+            n.op == "call_module" and getattr(gm.get_submodule(str(n.target)), "inplace", False)
+            is True)
+        facts.append(NodeFacts(n.name, n.op, describe_target(gm, n), inputs,
+                               reaches_parameters(gm, n), writes))
+    return facts
+
+
 def _provide(n: fx.Node, c: int, stage_of: Mapping[str, int],
              stage_inputs: list[dict[fx.Node, int]], stage_outputs: list[dict[fx.Node, set[int]]],
-             baked: list[dict[fx.Node, Any]], recomputed: list[set[fx.Node]]) -> None:
+             baked: list[dict[fx.Node, Any]], recomputed: list[set[fx.Node]],
+             made: frozenset[str]) -> None:
     """Make ``n`` available to stage ``c``: a model input is read there, a tensor is sent
-    there, a constant is baked in, and a number computed from tensors (a size: the batch, which
-    differs between microbatches and from the example) is recomputed there from its inputs,
-    provided in turn. Why not bake a size: it would fix the stage to the example's batch."""
+    there, a constant is baked in, and two kinds of value are made again there from their
+    inputs, provided in turn: a number computed from tensors (a size: the batch, which differs
+    between microbatches and from the example; baked, it would fix the stage to the example's
+    batch), and a value made from the model's inputs alone (``made``: an attention mask, a
+    rotary table; :mod:`fxpipe.passes.made_here` says why and which)."""
     if n.op == "get_attr" or (n.op != "placeholder" and stage_of[n.name] == c):
         return
     if n.op == "placeholder":
         stage_inputs[c][n] = MODEL
         return
     kind, value = value_kind(n)
-    if kind == "static" and _from_tensors(n):
+    if kind == "static" and not _from_tensors(n):
+        baked[c][n] = value
+    elif kind == "static" or n.name in made:
         if n not in recomputed[c]:
             recomputed[c].add(n)
             for a in n.all_input_nodes:
-                _provide(a, c, stage_of, stage_inputs, stage_outputs, baked, recomputed)
-    elif kind == "static":
-        baked[c][n] = value
+                _provide(a, c, stage_of, stage_inputs, stage_outputs, baked, recomputed, made)
     elif kind == "unsendable":
         raise ConfigError(
             f"value {n.name!r} (stage {stage_of[n.name]}) is not sendable (a tuple of tensors or "
@@ -249,7 +270,7 @@ def _build_stage_gm(gm: fx.GraphModule, k: int, ins: list[fx.Node], body: list[f
                     recomputed: set[fx.Node] | frozenset[fx.Node] = frozenset()
                     ) -> fx.GraphModule:
     """Copy stage ``k``'s nodes into a fresh graph; get_attr nodes are re-created on demand.
-    A ``recomputed`` node (a size made on an earlier stage, see :func:`_provide`) is copied
+    A ``recomputed`` node (made on an earlier stage and again here, see :func:`_provide`) is copied
     under a name of its own (``<name>_here``): node names stay unique across the stages."""
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}

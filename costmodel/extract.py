@@ -60,6 +60,12 @@ def _used_tensors(gm: fx.GraphModule, node: fx.Node) -> Iterable[tuple[str, torc
                 yield str(a.target), value
 
 
+def reaches_parameters(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Does ``node`` use a parameter (its module's, or a get_attr argument's)?"""
+    return node.op != "placeholder" and any(
+        isinstance(t, torch.nn.Parameter) for _, t in _used_tensors(gm, node))
+
+
 def annotate_parameters(gm: fx.GraphModule) -> fx.GraphModule:
     """Record ``params``, ``shared_params``, ``parameter_bytes`` and ``buffer_bytes`` in each
     compute node's ``meta["fxpipe"]`` (placeholders get empty entries). A parameter reached again

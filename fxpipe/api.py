@@ -438,7 +438,8 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
         if plan is not None:  # the user's plan, as saved
             chosen = plan
         else:  # the cap held against each stage's walked peak, the step's temporaries in it
-            temporaries = temporaries_for(traced.gm.parameters(), optimizer, cluster.device)
+            temporaries = temporaries_for(traced.gm.parameters(), optimizer, cluster.device,
+                                          master_weights)
             chosen = replace(choose_fitted_plan(
                 profile, cluster, sync=sync, stages=stages, straight=straight, choose=choose,
                 recompute=recompute, schedule=schedule, microbatches=microbatches,

@@ -5,8 +5,10 @@ it when it is produced before the cut and consumed after it; it is counted once 
 nodes use it, because codegen sends it once to each consuming stage (so a skip connection costs
 exactly its tensor's bytes at every cut it spans). A model output (``is_output``) is sent to
 the last stage, where the loss runs, so it is live up to the last node; other values no later
-node consumes cross nothing. A cut where a non-``sendable`` value is
-live costs ``inf``: the partitioner must never place a stage boundary there.
+node consumes cross nothing. A value made from the model's inputs alone crosses nothing either
+(``passes.made_here``: each stage that reads it makes it from the model inputs, which count as
+crossing into that stage, as any model input a stage reads does). A cut where a non-``sendable``
+value is live costs ``inf``: the partitioner must never place a stage boundary there.
 """
 from __future__ import annotations
 
@@ -14,18 +16,24 @@ import numpy as np
 
 from fxpipe.costmodel.profile import Profile
 
+from .made_here import made_here, model_inputs_behind, profile_facts
+
 
 def _last_use(profile: Profile) -> list[int]:
     """Index of the last consumer of each node (its own index when nothing consumes it; the last
-    node's for a model output, which the last stage returns)."""
+    node's for a model output, which the last stage returns). A use of a value made from the
+    inputs alone is a use of the model inputs it is made from (the consumer makes it)."""
+    facts = profile_facts(profile)
+    behind = model_inputs_behind(facts, made_here(facts))
     index = {n.name: i for i, n in enumerate(profile.nodes)}
     end = len(profile.nodes) - 1
     last = [end if n.is_output else i for i, n in enumerate(profile.nodes)]
     for j, n in enumerate(profile.nodes):
         for name in n.inputs:
-            i = index[name]
-            if j > last[i]:
-                last[i] = j
+            for read in behind.get(name, (name,)):
+                i = index[read]
+                if j > last[i]:
+                    last[i] = j
     return last
 
 

@@ -9,6 +9,10 @@ themselves balance the nodes' times, which is where the overheads move them leas
 pays the fixed part, an interior one two messages per value more than an end one). What the
 overheads do decide is whether to pipeline at all: :func:`fxpipe.passes.partition.partition`
 keeps a plan of several stages only if it beats the one-stage plan, which pays no message.
+
+A stage also makes again the values made from the model's inputs alone that it reads
+(:mod:`.made_here`: an attention mask, rotary tables), which the solver prices once, on the stage
+they are placed on: :func:`made_again_s` prices the copies here, with the overheads.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from fxpipe.costmodel.overheads import Overheads
 from fxpipe.costmodel.profile import Profile
 
 from .cuts import all_crossing_values
+from .made_here import made_here, profile_facts
 from .memory_rule import MemoryRule
 
 
@@ -39,16 +44,39 @@ def tie_sets_per_stage(profile: Profile, bounds: Sequence[int]) -> list[int]:
     return [sum(1 for k in keys if s in k) for s in range(len(bounds) - 1)]
 
 
+def made_again_s(profile: Profile, bounds: Sequence[int]) -> list[float]:
+    """Per stage ``[a, e)``, the forward seconds of the values made from the model's inputs
+    alone that it makes again: those placed before ``a`` that it reads, and what they are made
+    from (each once)."""
+    facts = profile_facts(profile)
+    made = made_here(facts)
+    index = {n.name: i for i, n in enumerate(profile.nodes)}
+    out = []
+    for s in range(len(bounds) - 1):
+        a, e = bounds[s], bounds[s + 1]
+        todo = [i for f in facts[a:e] for i in f.inputs if i in made and index[i] < a]
+        again: set[int] = set()
+        while todo:
+            i = index[todo.pop()]
+            if i not in again:
+                again.add(i)
+                todo.extend(v for v in facts[i].inputs if v in made)
+        out.append(float(sum(profile.nodes[i].forward_s for i in again)))
+    return out
+
+
 def stage_overheads(profile: Profile, starts: Sequence[int], replicas: Sequence[int],
                     in_flight: Sequence[int], rule: MemoryRule,
                     overheads: Overheads | None = None) -> list[float]:
     """Seconds per minibatch (of the pipeline: a stage with r replicas pays 1/r) each stage of
-    the partition pays beyond its nodes' times, by ``overheads`` (default: the profile's)."""
+    the partition pays beyond its nodes' times: the runtime's overheads by ``overheads``
+    (default: the profile's), and the values it makes again (:func:`made_again_s`)."""
     ov = profile.overheads if overheads is None else overheads
-    if ov.zero:
-        return [0.0] * len(starts)
     n = len(profile.nodes)
     bounds = list(starts) + [n]
+    again = [t / r for t, r in zip(made_again_s(profile, bounds), replicas)]
+    if ov.zero:
+        return again
     crossing = all_crossing_values(profile, [a for a in bounds if 0 < a < n])
     total_p = sum(nd.parameter_bytes for nd in profile.nodes)
     ties = tie_sets_per_stage(profile, bounds)
@@ -59,5 +87,6 @@ def stage_overheads(profile: Profile, starts: Sequence[int], replicas: Sequence[
         share = (sum(nd.parameter_bytes for nd in profile.nodes[a:e]) / total_p
                  if total_p > 0 else 0.0)
         tensors = len({p for nd in profile.nodes[a:e] for p in (*nd.params, *nd.shared_params)})
-        out.append(ov.stage_s(msgs, tensors, share, rule.stashed(in_flight[s]) > 0, ties[s]) / r)
+        out.append(ov.stage_s(msgs, tensors, share, rule.stashed(in_flight[s]) > 0, ties[s]) / r
+                   + again[s])
     return out

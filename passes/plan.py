@@ -56,8 +56,9 @@ class StagePlan:
     # model inputs inside it (None: the stage does not recompute, or a plan saved before).
     kept_input_bytes: float | None = None
     # What the runtime pays per minibatch beyond the stage's nodes (its calls, its messages,
-    # the stash's copy: fxpipe.costmodel.overheads), already inside compute_s and stage_time_s
-    # (0 in plans saved before it was priced, and for profiles that record no overheads).
+    # the stash's copy: fxpipe.costmodel.overheads; the values made from the model's inputs it
+    # makes again: fxpipe.passes.made_here), already inside compute_s and stage_time_s (0 in
+    # plans saved before it was priced, and where there is none of either).
     overhead_s: float = 0.0
     # The peak of live bytes per replica walked through the schedule the plan was compiled for
     # (fxpipe.runtime.pricing.memory_walk: memory_bytes plus the message buffers, working sets
@@ -156,7 +157,9 @@ class Plan:
             lines.append("(compute includes the runtime's overheads per minibatch: "
                          + ", ".join(f"stage {s.index} {format_seconds(s.overhead_s)}"
                                      for s in self.stages)
-                         + "; its calls, messages and stash copies, fxpipe.costmodel.overheads)")
+                         + "; its calls, messages and stash copies, fxpipe.costmodel.overheads, "
+                         "and what it makes again from the model's inputs, "
+                         "fxpipe.passes.made_here)")
         if walked:
             lines.append("(memory = weights, gradients, optimizer state, stashed versions and "
                          "activations held between actions, as the schedule's rule prices them; "

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fxpipe.costmodel.profile import Profile
+from fxpipe.passes.made_here import made_here, model_inputs_behind, profile_facts
 from fxpipe.passes.plan import Plan
 
 from ..schedules.commplan import MODEL, Issuer, Msg, RankPlan, StageLinks, comm_plans
@@ -71,17 +72,22 @@ class StagePeak:
 
 def stage_links(plan: Plan, profile: Profile) -> tuple[tuple[StageLinks, ...], dict[str, float]]:
     """The plan's stages' communication shape from the profile (what codegen would build), and
-    the bytes of each value that crosses."""
+    the bytes of each value that crosses. A value made from the model's inputs alone is made
+    by each stage that reads it (:mod:`fxpipe.passes.made_here`): that stage reads those inputs
+    instead."""
     stage = plan.stage_of()
     nodes = {n.name: n for n in profile.nodes}
     placeholders = {n.name for n in profile.nodes if n.op == "placeholder"}
+    facts = profile_facts(profile)
+    behind = model_inputs_behind(facts, made_here(facts))
     S = len(plan.stages)
     consumers: dict[str, set[int]] = {}
     for n in profile.nodes:
         if n.name in placeholders or n.name not in stage:
             continue
         for i in n.inputs:
-            consumers.setdefault(i, set()).add(stage[n.name])
+            for read in behind.get(i, (i,)):
+                consumers.setdefault(read, set()).add(stage[n.name])
         if n.is_output and stage[n.name] != S - 1:
             consumers.setdefault(n.name, set()).add(S - 1)
     links = []

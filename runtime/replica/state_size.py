@@ -128,16 +128,33 @@ def _foreach_everywhere(on: bool) -> Iterator[None]:
 
 def temporaries_for(params: Sequence[torch.Tensor],
                     optimizer: Callable[..., torch.optim.Optimizer] | None,
-                    device: str | None = None) -> tuple[float, float]:
-    """:func:`step_temporaries` for these parameters (stand-ins of their ranks and dtypes;
-    ``optimizer`` None: SGD with momentum), on torch's default path for CUDA tensors where the
+                    device: str | None = None,
+                    master_weights: bool | None = None) -> tuple[float, float]:
+    """:func:`step_temporaries` for these parameters, per byte of them (stand-ins of their
+    ranks, in the dtype the optimizer steps: float32 masters of float16/bfloat16 parameters
+    where ``master_weights`` says so, None: the runtime's default, as :func:`state_factor`;
+    a bfloat16 model stepped on float32 masters makes float32 temporaries, twice its own bytes);
+    ``optimizer`` None: SGD with momentum; on torch's default path for CUDA tensors where the
     run is for a GPU (``device``, a cluster's estimated device such as "H100", or parameters
     on CUDA); none where the factory will not run on stand-ins."""
-    params = list(params)
+    params = [p for p in params if p.requires_grad]
     gpu = (device is not None and "cpu" not in device.lower()) or any(p.is_cuda for p in params)
-    shapes = [(p.dim(), p.dtype) for p in params if p.requires_grad]
-    got = step_temporaries(optimizer or _default_optimizer, shapes, foreach_default=gpu)
-    return got if got is not None else (0.0, 0.0)
+    masters = (any(p.dtype in LOW_PRECISION for p in params) if master_weights is None
+               else master_weights)
+    stepped = [MASTER_DTYPE if masters and p.dtype in LOW_PRECISION else p.dtype for p in params]
+    got = step_temporaries(optimizer or _default_optimizer,
+                           [(p.dim(), dt) for p, dt in zip(params, stepped)], foreach_default=gpu)
+    if got is None:
+        return (0.0, 0.0)
+    # the fit is per stepped byte; P and L are priced in the parameters' own bytes
+    size = sum(p.numel() * p.element_size() for p in params)
+    stepped_size = sum(p.numel() * torch.empty((), dtype=dt).element_size()
+                       for p, dt in zip(params, stepped))
+    big = max(range(len(params)), key=lambda i: params[i].numel() * params[i].element_size())
+    widen = stepped_size / size if size else 1.0
+    widen_largest = (torch.empty((), dtype=stepped[big]).element_size()
+                     / params[big].element_size())
+    return got[0] * widen, got[1] * widen_largest
 
 
 def state_factor(params: Sequence[torch.Tensor],

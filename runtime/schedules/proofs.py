@@ -23,9 +23,11 @@ consuming action in the window's happens-before order (program order on each ran
 message's send before its receive) proves ``m`` just as well: the chain of receipts from the
 peer's wait to this rank's says the transfer was over. That matters for a value sent to a stage
 that never sends back to its producer (a Hugging Face model's attention mask and rotary tables,
-made on the first stage and read by every later one): with the peer's own messages only, its
-every copy was held until the stretch's end (measured: a 4-stage Llama's first stage grew by
-0.34 MB per minibatch over a 64-minibatch stretch; planned for Llama-70B on 64 GPUs, 75 GB).
+made on the first stage and read by every later one, until each stage made them itself,
+:mod:`fxpipe.passes.made_here`; still any value made from the inputs that cannot be made again,
+through dropout or an in-place write): with the peer's own messages only, its every copy was
+held until the stretch's end (measured: a 4-stage Llama's first stage grew by 0.34 MB per
+minibatch over a 64-minibatch stretch; planned for Llama-70B on 64 GPUs, 75 GB).
 So the proof is the first message this rank receives in the window from an action that follows
 the consumption, the peer's own first message after it where none does.
 """

@@ -115,7 +115,8 @@ def walked_peaks(plan: Any, profile: Any, trainer: Any) -> tuple[Any, ...] | Non
 
     device = getattr(trainer.backend, "device", None)  # CUDA: torch's foreach step
     temporaries = temporaries_for((p for st in trainer.stages for p in st.gm.parameters()),
-                                  trainer.optimizer, str(device) if device is not None else None)
+                                  trainer.optimizer, str(device) if device is not None else None,
+                                  trainer.options.master_weights)
     split = trainer.split if trainer.split and trainer.split > 1 else None
     try:
         return walk_memory(plan, profile, trainer.kind,

@@ -432,7 +432,8 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
     temporaries = (0.0, 0.0)  # the optimizer step's, held against a cap with the rest
     if compiled.plan.cluster.get("memory") is not None:
         temporaries = temporaries_for(compiled.traced.gm.parameters(), kwargs.get("optimizer"),
-                                      compiled.plan.cluster.get("device"))
+                                      compiled.plan.cluster.get("device"),
+                                      kwargs.get("master_weights"))
     check_schedule_memory(compiled.plan, compiled.profile, kwargs["schedule"],
                           kwargs.get("microbatches"), kwargs.get("split"), temporaries)
     report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()

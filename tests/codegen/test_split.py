@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from fxpipe.codegen import StageSpec, run_stages, split_graph
-from fxpipe.codegen.split import MODEL
+from fxpipe.codegen.split import MODEL, placed_nodes
 from fxpipe.errors import ConfigError, FxpipeError
 
 from _codegen_helpers import MLP, ResCNN, Reused, TinyGPT, annotate, chunk_stage_of
@@ -124,6 +124,76 @@ def test_size_crossing_a_boundary_is_recomputed_not_baked() -> None:
     assert "size_here = x.size(0)" in s1.gm.code and "relu.view(size_here, 2, -1)" in s1.gm.code
     for batch in (x, torch.randn(3, 6), torch.randn(1, 6)):
         torch.testing.assert_close(run_stages([s0, s1], (batch,)), model(batch), rtol=0, atol=0)
+
+
+class MaskedStack(nn.Module):
+    """Two layers reading one mask and one position table made from the input ids alone, as a
+    decoder's layers read its attention mask and rotary tables. ``variant``: "dropout" drops
+    out of the mask (a value made again would differ), "write" writes into it in place,
+    "inplace" through an op named like any other but called with ``inplace=True``."""
+
+    def __init__(self, variant: str = "") -> None:
+        super().__init__()
+        self.emb, self.a, self.b = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.variant = variant
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        keep = (ids != 0).unsqueeze(-1).float()
+        if self.variant == "dropout":
+            keep = torch.nn.functional.dropout(keep, 0.5, training=True)
+        if self.variant == "write":
+            keep.mul_(0.5)
+        if self.variant == "inplace":
+            keep = torch.nn.functional.relu(keep, inplace=True)
+        pos = torch.arange(ids.size(1)).float().unsqueeze(-1) / 10
+        h = self.a(self.emb(ids) + pos) * keep
+        return self.b(h) * keep + pos
+
+
+def _two_stages(gm: fx.GraphModule) -> dict[str, int]:
+    """Everything up to the first layer's product on stage 0, the second layer on stage 1."""
+    second = False
+    stage_of = {}
+    for n in placed_nodes(gm):
+        second = second or n.name == "b"
+        stage_of[n.name] = int(second)
+    return stage_of
+
+
+def test_a_mask_made_from_the_inputs_is_made_again_where_it_is_read_not_sent() -> None:
+    """Stage 1 reads the mask and the position table: it makes both from the ids it reads,
+    so stage 0 sends only its layer's output; outputs and gradients equal the model's, for
+    any batch and sequence length."""
+    torch.manual_seed(0)
+    model = MaskedStack()
+    x = torch.randint(0, 10, (3, 5))
+    gm = annotate(fx.symbolic_trace(model), x)
+    stage_of = _two_stages(gm)
+    s0, s1 = _check(model, gm, (x,), stage_of, lambda: model(x))
+    assert (s0.outputs, s1.inputs, s1.sources) == (("mul",), ("ids", "mul"), (MODEL, 0))
+    assert "float_1_here" in s1.gm.code and "truediv_here" in s1.gm.code
+    for ids in (torch.randint(0, 10, (2, 7)), torch.randint(0, 10, (1, 3))):
+        torch.testing.assert_close(run_stages([s0, s1], (ids,)), model(ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["dropout", "write", "inplace"])
+def test_a_mask_dropped_out_or_written_into_is_sent(variant: str) -> None:
+    """Made again, a dropped-out mask would draw other elements, and a mask written into in
+    place would miss the write: stage 0 sends its own. The position table is still made again
+    beside the dropout; beside the write it is sent too (the write may reach the ids through
+    views, and the table is made from them)."""
+    model = MaskedStack(variant)
+    x = torch.randint(0, 10, (3, 5))
+    gm = fx.symbolic_trace(model)
+    s0, s1 = split_graph(annotate(gm, x), _two_stages(gm))
+    sent = {"dropout": {"dropout"}, "write": {"float_1", "truediv"},
+            "inplace": {"relu", "truediv"}}[variant]
+    made_again = variant == "dropout"
+    assert set(s0.outputs) == {"mul", *sent}
+    assert set(s1.inputs) == {"mul", *sent} | ({"ids"} if made_again else set())
+    assert ("truediv_here" in s1.gm.code) is made_again
+    if variant != "dropout":
+        torch.testing.assert_close(run_stages([s0, s1], (x,)), model(x), rtol=0, atol=0)
 
 
 def test_unsendable_crossing_raises() -> None:

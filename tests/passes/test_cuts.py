@@ -14,7 +14,9 @@ from fxpipe.passes import all_crossing_values, crossing_values, cut_bytes, parti
 
 
 def node(name: str, act: float, inputs: tuple[str, ...] = (), sendable: bool = True) -> ProfileNode:
-    return ProfileNode(name=name, op="call_function", target=name, forward_s=0.01, backward_s=0.02,
+    # a module call: an opaque layer (a function call made from nothing but constants would be
+    # made again by each stage that reads it, passes/made_here, and cross no cut)
+    return ProfileNode(name=name, op="call_module", target=name, forward_s=0.01, backward_s=0.02,
                        activation_bytes=act, parameter_bytes=0.0, inputs=inputs, sendable=sendable)
 
 
@@ -116,7 +118,7 @@ def test_an_early_model_output_is_carried_to_the_last_stage() -> None:
     so it is live across every cut after it, by hand: enc (40 bytes, an output) -> h (5) -> y (3)
     -> loss (1); the cuts after enc carry 40 + what the chain carries there."""
     def out(name: str, act: float, inputs: tuple[str, ...] = ()) -> ProfileNode:
-        return ProfileNode(name=name, op="call_function", target=name, forward_s=0.01,
+        return ProfileNode(name=name, op="call_module", target=name, forward_s=0.01,
                            backward_s=0.02, activation_bytes=act, parameter_bytes=0.0,
                            inputs=inputs, is_output=True)
 
@@ -124,3 +126,19 @@ def test_an_early_model_output_is_carried_to_the_last_stage() -> None:
                        node("y", 3, ("h",)), out("loss", 1, ("y",))))
     assert cut_bytes(p).tolist() == [7.0, 40.0, 40.0 + 5.0, 40.0 + 3.0]
     assert crossing_values(p, 3) == ("enc", "h")
+
+
+def test_a_value_made_from_the_model_inputs_alone_crosses_no_cut() -> None:
+    """ids (7 bytes) -> mask(ids) (a function call on the input alone, 40 bytes) -> emb(ids) (a
+    layer, 5) -> h(emb, mask) (3) -> out(h, mask) (1): a stage after the mask makes it again
+    from the ids, so the ids (read there) cross instead of the mask, up to the last reader."""
+    mask = ProfileNode(name="mask", op="call_function", target="torch.ops.aten.ne.Scalar",
+                       forward_s=0.01, backward_s=0.0, activation_bytes=40.0,
+                       parameter_bytes=0.0, inputs=("ids",))
+    ids = ProfileNode(name="ids", op="placeholder", target="ids", forward_s=0.0, backward_s=0.0,
+                      activation_bytes=7.0, parameter_bytes=0.0)
+    p = Profile(nodes=(ids, mask, node("emb", 5, ("ids",)),
+                       node("h", 3, ("emb", "mask")), node("out", 1, ("h", "mask"))))
+    assert cut_bytes(p).tolist() == [7.0, 7.0, 7.0 + 5.0, 7.0 + 3.0]
+    assert crossing_values(p, 2) == ("ids",)
+    assert all_crossing_values(p, [3, 4]) == {3: ("ids", "emb"), 4: ("ids", "h")}

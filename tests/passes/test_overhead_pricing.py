@@ -78,6 +78,30 @@ def test_a_parameter_shared_across_stages_costs_an_all_reduce_each() -> None:
     assert stage_overheads(prof, [0, 2], [1, 1], [2, 1], FLUSH) == [100121.0, 100121.0]
 
 
+def test_a_stage_pays_for_the_values_it_makes_again_from_the_inputs() -> None:
+    """ids -> pos (arange, from nothing: 3 s) ; mask(ids) (5 s) ; both(mask, pos) (7 s), all
+    function calls on the inputs alone; n0(ids) a layer; n1(n0, both); n2(n1, mask).
+    Stages [ids .. n0], [n1], [n2]: stage 1 reads both, so it makes both, mask and pos again
+    (15 s); stage 2 reads only mask (5 s); stage 0 made them in place (its nodes' own times).
+    With 2 replicas stage 1 costs the pipeline half; with no overheads they are all there is."""
+    def call(name: str, inputs: tuple[str, ...], c: float) -> ProfileNode:
+        return ProfileNode(name=name, op="call_function", target=f"torch.ops.aten.{name}.default",
+                           forward_s=c, backward_s=0.0, activation_bytes=8.0, parameter_bytes=0.0,
+                           inputs=inputs)
+
+    ids = ProfileNode(name="ids", op="placeholder", target="ids", forward_s=0.0,
+                      backward_s=0.0, activation_bytes=8.0, parameter_bytes=0.0)
+    nodes = [ids, call("pos", (), 3.0), call("mask", ("ids",), 5.0),
+             call("both", ("mask", "pos"), 7.0), node(0, ("ids",), p=4.0, params=("w",)),
+             node(1, ("n0", "both")), node(2, ("n1", "mask"))]
+    assert stage_overheads(with_ov(nodes, None), [0, 5, 6], [1, 2, 1], [3, 1, 1], FLUSH) \
+        == [0.0, 15.0 / 2, 5.0]
+    # with the overheads, stage 1 also pays 1 action and 8 messages: n0 and ids cross in, n1
+    # and ids cross on (a model input a later stage reads counts as crossing, passes/cuts)
+    assert stage_overheads(with_ov(nodes), [0, 5, 6], [1, 2, 1], [3, 1, 1], FLUSH)[1] \
+        == (1.0 + 80.0) / 2 + 15.0 / 2
+
+
 def test_no_overheads_no_change() -> None:
     """A profile without overheads (or with zero ones) plans exactly as before."""
     nodes = list(chain4().nodes)

@@ -12,13 +12,15 @@ from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.runtime.pricing.memory import check_memory, memory_rule, memory_table
 from fxpipe.runtime.pricing.memory_walk import (StageBytes, StagePeak, gradient_values,
                                                 stage_bytes, stage_links, walk_memory, walk_rank)
-from fxpipe.runtime.replica.state_size import step_temporaries
+from fxpipe.runtime.replica.state_size import step_temporaries, temporaries_for
 from fxpipe.runtime.schedules.commplan import MODEL, StageLinks
 from fxpipe.runtime.schedules.kinds import make_schedule
 
 
 def _node(name: str, inputs: tuple[str, ...] = (), out: float = 0.0, p: float = 0.0,
-          op: str = "call_function", is_output: bool = False) -> ProfileNode:
+          op: str = "call_module", is_output: bool = False) -> ProfileNode:
+    # a module call by default: a layer (a function call on the model inputs alone would be
+    # made again by each stage that reads it, passes/made_here: see the test below)
     return ProfileNode(name=name, op=op, target=name, forward_s=1.0, backward_s=2.0,
                        activation_bytes=out, parameter_bytes=p, inputs=inputs,
                        params=("w",) if p else (), is_output=is_output)
@@ -52,6 +54,23 @@ def test_links_follow_the_values_that_cross() -> None:
                      StageLinks(("a",), (0,), ("b",), ((2,),)),
                      StageLinks(("a", "b", "x"), (0, 1, MODEL), (), ()))
     assert sizes["a"] == 16 and sizes["b"] == 32
+
+
+def test_a_value_made_from_the_inputs_alone_is_made_where_it_is_read_not_sent() -> None:
+    # x -> mask(x) (a function of the model input alone) -> a(x) -> b(a, mask) -> c(b, mask):
+    # stages {mask, a}, {b}, {c}: stages 1 and 2 make the mask from x, read locally; only a and
+    # b cross
+    prof = Profile(nodes=(_node("x", op="placeholder", out=8),
+                          _node("mask", ("x",), 4, op="call_function"),
+                          _node("a", ("x",), 16, p=40), _node("b", ("a", "mask"), 16),
+                          _node("c", ("b", "mask"), 4, is_output=True)))
+    plan = _plan("1f1b-flush", (_stage(0, ("x", "mask", "a")), _stage(1, ("b",)),
+                                _stage(2, ("c",))))
+    links, sizes = stage_links(plan, prof)
+    assert links == (StageLinks(("x",), (MODEL,), ("a",), ((1,),)),
+                     StageLinks(("a", "x"), (0, MODEL), ("b",), ((2,),)),
+                     StageLinks(("b", "x"), (1, MODEL), (), ()))
+    assert "mask" not in sizes
 
 
 def test_two_stage_flush_walk_by_hand() -> None:
@@ -146,6 +165,25 @@ def test_step_temporaries_measured() -> None:
         lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=False), shapes)
     assert per_byte < 0.5 and per_largest >= 1.0
     assert step_temporaries(lambda ps: 1 / 0, shapes) is None  # a factory that will not run
+
+
+def test_temporaries_of_low_precision_weights_are_in_the_dtype_they_step_in() -> None:
+    """bfloat16 weights stepped on float32 masters make float32 temporaries: per byte of the
+    weights, twice those of float32 weights (foreach AdamW: one P of float32, so 2 per bf16
+    byte); without masters they step in bfloat16 and make bfloat16 ones (1 per byte)."""
+    def params(dt: torch.dtype) -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.zeros(32, 32, dtype=dt)),
+                torch.nn.Parameter(torch.zeros(32, dtype=dt))]
+
+    def adamw(ps: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=0.1, foreach=True)
+
+    fp32 = temporaries_for(params(torch.float32), adamw)
+    assert fp32[0] == pytest.approx(1.0, abs=0.05)
+    assert temporaries_for(params(torch.bfloat16), adamw) == pytest.approx(
+        (2 * fp32[0], 2 * fp32[1]))
+    assert temporaries_for(params(torch.bfloat16), adamw, master_weights=False) \
+        == pytest.approx(fp32, abs=0.05)
 
 
 def test_check_memory_reports_the_walk() -> None:

@@ -18,10 +18,12 @@ MS = 1e-3
 
 def chain(costs: list[float]) -> Profile:
     """A chain of nodes, forward = backward = cost each, no parameters, tiny activations (the
-    links cost nothing): a stage's time is the sum of its nodes' 2 x cost."""
+    links cost nothing): a stage's time is the sum of its nodes' 2 x cost. Module calls (layers):
+    a parameter-free function call on nothing but constants would be made again by each stage
+    that reads it (fxpipe.passes.made_here)."""
     nodes, prev = [], ()
     for i, c in enumerate(costs):
-        nodes.append(ProfileNode(f"n{i}", "call_function", "f", c, c, 4.0, 0.0, inputs=prev))
+        nodes.append(ProfileNode(f"n{i}", "call_module", "f", c, c, 4.0, 0.0, inputs=prev))
         prev = (f"n{i}",)
     return Profile(tuple(nodes), batch_size=1)
 

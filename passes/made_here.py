@@ -1,0 +1,135 @@
+"""Values made from the model's inputs alone: every stage that reads one makes it itself.
+
+A decoder builds its attention mask and rotary tables once, from the model's inputs and buffers,
+and every layer reads them. Sent from the stage that made them, they cost a message to every
+later stage, each held by the sender until it is proven received: on Llama-70B cut into 64
+stages, 78 GB on the first stage (benchmarks/big-model-plans.md). Every stage can read the
+model's inputs itself (the loader gives each rank the batch), so a later stage makes such a value
+from them, as Megatron-LM and torchtitan make masks and rotary tables in every stage.
+
+A node is *made here* (by each stage that reads it) when
+
+- it is a function or method call (a module call is the user's layer, opaque here, and every
+  node of a PipeDream import is one);
+- it reaches no parameter (a buffer or a constant is fine: every stage holds the same);
+- every input is a model input or itself made here (a node with no inputs, ``arange``, is);
+- it is repeatable: no random op (dropout, ``rand``, ``bernoulli``, ...), no uninitialised
+  memory (``empty``), no in-place op or ``setitem``;
+- no in-place op anywhere mutates it or what it was made from: a value read after a mutation
+  would differ from the one made afresh.
+
+Such a value carries no gradient (nothing trainable made it), so it sends nothing back either.
+What it costs: its nodes' forwards run again on each stage that reads it (the plan prices them
+once, on the stage they are placed on; the masks and tables of a decoder are a few elementwise
+ops, see benchmarks/big-model-plans.md). The decision is here, pure data; ``passes.cuts`` prices
+what then crosses and ``codegen.split`` does the surgery.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from fxpipe.costmodel.profile import Profile
+
+# Substrings of an op's name that make its result differ between two runs.
+UNREPEATABLE = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "poisson",
+                "exponential", "cauchy", "geometric", "empty")
+_CALLS = ("call_function", "call_method")
+_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",
+    "rshift", "matmul"))
+
+
+class NodeFacts(NamedTuple):
+    """What the decision reads of one node: ``inputs`` are the node names it reads (no
+    parameters or buffers), ``target`` the op as costmodel's ``describe_target`` names it."""
+
+    name: str
+    op: str
+    target: str
+    inputs: tuple[str, ...]
+    uses_params: bool
+    writes: bool = False  # known to write into an input (``inplace=True``), whatever its name
+
+
+def op_name(target: str) -> str:
+    """The op's own name in a target: ``torch.ops.aten.add_.Tensor`` -> ``add_``,
+    ``Tensor.masked_fill_`` -> ``masked_fill_``, ``operator.iadd`` -> ``iadd``,
+    ``drop (Dropout)`` -> ``Dropout``."""
+    if target.endswith(")") and " (" in target:  # a module: its class
+        return target[target.rindex(" (") + 2:-1]
+    parts = target.split(".")
+    if target.startswith("torch.ops.") and len(parts) >= 5:  # torch.ops.<ns>.<op>.<overload>
+        return parts[3]
+    return parts[-1]
+
+
+def mutates(target: str) -> bool:
+    """Does the op write into one of its inputs (``add_``, ``x[i] = v``, ``a += b``)?"""
+    name = op_name(target)
+    if name.startswith("__") and name.endswith("__"):
+        return name in _INPLACE_DUNDERS
+    if target.startswith("operator."):
+        return name == "setitem" or f"__{name}__" in _INPLACE_DUNDERS
+    return name.endswith("_")
+
+
+def repeatable(target: str) -> bool:
+    """Does the op give the same result from the same inputs (no randomness, no uninitialised
+    memory, no writes into its inputs)?"""
+    low = op_name(target).lower()
+    return not mutates(target) and not any(w in low for w in UNREPEATABLE)
+
+
+def made_here(nodes: Sequence[NodeFacts]) -> frozenset[str]:
+    """The names of the nodes each stage that reads them makes itself (module doc); ``nodes``
+    in program order, placeholders included (they are read, never made)."""
+    placeholders = {n.name for n in nodes if n.op == "placeholder"}
+    made: set[str] = set()
+    for n in nodes:
+        if (n.op in _CALLS and not n.uses_params and not n.writes
+                and repeatable(n.target)
+                and all(i in placeholders or i in made for i in n.inputs)):
+            made.add(n.name)
+    # A write taints the value it writes into and what that value may be a view of: back through
+    # nodes that reach no parameter (a node that does makes fresh storage), model inputs
+    # included. Then drop every made node made from a tainted one.
+    by_name = {n.name: n for n in nodes}
+    tainted: set[str] = set()
+    stack = [i for n in nodes if n.op != "placeholder" and (n.writes or mutates(n.target))
+             for i in n.inputs]
+    while stack:
+        v = stack.pop()
+        if v not in tainted and v in by_name:
+            tainted.add(v)
+            if not by_name[v].uses_params:
+                stack.extend(by_name[v].inputs)
+    for n in nodes:  # program order: an input's taint is known before its users'
+        if any(i in tainted for i in n.inputs):
+            tainted.add(n.name)
+    return frozenset(made - tainted)
+
+
+def profile_facts(profile: Profile) -> list[NodeFacts]:
+    """The facts of a profile's nodes (its inputs exclude parameters and buffers already)."""
+    return [NodeFacts(n.name, n.op, n.target, tuple(n.inputs),
+                      bool(n.params or n.shared_params or n.parameter_bytes > 0))
+            for n in profile.nodes]
+
+
+def made_here_in(profile: Profile) -> frozenset[str]:
+    """:func:`made_here` of a profile."""
+    return made_here(profile_facts(profile))
+
+
+def model_inputs_behind(nodes: Iterable[NodeFacts], made: frozenset[str]
+                        ) -> dict[str, frozenset[str]]:
+    """For each made node, the model inputs it is made from (what a stage reading it reads)."""
+    out: dict[str, frozenset[str]] = {}
+    for n in nodes:
+        if n.name in made:
+            roots: set[str] = set()
+            for i in n.inputs:
+                roots.update(out.get(i, {i}))
+            out[n.name] = frozenset(roots)
+    return out
