@@ -14,7 +14,8 @@ A node is *made here* (by each stage that reads it) when
 - it reaches no parameter (a buffer or a constant is fine: every stage holds the same);
 - every input is a model input or itself made here (a node with no inputs, ``arange``, is);
 - it is repeatable: no random op (dropout, ``rand``, ``bernoulli``, ...), no uninitialised
-  memory (``empty``), no in-place op or ``setitem``;
+  memory (``empty``), no in-place op or ``setitem``, no normalisation that may update its
+  running statistics;
 - no in-place op anywhere mutates it or what it was made from: a value read after a mutation
   would differ from the one made afresh.
 
@@ -31,9 +32,11 @@ from typing import NamedTuple
 
 from fxpipe.costmodel.profile import Profile
 
-# Substrings of an op's name that make its result differ between two runs.
+# Substrings of an op's name whose result differs between two runs, or that may update state
+# (a normalisation in training updates its running statistics, buffers every stage would update
+# again: they are not among a node's inputs here, so no write would taint them).
 UNREPEATABLE = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "poisson",
-                "exponential", "cauchy", "geometric", "empty")
+                "exponential", "cauchy", "geometric", "empty", "batch_norm", "instance_norm")
 _CALLS = ("call_function", "call_method")
 _INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift",

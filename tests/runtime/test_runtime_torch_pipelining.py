@@ -135,6 +135,37 @@ def test_carried_values_reach_every_later_stage() -> None:
     torch.testing.assert_close(out, run_stages(stages, (x,)), rtol=0, atol=0)
 
 
+class MaskedMLP(torch.nn.Module):
+    """Three layers reading one mask made from the input alone (as a decoder's layers read its
+    attention mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keep = (x.abs() > 0.1).float()
+        h = torch.relu(self.a(x)) * keep
+        h = torch.relu(self.b(h)) * keep
+        return self.c(h * keep)
+
+
+def test_a_value_made_from_the_inputs_is_carried_as_those_inputs() -> None:
+    """The mask is made again by each stage that reads it (fxpipe.passes.made_here), so torch's
+    one-edge convention carries the model input x through the stages, not the mask; the carry
+    stages composed compute the model."""
+    model = MaskedMLP()
+    stages = split(model, [6, 9])  # [abs .. mul], [b .. mul_1], [mul_2, c]
+    assert [st.inputs for st in stages] == [("x",), ("x", "mul"), ("x", "mul_1")]
+    assert carried(stages) == [("x", "mul"), ("x", "mul_1")]
+    x = torch.randn(3, 4)
+    out = x
+    for m in carry_stages(stages):
+        out = m(*(out if isinstance(out, tuple) else (out,)))
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
 def test_placements() -> None:
     assert stage_ranks(4, 2, "loop") == [0, 1, 0, 1]
     assert stage_ranks(4, 2, "v") == [0, 1, 1, 0]
