@@ -368,9 +368,13 @@ def main() -> None:
     torch.set_num_threads(1 if args.dry else torch.get_num_threads())
     t0 = time.perf_counter()
     z, device = sizes(args.dry), "cpu" if args.dry else "cuda"
-    res = {"costs": guarded(lambda: costs(z, device, args.dry)),
-           "reference": guarded(lambda: reference(z, device, args.dry)),
-           "rank": run_rank(args.dry)}
+    res: dict[str, Any] = {}
+    for name, section in (("costs", lambda: guarded(lambda: costs(z, device, args.dry))),
+                          ("reference", lambda: guarded(lambda: reference(z, device, args.dry))),
+                          ("rank", lambda: run_rank(args.dry))):
+        res[name] = section()
+        # each section's numbers as soon as they exist: a run cut short by its lease keeps them
+        print(f"[{time.perf_counter() - t0:.0f} s] {name}: {json.dumps(res[name])}", flush=True)
     text = markdown(res, args.dry, time.perf_counter() - t0)
     print(text)
     if args.out:
