@@ -51,6 +51,12 @@ UPDATE_CLONE_BYTES = 512 * 2**20
 # Ratios outside this band are not applied: a whole step 5x slower (or faster) than its nodes is
 # a measurement gone wrong (another process held the core), not a cache effect.
 PLAUSIBLE = (0.5, 5.0)
+# On a GPU every node's sample waits for the device (torch.cuda.synchronize) and pays a launch
+# the whole step overlaps with the kernels before it: tens of microseconds on kernels of tens.
+# On one H200 (benchmarks/one-gpu-check.md) a GPT's nodes summed to 36.1 ms where the eager
+# step took 21.5 ms, optimizer included. There a whole step much faster than its nodes is what
+# the device does, so the band starts lower.
+CUDA_LOWEST = 0.1
 
 
 @dataclass(frozen=True)
@@ -63,15 +69,16 @@ class WholeStep:
     node_forward_s: float
     node_backward_s: float
     node_update_s: float
+    lowest: float = PLAUSIBLE[0]  # the band's lower end: CUDA_LOWEST where timed on a GPU
 
     def ratio(self, part: str) -> float:
         """Whole step over the sum of its nodes for ``part`` (1 where either side is 0 or the
-        ratio is implausible, see :data:`PLAUSIBLE`)."""
+        ratio is implausible: outside [``lowest``, ``PLAUSIBLE[1]``])."""
         whole, nodes = getattr(self, f"{part}_s"), getattr(self, f"node_{part}_s")
         if whole <= 0 or nodes <= 0:
             return 1.0
         r = whole / nodes
-        return r if PLAUSIBLE[0] <= r <= PLAUSIBLE[1] else 1.0
+        return r if self.lowest <= r <= PLAUSIBLE[1] else 1.0
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), **{f"{p}_ratio": self.ratio(p) for p in PARTS}}
@@ -151,10 +158,11 @@ def apply_calibration(gm: fx.GraphModule, step: WholeStep) -> None:
 
 def calibrate(gm: fx.GraphModule, example_inputs: Sequence[Any],
               optimizer_factory: OptimizerFactory, sync: Callable[[], None], *,
-              warmup: int = 2, repeats: int = 5) -> WholeStep | None:
+              warmup: int = 2, repeats: int = 5, on_gpu: bool = False) -> WholeStep | None:
     """Time whole steps of a profiled ``gm`` and scale its node times to them (see the module
     docstring); returns what was measured, or None (nothing scaled, logged) when a whole step
-    cannot run the graph (the node-by-node times stand)."""
+    cannot run the graph (the node-by-node times stand). ``on_gpu``: the nodes were timed on a
+    GPU, each sample synchronised (the band starts at :data:`CUDA_LOWEST`)."""
     timed = [n for n in gm.graph.nodes if "forward_s" in n.meta.get("fxpipe", {})]
     sums = {p: sum(n.meta["fxpipe"].get(f"{p}_s", 0.0) for n in timed) for p in PARTS}
     try:
@@ -164,7 +172,8 @@ def calibrate(gm: fx.GraphModule, example_inputs: Sequence[Any],
         log.warning("whole-step calibration skipped (%s: %s); node-by-node times stand",
                     type(e).__name__, e)
         return None
-    step = WholeStep(f, b, u, sums["forward"], sums["backward"], sums["update"])
+    step = WholeStep(f, b, u, sums["forward"], sums["backward"], sums["update"],
+                     lowest=CUDA_LOWEST if on_gpu else PLAUSIBLE[0])
     apply_calibration(gm, step)
     log.info("whole-step calibration: forward x%.2f, backward x%.2f, update x%.2f",
              *(step.ratio(p) for p in PARTS))

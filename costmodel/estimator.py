@@ -8,17 +8,19 @@ issues, not a 2x rule of thumb). Time is then
 
     max(flops / (peak * efficiency), bytes_moved / mem_bandwidth) + launch_overhead
 
+where ``peak`` is the device's for the node's arithmetic (:class:`Arithmetic`: float32 products
+on the plain cores unless torch's settings allow TF32, bf16 and fp16 on tensor cores) and
+bytes_moved = input tensor bytes + output bytes + the module's parameter and buffer bytes, and
+about twice that for the backward. Pure views (reshape, getitem, size) move nothing and cost
+nothing. The weight update (``update_s``) of the parameters a node owns is memory-bound:
+``optimizer_bytes_factor * parameter bytes / mem_bandwidth + one launch per tensor`` (see
+:mod:`fxpipe.costmodel.update`).
+
 Every node runs on fake tensors (``FakeTensorMode``): shapes, dtypes and devices without values
 or memory. So estimating never allocates the model's activations, works for a model instantiated
 on the meta device (a 7B-parameter Llama plans on a laptop), and keeps the devices torch.export
 baked into the graph (``arange(..., device=cpu)``) consistent with the weights, which a plain
 copy of the weights to the meta device does not.
-
-with bytes_moved = input tensor bytes + output bytes + the module's parameter and buffer bytes,
-and about twice that for the backward. Pure views (reshape, getitem, size) move nothing and
-cost nothing. The weight update (``update_s``) of the parameters a node owns is memory-bound:
-``optimizer_bytes_factor * parameter bytes / mem_bandwidth + one launch per tensor`` (see
-:mod:`fxpipe.costmodel.update`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import copy
 import logging
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,9 +76,43 @@ def _bytes_moved(call: NodeCall, args: tuple[Any, ...], kwargs: dict[str, Any],
     return total, is_view
 
 
-def _roofline(flops: float, nbytes: float, device: DeviceSpec) -> float:
-    return (max(flops / (device.flops * device.efficiency), nbytes / device.mem_bandwidth)
-            + device.launch_overhead_s)
+def _roofline(compute_s: float, nbytes: float, device: DeviceSpec) -> float:
+    return max(compute_s, nbytes / device.mem_bandwidth) + device.launch_overhead_s
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """Which units a node's products run on: its operands' dtype, and whether torch lets
+    float32 matrix products and convolutions use TF32 tensor cores (read once per estimate
+    from torch's own settings, as the run would find them)."""
+
+    tf32_matmul: bool
+    tf32_conv: bool
+
+    @classmethod
+    def from_torch(cls) -> Arithmetic:
+        return cls(tf32_matmul=torch.get_float32_matmul_precision() != "highest",
+                   tf32_conv=bool(torch.backends.cudnn.allow_tf32))
+
+    def seconds(self, flop_counts: dict[Any, int], dtype: str, device: DeviceSpec) -> float:
+        """Seconds of ``flop_counts`` (FlopCounterMode's per-operator totals) at ``device``'s
+        derated peak for ``dtype``: convolutions and the other products (matrix products,
+        attention) each at the units torch would run them on."""
+        total = 0.0
+        for op, flops in flop_counts.items():
+            tf32 = self.tf32_conv if "conv" in str(op) else self.tf32_matmul
+            total += flops / (device.peak_flops(dtype, tf32=tf32) * device.efficiency)
+        return total
+
+
+def _compute_dtype(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The dtype a node computes in: its first floating output's (a product's output has its
+    operands' dtype), else its first floating input's; "float32" if it has neither."""
+    for value in (out, (args, kwargs)):
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                return str(t.dtype).removeprefix("torch.")
+    return "float32"
 
 
 def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
@@ -99,7 +136,8 @@ def estimate_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # tensor constants in node args
     fake_gm, fake_inputs = _fake_copy(gm, example_inputs, mode)
     with mode:
-        _estimate_nodes(fake_gm, fake_inputs, spec, optimizer_bytes_factor)
+        _estimate_nodes(fake_gm, fake_inputs, spec, optimizer_bytes_factor,
+                        Arithmetic.from_torch())
     for node, fake in zip(gm.graph.nodes, fake_gm.graph.nodes):
         if "fxpipe" in fake.meta:
             meta = node.meta.setdefault("fxpipe", {})
@@ -136,7 +174,7 @@ def _fake_copy(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
 
 
 def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: DeviceSpec,
-                    optimizer_bytes_factor: float) -> None:
+                    optimizer_bytes_factor: float, arithmetic: Arithmetic) -> None:
     counter = FlopCounterMode(display=False)
     with isolated(gm):
         for call in iter_node_calls(gm, example_inputs):
@@ -158,12 +196,15 @@ def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: D
                 with torch.enable_grad(), counter, SavedRecorder(call) as saved:
                     out = call.run(args, kwargs)
             flops = counter.get_total_flops()
+            forward_counts = counter.get_flop_counts().get("Global", {})
+            dtype = _compute_dtype(out, args, kwargs)
             saved.record(out)  # what this very run saved for backward: no second forward
             nbytes, is_view = _bytes_moved(call, args, kwargs, out)
             outs = [t for t in pytree.tree_leaves(out)
                     if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
             targets = leaves + call.params
             bflops = 0
+            backward_counts: dict[Any, int] = {}
             has_backward = bool(outs and targets)
             # a pure view's backward is a view of the gradient: no FLOPs, no bytes (below), so
             # it costs 0 without asking autograd (a third of an aten graph's nodes are views)
@@ -173,6 +214,7 @@ def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: D
                     with counter:
                         torch.autograd.grad(outs, targets, grad_outputs=grads, allow_unused=True)
                     bflops = counter.get_total_flops()
+                    backward_counts = counter.get_flop_counts().get("Global", {})
                 except RuntimeError as e:  # an op without a derivative: training would fail too
                     log.warning("no backward for node %r (%s)", call.node.name, e)
                     has_backward = False
@@ -180,8 +222,10 @@ def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: D
             works = flops > 0 or nbytes_in_flight > 0
             meta.update(
                 flops=flops, backward_flops=bflops, bytes_moved=nbytes_in_flight,
-                forward_s=_roofline(flops, nbytes_in_flight, spec) if works else 0.0,
-                backward_s=(_roofline(bflops, 2 * nbytes_in_flight, spec)
+                forward_s=(_roofline(arithmetic.seconds(forward_counts, dtype, spec),
+                                     nbytes_in_flight, spec) if works else 0.0),
+                backward_s=(_roofline(arithmetic.seconds(backward_counts, dtype, spec),
+                                      2 * nbytes_in_flight, spec)
                             if has_backward and (bflops > 0 or nbytes_in_flight > 0) else 0.0),
                 update_s=estimate_update_s(owned_trainable(gm, call.node), spec,
                                            optimizer_bytes_factor))

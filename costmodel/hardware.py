@@ -17,23 +17,50 @@ DEFAULT_BANDWIDTH = "10Gbps"  # PipeDream's commodity-cluster setting
 @dataclass(frozen=True)
 class DeviceSpec:
     """Peak numbers for the analytical estimator. ``efficiency`` is the fraction of peak a
-    typical training kernel reaches (roofline with a derating factor)."""
+    typical training kernel reaches (roofline with a derating factor).
+
+    Peaks are dense (no structured sparsity), per arithmetic: ``flops`` is float32 on the plain
+    cores, which is where torch runs a float32 matrix product unless told otherwise
+    (``torch.get_float32_matmul_precision()`` is ``"highest"`` by default); ``tf32_flops`` is
+    float32 on tensor cores (cuDNN's convolutions by default, matrix products once the
+    precision is ``"high"``); ``bf16_flops`` and ``fp16_flops`` the half types. ``None``: no
+    such units, the plain cores' ``flops`` (a V100 has no TF32 and no bf16 tensor cores).
+
+    Why per arithmetic: one H200 measured (benchmarks/one-gpu-check.md) ran a float32 GPT's
+    training step in 21.5 ms where a single TF32 figure for every product estimated 8.3 ms.
+    """
 
     name: str
-    flops: float            # peak dense FLOP/s at fp32 (tf32 tensor cores where on by default)
+    flops: float            # peak dense FLOP/s of float32 on the plain cores
     mem_bandwidth: float    # device memory bytes/s
     memory: float           # bytes of device memory
     efficiency: float = 0.5
     launch_overhead_s: float = 5e-6  # per-kernel fixed cost
+    tf32_flops: float | None = None  # float32 on tensor cores, where torch allows it
+    bf16_flops: float | None = None
+    fp16_flops: float | None = None
+
+    def peak_flops(self, dtype: str, *, tf32: bool = False) -> float:
+        """Peak FLOP/s for products whose operands are ``dtype`` (``"float32"``,
+        ``"bfloat16"``, ``"float16"``; anything else is priced as float32); ``tf32``: float32
+        may run on tensor cores (torch's setting for this kind of product)."""
+        peak = {"bfloat16": self.bf16_flops, "float16": self.fp16_flops}.get(
+            dtype, self.tf32_flops if tf32 else None)
+        return peak or self.flops
 
 
+# Dense datasheet peaks of the SXM parts (NVIDIA): fp32, TF32, bf16, fp16 tensor.
 DEVICES: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec("cpu", flops=1.0e11, mem_bandwidth=2.0e10, memory=16e9, efficiency=0.5,
                       launch_overhead_s=2e-6),
-    "v100": DeviceSpec("V100", flops=15.7e12, mem_bandwidth=900e9, memory=16e9),
-    "a100": DeviceSpec("A100", flops=156e12 / 2, mem_bandwidth=1555e9, memory=40e9),
-    "h100": DeviceSpec("H100", flops=495e12 / 2, mem_bandwidth=3350e9, memory=80e9),
-    "h200": DeviceSpec("H200", flops=495e12 / 2, mem_bandwidth=4800e9, memory=141e9),
+    "v100": DeviceSpec("V100", flops=15.7e12, mem_bandwidth=900e9, memory=16e9,
+                       fp16_flops=125e12),
+    "a100": DeviceSpec("A100", flops=19.5e12, mem_bandwidth=1555e9, memory=40e9,
+                       tf32_flops=156e12, bf16_flops=312e12, fp16_flops=312e12),
+    "h100": DeviceSpec("H100", flops=67e12, mem_bandwidth=3350e9, memory=80e9,
+                       tf32_flops=494.7e12, bf16_flops=989.4e12, fp16_flops=989.4e12),
+    "h200": DeviceSpec("H200", flops=67e12, mem_bandwidth=4800e9, memory=141e9,
+                       tf32_flops=494.7e12, bf16_flops=989.4e12, fp16_flops=989.4e12),
 }
 
 

@@ -493,7 +493,8 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
         if whole_step:
             calibrate(gm, example_inputs if isinstance(example_inputs, (tuple, list))
                       else (example_inputs,), optimizer_factory or default_optimizer, sync,
-                      warmup=max(warmup, 2), repeats=WHOLE_STEP_REPEATS * repeats)
+                      warmup=max(warmup, 2), repeats=WHOLE_STEP_REPEATS * repeats,
+                      on_gpu=sync is torch.cuda.synchronize)
     log.info("profiled %d nodes in %.2f s (%s thread(s))", len(gm.graph.nodes),
              time.perf_counter() - t_start, threads or torch.get_num_threads())
     return gm

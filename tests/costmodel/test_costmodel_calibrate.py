@@ -10,7 +10,8 @@ from cm_helpers import meta, traced
 
 from fxpipe.costmodel import profile_graph, to_profile
 from fxpipe.costmodel import calibrate as cal
-from fxpipe.costmodel.calibrate import WholeStep, apply_calibration, time_whole_step
+from fxpipe.costmodel.calibrate import (CUDA_LOWEST, WholeStep, apply_calibration,
+                                        time_whole_step)
 
 FAST = dict(warmup=1, repeats=2)
 
@@ -60,6 +61,36 @@ def test_apply_scales_each_part_by_its_own_ratio_by_hand() -> None:
 def test_ratio_band(whole: float, nodes: float, expected: float) -> None:
     step = WholeStep(whole, 0.0, 0.0, nodes, 0.0, 0.0)
     assert step.ratio("forward") == expected
+
+
+@pytest.mark.parametrize("whole,expected", [(0.4, 0.4), (0.1, 0.1), (0.09, 1.0), (5.1, 1.0)])
+def test_on_a_gpu_the_band_starts_lower(whole: float, expected: float) -> None:
+    """Synchronised per-node samples on a GPU pay a launch each that a whole step overlaps: a
+    step at 0.4x its nodes is the device, not noise (on the CPU it stays unapplied, above)."""
+    step = WholeStep(whole, 0.0, 0.0, 1.0, 0.0, 0.0, lowest=CUDA_LOWEST)
+    assert step.ratio("forward") == expected
+    assert WholeStep(whole, 0.0, 0.0, 1.0, 0.0, 0.0).ratio("forward") == (
+        whole if 0.5 <= whole <= 5.0 else 1.0)
+
+
+def test_calibrate_takes_the_gpu_band_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nodes of a graph timed on a GPU (``on_gpu``, which the profiler sets when it
+    synchronises CUDA) are scaled to a whole step 0.3x their sum; on the CPU they stand."""
+    import fxpipe.costmodel.calibrate as cal
+
+    torch.manual_seed(0)
+    for on_gpu, expected in ((True, 0.3), (False, 1.0)):
+        gm = traced(Net(), torch.randn(8, 6))
+        profile_graph(gm, (torch.randn(8, 6),), **{**FAST, "whole_step": False})
+        nodes = sum(n.meta["fxpipe"]["forward_s"] for n in gm.graph.nodes
+                    if "forward_s" in n.meta.get("fxpipe", {}))
+        monkeypatch.setattr(cal, "time_whole_step", lambda *a, **k: (0.3 * nodes, 0.0, 0.0))
+        step = cal.calibrate(gm, (torch.randn(8, 6),), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                             lambda: None, on_gpu=on_gpu)
+        assert step is not None and step.ratio("forward") == pytest.approx(expected)
+        after = sum(n.meta["fxpipe"]["forward_s"] for n in gm.graph.nodes
+                    if "forward_s" in n.meta.get("fxpipe", {}))
+        assert after == pytest.approx(expected * nodes)
 
 
 def test_whole_step_leaves_the_model_as_it_was() -> None:
@@ -124,3 +155,19 @@ def test_a_large_model_update_is_not_cloned(monkeypatch: pytest.MonkeyPatch) -> 
                               lambda: None, warmup=1, repeats=2)
     assert f > 0 and b > 0 and u == 0.0 and made == []
     assert WholeStep(f, b, u, 1.0, 1.0, 1.0).ratio("update") == 1.0
+
+
+def test_the_profiler_calibrates_with_the_gpu_band_where_it_synchronises_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """profile_graph tells calibrate ``on_gpu`` exactly when its per-sample sync is CUDA's
+    (stood in for by a no-op here: this machine has no GPU)."""
+    import fxpipe.costmodel.profiler as prof
+
+    seen: list[bool] = []
+    monkeypatch.setattr(prof, "calibrate", lambda *a, on_gpu, **k: seen.append(on_gpu))
+    gm = traced(Net(), torch.randn(8, 6))
+    profile_graph(gm, (torch.randn(8, 6),), **FAST)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(prof, "_sync_fn", lambda *a: torch.cuda.synchronize)
+    profile_graph(gm, (torch.randn(8, 6),), **FAST)
+    assert seen == [False, True]

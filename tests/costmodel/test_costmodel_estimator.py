@@ -62,6 +62,59 @@ def test_roofline_formula() -> None:
     assert prof.device == "toy" and prof.total_compute_s > 0
 
 
+# a device whose every kind of unit has its own peak, so the time says which one was used
+ARITH = DeviceSpec("arith", flops=1e9, mem_bandwidth=1e15, memory=1e9, efficiency=0.5,
+                   launch_overhead_s=0.0, tf32_flops=4e9, bf16_flops=16e9, fp16_flops=32e9)
+
+
+@pytest.fixture
+def torch_tf32():
+    """torch's TF32 settings, restored after the test."""
+    saved = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    torch.backends.cudnn.allow_tf32 = saved[1]
+
+
+def test_peak_per_arithmetic_from_the_datasheets() -> None:
+    h100, v100 = DEVICES["h100"], DEVICES["v100"]
+    assert h100.peak_flops("float32") == 67e12           # torch's default: no TF32 products
+    assert h100.peak_flops("float32", tf32=True) == 494.7e12
+    assert h100.peak_flops("bfloat16") == h100.peak_flops("float16") == 989.4e12
+    assert DEVICES["a100"].peak_flops("bfloat16") == 312e12
+    # Volta: fp16 tensor cores only; TF32 and bf16 run on the plain cores
+    assert v100.peak_flops("float16") == 125e12
+    assert v100.peak_flops("bfloat16") == v100.peak_flops("float32", tf32=True) == 15.7e12
+    assert h100.peak_flops("float64") == 67e12           # anything else: float32's figure
+
+
+@pytest.mark.parametrize("dtype, precision, peak", [
+    (torch.float32, "highest", 1e9),    # torch's default: the plain cores
+    (torch.float32, "high", 4e9),       # set_float32_matmul_precision("high"): TF32
+    (torch.bfloat16, "highest", 16e9),
+    (torch.float16, "highest", 32e9),
+])
+def test_a_product_is_timed_at_its_arithmetics_peak(torch_tf32, dtype: torch.dtype,
+                                                     precision: str, peak: float) -> None:
+    torch.set_float32_matmul_precision(precision)
+    x = torch.randn(B, IN, dtype=dtype)
+    gm = estimate_graph(traced(TwoLinear().to(dtype), x), (x,), ARITH)
+    m = meta(gm, "fc2")  # input needs a gradient: backward = 2x forward FLOPs
+    assert m["forward_s"] == pytest.approx(2 * B * HID * OUT / (0.5 * peak))
+    assert m["backward_s"] == pytest.approx(2 * 2 * B * HID * OUT / (0.5 * peak))
+
+
+@pytest.mark.parametrize("cudnn_tf32, peak", [(True, 4e9), (False, 1e9)])
+def test_a_convolution_follows_cudnns_tf32_setting(torch_tf32, cudnn_tf32: bool,
+                                                   peak: float) -> None:
+    torch.backends.cudnn.allow_tf32 = cudnn_tf32  # on by default: convolutions use TF32
+    torch.set_float32_matmul_precision("highest")  # products do not
+    x = torch.randn(2, 3, 10, 10)
+    gm = estimate_graph(traced(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1)), x), (x,), ARITH)
+    assert meta(gm, "_0")["forward_s"] == pytest.approx(2 * 2 * 8 * 10 * 10 * 3 * 3 * 3
+                                                        / (0.5 * peak))
+
+
 def test_faster_device_is_faster() -> None:
     x = torch.randn(256, 256)
     gm = traced(nn.Sequential(nn.Linear(256, 256), nn.GELU()), x)

@@ -137,7 +137,7 @@ def costs(z: dict[str, int], device: str, dry: bool) -> dict:
         rows.append({"stage": sp.index, "nodes": len(sp.nodes), "measured_s": m,
                      "estimated_s": e})
     return {"device": table_device(dry), "profile_device": measured.profile.device,
-            "rows": rows}
+            "rows": rows, "calibration": measured.profile.meta.get("calibration")}
 
 
 # ----------------------------------------------------------------------------- 2. reference
@@ -294,6 +294,17 @@ def _error(section: Any) -> str | None:
     return None
 
 
+def _calibration(rec: dict | None) -> str:
+    """The measured profile's whole-step calibration (costmodel/calibrate.py): what the nodes,
+    each timed alone, summed to against whole steps, and the ratio applied (1: not applied)."""
+    if not rec:
+        return "The measured profile was not calibrated to whole steps."
+    parts = "; ".join(
+        f"{p} {1e3 * rec[f'node_{p}_s']:.3f} ms summed, {1e3 * rec[f'{p}_s']:.3f} ms whole, "
+        f"x{rec[f'{p}_ratio']:.2f} applied" for p in ("forward", "backward", "update"))
+    return f"Whole-step calibration of the measured profile: {parts}."
+
+
 def markdown(res: dict, dry: bool, seconds: float) -> str:
     where = ("CPU only: --dry (it proves the script, not the GPU)" if dry else
              f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}")
@@ -310,7 +321,7 @@ def markdown(res: dict, dry: bool, seconds: float) -> str:
          "| stage | nodes | measured | estimated | estimated / measured |", "|---|---|---|---|---|"]
         + [f"| {r['stage']} | {r['nodes']} | {1e3 * r['measured_s']:.3f} ms | "
            f"{1e3 * r['estimated_s']:.3f} ms | {r['estimated_s'] / r['measured_s']:.2f} |"
-           for r in c["rows"]]))
+           for r in c["rows"]] + ["", _calibration(c.get("calibration"))]))
     lines += ["", "### 2. The reference executor on the device against the CPU", ""]
     r2 = res["reference"]
     lines.append(_error(r2) or "\n".join(
