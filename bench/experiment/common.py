@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 TRAIN_SEED, SPLIT_SEED, TEST_SIZE = 0, 0, 360
 
