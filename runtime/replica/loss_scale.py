@@ -86,23 +86,33 @@ class LossScaler:
                 ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor]:
         """``(grads * inv_scale, found_inf)``: new tensors (a gradient sum may alias a tensor
         still being sent), and a float32 0/1 flag on the gradients' device (not read here, so
-        a GPU does not wait: the caller all-reduces it first)."""
-        inv = torch.tensor(self.scale, dtype=torch.float64).reciprocal().float()
-        invs: dict[torch.device, torch.Tensor] = {}  # one copy per device, not per gradient
-        out: dict[str, torch.Tensor | None] = {}
-        bad: list[torch.Tensor] = []
+        a GPU does not wait: the caller all-reduces it first).
+
+        As ``GradScaler.unscale_``: per device and dtype, one multi-tensor multiply by the
+        float32-rounded inverse (a host number: no copy to the device, no wait) and one
+        multi-tensor finiteness check. A loop of per-gradient ``mul``, ``isfinite`` and ``any``
+        launched about 8 kernels per gradient (1212 launches per step of the one-GPU check's
+        GPT against eager's 514); on an H200 a probe timed that step at 29.6 ms against eager's
+        19.6, and at 19.5 ms with the two multi-tensor kernels instead (done in place there)."""
+        inv = _f32(1.0 / self.scale)
+        out: dict[str, torch.Tensor | None] = dict(grads)  # None stays None
+        groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
         for n, g in grads.items():
-            if g is None:
-                out[n] = None
-                continue
-            if g.device not in invs:
-                invs[g.device] = inv.to(g.device)
-            u = g * invs[g.device]
-            out[n] = u
-            bad.append((~torch.isfinite(u)).any().reshape(1))
-        dev = next((b.device for b in bad), torch.device("cpu"))
-        found = torch.cat(bad).any().float() if bad else torch.zeros((), device=dev)
-        return out, found
+            if g is not None:
+                groups.setdefault((g.device, g.dtype), []).append(n)
+        flags: list[torch.Tensor] = []
+        for (device, _), names in groups.items():
+            unscaled = torch._foreach_mul([grads[n] for n in names], inv)  # type: ignore[misc]
+            found = torch.zeros((), device=device)
+            # x * 1.0 is x, bit for bit: only the flag changes
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                unscaled, found, torch.ones((), device=device))
+            out.update(zip(names, unscaled))
+            flags.append(found)
+        if not flags:
+            return out, torch.zeros(())
+        return out, flags[0] if len(flags) == 1 else torch.stack(
+            [f.to(flags[0].device) for f in flags]).amax()
 
     def update(self, found_inf: bool) -> None:
         """GradScaler.update: back off on an overflow, grow after growth_interval clean steps."""

@@ -20,7 +20,8 @@ device yields every table it can:
    (TF32 off).
 3. **One stage against eager**: ``compiled.trainer`` on one rank (torchrun, NCCL world of 1) for
    fp32, bf16 and fp16 with loss scaling, samples per second against a plain loop of the same
-   model, optimizer and autocast (GradScaler for fp16) on the same device.
+   model, optimizer and autocast (GradScaler for fp16) on the same device, alternating for
+   ``ROUNDS`` rounds (median and range: both loops are host-bound at this size).
 4. **Memory**: one-stage plans for ``1f1b-flush``, ``gpipe`` (every microbatch's activations
    held at once: where recomputation saves), ``pipedream``, ``2bw`` and ``zb-h2``, without
    and with recomputation, AdamW: the plan's rule and its walked peak
@@ -187,10 +188,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+ROUNDS = 3  # fxpipe and eager timed alternately: one 40-step sample swung by +-15% on the H200
+
+
 def throughput(z: dict[str, int], device: str, dry: bool) -> list[dict]:
+    """Samples/s of the one-stage Trainer and of an eager loop, ``ROUNDS`` times each,
+    alternating (so a slow spell of the host hits both); the median and range of each."""
     import fxpipe
 
     data = batches(z, z["steps"])
+    n = len(data) * z["batch"]
     rows = []
     for precision in ("fp32", "bf16", "fp16"):
         compiled = fxpipe.compile(gpt(z), estimated(1, dry), loss_fn=lm_loss,
@@ -199,21 +206,25 @@ def throughput(z: dict[str, int], device: str, dry: bool) -> list[dict]:
                                    precision=precision, device=device, progress=False,
                                    timeout_s=300)
         trainer.fit(data[:4], epochs=1)  # warm-up: kernels, allocator, optimizer state
-        t0 = time.perf_counter()
-        trainer.fit(data, epochs=1)
-        fx_s = time.perf_counter() - t0
+        eager = eager_loop(z, device, precision)
+        eager(data[:4])
+        fx, ea = [], []
+        for _ in range(ROUNDS):
+            t0 = time.perf_counter()
+            trainer.fit(data, epochs=1)
+            fx.append(n / (time.perf_counter() - t0))
+            ea.append(n / eager(data))
         trainer.close()
-        eager_s = eager_seconds(z, device, precision, data)
-        n = len(data) * z["batch"]
-        rows.append({"precision": precision, "fxpipe": n / fx_s, "eager": n / eager_s})
-        del trainer, compiled
+        rows.append({"precision": precision, "fxpipe": sorted(fx), "eager": sorted(ea)})
+        del trainer, compiled, eager
         _free(device)
     return rows
 
 
-def eager_seconds(z: dict[str, int], device: str, precision: str, data: list) -> float:
-    """Seconds of a plain loop over ``data`` (after 4 warm-up steps): the same model, AdamW,
-    autocast for bf16/fp16 and GradScaler for fp16, on ``device``."""
+def eager_loop(z: dict[str, int], device: str, precision: str
+               ) -> Callable[[list], float]:
+    """A plain loop on one model: the same GPT, AdamW, autocast for bf16/fp16 and GradScaler
+    for fp16, on ``device``; calling it trains on the batches given and returns the seconds."""
     model = gpt(z).to(device)
     opt = adamw(model.parameters())
     kind = device.split(":")[0]
@@ -228,14 +239,15 @@ def eager_seconds(z: dict[str, int], device: str, precision: str, data: list) ->
         scaler.step(opt)
         scaler.update()
 
-    for (x,), y in data[:4]:
-        step(x.to(device), y.to(device))
-    _sync(device)
-    t0 = time.perf_counter()
-    for (x,), y in data:
-        step(x.to(device), y.to(device))
-    _sync(device)
-    return time.perf_counter() - t0
+    def run(data: list) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        for (x,), y in data:
+            step(x.to(device), y.to(device))
+        _sync(device)
+        return time.perf_counter() - t0
+
+    return run
 
 
 def _free(device: str) -> None:
@@ -294,6 +306,14 @@ def _error(section: Any) -> str | None:
     return None
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{_median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]"
+
+
 def _calibration(rec: dict | None) -> str:
     """The measured profile's whole-step calibration (costmodel/calibrate.py): what the nodes,
     each timed alone, summed to against whole steps, and the ratio applied (1: not applied)."""
@@ -333,10 +353,11 @@ def markdown(res: dict, dry: bool, seconds: float) -> str:
     r3 = res["rank"]["throughput"]
     lines.append(_error(r3) or "\n".join(
         ["Samples per second, the same model, AdamW and autocast (fp16: GradScaler / fxpipe's "
-         "loss scaling), after 4 warm-up minibatches.", "",
-         "| precision | fxpipe | eager | fxpipe / eager |", "|---|---|---|---|"]
-        + [f"| {r['precision']} | {r['fxpipe']:.1f} | {r['eager']:.1f} | "
-           f"{r['fxpipe'] / r['eager']:.2f} |" for r in r3]))
+         f"loss scaling), after 4 warm-up minibatches; {ROUNDS} rounds of {sizes(dry)['steps']} "
+         "minibatches each, fxpipe and eager alternating: median [range].", "",
+         "| precision | fxpipe | eager | fxpipe / eager (medians) |", "|---|---|---|---|"]
+        + [f"| {r['precision']} | {_spread(r['fxpipe'])} | {_spread(r['eager'])} | "
+           f"{_median(r['fxpipe']) / _median(r['eager']):.2f} |" for r in r3]))
     lines += ["", "### 4. Memory: predicted against measured", ""]
     r4 = res["rank"]["memory"]
     if _error(r4):

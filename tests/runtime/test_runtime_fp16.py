@@ -171,3 +171,42 @@ def test_bad_loss_scaler_options_are_clear_errors() -> None:
         with pytest.raises(RuntimeConfigError, match=match):
             Trainer(split(Net(), [1]), [1, 1], F.mse_loss, sgd, schedule="1f1b-flush",
                     executor="reference", precision="fp16", loss_scaler=bad)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float16,), (torch.bfloat16,),
+                                    (torch.float32, torch.float16)])
+@pytest.mark.parametrize("scale", [2.0 ** 16, 3.0, 2.0 ** -20])
+@pytest.mark.parametrize("bad", [None, "inf", "nan", "overflow"])
+def test_unscale_is_the_per_gradient_formula_bit_for_bit(dtypes: tuple[torch.dtype, ...],
+                                                         scale: float, bad: str | None) -> None:
+    """LossScaler.unscale (multi-tensor, per device and dtype) against the formula written
+    here one gradient at a time: g * float32(1 / scale), rounded to g's dtype, and the flag set
+    iff any unscaled value is not finite; new tensors; a None gradient stays None."""
+    from fxpipe.runtime.replica.loss_scale import LossScaler, ScalerConfig
+
+    g = torch.Generator().manual_seed(0)
+    grads: dict[str, torch.Tensor | None] = {
+        f"p{i}": (torch.randn(7 + i, 3, generator=g) * 10.0 ** (i % 3)).to(dtypes[i % len(dtypes)])
+        for i in range(9)}
+    grads["frozen"] = None
+    big = torch.finfo(grads["p4"].dtype).max  # finite; overflows when unscaled at scale < 1
+    if bad is not None:
+        grads["p4"][1, 2] = {"inf": float("inf"), "nan": float("nan"), "overflow": big}[bad]
+    out, found = LossScaler(ScalerConfig(init_scale=scale)).unscale(grads)
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32)
+    expected_bad = False
+    for name, grad in grads.items():
+        if grad is None:
+            assert out[name] is None
+            continue
+        want = grad * inv  # a 0-d float32 tensor does not promote: g's dtype
+        got = out[name]
+        assert got is not None and got.dtype == grad.dtype and got.data_ptr() != grad.data_ptr()
+        assert torch.equal(got.view(torch.int16 if got.element_size() == 2 else torch.int32),
+                           want.view(torch.int16 if want.element_size() == 2 else torch.int32))
+        expected_bad |= not bool(torch.isfinite(want).all())
+    assert found.dtype == torch.float32 and float(found) == float(expected_bad)
+    if bad in ("inf", "nan") or (bad == "overflow" and scale < 1):  # the planted value
+        assert expected_bad
+    if bad is None and scale > 1:  # small values, made smaller
+        assert not expected_bad
