@@ -306,14 +306,6 @@ def _error(section: Any) -> str | None:
     return None
 
 
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
-def _spread(xs: list[float]) -> str:
-    return f"{_median(xs):.1f} [{min(xs):.1f}-{max(xs):.1f}]"
-
-
 def _calibration(rec: dict | None) -> str:
     """The measured profile's whole-step calibration (costmodel/calibrate.py): what the nodes,
     each timed alone, summed to against whole steps, and the ratio applied (1: not applied)."""
@@ -351,13 +343,15 @@ def markdown(res: dict, dry: bool, seconds: float) -> str:
            for r in r2]))
     lines += ["", "### 3. One stage against an eager loop", ""]
     r3 = res["rank"]["throughput"]
+    from bench.runtime_common import med, spread  # run with -m from the repository root
     lines.append(_error(r3) or "\n".join(
         ["Samples per second, the same model, AdamW and autocast (fp16: GradScaler / fxpipe's "
          f"loss scaling), after 4 warm-up minibatches; {ROUNDS} rounds of {sizes(dry)['steps']} "
          "minibatches each, fxpipe and eager alternating: median [range].", "",
          "| precision | fxpipe | eager | fxpipe / eager (medians) |", "|---|---|---|---|"]
-        + [f"| {r['precision']} | {_spread(r['fxpipe'])} | {_spread(r['eager'])} | "
-           f"{_median(r['fxpipe']) / _median(r['eager']):.2f} |" for r in r3]))
+        + [f"| {r['precision']} | {spread(r['fxpipe'], '{:.1f}')} | "
+           f"{spread(r['eager'], '{:.1f}')} | {med(r['fxpipe']) / med(r['eager']):.2f} |"
+           for r in r3]))
     lines += ["", "### 4. Memory: predicted against measured", ""]
     r4 = res["rank"]["memory"]
     if _error(r4):
