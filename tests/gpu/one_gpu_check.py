@@ -13,7 +13,9 @@ device yields every table it can:
 1. **Costs**: a GPT (the zoo's architecture, ``fxpipe.models.gpt``) compiled for 4 straight
    stages with costs measured on the GPU, and the same nodes' costs estimated for the device in
    fxpipe's table (FLOPs and bytes, ``costmodel/hardware.py``): forward + backward per stage of
-   the measured plan, estimated / measured.
+   the measured plan, estimated / measured; and one whole float32 step (AdamW) of an eager
+   loop against both profiles' nodes summed: whether the whole-step calibration (which on a
+   GPU may scale nodes down to 0.1x, ``costmodel/calibrate.py``) lands on the real step.
 2. **Reference on the device**: the reference executor (every stage in this process) with 2 and
    4 stages under ``1f1b-flush`` and ``pipedream`` on the GPU against the same on the CPU, from
    the same weights and data: worst relative loss difference and largest weight difference
@@ -126,9 +128,10 @@ def costs(z: dict[str, int], device: str, dry: bool) -> dict:
     model = gpt(z).to(device)
     ex = batches(z, 1)[0][0]
     measured = fxpipe.compile(model, fxpipe.Cluster(workers=4), example_inputs=tuple(
-        x.to(device) for x in ex), loss_fn=lm_loss, stages=4, straight=True, repeats=3)
+        x.to(device) for x in ex), loss_fn=lm_loss, stages=4, straight=True, repeats=3,
+        optimizer=adamw)
     guess = fxpipe.compile(gpt(z), estimated(4, dry), example_inputs=ex, loss_fn=lm_loss,
-                           stages=4, straight=True)
+                           stages=4, straight=True, optimizer=adamw)
     est = {n.name: n for n in guess.profile.nodes}
     mes = {n.name: n for n in measured.profile.nodes}
     rows = []
@@ -137,8 +140,19 @@ def costs(z: dict[str, int], device: str, dry: bool) -> dict:
         e = sum(est[n].forward_s + est[n].backward_s for n in sp.nodes if n in est)
         rows.append({"stage": sp.index, "nodes": len(sp.nodes), "measured_s": m,
                      "estimated_s": e})
+    # the whole training step, three ways: a plain eager loop timed here (the truth), the
+    # measured profile's nodes summed (calibrated to whole steps: on a GPU down to 0.1x, a
+    # hypothesis this checks) and the estimate's
+    eager = eager_loop(z, device, "fp32")
+    data = batches(z, z["steps"] // 4)
+    eager(data[:2])
+    step_s = sorted(eager(data) / len(data) for _ in range(3))[1]
+    total = {k: sum(n.forward_s + n.backward_s + n.update_s for n in c.profile.nodes)
+             for k, c in (("measured", measured), ("estimated", guess))}
     return {"device": table_device(dry), "profile_device": measured.profile.device,
-            "rows": rows, "calibration": measured.profile.meta.get("calibration")}
+            "rows": rows, "calibration": measured.profile.meta.get("calibration"),
+            "step": {"eager_s": step_s, "measured_s": total["measured"],
+                     "estimated_s": total["estimated"]}}
 
 
 # ----------------------------------------------------------------------------- 2. reference
@@ -317,6 +331,18 @@ def _calibration(rec: dict | None) -> str:
     return f"Whole-step calibration of the measured profile: {parts}."
 
 
+def _whole_step(rec: dict | None) -> str:
+    """One float32 training step (forward, backward, AdamW) of the section's GPT: a plain eager
+    loop against the profiles' nodes summed (forward + backward + update)."""
+    if not rec:
+        return ""
+    e = rec["eager_s"]
+    return (f"One whole float32 step with AdamW (the median of 3 timings of an eager loop): "
+            f"{1e3 * e:.2f} ms; the measured profile's nodes sum to "
+            f"{1e3 * rec['measured_s']:.2f} ms ({rec['measured_s'] / e:.2f}x), the estimate's "
+            f"to {1e3 * rec['estimated_s']:.2f} ms ({rec['estimated_s'] / e:.2f}x).")
+
+
 def markdown(res: dict, dry: bool, seconds: float) -> str:
     where = ("CPU only: --dry (it proves the script, not the GPU)" if dry else
              f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}")
@@ -333,7 +359,8 @@ def markdown(res: dict, dry: bool, seconds: float) -> str:
          "| stage | nodes | measured | estimated | estimated / measured |", "|---|---|---|---|---|"]
         + [f"| {r['stage']} | {r['nodes']} | {1e3 * r['measured_s']:.3f} ms | "
            f"{1e3 * r['estimated_s']:.3f} ms | {r['estimated_s'] / r['measured_s']:.2f} |"
-           for r in c["rows"]] + ["", _calibration(c.get("calibration"))]))
+           for r in c["rows"]] + ["", _calibration(c.get("calibration")), "",
+                                    _whole_step(c.get("step"))]))
     lines += ["", "### 2. The reference executor on the device against the CPU", ""]
     r2 = res["reference"]
     lines.append(_error(r2) or "\n".join(
