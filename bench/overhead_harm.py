@@ -35,7 +35,7 @@ import fxpipe.models
 from fxpipe.api import choose_plan, stage_assignment
 from fxpipe.codegen import split_graph
 from fxpipe.costmodel.overheads import Overheads, with_overheads
-from fxpipe.runtime.execution.allocator import keep_freed_memory
+from fxpipe.host_memory import keep_freed_memory
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.schedules.kinds import make_schedule
 

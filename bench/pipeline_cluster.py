@@ -149,7 +149,7 @@ def plain_loop_rate(model: str, count: int, start: int) -> float:
     every step's fresh gradients, and the comparison would be about that."""
     import torch
 
-    from fxpipe.runtime.execution.allocator import keep_freed_memory
+    from fxpipe.host_memory import keep_freed_memory
 
     keep_freed_memory()
     torch.set_num_threads(1)

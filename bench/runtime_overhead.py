@@ -29,7 +29,7 @@ from bench import runtime_common as rc
 from bench._report import publish
 import fxpipe
 from fxpipe import models
-from fxpipe.runtime.execution.allocator import keep_freed_memory
+from fxpipe.host_memory import keep_freed_memory
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.schedules.kinds import make_schedule
 
@@ -42,7 +42,7 @@ def eager_worker(rank: int, outdir: str, model: torch.nn.Module, batches: list, 
                  opt_factory, tuned: bool = False) -> None:
     """Plain eager PyTorch training loop in a fresh process (one thread, like a rank);
     ``tuned``: with the same glibc malloc setting fxpipe's ranks use
-    (runtime/execution/allocator.py), so the runtime's own overhead is separated from the
+    (fxpipe/host_memory.py), so the runtime's own overhead is separated from the
     allocator's effect."""
     try:
         if tuned:
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Steady-state samples/s: minibatches {args.warmup}..N-1, from the completion time of each "
         "minibatch (fxpipe: end of `U<k>` on the runtime's timeline; eager: after `opt.step()`); "
         "start-up excluded. Goal: ratio >= 0.97. fxpipe's ranks raise glibc's malloc mmap/trim "
-        "thresholds (`runtime/execution/allocator.py`: freed gradient buffers stay in the heap instead of "
+        "thresholds (`fxpipe/host_memory.py`: freed gradient buffers stay in the heap instead of "
         "page-faulting every step); `eager (tuned)` is the eager loop with the same setting, so "
         "`fxpipe / eager (tuned)` is the runtime's own overhead.",
         "",

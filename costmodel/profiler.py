@@ -27,6 +27,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from fxpipe.errors import ConfigError, CostingError, InputMismatchError
+from fxpipe.host_memory import keep_freed_memory
 from fxpipe.tracing.shapes import differentiable
 
 from .calibrate import calibrate
@@ -436,6 +437,11 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
     times so their sums equal the step's forward, backward and update
     (:mod:`fxpipe.costmodel.calibrate`: what a node timed alone in a loop does not pay, caches
     and the allocator, is then in its cost). Returns ``gm``.
+
+    Host memory is measured as the runtime uses it: glibc keeps freed blocks in this process
+    from here on (:func:`fxpipe.host_memory.keep_freed_memory`, what every rank and the
+    in-process trainer do), so neither the nodes nor the whole step pay page faults a rank does
+    not pay.
     """
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
@@ -444,6 +450,7 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
     top = max(repeats, max_repeats if max_repeats is not None else 4 * repeats)
     sync = _sync_fn(gm, example_inputs)
     t_start = time.perf_counter()
+    keep_freed_memory()
     annotate_parameters(gm)
 
     def timing(make: Callable[[], Callable[[], Any]], reuse: bool) -> Timing:

@@ -1,8 +1,8 @@
 """The house's import rules, checked over the code's own imports (``ast``; nothing is imported).
 
 Phases import only the phases before them (tracing, costmodel, passes, codegen, runtime) and the
-shared leaves (``fxpipe.errors``, ``fxpipe.units``, ``fxpipe.jsonio``); no phase imports the
-facade (``fxpipe/__init__``, ``fxpipe.api``, the CLI, the zoo). Inside ``runtime/`` five packages
+shared leaves (``fxpipe.errors``, ``fxpipe.units``, ``fxpipe.jsonio``, ``fxpipe.host_memory``);
+no phase imports the facade (``fxpipe/__init__``, ``fxpipe.api``, the CLI, the zoo). Inside ``runtime/`` five packages
 import in one direction::
 
     schedules <- pricing, replica <- execution <- training
@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("tracing", "costmodel", "passes", "codegen", "runtime")  # in import order
-LEAVES = ("fxpipe.errors", "fxpipe.units", "fxpipe.jsonio")
+LEAVES = ("fxpipe.errors", "fxpipe.units", "fxpipe.jsonio", "fxpipe.host_memory")
 RUNTIME_PACKAGES = ("schedules", "pricing", "replica", "execution", "training")
 ALLOWED = {  # runtime sub-package -> the sub-packages it may import
     "schedules": set(),

@@ -16,8 +16,9 @@ more layers of two 4-element parameters each, and on two ranks. From each rank's
 over the middle half of the run, the seconds per minibatch it was not waiting for its peer's
 compute (:func:`host_seconds`: forward, backward, update, posting sends, idle, and receive
 waits for the transfer itself, :func:`fxpipe.runtime.timeline.wait_breakdown`); against them,
-plain PyTorch training steps of the same layers in this process (:func:`_eager_step`; not the
-probe's own profile, whose error would land in the overheads):
+plain PyTorch training steps of the same layers in this process (:func:`_eager_step`, freed host
+memory kept as the profiler and the ranks keep it; not the probe's own profile, whose error
+would land in the overheads):
 
 * ``tensor_s``: (many-tensor run - one-rank run - the extra layers' plain steps) / 96 tensors;
 * ``action_s``: one-rank run - plain step - 8 tensors;
@@ -59,6 +60,7 @@ from fxpipe.codegen import split_graph
 from fxpipe.costmodel import Cluster, estimate_graph, to_profile
 from fxpipe.costmodel.profiler import pinned_threads
 from fxpipe.costmodel.overheads import Overheads
+from fxpipe.host_memory import keep_freed_memory
 from fxpipe.jsonio import write_json_atomic
 from fxpipe.passes import partition
 from fxpipe.passes.overhead_pricing import stage_overheads
@@ -198,6 +200,7 @@ def measure_overheads(minibatches: int = MINIBATCHES) -> Overheads:
     batches = [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
                for _ in range(minibatches)]
     t0 = time.perf_counter()
+    keep_freed_memory()  # the plain steps run as the profile times them, and the ranks run
     with torch.random.fork_rng(devices=[]):
         one, many, two = _run(1, batches)[0], _run(1, batches, SMALLS)[0], _run(2, batches)
         # the yardstick: the same steps as plain PyTorch runs them (what the profile's

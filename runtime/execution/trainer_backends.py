@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.codegen.split import StageSpec
+from fxpipe.host_memory import keep_freed_memory, release_freed_memory
 
 from ..errors import PeerError, RuntimeConfigError
 from ..replica.clipping import GROUP
@@ -53,7 +54,6 @@ from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.schedule import Rank, Schedule
 from ..schedules.spec import Mitigation
 from ..timeline import Recorder, TimelineEvent
-from .allocator import keep_freed_memory, release_freed_memory
 from .comm import Comm, make_groups, rank_name
 from .contract import Batch
 from .cores import warn_if_oversubscribed

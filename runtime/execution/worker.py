@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from fxpipe.codegen.split import StageSpec
 from fxpipe.errors import FxpipeError
+from fxpipe.host_memory import keep_freed_memory
 
 from ..replica.clipping import GROUP
 from ..replica.device import rank_device
@@ -29,7 +30,6 @@ from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.schedule import Action, Rank, Schedule
 from ..timeline import Recorder
-from .allocator import keep_freed_memory
 from .buckets import DEFAULT_BUCKET_BYTES
 from .comm import Comm, make_groups, rank_name, synchronized_start
 from .contract import Batch

@@ -3,7 +3,7 @@ import platform
 
 import pytest
 
-from fxpipe.runtime.execution.allocator import keep_freed_memory
+from fxpipe.host_memory import keep_freed_memory
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="only glibc's malloc is tuned")
@@ -18,7 +18,7 @@ def test_freed_memory_goes_back_when_asked() -> None:
     the resident set drops by most of what was freed."""
     import torch
 
-    from fxpipe.runtime.execution.allocator import release_freed_memory
+    from fxpipe.host_memory import release_freed_memory
 
     def rss_kib() -> int:
         with open("/proc/self/status") as f:
