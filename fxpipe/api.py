@@ -385,8 +385,9 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     timed per stage (default: SGD with momentum), since every replica steps after each backward.
     ``choose="simulation"`` picks among the planner's candidates by simulating each one
     (:func:`choose_plan`); ``"planner"`` takes the planner's optimum; the default (``"auto"``)
-    the planner's for ``schedule="pipedream"`` unless it splits tied parameters across stages,
-    the simulation otherwise.
+    the planner's for ``schedule="pipedream"`` unless it splits tied parameters across stages
+    or simulates more than 5% slower than planned (round trips longer than PipeDream's window,
+    replicas waiting for each other), the simulation otherwise.
     ``tracer``: "auto" (torch.fx.symbolic_trace, else torch.export: the first that gives a graph
     that runs, trains and exports), "symbolic_trace" or "export"; ``compiled.tracer`` says which
     one ran. ``recompute``: activation recomputation per stage, "never", "always" or "auto"
@@ -473,13 +474,6 @@ CHOOSERS = ("auto", "planner", "simulation")
 
 
 
-def splits_tied(plan: Plan, profile: Profile) -> bool:
-    """Whether ``plan`` puts a parameter shared by several nodes on more than one stage."""
-    from fxpipe.runtime.pricing.plansim import tied_from_profile
-
-    return len(plan.replicas) > 1 and bool(tied_from_profile(plan, profile))
-
-
 def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 stages: int | None = None, straight: bool = False,
                 choose: str = "auto", schedule: str = "pipedream",
@@ -493,11 +487,13 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     parallelism's are then the simulated ones under ``schedule`` (``plan.time_source``), and
     data parallelism is among the candidates, so the plan is never slower than it. ``auto``
     (default): the planner for ``pipedream``, the simulation for every other schedule.
-    Under ``auto`` a pipedream plan that puts a shared parameter (tied embeddings) on two
-    stages is chosen by simulation too: their gradient sum crosses the link at every update,
-    which the planner's objective does not price and the simulator does (on a slow link it can
-    make the pipeline slower than one worker: GPT at 20 Mbit/s in
-    ``benchmarks/pipeline-cluster.md``).
+    Under ``auto`` a pipedream optimum is chosen by simulation too where the planner's
+    objective does not price it (:func:`fxpipe.runtime.pricing.plan_choice.unpriced_by_planner`):
+    it puts a shared parameter (tied embeddings) on two stages, whose gradient sum crosses the
+    link at every update (on a slow link that can make the pipeline slower than one worker: GPT
+    at 20 Mbit/s in ``benchmarks/pipeline-cluster.md``), or its simulation under pipedream is
+    more than 5% slower than the planner says (round trips longer than PipeDream's window,
+    replicas waiting for each other).
     ``schedule``'s memory is what the plans are fitted with (``microbatches`` per update);
     ``optimizer_state_factor``: state bytes per parameter byte beyond weights and gradients
     (``runtime.replica.state_size``)."""
@@ -512,8 +508,14 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
         plan = partition(profile, cluster, sync=sync, stages=stages, straight=straight,
                          recompute=recompute, memory_rule=rule,
                          optimizer_state_factor=optimizer_state_factor)
-        if choose == "planner" or not splits_tied(plan, profile):
+        if choose == "planner":
             return plan
+        from fxpipe.runtime.pricing.plan_choice import unpriced_by_planner
+
+        why = unpriced_by_planner(plan, profile)
+        if why is None:
+            return plan
+        log.info("the planner's optimum %s: %s; choosing by simulation", plan.replicas, why)
     from fxpipe.runtime.pricing.plan_choice import choose_by_simulation, priced_by_simulation
 
     try:

@@ -30,7 +30,8 @@ from fxpipe.passes.partition import partition, plan_for
 from fxpipe.passes.plan import Plan
 
 from ..schedules.placement import PLACED_KINDS
-from .plansim import PlanSimulation, data_parallel_plan, minibatches_for, simulate_plan
+from .plansim import (PlanSimulation, data_parallel_plan, minibatches_for, simulate_plan,
+                      tied_from_profile)
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +214,40 @@ def priced_by_simulation(choice: SimulatedChoice, profile: Profile, cluster: Clu
                            minibatches=minibatches_for(dp.replicas))
     return replace(choice.plan, time_per_minibatch=choice.simulation.steady_state_period,
                    data_parallel_time=dp_sim.steady_state_period, time_source=f"simulated {kind}")
+
+
+def splits_tied(plan: Plan, profile: Profile) -> bool:
+    """Whether ``plan`` puts a parameter shared by several nodes on more than one stage."""
+    return len(plan.replicas) > 1 and bool(tied_from_profile(plan, profile))
+
+
+# How much slower than its analytic time a pipedream optimum may simulate before ``auto`` picks
+# by simulation instead: the planner's noise is a few percent (BENCHMARKS simulator-validation).
+SIMULATED_TOLERANCE = 0.05
+
+
+def unpriced_by_planner(plan: Plan, profile: Profile) -> str | None:
+    """Why the planner's pipedream optimum ``plan`` is not priced by its objective (then
+    ``choose="auto"`` simulates its candidates instead), or None where it is.
+
+    The analytic bottleneck leaves out what the event simulation of the schedule sees: a
+    shared parameter on two stages (its gradient sum crosses the link every update), round
+    trips longer than PipeDream's window hides, replicas of a stage waiting for each other. So
+    the optimum is simulated under pipedream, and a plan more than 5% slower there than planned
+    is not taken on the planner's word. Two cases that do it: the cluster benchmark's VGG on 2
+    hosts at 50 Mbit/s, planned at 41.9 ms per minibatch, simulated at 50.1 ms (the round trip;
+    37.5 ms with 3 minibatches in flight; one worker 49.8 ms), measured at 0.99x one process
+    (``benchmarks/pipeline-cluster.md``); and the mini VGG16 on 8 V100s at 10 Gbps, planned 3-3-1-1
+    at 193 us, simulated at 270 us whatever the window, where the simulation picks 7-1 at 224 us
+    (PipeDream's own choice for VGG16 there)."""
+    if len(plan.replicas) < 2:
+        return None
+    if splits_tied(plan, profile):
+        return "it puts a shared parameter on two stages"
+    period = simulate_plan(plan, profile, schedule="pipedream",
+                           minibatches=minibatches_for(list(plan.replicas))).steady_state_period
+    if period > plan.time_per_minibatch * (1 + SIMULATED_TOLERANCE):
+        return (f"it simulates at {period * 1e3:.4g} ms per minibatch under pipedream, planned "
+                f"{plan.time_per_minibatch * 1e3:.4g} ms (round trips longer than PipeDream's "
+                f"window, replicas waiting for each other: what the bottleneck leaves out)")
+    return None
