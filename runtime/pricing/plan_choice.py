@@ -244,8 +244,12 @@ def unpriced_by_planner(plan: Plan, profile: Profile) -> str | None:
         return None
     if splits_tied(plan, profile):
         return "it puts a shared parameter on two stages"
-    period = simulate_plan(plan, profile, schedule="pipedream",
-                           minibatches=minibatches_for(list(plan.replicas))).steady_state_period
+    try:
+        period = simulate_plan(plan, profile, schedule="pipedream", minibatches=minibatches_for(
+            list(plan.replicas))).steady_state_period
+    except (ConfigError, InfeasiblePlanError) as err:  # nothing to hold the planner to
+        log.debug("the planner's optimum does not simulate under pipedream: %s", err)
+        return None
     if period > plan.time_per_minibatch * (1 + SIMULATED_TOLERANCE):
         return (f"it simulates at {period * 1e3:.4g} ms per minibatch under pipedream, planned "
                 f"{plan.time_per_minibatch * 1e3:.4g} ms (round trips longer than PipeDream's "
