@@ -439,9 +439,8 @@ def profile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any, *, wa
     and the allocator, is then in its cost). Returns ``gm``.
 
     Host memory is measured as the runtime uses it: glibc keeps freed blocks in this process
-    from here on (:func:`fxpipe.host_memory.keep_freed_memory`, what every rank and the
-    in-process trainer do), so neither the nodes nor the whole step pay page faults a rank does
-    not pay.
+    from here on (:func:`fxpipe.host_memory.keep_freed_memory`, what every rank does), so
+    neither the nodes nor the whole step pay page faults a rank does not pay.
     """
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")

@@ -14,15 +14,15 @@ grows with the run, up to twice what it uses (issue 23's benchmark: a 20,000-min
 (glibc's ``malloc_trim``) at every segment end: a few milliseconds per segment, and the next
 steps refill from the heap as before.
 
-The runtime's rank processes and the in-process trainer keep freed memory, so the profiler
-measures under the same setting (``fxpipe.costmodel.profiler.profile_graph``): a profile taken
-with glibc's defaults priced page faults that no rank pays. On this project's 2-core machine the
-whole training step of the cluster benchmark's VGG16 (channels / 4, batch 32, one thread) took
-34.9 and 36.2 ms of backward with the defaults and 28.5 and 28.9 ms with the thresholds raised
-(two compiles each; forward, backward and update 61.6 and 56.3 ms against 49.4 and 49.0): its
-plans priced the model's compute 14-25% above what a rank pays. A shared leaf
-(it imports nothing of fxpipe) because the cost model and the runtime both call it. No-ops where
-glibc is absent.
+Every rank keeps freed memory (``run_distributed``'s workers and a torchrun rank's
+``Trainer``), so the profiler measures under the same setting
+(``fxpipe.costmodel.profiler.profile_graph``): a profile taken with glibc's defaults priced page
+faults that no rank pays. On this project's 2-core machine the whole training step of the
+cluster benchmark's VGG16 (channels / 4, batch 32, one thread) took 34.9 and 36.2 ms of
+backward with the defaults and 28.5 and 28.9 ms with the thresholds raised (two compiles each;
+forward, backward and update 61.6 and 56.3 ms against 49.4 and 49.0): its plans priced the
+model's compute 14-25% above what a rank pays. A shared leaf (it imports nothing of fxpipe)
+because the cost model and the runtime both call it. No-ops where glibc is absent.
 """
 from __future__ import annotations
 

@@ -194,9 +194,9 @@ def test_unforeseen_inplace_write_is_retried(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_profiles_with_host_memory_kept_as_the_ranks_keep_it(monkeypatch) -> None:
-    """Every rank (and the in-process trainer) keeps freed host memory in the process; the
-    profile is measured the same way, before the first node is timed (else it prices page
-    faults no rank pays: 14-25% of VGG16's step on this machine, fxpipe/host_memory.py)."""
+    """Every rank keeps freed host memory in the process; the profile is measured the same
+    way, before the first node is timed (else it prices page faults no rank pays: 14-25% of
+    VGG16's step on this machine, fxpipe/host_memory.py)."""
     import fxpipe.costmodel.profiler as profiler
 
     events: list[str] = []
