@@ -2,8 +2,8 @@
 
 Phases import only the phases before them (tracing, costmodel, passes, codegen, runtime) and the
 shared leaves (``fxpipe.errors``, ``fxpipe.units``, ``fxpipe.jsonio``, ``fxpipe.host_memory``);
-no phase imports the facade (``fxpipe/__init__``, ``fxpipe.api``, the CLI, the zoo). Inside ``runtime/`` five packages
-import in one direction::
+no phase imports the facade (``fxpipe/__init__``, ``fxpipe.api``, the CLI, the zoo). Inside
+``runtime/`` five packages import in one direction::
 
     schedules <- pricing, replica <- execution <- training
 

@@ -237,9 +237,9 @@ def unpriced_by_planner(plan: Plan, profile: Profile) -> str | None:
     is not taken on the planner's word. Two cases that do it: the cluster benchmark's VGG on 2
     hosts at 50 Mbit/s, planned at 41.9 ms per minibatch, simulated at 50.1 ms (the round trip;
     37.5 ms with 3 minibatches in flight; one worker 49.8 ms), measured at 0.99x one process
-    (``benchmarks/pipeline-cluster.md``); and the mini VGG16 on 8 V100s at 10 Gbps, planned 3-3-1-1
-    at 193 us, simulated at 270 us whatever the window, where the simulation picks 7-1 at 224 us
-    (PipeDream's own choice for VGG16 there)."""
+    (``benchmarks/pipeline-cluster.md``); and the mini VGG16 on 8 V100s at 10 Gbps, planned
+    3-3-1-1 at 193 us, simulated at 270 us whatever the window, where the simulation picks 7-1
+    at 224 us (PipeDream's own choice for VGG16 there)."""
     if len(plan.replicas) < 2:
         return None
     if splits_tied(plan, profile):

@@ -146,7 +146,9 @@ def costs(z: dict[str, int], device: str, dry: bool) -> dict:
     eager = eager_loop(z, device, "fp32")
     data = batches(z, z["steps"] // 4)
     eager(data[:2])
-    step_s = sorted(eager(data) / len(data) for _ in range(3))[1]
+    from bench.runtime_common import med  # run with -m from the repository root
+
+    step_s = med([eager(data) / len(data) for _ in range(3)])
     total = {k: sum(n.forward_s + n.backward_s + n.update_s for n in c.profile.nodes)
              for k, c in (("measured", measured), ("estimated", guess))}
     return {"device": table_device(dry), "profile_device": measured.profile.device,

@@ -281,7 +281,8 @@ def test_auto_choice_simulates_a_pipedream_plan_whose_round_trips_are_not_hidden
     auto = choose_plan(prof, cluster)
     assert auto.replicas == [1, 1]
     if stalls:
-        assert "simulates at 2500 ms per minibatch under pipedream, planned 2000 ms" in (unpriced_by_planner(planner, prof) or "")
+        why = unpriced_by_planner(planner, prof) or ""
+        assert "simulates at 2500 ms per minibatch under pipedream, planned 2000 ms" in why
         assert auto.time_source == "simulated pipedream"
         assert auto.time_per_minibatch == pytest.approx(2.5, rel=1e-9)
     else:
