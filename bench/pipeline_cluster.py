@@ -20,14 +20,16 @@ For each rate and model, the planner's 2-stage plan for that rate (``stages=2, s
 costs measured on one core) trains, each configuration from the same weights on the same
 minibatches (W warm-up updates, then T timed ones):
 
-* fxpipe ``pipedream`` (asynchronous 1F1B; the Trainer with its default segments), with
-  PipeDream's NOAM and, where it differs, with the window that hides the plan's round trips
-  (``noam=``, :func:`fxpipe.runtime.pricing.plansim.noam_for` on the plan's measured costs);
+* fxpipe ``pipedream`` (asynchronous 1F1B; the Trainer with its default segments and its
+  default window: the fewest minibatches in flight that hide the plan's round trips,
+  :func:`fxpipe.runtime.pricing.plansim.noam_for` on the plan's measured costs) and, where that
+  window is wider, with PipeDream's NOAM (``noam="pipedream"``);
 * fxpipe ``1f1b-flush`` with m = 2 microbatches of half the batch per update;
 * torch.distributed.pipelining ``Schedule1F1B`` with m = 2 and 4 on the same stage modules;
 * fxpipe's own choice at that rate (``fxpipe.compile`` with ``Cluster(workers=2,
   bandwidth=R)``: the planner's optimum, or the simulation's where that optimum splits tied
-  weights across stages), when it uses both hosts, with pipedream;
+  weights across stages or simulates more than 5% slower than planned with the Trainer's
+  window), when it uses both hosts, with pipedream and its default window;
 * one process on one core, no network (a plain PyTorch loop).
 
 Reported per configuration: samples/s over the T timed updates (fxpipe: from the last stage's
@@ -117,7 +119,7 @@ def plan_worker(args: argparse.Namespace) -> None:
 
     import fxpipe
     from fxpipe.api import choose_plan
-    from fxpipe.runtime.pricing.plansim import noam_for
+    from fxpipe.runtime.pricing.plansim import trainer_window
     from fxpipe.runtime.schedules.staleness import plan_staleness
 
     torch.set_num_threads(1)
@@ -138,7 +140,8 @@ def plan_worker(args: argparse.Namespace) -> None:
             plan.save(path)
             out[f"{rate}-{kind}"] = {"replicas": list(plan.replicas), "path": str(path),
                                      "predicted_s": plan.time_per_minibatch,
-                                     "noam": noam_for(plan, two.profile)}
+                                     "noam": trainer_window(plan, two.profile, "pipedream")
+                                     or -(-sum(plan.replicas) // plan.replicas[0])}
     Path(args.result).write_text(json.dumps(out))
 
 
@@ -313,13 +316,13 @@ def measure(model: str, rate: int, plans: dict, launches: int, tmp: Path) -> dic
     two, pick = plans[f"{rate}-two"], plans[f"{rate}-pick"]
     configs: dict[str, list[str]] = {
         "pipedream": ["--fxpipe", "--schedule", "pipedream", "--plan", two["path"]],
-        "pipedream-noam": ["--fxpipe", "--schedule", "pipedream", "--plan", two["path"],
-                           "--noam", str(two["noam"])],
+        "pipedream-pd": ["--fxpipe", "--schedule", "pipedream", "--plan", two["path"],
+                         "--noam", "pipedream"],
         "flush-2": ["--fxpipe", "--schedule", "1f1b-flush", "--microbatches", "2",
                     "--plan", two["path"]],
         "torch": ["--torch", "--ms", "2", "4", "--plan", two["path"]]}
     if two["noam"] <= -(-sum(two["replicas"]) // two["replicas"][0]):  # PipeDream's already
-        del configs["pipedream-noam"]
+        del configs["pipedream-pd"]
     if sum(pick["replicas"]) > 1 and pick["replicas"] != two["replicas"]:
         configs["pick"] = ["--fxpipe", "--schedule", "pipedream", "--plan", pick["path"]]
     got: dict[str, list] = {k: [] for k in configs}
@@ -364,22 +367,23 @@ def page(runs: dict, args: argparse.Namespace, started: float) -> str:
     for model, per_rate in runs.items():
         lines += [f"### {model}: {MODELS[model]}", "",
                   "PipeDream against its own compute bound (the batch over the busiest rank's "
-                  "compute per update), with PipeDream's NOAM and with the window `noam_for` "
-                  "picks from the plan's costs to hide a minibatch's round trip (the rates and "
-                  "splits where it is PipeDream's too have no second run):", "",
-                  "| Mbit/s | 2-stage plan (predicted ms/minibatch) | one process | pipedream "
-                  "| its compute bound | pipedream / bound | noam | pipedream, noam | / its "
-                  "bound |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "compute per update), with the Trainer's default window (`noam`: the "
+                  "fewest minibatches in flight that hide the plan's round trips, "
+                  "`noam_for`) and with PipeDream's NOAM (the rates and splits where the "
+                  "default is PipeDream's have no second run):", "",
+                  "| Mbit/s | 2-stage plan (predicted ms/minibatch) | one process | noam | "
+                  "pipedream | its compute bound | pipedream / bound | pipedream, PipeDream's "
+                  "NOAM | / its bound |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for rate, r in per_rate.items():
             two = r["plans"][f"{rate}-two"]
             pd = [x["samples_per_s"] for x in r["pipedream"]]
             bound = [x["compute_bound"] for x in r["pipedream"]]
-            deep = r.get("pipedream-noam", [])
+            deep = r.get("pipedream-pd", [])
             dv = [x["samples_per_s"] for x in deep]
             db = [x["compute_bound"] for x in deep]
             lines.append(f"| {rate} | {two['replicas']} ({1e3 * two['predicted_s']:.1f}) | "
-                         f"{_med(r['one'])} | {_med(pd)} | {_med(bound)} | {_ratio(pd, bound)} "
-                         f"| {two['noam']} | {_med(dv)} | {_ratio(dv, db)} |")
+                         f"{_med(r['one'])} | {two['noam']} | {_med(pd)} | {_med(bound)} | "
+                         f"{_ratio(pd, bound)} | {_med(dv)} | {_ratio(dv, db)} |")
         lines += ["", "PipeDream-Flush against torch.distributed.pipelining's Schedule1F1B, the "
                   "same split and samples per update (m microbatches of batch / m):", "",
                   "| Mbit/s | fxpipe 1f1b-flush m=2 | torch 1F1B m=2 | torch 1F1B m=4 | "
@@ -390,8 +394,9 @@ def page(runs: dict, args: argparse.Namespace, started: float) -> str:
             t4 = [x["4"] for x in r["torch"]]
             lines.append(f"| {rate} | {_med(fl)} | {_med(t2)} | {_med(t4)} | {_ratio(fl, t2)} |")
         lines += ["", "Do no harm: fxpipe's own choice for 2 workers at each rate "
-                  "(pipedream; `fxpipe.api.choose_plan`: the planner's optimum, simulated "
-                  "instead where it splits tied weights) against one process:", "",
+                  "(pipedream, its default window; `fxpipe.api.choose_plan`: the planner's "
+                  "optimum, simulated instead where it splits tied weights or simulates more "
+                  "than 5% slower than planned) against one process:", "",
                   "| Mbit/s | fxpipe's pick (predicted ms/minibatch) | samples/s | / one "
                   "process |", "|---:|---|---:|---:|"]
         for rate, r in per_rate.items():
@@ -408,7 +413,7 @@ def page(runs: dict, args: argparse.Namespace, started: float) -> str:
                   "| Mbit/s | run | rank | compute | waiting for the peer | transfer | late |",
                   "|---:|---|---:|---:|---:|---:|---:|"]
         for rate, r in per_rate.items():
-            for name in ("pipedream", "pipedream-noam"):
+            for name in ("pipedream", "pipedream-pd"):
                 if not r.get(name):
                     continue
                 for rank in sorted(r[name][0]["waits_s"], key=int):
@@ -432,7 +437,8 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--schedule", default="pipedream", help=argparse.SUPPRESS)
     ap.add_argument("--microbatches", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--noam", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--noam", type=lambda t: t if t == "pipedream" else int(t), default=None,
+                    help=argparse.SUPPRESS)
     ap.add_argument("--ms", type=int, nargs="+", default=[2, 4], help=argparse.SUPPRESS)
     ap.add_argument("--plan", default="", help=argparse.SUPPRESS)
     ap.add_argument("--dir", default="", help=argparse.SUPPRESS)

@@ -456,10 +456,10 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
         raise PlanFormatError(f"rank 0 planned a different model (fingerprint "
                               f"{plan.model_fingerprint}, this rank's is {fingerprint})",
                               "every rank must build the same model with the same example inputs")
-    if not plan.staleness:  # every rank derives the same table from the agreed replicas
-        from fxpipe.runtime.schedules.staleness import plan_staleness
+    if not plan.staleness:  # every rank derives the same table from the agreed plan
+        from fxpipe.runtime.pricing.plansim import with_trainer_window
 
-        plan = replace(plan, staleness=plan_staleness(plan.replicas))
+        plan = with_trainer_window(plan, profile)
     assignment = stage_assignment(plan)
     for node in traced.gm.graph.nodes:
         if node.name in assignment:

@@ -40,3 +40,14 @@ def add_overheads_argument(p: argparse.ArgumentParser) -> None:
                    help="the runtime's overheads per stage (calls, messages, stash copies) in the "
                    "plan: auto (default, or $FXPIPE_OVERHEADS): measured once on this machine's "
                    "CPU and cached; measure: again; off: the nodes' times alone")
+
+
+def parse_noam(text: str) -> int | str:
+    """``--noam``: auto, pipedream or a number of minibatches in flight at the input stage."""
+    if text in ("auto", "pipedream"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--noam {text!r}: auto, pipedream or a number of "
+                                         "minibatches") from None

@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from fxpipe.cli_args import parse_noam
 from fxpipe.errors import ConfigError
 
 log = logging.getLogger("fxpipe")
@@ -49,6 +50,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="interleaved-1f1b: stages per worker (the plan gets chunks x workers "
                    "stages, placed round robin; zb-v always 2, in a V)")
     p.add_argument("--minibatches", type=int, default=200)
+    p.add_argument("--noam", default="auto", type=parse_noam,
+                   help="minibatches in flight at the input stage of pipedream and 2bw, as "
+                        "`fxpipe train --noam`: auto (the default, what the trainer admits: "
+                        "the fewest that hide the plan's round trips), pipedream, or a number")
     p.add_argument("--microbatches", type=int, default=None,
                    help="minibatches per update of the synchronous schedules (default: workers)")
     p.add_argument("--half-duplex", action="store_true",
@@ -107,7 +112,8 @@ def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from fxpipe.costmodel import Cluster
-    from fxpipe.runtime.pricing.plansim import data_parallel_plan, minibatches_for, simulate_plan
+    from fxpipe.runtime.pricing.plansim import (data_parallel_plan, minibatches_for,
+                                                simulate_plan, trainer_window)
     from fxpipe.units import format_bytes, format_seconds
 
     cluster = Cluster(workers=args.workers, bandwidth=args.bandwidth, device=args.device,
@@ -115,15 +121,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       intra_bandwidth=args.intra_bandwidth, latency=args.latency)
     profile, plan = _profile_and_plan(args, cluster)
     if not plan.staleness:
-        from dataclasses import replace
+        from fxpipe.runtime.pricing.plansim import with_trainer_window
 
-        from fxpipe.runtime.schedules.staleness import plan_staleness
-
-        plan = replace(plan, staleness=plan_staleness(plan.replicas))
+        plan = with_trainer_window(plan, profile)
     duplex = not args.half_duplex
+    base = -(-sum(plan.replicas) // plan.replicas[0])
+    noam = (trainer_window(plan, profile, args.schedule) if args.noam == "auto" else
+            None if args.noam == "pipedream" else args.noam)
     sim = simulate_plan(plan, profile, schedule=args.schedule, minibatches=args.minibatches,
                         latency_s=args.latency, duplex=duplex, microbatches=args.microbatches,
-                        chunks=args.chunks)
+                        chunks=args.chunks, noam=noam)
     # the baseline runs long enough for whole rounds of all its replicas (200 minibatches are 3
     # rounds of 64, where start-up would still dominate)
     bsp = simulate_plan(data_parallel_plan(profile, cluster, sync=plan.sync), profile,
@@ -131,6 +138,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                         latency_s=args.latency, duplex=duplex)
     print(plan.summary())
     print()
+    if noam is not None and noam != base:
+        print(f"in flight at the input stage: {noam} minibatches (PipeDream's NOAM: {base}"
+              + ("; what the trainer admits: the fewest that hide the plan's round trips)"
+                 if args.noam == "auto" else ")"))
     print(sim.summary())
     stale = plan.staleness.get(args.schedule)
     if stale:

@@ -42,7 +42,7 @@ import time
 from typing import Any, Sequence
 
 from fxpipe.errors import ConfigError, FxpipeError
-from fxpipe.cli_args import add_overheads_argument
+from fxpipe.cli_args import add_overheads_argument, parse_noam
 
 log = logging.getLogger("fxpipe")
 
@@ -111,26 +111,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=None,
                    help="minibatches per update (flushing schedules)")
     p.add_argument("--segment", type=int, default=None, help="minibatches per segment")
-    p.add_argument("--noam", default=None, type=_noam,
-                   help="minibatches in flight at the input stage of pipedream and 2bw: a "
-                        "number, or auto (the fewest that hide the plan's communication round "
-                        "trips; default: PipeDream's NOAM)")
+    p.add_argument("--noam", default=None, type=parse_noam,
+                   help="minibatches in flight at the input stage of pipedream and 2bw: auto "
+                        "(the default: the fewest that hide the plan's communication round "
+                        "trips within its memory), pipedream (PipeDream's NOAM), or a number")
     p.add_argument("--prefetch", type=int, default=0, help="minibatches read ahead by a thread")
     p.add_argument("--metrics", default=None, metavar="FILE.jsonl", help="JSON-lines metrics log")
     p.add_argument("--metrics-every", type=int, default=1, help="updates between records")
     p.add_argument("--measure-memory", action="store_true",
                    help="count each rank's peak of live tensor bytes and print it per stage "
                         "beside the plan's prediction at the end")
-
-
-def _noam(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--noam {text!r}: a number of minibatches, or auto"
-                                         ) from None
 
 
 def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:

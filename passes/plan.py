@@ -94,6 +94,11 @@ class Plan:
     # bottleneck, PipeDream's schedule without a flush) or "simulated <schedule>" (the event
     # simulator's steady state under the schedule the plan was made for, bubble included).
     time_source: str = "planner"
+    # Minibatches in flight the trainer admits at the input stage under pipedream where that is
+    # more than ``noam`` (the fewest that hide the plan's round trips within its memory; filled
+    # by fxpipe.compile from fxpipe.runtime.pricing.plansim), None where it is ``noam``. The
+    # pipedream rows of ``staleness`` are for this window.
+    window: int | None = None
 
     # --- views -------------------------------------------------------------------------
     @property
@@ -174,7 +179,9 @@ class Plan:
         lines.append(f"time per minibatch: {format_seconds(self.time_per_minibatch)}"
                      f" ({self.sync} sync, {self.workers_used} of {self.cluster.get('workers')} workers"
                      + ("" if self.time_source == "planner" else f"; {self.time_source}") + ")")
-        lines.append(f"NOAM (minibatches in flight at the input stage): {self.noam}")
+        lines.append(f"NOAM (minibatches in flight at the input stage): {self.noam}"
+                     + (f"; under pipedream the trainer admits {self.window}, the fewest that "
+                        "hide the plan's round trips" if self.window else ""))
         lines.append(f"memory per worker priced for: {self.memory_rule.label()}"
                      + (f" (cap {format_bytes(self.cluster['memory'])})"
                         if self.cluster.get("memory") is not None else ""))
@@ -257,7 +264,9 @@ class Plan:
                    memory_rule=(MemoryRule.from_dict(d["memory_rule"], origin)
                                 if "memory_rule" in d else PIPEDREAM),
                    time_source=_get(d, "time_source", str, origin) if "time_source" in d
-                   else "planner")
+                   else "planner",
+                   window=_get(d, "window", int, origin) if d.get("window") is not None
+                   else None)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (temporary file, then rename), so readers never see half a plan."""

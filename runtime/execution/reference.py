@@ -29,7 +29,7 @@ from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.schedule import SCHEDULE_KINDS, Rank, Schedule, execution_order, split_ranks
 from ..schedules.spec import Mitigation
 from ..schedules.staleness import own_delays
-from ..schedules.stream import Window
+from ..schedules.stream import STREAM_KINDS, Window
 from ..timeline import Recorder, TimelineEvent
 from .contract import (Batch, RunResult, check_schedule, planned_reads, prepare_window,
                        tied_delay)
@@ -83,7 +83,8 @@ class ReferenceExecutor:
         self.mitigation = Mitigation.parse(mitigation)
         self.delays = list(delays) if delays is not None else (
             own_delays(schedule.kind, self.replicas, vertical_sync=vertical_sync,
-                       microbatches=schedule.group if schedule.kind != "pipedream" else None)
+                       microbatches=schedule.group if schedule.kind != "pipedream" else None,
+                       noam=schedule.noam if schedule.kind in STREAM_KINDS else None)
             if schedule.kind in SCHEDULE_KINDS else [0] * len(self.stages))
         check_mitigation(self.mitigation, kind=schedule.kind, stashing=stashing,
                          vertical_sync=vertical_sync, stages=self.stages, delays=self.delays)

@@ -51,9 +51,11 @@ from fxpipe.errors import ConfigError, InfeasiblePlanError
 from fxpipe.passes.partition import coefficients
 from fxpipe.passes.plan import Plan, StagePlan
 
+from ..schedules.kinds import _windows as windows
 from ..schedules.kinds import make_schedule
 from ..schedules.placement import PLACED_KINDS
 from ..schedules.schedule import tie_delay, uneven_tied_updates
+from ..schedules.stream import STREAM_KINDS
 from ..timeline import busy_between
 from .core import (EventLoop, PlanSimulation, StageCosts, TiedSync, cut_bandwidth, split_backward,
                    stage_costs, tied_from_profile)
@@ -62,7 +64,8 @@ from .sim_measure import peak_in_flight, steady_state
 
 __all__ = ["PlanSimulation", "StageCosts", "TiedSync", "cut_bandwidth", "data_parallel_plan",
            "minibatches_for", "noam_for", "peak_in_flight", "simulate_plan", "stage_costs",
-           "steady_state", "tied_from_profile"]
+           "simulate_as_trained", "steady_state", "tied_from_profile", "trainer_window",
+           "with_trainer_window"]
 
 log = logging.getLogger(__name__)
 
@@ -139,10 +142,18 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
         rank_names={g: f"stage {s} replica {j}" for (s, j), g in sim.gid.items()})
 
 
+WINDOW_TOLERANCE = 0.02
+"""Relative: a wider window is worth its memory and staleness only if it runs more than this
+much faster (:func:`noam_for`)."""
+
+
 def noam_for(plan: Plan, profile: Profile | None = None, *, schedule: str = "pipedream",
-             most: int | None = None, tolerance: float = 0.02) -> int:
+             most: int | None = None, tolerance: float = WINDOW_TOLERANCE,
+             cap: float | None = None, held: Sequence[float] | None = None,
+             beat: float | None = None, microbatches: int | None = None) -> int:
     """The fewest minibatches in flight at the input stage that make ``plan``'s pipeline as
-    fast as more would (within ``tolerance``), by simulation (:func:`simulate_plan`).
+    fast as the widest admissible window (within ``tolerance``), by simulation
+    (:func:`simulate_plan`): the window the Trainer admits by default where it has a plan.
 
     Why not PipeDream's NOAM: ``ceil(workers / input replicas)`` keeps the pipeline full when a
     minibatch's round trip through the later stages (their forwards and backwards, and the
@@ -150,22 +161,113 @@ def noam_for(plan: Plan, profile: Profile | None = None, *, schedule: str = "pip
     the minibatches admitted meanwhile. On a slow link it takes longer, so the input stage idles
     each time it waits for a gradient, although the link is not the bottleneck: Little's law,
     minibatches in flight = throughput x round-trip time. Each extra one costs a stashed weight
-    version on the input stage (memory) and one update of staleness there. ``most``: the
-    largest tried (default: twice PipeDream's plus 2)."""
+    version on the input stage (memory) and one update of staleness there.
+
+    Admissible: at most ``most`` (default: twice PipeDream's plus 2), a window the kind runs
+    (2bw keeps two versions only), and under ``cap`` (bytes a replica may hold; default: the
+    plan's cluster memory) every stage's bytes at PipeDream's window (``held``, default the
+    schedule's memory rule) plus what the rule adds for the extra minibatches
+    (:func:`~fxpipe.runtime.pricing.memory.schedule_memory`) fit. PipeDream's NOAM itself is
+    always admitted: the plan was fitted for it. Search: PipeDream's window first (where some
+    stage is busy all the time, within ``tolerance``, nothing can go faster), then the widest,
+    then bisection between them, since a wider window is never slower (Little's law): a few
+    simulations whatever the range. ``beat``: a caller comparing plans by their period gets the
+    widest window, without the bisection, where even that is slower than ``beat`` seconds per
+    minibatch (such a plan loses whatever its window). ``microbatches``: 2bw's per update."""
+    return _window_search(plan, profile, schedule, minibatches_for(list(plan.replicas)),
+                          microbatches, most, tolerance, cap, held, beat)[0]
+
+
+def _window_search(plan: Plan, profile: Profile | None, schedule: str, n: int,
+                   microbatches: int | None, most: int | None, tolerance: float,
+                   cap: float | None, held: Sequence[float] | None, beat: float | None
+                   ) -> tuple[int, dict[int, PlanSimulation]]:
+    """:func:`noam_for`'s window and the simulations (``n`` minibatches) it made, by window."""
+    from .memory import schedule_memory
+
     base = max(1, math.ceil(sum(plan.replicas) / plan.replicas[0]))
-    top = most if most is not None else 2 * base + 2
-    n = minibatches_for(list(plan.replicas))
-    period: dict[int, float] = {}
-    for w in range(base, max(top, base) + 1):
-        try:
-            period[w] = simulate_plan(plan, profile, schedule=schedule, noam=w,
-                                      minibatches=n).steady_state_period
-        except ConfigError:  # a window the kind cannot run (2bw keeps two versions only)
-            break
-    if not period:
-        return base
-    best = min(period.values())
-    return min(w for w, p in period.items() if p <= best * (1 + tolerance))
+    cap = plan.cluster.get("memory") if cap is None else cap
+    m = microbatches if schedule != "pipedream" else None
+    widest = base
+    need0: Sequence[float] = ()
+    start: Sequence[float] = ()
+    for w in range(base, max(most if most is not None else 2 * base + 2, base) + 1):
+        if schedule != "pipedream":
+            try:  # 2bw keeps two versions only: not every window runs
+                make_schedule(schedule, plan.replicas, n, noam=w, microbatches=m)
+            except ConfigError:
+                break
+        if cap is not None:  # each stage's window (pipedream's rule) says what it holds
+            need = schedule_memory(plan.stages, schedule, windows(list(plan.replicas), w)[1])
+            if w == base:
+                need0 = need
+                start = tuple(held) if held is not None else need
+            if any(h + b - b0 > cap for h, b, b0 in zip(start, need, need0)):
+                log.info("noam %d left out: a stage would hold more than the cap, %.4g bytes",
+                         w, cap)
+                break
+        widest = w
+    sims: dict[int, PlanSimulation] = {}
+
+    def period(w: int) -> float:
+        if w not in sims:
+            sims[w] = simulate_plan(plan, profile, schedule=schedule, noam=w, minibatches=n,
+                                    microbatches=m)
+        return sims[w].steady_state_period
+
+    period(base)
+    if widest == base or max(sims[base].utilisation) >= 1 - tolerance:
+        return base, sims
+    best = period(widest) * (1 + tolerance)
+    if beat is not None and period(widest) > beat:
+        return widest, sims
+    if period(base) <= best:
+        return base, sims
+    lo, hi = base, widest  # lo too slow, hi fast enough
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if period(mid) <= best else (mid, hi)
+    return hi, sims
+
+
+def trainer_window(plan: Plan, profile: Profile | None, kind: str) -> int | None:
+    """The window the Trainer admits at the input stage of ``kind`` by default for ``plan``
+    (:func:`noam_for` for the asynchronous kinds; None, the schedule's own, for the rest)."""
+    if kind not in STREAM_KINDS or len(plan.replicas) < 2:
+        return None
+    try:
+        return noam_for(plan, profile, schedule=kind)
+    except InfeasiblePlanError:  # the kind cannot train this plan (the trainer says why)
+        return None
+
+
+def with_trainer_window(plan: Plan, profile: Profile | None) -> Plan:
+    """``plan`` with the window the Trainer admits under pipedream (``Plan.window``; None where
+    it is PipeDream's NOAM) and its staleness table (``Plan.staleness``) for that window, so the
+    summary speaks of what will run."""
+    from dataclasses import replace
+
+    from ..schedules.staleness import plan_staleness
+
+    w = trainer_window(plan, profile, "pipedream")
+    window = w if w is not None and w != plan.noam else None
+    return replace(plan, window=window, staleness=plan_staleness(plan.replicas, noam=window))
+
+
+def simulate_as_trained(plan: Plan, profile: Profile | None, kind: str, *, minibatches: int,
+                        microbatches: int | None = None, beat: float | None = None
+                        ) -> PlanSimulation:
+    """``plan`` simulated under ``kind`` with the window the Trainer admits
+    (:func:`trainer_window`), so that what is simulated to choose a plan or a schedule is what
+    will run. Where PipeDream's window already keeps a stage busy all the time no wider one is
+    tried (it cannot go faster), so a full pipeline costs one simulation. ``beat``: see
+    :func:`noam_for` (a plan slower than it at its widest window is simulated there)."""
+    if kind not in STREAM_KINDS or len(plan.replicas) < 2:
+        return simulate_plan(plan, profile, schedule=kind, minibatches=minibatches,
+                             microbatches=microbatches)
+    window, sims = _window_search(plan, profile, kind, minibatches, microbatches, None,
+                                  WINDOW_TOLERANCE, None, None, beat)
+    return sims[window]
 
 
 def data_parallel_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",

@@ -173,15 +173,18 @@ def steady_minibatches(replicas: Sequence[int], microbatches: int | None = None)
 
 def staleness_table(replicas: Sequence[int], variants: Sequence[str] = VARIANTS, *,
                     microbatches: int | None = None,
-                    average_every: int = DEFAULT_AVERAGE_EVERY) -> dict[str, Staleness]:
+                    average_every: int = DEFAULT_AVERAGE_EVERY,
+                    noam: int | None = None) -> dict[str, Staleness]:
     """variant -> its per-stage delays on a pipeline with ``replicas``. Variants a pipeline
-    cannot run (vertical sync with unequal replica counts) are left out."""
-    n = steady_minibatches(replicas, microbatches)
+    cannot run (vertical sync with unequal replica counts) are left out. ``noam``: the
+    pipedream variants' minibatches in flight at the input stage (default: PipeDream's)."""
+    n = steady_minibatches(replicas, microbatches) + 4 * (noam or 0)
     out: dict[str, Staleness] = {}
     for v in variants:
         try:
             sched = variant_schedule(v, replicas, n, microbatches=microbatches,
-                                     average_every=average_every)
+                                     average_every=average_every,
+                                     noam=noam if v.partition("+")[0] == "pipedream" else None)
         except ConfigError:
             if v.endswith("+vsync") and len(set(replicas)) > 1:
                 continue
@@ -217,9 +220,11 @@ pipelines take seconds per variant in pure Python, so their plans carry no table
 with :func:`staleness_table` when needed)."""
 
 
-def plan_staleness(replicas: Sequence[int]) -> dict[str, tuple[tuple[int, int], ...]]:
+def plan_staleness(replicas: Sequence[int], noam: int | None = None
+                   ) -> dict[str, tuple[tuple[int, int], ...]]:
     """The table a plan carries (``Plan.staleness``): variant -> per-stage (own, global); empty
-    when the pipeline is beyond :data:`STALENESS_BUDGET`."""
+    when the pipeline is beyond :data:`STALENESS_BUDGET`. ``noam``: the window the trainer
+    admits under pipedream (``Plan.window``; default PipeDream's NOAM)."""
     if steady_minibatches(replicas) * sum(replicas) > STALENESS_BUDGET:
         return {}
-    return {v: st.pairs() for v, st in staleness_table(replicas).items()}
+    return {v: st.pairs() for v, st in staleness_table(replicas, noam=noam).items()}

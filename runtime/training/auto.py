@@ -115,7 +115,10 @@ class AutoOptions:
     ``where``: :data:`WHERE` ("pipeline": no copies, so the memory checks do not apply).
     ``look_again``: on the pipeline, after an asynchronous pick has trained this many times its
     pilot's minibatches beyond the pilot, race it against flush once more from there and fall
-    back to flush if it has stalled (:mod:`~fxpipe.runtime.training.auto_look`; 0: never)."""
+    back to flush if it has stalled (:mod:`~fxpipe.runtime.training.auto_look`; 0: never).
+    ``temporaries``: the optimizer step's temporary bytes (from ``CompiledModel.trainer``), held
+    against the plan's memory cap with the rest where the trainer sizes its window
+    (``noam``)."""
 
     pilot: int = 200
     min_pilot: int = 40
@@ -131,6 +134,7 @@ class AutoOptions:
     available_bytes: Callable[[], int | None] | None = None
     where: str = "copies"
     look_again: float = 2.0
+    temporaries: tuple[float, float] = (0.0, 0.0)
 
     @classmethod
     def make(cls, value: AutoOptions | Mapping[str, Any] | None) -> AutoOptions:
@@ -264,11 +268,11 @@ def periods(candidates: Sequence[str], replicas: Sequence[int], *, plan: Any = N
     kinds = {c: parse_schedule(c).kind for c in candidates}
     out: dict[str, float] = {}
     if plan is not None:
-        from ..pricing.plansim import minibatches_for, simulate_plan
+        from ..pricing.plansim import minibatches_for, simulate_as_trained
 
         n = minibatches_for(list(replicas))
-        per = {k: simulate_plan(plan, profile, schedule=k, minibatches=n,
-                                microbatches=microbatches).steady_state_period
+        per = {k: simulate_as_trained(plan, profile, k, minibatches=n,  # the Trainer's window
+                                      microbatches=microbatches).steady_state_period
                for k in set(kinds.values())}
         return {c: per[k] for c, k in kinds.items()}, "the plan simulator"
     from ..schedules.simulate import simulate
@@ -360,7 +364,8 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
            step_options: StepOptions | None = None, share: tuple[int, int] = (0, 1),
            gather: Gather | None = None, lr_scheduler: Callable[[Any], Any] | None = None,
            run_minibatches: int | None = None,
-           cut: Callable[[list[Any]], Any] | None = None) -> Decision:
+           cut: Callable[[list[Any]], Any] | None = None,
+           noams: Mapping[str, int | None] | None = None) -> Decision:
     """The whole of auto for one pipeline and the first minibatches of its data (a list, or a
     :class:`~.auto_data.PilotData` streamed from the loader: nothing is read before the pilot
     is priced). ``share``: (this rank, ranks): each rank trains its :func:`share_of` the
@@ -371,7 +376,8 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     more than that fraction of the run's training time (:func:`price`: by the plan's profile,
     then by a :func:`probe`) is not run. ``cut(first minibatches)``: the trainer's
     :class:`~.loss_split.Cut` (a collective: every rank calls it, just before the pilot), with
-    which the microbatched candidates cut minibatches."""
+    which the microbatched candidates cut minibatches. ``noams``: the asynchronous kinds'
+    windows at the input stage, as the trainer would run them (None: PipeDream's NOAM)."""
     if len(stages) == 1:
         return Decision("pipedream", ONE_STAGE)
     data = batches if isinstance(batches, PilotData) else PilotData.held(batches)
@@ -403,7 +409,7 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     curves_notes = pilot(stages, replicas, loss_fn, optimizer, data, mine,
                          lengths=lengths, microbatches=microbatches, seed=seed,
                          step_options=step_options,
-                         lr_scheduler=lr_scheduler,
+                         lr_scheduler=lr_scheduler, noams=noams,
                          cut=cut(data.first(1)) if cut is not None and any(
                              split_for(c, replicas, microbatches) > 1
                              for c in options.candidates) else None)

@@ -77,7 +77,8 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
           candidates: Sequence[str], *, lengths: Mapping[str, int] | None = None,
           microbatches: int | None = None, seed: int = 0,
           step_options: StepOptions | None = None,
-          lr_scheduler: Callable[[Any], Any] | None = None, cut: Cut | None = None
+          lr_scheduler: Callable[[Any], Any] | None = None, cut: Cut | None = None,
+          noams: Mapping[str, int | None] | None = None
           ) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Training-loss curves of each of ``candidates`` on ``batches`` (copies of ``stages`` on
     the CPU, reference executor, same dropout seed for all, the trainer's clipping/precision/
@@ -100,7 +101,9 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     executor persists across its chunks (weights, optimizer state, LR scheduler), each chunk
     a window of one stretch for an asynchronous kind (:mod:`fxpipe.runtime.schedules.stream`)
     and a complete schedule for a flushing one, as the trainer runs successive segments: no
-    candidate's numbers depend on the chunks. Only one candidate's copy is alive at a time."""
+    candidate's numbers depend on the chunks. Only one candidate's copy is alive at a time.
+    ``noams``: kind -> the input stage's window the trainer runs it with (None or absent:
+    PipeDream's NOAM), so a pilot trains the staleness that training will."""
     data = batches if isinstance(batches, PilotData) else PilotData.held(batches)
     if not isinstance(loss_fn, WeightedLoss):  # cut targets carry their loss scales
         loss_fn = WeightedLoss(loss_fn)
@@ -120,7 +123,8 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
             try:
                 mine = data if lengths is None else data.limited(lengths[c])
                 curves[c] = _candidate(c, mine, k_cut, stages, replicas, loss_fn, optimizer,
-                                       microbatches, step_options, lr_scheduler, cut)
+                                       microbatches, step_options, lr_scheduler, cut,
+                                       (noams or {}).get(parse_schedule(c).kind))
             except _NotRun as err:
                 notes[c] = f"not run: {err.error.message}"
             gc.collect()  # this candidate's copy is gone before the next one's is made
@@ -141,7 +145,8 @@ def _candidate(c: str, data: PilotData, cut: int, stages: Sequence[Any],
                replicas: Sequence[int], loss_fn: Callable[..., Any],
                optimizer: Callable[..., Any], microbatches: int | None,
                step_options: StepOptions | None,
-               lr_scheduler: Callable[[Any], Any] | None, how: Cut | None = None) -> list[float]:
+               lr_scheduler: Callable[[Any], Any] | None, how: Cut | None = None,
+               noam: int | None = None) -> list[float]:
     """One candidate's curve over ``data``, chunk by chunk on one executor (see :func:`pilot`).
     Cutting errors propagate (the data is at fault, for every candidate alike); the executor's
     refusals become :class:`_NotRun`."""
@@ -165,12 +170,13 @@ def _candidate(c: str, data: PilotData, cut: int, stages: Sequence[Any],
         try:
             mb = None if spec.kind == "pipedream" else k if k > 1 else microbatches
             if stream is None and spec.kind in STREAM_KINDS:
-                stream = ScheduleStream(spec.kind, list(replicas), microbatches=mb)
+                stream = ScheduleStream(spec.kind, list(replicas), microbatches=mb, noam=noam)
             sched = (stream.window(len(parts)) if stream is not None
                      else make_schedule(spec.kind, list(replicas), len(parts), microbatches=mb))
             if ex is None:
-                ex = _on_a_copy(stages, replicas, make_schedule(spec.kind, list(replicas), 0,
-                                                                microbatches=mb),
+                ex = _on_a_copy(stages, replicas, make_schedule(
+                    spec.kind, list(replicas), 0, microbatches=mb,
+                    noam=noam if spec.kind in STREAM_KINDS else None),
                                 loss_fn, optimizer, step_options, spec.mitigation)
                 for w in ex.workers.values():
                     if lr_scheduler is not None and w.stash.optimizer is not None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import RuntimeConfigError
 from ..schedules.spec import parse_schedule
+from ..schedules.stream import STREAM_KINDS
 from .auto import (ONE_STAGE, SAFE, STRETCH, AutoOptions, Decision, choose, periods,
                    pilot_lengths, price, share_of, split_for, trained)
 from .auto_data import PilotData, loader_length
@@ -110,7 +111,8 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
                           gather=trainer.backend.exchange,
                           lr_scheduler=trainer._lr_scheduler if trainer.lr_interval == "step"
                           else None,
-                          run_minibatches=total, cut=cut)
+                          run_minibatches=total, cut=cut,
+                          noams={k: trainer._noam(k) for k in STREAM_KINDS})
         decision = replace(decision, memory=memory) if decision.rows else decision
         decision = trainer.backend.broadcast(decision, "auto: decision")  # rank 0's
     decision = replace(decision, split=split_for(decision.schedule, trainer.replicas,

@@ -144,9 +144,11 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
     a segment boundary when the measured stage times predict it faster
     (:mod:`fxpipe.runtime.training.trainer_switch`).
 
-    ``noam``: the minibatches in flight at the input stage of ``pipedream`` and ``2bw`` (None:
-    PipeDream's NOAM; a number; "auto", the fewest that hide the plan's communication round
-    trips, from ``compiled.trainer``: :func:`fxpipe.runtime.pricing.plansim.noam_for`).
+    ``noam``: the minibatches in flight at the input stage of ``pipedream`` and ``2bw``: by
+    default (None, or "auto") the fewest that hide the plan's communication round trips within
+    its memory (from ``compiled.trainer``: :func:`fxpipe.runtime.pricing.plansim.noam_for`;
+    PipeDream's NOAM where the links are fast, and for a Trainer built without a plan);
+    "pipedream" for PipeDream's NOAM whatever the links; or a number.
 
     Cutting minibatches (``auto`` on 2+ stages, or ``split=k`` with a flushing kind named
     without ``microbatches``): each loader minibatch becomes k microbatches and one update, equal
@@ -438,7 +440,7 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
                           kwargs.get("microbatches"), kwargs.get("split"), temporaries)
     report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
     auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
-            **dict(kwargs.pop("auto_options", None) or {})}
+            "temporaries": temporaries, **dict(kwargs.pop("auto_options", None) or {})}
     if kwargs["schedule"] == "auto":  # only candidates whose memory the plan fits
         auto["candidates"] = fitting_candidates(
             compiled.plan, compiled.profile, auto.get("candidates", DEFAULT_CANDIDATES),

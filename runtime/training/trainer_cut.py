@@ -229,11 +229,10 @@ class CutMixin:
                          f"the gradients of {m} minibatches (gradient accumulation)")
         noam = self._noam() if hasattr(self, "_noam") else None
         if noam is not None:
-            how = "noam='auto': the fewest that hide the plan's round trips" \
-                if self._noam_spec == "auto" else "noam="
-            lines.append(f"in flight: {noam} minibatches at the input stage ({how}"
-                         f"{'' if self._noam_spec == 'auto' else noam}; PipeDream's NOAM "
-                         f"would be {-(-sum(self.replicas) // self.replicas[0])})")
+            how = f"noam={noam}" if isinstance(self._noam_spec, int) else \
+                "the fewest that hide the plan's round trips"
+            lines.append(f"in flight: {noam} minibatches at the input stage ({how}; PipeDream's "
+                         f"NOAM would be {-(-sum(self.replicas) // self.replicas[0])})")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ reading

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from fxpipe.errors import InfeasiblePlanError
+
 from ..errors import RuntimeConfigError
 from ..execution.contract import check_schedule
 from ..replica.stage import StageReplica, tied_parameters
@@ -52,17 +54,24 @@ HARM_SEGMENTS = 2
 log = logging.getLogger(__name__)
 
 
+PIPEDREAM_NOAM = "pipedream"
+"""``noam="pipedream"``: PipeDream's NOAM, ``ceil(workers / input-stage replicas)``, whatever
+the links (the default admits more where the plan's round trips need them)."""
+
+
 def check_noam(noam: int | str | None, kind: str) -> int | str | None:
     """``noam``: the minibatches in flight at the input stage of an asynchronous schedule
-    (``pipedream`` and its variants, ``2bw``): None for PipeDream's NOAM, a number, or "auto",
-    the fewest that hide the plan's communication round trips (:func:`fxpipe.runtime.pricing.
+    (``pipedream`` and its variants, ``2bw``): None (the default) or "auto", the fewest that
+    hide the plan's communication round trips within its memory (:func:`fxpipe.runtime.pricing.
     plansim.noam_for`: each one more costs a stashed version and an update of staleness at the
-    input stage)."""
-    if noam is None or noam == "auto":
+    input stage; PipeDream's NOAM for a Trainer without a plan); "pipedream" for PipeDream's
+    NOAM; or a number."""
+    if noam is None or noam in ("auto", PIPEDREAM_NOAM):
         return noam
     if isinstance(noam, bool) or not isinstance(noam, int) or noam < 1:
-        raise RuntimeConfigError(f"noam={noam!r}", "use None (PipeDream's), a positive number "
-                                 "of minibatches in flight, or 'auto'")
+        raise RuntimeConfigError(f"noam={noam!r}", "use None or 'auto' (the fewest that hide "
+                                 "the plan's round trips), 'pipedream' (PipeDream's NOAM), or "
+                                 "a positive number of minibatches in flight")
     if kind not in STREAM_KINDS + (AUTO,):
         raise RuntimeConfigError(f"noam={noam} with schedule {kind!r}",
                                  "noam sets an asynchronous schedule's window (pipedream, 2bw); "
@@ -193,23 +202,42 @@ class ScheduleMixin:
 
     def _noam(self, kind: str | None = None) -> int | None:
         """Minibatches in flight at the input stage of ``kind`` (default: this trainer's): the
-        user's ``noam``, or with "auto" the fewest that hide the plan's round trips (needs the
-        compiled model's plan: ``compiled.trainer(noam="auto")``); None: PipeDream's."""
+        user's number; by default (or "auto") the fewest that hide the plan's round trips
+        within its memory (:func:`~fxpipe.runtime.pricing.plansim.noam_for`; needs the compiled
+        model's plan: ``compiled.trainer``); None: PipeDream's NOAM (``noam="pipedream"``, or
+        the default of a Trainer built without a plan)."""
         kind = kind or self.kind
-        if self._noam_spec is None or kind not in STREAM_KINDS:
+        spec = self._noam_spec
+        if kind not in STREAM_KINDS or spec == PIPEDREAM_NOAM:
             return None
-        if self._noam_spec != "auto":
-            return int(self._noam_spec)
-        if kind not in self._noams:
-            plan = self.auto_options.plan
-            if plan is None:
+        if spec is not None and spec != "auto":
+            return int(spec)
+        plan = self.auto_options.plan
+        if plan is None:
+            if spec == "auto":
                 raise RuntimeConfigError("noam='auto' without a plan", "use compiled.trainer("
                                          "noam='auto'), or give the number")
+            return None
+        if kind not in self._noams:
             from ..pricing.plansim import noam_for
+            from .memory_fit import check_schedule_memory
 
-            self._noams[kind] = noam_for(plan, self.auto_options.profile, schedule=kind)
-            log.info("noam='auto': %d minibatches in flight at the input stage (%s)",
-                     self._noams[kind], kind)
+            profile = self.auto_options.profile
+            held = None
+            if plan.cluster.get("memory") is not None:  # what PipeDream's window holds, fitted
+                held = check_schedule_memory(plan, profile, kind, None, None,
+                                             self.auto_options.temporaries) or None
+            base = -(-sum(plan.replicas) // plan.replicas[0])
+            try:
+                window = noam_for(plan, profile, schedule=kind, held=held,
+                                  microbatches=self._per_update())
+            except InfeasiblePlanError:  # the kind cannot train this plan: the executor says why
+                window = base
+            self._noams[kind] = window if window != base else None  # None: PipeDream's
+            if window != base:
+                log.info("%d minibatches in flight at the input stage of %s, the fewest that "
+                         "hide the plan's round trips (PipeDream's NOAM: %d; noam='pipedream' "
+                         "keeps it)", window, kind, base)
         return self._noams[kind]
 
     def _per_update(self) -> int | None:

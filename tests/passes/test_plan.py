@@ -34,11 +34,21 @@ def test_round_trip(tmp_path: Path) -> None:
     assert plan.throughput == 64 / plan.time_per_minibatch
     s = plan.summary()
     assert "time per minibatch" in s and "NOAM" in s and "speedup" in s
+    assert "trainer admits" not in s
+    wide = dataclasses.replace(plan, window=plan.noam + 1)  # what compile records on a slow link
+    assert Plan.from_dict(json.loads(json.dumps(wide.to_dict()))) == wide
+    assert (f"NOAM (minibatches in flight at the input stage): {plan.noam}; under pipedream the "
+            f"trainer admits {plan.noam + 1}, the fewest that hide the plan's round trips"
+            in wide.summary().splitlines())
+    old = plan.to_dict()
+    del old["window"]  # a plan saved before the field
+    assert Plan.from_dict(old) == plan
 
 
 @pytest.mark.parametrize("mutate,field", [
     (lambda d: d.pop("sync"), "sync"),
     (lambda d: d.update(noam="two"), "noam"),
+    (lambda d: d.update(window=2.5), "window"),
     (lambda d: d["stages"][0].update(replicas=1.5), "replicas"),
     (lambda d: d["stages"][0].pop("nodes"), "nodes"),
     (lambda d: d.update(time_per_minibatch=-1), "time_per_minibatch"),

@@ -308,6 +308,30 @@ def test_the_pilot_steps_the_trainers_lr_scheduler() -> None:
     assert t.auto_decision.level == pytest.approx(sum(untrained[36 - w:36]) / w, rel=1e-6)
 
 
+def test_the_pilot_trains_the_window_the_trainer_admits() -> None:
+    """``noams`` (the trainer's window per asynchronous kind, what auto_resolve passes): the
+    pilot's pipedream curve is that of pipedream with 5 in flight at the input stage (the
+    reference executor on that schedule, whose staleness test_runtime_continuity holds against
+    an oracle), not PipeDream's 3; a kind without an entry keeps PipeDream's."""
+    from fxpipe.runtime.execution.reference import ReferenceExecutor
+    from fxpipe.runtime.schedules.kinds import make_schedule
+
+    data = batches(30, batch=4)
+    stages = split(tiny_mlp(), [1, 3])
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.5)  # noqa: E731
+    torch.manual_seed(0)
+    ex = ReferenceExecutor(split(tiny_mlp(), [1, 3]), [1, 1, 1],
+                           make_schedule("pipedream", [1, 1, 1], len(data), noam=5), loss_fn, opt)
+    ex.run(data)
+    want = [ex.last_losses[i] for i in range(len(data))]
+    wide, _ = pilot(stages, [1, 1, 1], loss_fn, opt, data, ("pipedream", "2bw"),
+                    noams={"pipedream": 5})
+    plain, _ = pilot(stages, [1, 1, 1], loss_fn, opt, data, ("pipedream", "2bw"))
+    assert wide["pipedream"] == pytest.approx(want, rel=1e-6)
+    assert wide["pipedream"][-1] != pytest.approx(plain["pipedream"][-1], rel=1e-4)
+    assert wide["2bw"] == plain["2bw"]
+
+
 def test_pilot_budget_by_hand() -> None:
     # with a plan: 2 candidates x 50 minibatches x 40 ms = 4 s; 110 minibatches x 20 ms = 2.2 s
     assert budget(0.04, 2, 50, 110, 0.02) == pytest.approx((4.0, 2.2))

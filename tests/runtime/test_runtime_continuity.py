@@ -180,6 +180,59 @@ def test_a_deeper_window_at_the_input_stage_is_its_rule(segment) -> None:
     assert max(float((base[k] - want[k]).abs().max()) for k in want) > 1e-4
 
 
+def _slow_link_plan(capped: str | None):
+    """A 2-stage plan (two nodes of 1 s forward + 1 s backward, 5 MB of weights each) whose cut
+    takes 0.5 s each way: PipeDream's 2 in flight run at (4 + 1) / 2 = 2.5 s per minibatch,
+    3 at the planned 2 s (test_runtime_plansim). ``capped``: a memory cap 1 MB over what
+    PipeDream's window holds at its walked peak ("walk"), which has no room for one more weight
+    version (5 MB) and activation set (0.5 MB); or 6.5 MB over the memory rule's figure
+    ("rule"), which would have it if the rule's figure were all a stage holds, but the walked
+    peak is 2.5 MB above it."""
+    from fxpipe.api import choose_plan
+    from fxpipe.costmodel.hardware import Cluster
+    from fxpipe.costmodel.profile import Profile, ProfileNode
+    from fxpipe.runtime.pricing.memory_walk import walk_memory
+
+    prof = Profile(nodes=tuple(
+        ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=1.0, backward_s=1.0,
+                    activation_bytes=0.5e6 if i == 0 else 0.0, parameter_bytes=5e6,
+                    inputs=(f"n{i - 1}",) if i else ()) for i in range(2)), batch_size=4)
+    free = choose_plan(prof, Cluster(workers=2, bandwidth=1e6), choose="planner")
+    rule = max(sp.memory_bytes for sp in free.stages)
+    walked = max(p.peak for p in walk_memory(free, prof, "pipedream"))
+    assert walked - rule > 1.5e6
+    cap = {None: None, "walk": walked + 1e6, "rule": rule + 6.5e6}[capped]
+    return choose_plan(prof, Cluster(workers=2, bandwidth=1e6, memory=cap),
+                       choose="planner"), prof
+
+
+@pytest.mark.parametrize("noam, capped, window", [
+    (None, None, 3), ("auto", None, 3), ("pipedream", None, None), (2, None, 2),
+    (None, "walk", None), (None, "rule", None)])
+def test_the_default_window_hides_the_plans_round_trips(noam, capped, window) -> None:
+    """A Trainer with a plan (what compiled.trainer passes) admits by default the fewest
+    minibatches that hide the plan's round trips (noam_for: 3 on this slow link), and trains
+    exactly that rule (the oracle with stage 0 admitting 3); ``noam="pipedream"`` keeps
+    PipeDream's 2, as does a memory cap without room for a third weight version at the walked
+    peak. The recipe says which."""
+    plan, prof = _slow_link_plan(capped)
+    model = blocks(2)
+    trainer = Trainer(stages_of(model, 2), [1, 1], F.mse_loss, momentum, schedule="pipedream",
+                      executor="reference", progress=False, noam=noam, segment=5,
+                      auto_options={"plan": plan, "profile": prof})
+    trainer.fit(data(24), epochs=1)
+    want = oracle("pipedream", 2, data(24), noam=window)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name], rtol=1e-10, atol=1e-12, msg=name)
+    line = [ln for ln in trainer.recipe().splitlines() if ln.startswith("in flight")]
+    if window is None:
+        assert line == []
+    else:
+        how = "noam=2" if noam == 2 else "the fewest that hide the plan's round trips"
+        assert line == [f"in flight: {window} minibatches at the input stage ({how}; "
+                        "PipeDream's NOAM would be 2)"]
+
+
 def test_noam_is_checked() -> None:
     from fxpipe.runtime.errors import RuntimeConfigError
 

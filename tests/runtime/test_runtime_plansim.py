@@ -161,6 +161,37 @@ def test_cli_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 
+@pytest.mark.parametrize("noam, window, period", [(None, 3, "2 s"), ("pipedream", None, "2.5 s"),
+                                                  ("4", 4, "2 s")])
+def test_cli_simulate_runs_the_trainers_window(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               noam: str | None, window: int | None,
+                                               period: str) -> None:
+    """`fxpipe simulate` simulates the window a trainer admits (two 2 s stages, a 0.5 s cut
+    each way: 3 in flight run at 2 s, PipeDream's 2 at 2.5 s), unless --noam says otherwise."""
+    from fxpipe.cli_simulate import add_simulate_parser
+
+    prof = Profile(nodes=tuple(
+        ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=1.0, backward_s=1.0,
+                    activation_bytes=0.5e6 if i == 0 else 0.0, parameter_bytes=5e6,
+                    inputs=(f"n{i - 1}",) if i else ()) for i in range(2)), batch_size=4)
+    prof.save(tmp_path / "p.json")
+    parser = argparse.ArgumentParser(prog="fxpipe")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", str(tmp_path / "p.json"), "--workers", "2",
+                              "--bandwidth", "1MB/s", "--stages", "2", "--straight",
+                              *(["--noam", noam] if noam else [])])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("in flight at the input stage")]
+    if window is None:
+        assert lines == []
+    else:
+        assert lines == [f"in flight at the input stage: {window} minibatches (PipeDream's NOAM: 2"
+                         + ("; what the trainer admits: the fewest that hide the plan's round "
+                            "trips)" if noam is None else ")")]
+    assert f"steady state: {period} per minibatch" in out
+
+
 def test_tied_weights_are_priced_lockstep_when_synchronous_and_free_when_delayed() -> None:
     """4 unit stages, a 1000-byte weight owned by n0 (stage 0) and shared by n3 (stage 3).
     Synchronous tied sum: the last stage's update i waits for stage 0's update i, i.e. for
@@ -204,6 +235,29 @@ def test_the_window_that_hides_a_round_trip(x: float, period2: float, want: int)
         pytest.approx(period2, rel=1e-9)
     assert simulate_plan(plan, prof, noam=3, minibatches=200).steady_state_period == \
         pytest.approx(3.0, rel=1e-9)
+    assert noam_for(plan, prof) == want
+
+
+@pytest.mark.parametrize("cuts, replicas", [  # found: 4, 5, 5, 2, 4, 4 (PipeDream's: 4 4 4 2 3 2)
+    ((0.4e6, 0.1e6, 0.9e6), (1, 1, 1, 1)), ((1.5e6, 0.0, 0.3e6), (1, 1, 1, 1)),
+    ((1.2e6, 1.2e6, 1.2e6), (1, 1, 1, 1)), ((0.8e6, 0.5e6), (2, 1, 1)),
+    ((1.4e6, 1.4e6), (1, 1, 1)), ((2.9e6,), (1, 1))])
+def test_the_window_search_is_the_scan(cuts: tuple[float, ...], replicas: tuple[int, ...]) -> None:
+    """noam_for's search (PipeDream's window, the widest, bisection between) finds what scanning
+    every window finds: the fewest whose simulated period is within 2% of the widest's, on
+    chains of 1 s + 2 s nodes with uneven cuts and a replicated input stage."""
+    from fxpipe.passes.partition import plan_for
+    from fxpipe.runtime.pricing.plansim import noam_for
+
+    prof = chain(*[(1.0, 2.0, c, 1e3) for c in cuts], (1.0, 2.0, 0.0, 1e3))
+    plan = plan_for(prof, Cluster(workers=sum(replicas), bandwidth=BW),
+                    list(range(len(replicas))), list(replicas))
+    base = -(-sum(replicas) // replicas[0])
+    periods = {w: simulate_plan(plan, prof, noam=w, minibatches=200).steady_state_period
+               for w in range(base, 2 * base + 3)}
+    widest = periods[2 * base + 2]
+    assert all(periods[w] >= periods[w + 1] * (1 - 1e-9) for w in range(base, 2 * base + 2))
+    want = min(w for w, p in periods.items() if p <= widest * 1.02)
     assert noam_for(plan, prof) == want
 
 
@@ -256,28 +310,45 @@ def test_auto_choice_simulates_a_pipedream_plan_that_splits_tied_weights() -> No
     assert choose_plan(untied, cluster).replicas == [1, 1]
 
 
-@pytest.mark.parametrize("cut_s, stalls", [(0.5, True), (0.05, False)])
+@pytest.mark.parametrize("cut_s, capped, stalls",
+                         [(0.5, True, True), (0.5, False, False), (0.05, True, False)])
 def test_auto_choice_simulates_a_pipedream_plan_whose_round_trips_are_not_hidden(
-        cut_s: float, stalls: bool) -> None:
+        cut_s: float, capped: bool, stalls: bool) -> None:
     """Two nodes of 1 s forward + 1 s backward, a cut of ``cut_s`` seconds on the link each
     way, 5 MB of weights each (data parallelism: 7 s). The planner's optimum is two 2 s stages.
     With PipeDream's 2 minibatches in flight, a minibatch's round trip takes 4 s of compute and
     2 cut_s of transfer, so by Little's law the period is (4 + 2 cut_s) / 2 = 2 + cut_s: 2.5 s,
-    25% over the plan, which auto then prices by simulation (one worker: 4 s, so the pipeline
-    stays, at its true time); at 0.05 s the 2.5% gap is within the planner's tolerance and its
-    plan and time stand."""
+    25% over the plan. The Trainer admits 3 (noam_for: 3 x 2 s covers the 5 s round trip), at
+    which the plan runs at its planned 2 s, so auto keeps the planner's word; under a memory cap
+    that holds PipeDream's window but not one more version, it admits 2 and auto prices the plan
+    by simulation (one worker: 4 s, so the pipeline stays, at its true time); at 0.05 s, capped
+    too, the 2.5% gap is within the planner's tolerance and its plan and time stand."""
     from fxpipe.api import choose_plan
     from fxpipe.runtime.pricing.plan_choice import unpriced_by_planner
+    from fxpipe.runtime.pricing.plansim import noam_for, trainer_window, with_trainer_window
 
     prof = Profile(nodes=tuple(
         ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=1.0, backward_s=1.0,
                     activation_bytes=cut_s * BW if i == 0 else 0.0, parameter_bytes=5e6,
                     inputs=(f"n{i - 1}",) if i else ()) for i in range(2)), batch_size=4)
-    cluster = Cluster(workers=2, bandwidth=BW)
+    free = choose_plan(prof, Cluster(workers=2, bandwidth=BW), choose="planner")
+    # the cap: what PipeDream's window holds on the fuller stage, and 1 MB (< a version) more
+    cap = max(sp.memory_bytes for sp in free.stages) + 1e6
+    cluster = Cluster(workers=2, bandwidth=BW, memory=cap if capped else None)
     planner = choose_plan(prof, cluster, choose="planner")
     assert planner.replicas == [1, 1] and planner.time_per_minibatch == pytest.approx(2.0)
     sim = simulate_plan(planner, prof, minibatches=200).steady_state_period
     assert sim == pytest.approx(2.0 + cut_s, rel=1e-9)
+    # a third minibatch gains cut_s / (2 + cut_s): 20% at 0.5 s, 2.4% at 0.05 s (over 2%)
+    assert noam_for(planner, prof, cap=float("inf")) == 3
+    assert trainer_window(planner, prof, "pipedream") == (2 if capped else 3)
+    # what compile records: the window where it is wider, and pipedream's staleness for it
+    # (stage 0's forward of k reads version k - window + 1: own delay window - 1)
+    shown = with_trainer_window(planner, prof)
+    assert shown.window == (None if capped else 3)
+    assert [own for own, _ in shown.staleness["pipedream"]] == ([1, 0] if capped else [2, 0])
+    assert shown.staleness["1f1b-flush"] == planner.staleness.get("1f1b-flush",
+                                                                  ((0, 1), (0, 0)))
     auto = choose_plan(prof, cluster)
     assert auto.replicas == [1, 1]
     if stalls:
