@@ -236,13 +236,14 @@ def unpriced_by_planner(plan: Plan, profile: Profile) -> str | None:
     trips longer than PipeDream's window hides, replicas of a stage waiting for each other. So
     the optimum is simulated under pipedream, and a plan more than 5% slower there than planned
     is not taken on the planner's word. It is simulated with the window the Trainer admits
-    (:func:`~fxpipe.runtime.pricing.plansim.simulate_as_trained`): the cluster benchmark's VGG on 2
-    hosts at 50 Mbit/s, planned at 41.9 ms per minibatch, simulated at 50.1 ms with PipeDream's
-    NOAM of 2 (the round trip; one worker 49.8 ms), measured there at 0.99x one process, is
-    37.5 ms with the 3 minibatches in flight the Trainer now admits
+    (:func:`~fxpipe.runtime.pricing.plansim.simulate_as_trained`): the cluster benchmark's VGG
+    on 2 hosts at 50 Mbit/s, planned at 41.9 ms per minibatch, simulated at 50.1 ms with
+    PipeDream's NOAM of 2 (the round trip; one worker 49.8 ms), measured there at 0.99x one
+    process, is 37.5 ms with the 3 minibatches in flight the Trainer now admits
     (``benchmarks/pipeline-cluster.md``). A case the window does not rescue: the mini VGG16 on
     8 V100s at 10 Gbps, planned 3-3-1-1 at 193 us, simulated at 270 us whatever the window,
-    where the simulation picks 7-1 at 224 us (PipeDream's own choice for VGG16 there)."""
+    where the simulation picks 6-1-1 at 214 us with 3 in flight (7-1 at 224 us, PipeDream's
+    own choice for VGG16 there, with PipeDream's window; docs/planning.md)."""
     if len(plan.replicas) < 2:
         return None
     if splits_tied(plan, profile):
