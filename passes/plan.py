@@ -181,7 +181,9 @@ class Plan:
                      + ("" if self.time_source == "planner" else f"; {self.time_source}") + ")")
         lines.append(f"NOAM (minibatches in flight at the input stage): {self.noam}"
                      + (f"; under pipedream the trainer admits {self.window}, the fewest that "
-                        "hide the plan's round trips" if self.window else ""))
+                        "hide the plan's round trips (the memory column is for the NOAM: the "
+                        "input stage holds a weight version and an activation set more per "
+                        "minibatch beyond it)" if self.window else ""))
         lines.append(f"memory per worker priced for: {self.memory_rule.label()}"
                      + (f" (cap {format_bytes(self.cluster['memory'])})"
                         if self.cluster.get("memory") is not None else ""))

@@ -38,8 +38,9 @@ def test_round_trip(tmp_path: Path) -> None:
     wide = dataclasses.replace(plan, window=plan.noam + 1)  # what compile records on a slow link
     assert Plan.from_dict(json.loads(json.dumps(wide.to_dict()))) == wide
     assert (f"NOAM (minibatches in flight at the input stage): {plan.noam}; under pipedream the "
-            f"trainer admits {plan.noam + 1}, the fewest that hide the plan's round trips"
-            in wide.summary().splitlines())
+            f"trainer admits {plan.noam + 1}, the fewest that hide the plan's round trips (the "
+            "memory column is for the NOAM: the input stage holds a weight version and an "
+            "activation set more per minibatch beyond it)" in wide.summary().splitlines())
     old = plan.to_dict()
     del old["window"]  # a plan saved before the field
     assert Plan.from_dict(old) == plan
