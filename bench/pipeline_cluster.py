@@ -141,7 +141,7 @@ def plan_worker(args: argparse.Namespace) -> None:
             out[f"{rate}-{kind}"] = {"replicas": list(plan.replicas), "path": str(path),
                                      "predicted_s": plan.time_per_minibatch,
                                      "noam": trainer_window(plan, two.profile, "pipedream")
-                                     or -(-sum(plan.replicas) // plan.replicas[0])}
+                                     or plan.noam}
     Path(args.result).write_text(json.dumps(out))
 
 

@@ -120,14 +120,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       memory=args.memory, workers_per_machine=args.workers_per_machine,
                       intra_bandwidth=args.intra_bandwidth, latency=args.latency)
     profile, plan = _profile_and_plan(args, cluster)
-    if not plan.staleness:
-        from fxpipe.runtime.pricing.plansim import with_trainer_window
-
-        plan = with_trainer_window(plan, profile)
-    duplex = not args.half_duplex
-    base = -(-sum(plan.replicas) // plan.replicas[0])
     noam = (trainer_window(plan, profile, args.schedule) if args.noam == "auto" else
             None if args.noam == "pipedream" else args.noam)
+    if not plan.staleness:
+        from fxpipe.runtime.pricing.plansim import with_trainer_window, with_window
+
+        plan = (with_window(plan, noam)  # pipedream's window is the one just found
+                if args.noam == "auto" and args.schedule == "pipedream"
+                else with_trainer_window(plan, profile))
+    duplex = not args.half_duplex
+    base = plan.noam
     sim = simulate_plan(plan, profile, schedule=args.schedule, minibatches=args.minibatches,
                         latency_s=args.latency, duplex=duplex, microbatches=args.microbatches,
                         chunks=args.chunks, noam=noam)

@@ -65,7 +65,7 @@ from .sim_measure import peak_in_flight, steady_state
 __all__ = ["PlanSimulation", "StageCosts", "TiedSync", "cut_bandwidth", "data_parallel_plan",
            "minibatches_for", "noam_for", "peak_in_flight", "simulate_plan", "stage_costs",
            "simulate_as_trained", "steady_state", "tied_from_profile", "trainer_window",
-           "with_trainer_window"]
+           "with_trainer_window", "with_window"]
 
 log = logging.getLogger(__name__)
 
@@ -242,16 +242,22 @@ def trainer_window(plan: Plan, profile: Profile | None, kind: str) -> int | None
 
 
 def with_trainer_window(plan: Plan, profile: Profile | None) -> Plan:
-    """``plan`` with the window the Trainer admits under pipedream (``Plan.window``; None where
-    it is PipeDream's NOAM) and its staleness table (``Plan.staleness``) for that window, so the
-    summary speaks of what will run."""
+    """``plan`` with the window the Trainer admits under pipedream and its staleness table for
+    that window (:func:`with_window` of :func:`trainer_window`), so the summary speaks of what
+    will run."""
+    return with_window(plan, trainer_window(plan, profile, "pipedream"))
+
+
+def with_window(plan: Plan, window: int | None) -> Plan:
+    """``plan`` with ``window`` minibatches in flight at its input stage under pipedream
+    (``Plan.window``; None where it is PipeDream's NOAM) and the staleness table
+    (``Plan.staleness``) for it."""
     from dataclasses import replace
 
     from ..schedules.staleness import plan_staleness
 
-    w = trainer_window(plan, profile, "pipedream")
-    window = w if w is not None and w != plan.noam else None
-    return replace(plan, window=window, staleness=plan_staleness(plan.replicas, noam=window))
+    wider = window if window is not None and window != plan.noam else None
+    return replace(plan, window=wider, staleness=plan_staleness(plan.replicas, noam=wider))
 
 
 def simulate_as_trained(plan: Plan, profile: Profile | None, kind: str, *, minibatches: int,

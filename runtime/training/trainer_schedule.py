@@ -227,7 +227,7 @@ class ScheduleMixin:
             if plan.cluster.get("memory") is not None:  # what PipeDream's window holds, fitted
                 held = check_schedule_memory(plan, profile, kind, None, None,
                                              self.auto_options.temporaries) or None
-            base = -(-sum(plan.replicas) // plan.replicas[0])
+            base = plan.noam  # PipeDream's
             try:
                 window = noam_for(plan, profile, schedule=kind, held=held,
                                   microbatches=self._per_update())
