@@ -21,6 +21,10 @@ backward, optimizer, send, recv, allreduce, idle per rank) gives:
   process (``CompiledModel.calibrate_stages``: the reference executor, no links) and the plan is
   priced on the profile rescaled to those stage times: a prediction made before any process
   starts, with the measured / profiled factors per stage;
+* the machine's drift: before each run a plain whole training step of the model is timed as
+  the profile's whole-step calibration timed it (``machine_speed``); measured / (predicted x
+  that ratio) - 1 is the error with the drift between profile and run taken out (a
+  diagnostic next to the prediction's own error);
 * after re-planning (issue 13, item 3): the profile rescaled stage by stage to the forward,
   backward and optimizer times measured over minibatches --warmup..N/2-1
   (``fxpipe.runtime.pricing.replan.rescale``, what ``trainer(replan="auto")`` does after its first
@@ -44,7 +48,9 @@ from bench._report import publish
 import fxpipe
 import fxpipe.models
 from fxpipe.api import choose_plan
+from fxpipe.costmodel.calibrate import time_whole_step
 from fxpipe.costmodel.overheads import Overheads, with_overheads
+from fxpipe.costmodel.profiler import isolated
 from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.pricing.replan import measure as replan_measure
 from fxpipe.runtime.pricing.replan import reprice
@@ -108,8 +114,26 @@ def decompose(timeline, lo: int, hi: int) -> dict[int, dict[str, float]]:
     return out
 
 
+def machine_speed(c) -> float:
+    """How much slower this machine runs now than when ``c``'s profile was taken: a plain
+    training step of the whole model timed as the profile's whole-step calibration timed it
+    (``fxpipe.costmodel.calibrate.time_whole_step``, this process, one thread), over that
+    calibration's step (NaN where the profile has none). This VM's speed drifts by up to 1.7x
+    within an hour; the ratio tells a run's error from the machine's drift."""
+    cal = c.profile.meta.get("calibration") or {}
+    then = sum(cal.get(f"{p}_s", 0.0) for p in ("forward", "backward", "update"))
+    if then <= 0:
+        return math.nan
+    gm = c.traced.gm
+    with isolated(gm):
+        now = sum(time_whole_step(gm, c.traced.flat_inputs, rc.sgd, lambda: None, warmup=2,
+                                  repeats=15))
+    return now / then
+
+
 def measure(c, loss_fn, batches, warmup: int) -> dict:
     specs, replicas = c.stage_specs, c.plan.replicas
+    speed = machine_speed(c)
     # before the run: the stages run in this process, the plan priced on them (no links)
     cal = calibrate_stages(specs, c.plan, c.profile, loss_fn, rc.sgd, batches[:CALIBRATE])
     sched = make_schedule("pipedream", replicas, len(batches))
@@ -126,7 +150,7 @@ def measure(c, loss_fn, batches, warmup: int) -> dict:
                                               list(rc.fxpipe_updates(evs).values())[warmup:]))
     half = len(batches) // 2
     tpm2 = (done[-1] - done[half]) / (len(done) - 1 - half)
-    return dict(tpm=tpm, ranks=ranks, tpm2=tpm2, calibrated=cal.time_per_minibatch,
+    return dict(tpm=tpm, ranks=ranks, tpm2=tpm2, calibrated=cal.time_per_minibatch, speed=speed,
                 factors=cal.factors,
                 parts=decompose(res.timeline, warmup, len(batches) - 1),
                 rescaled=rescaled_prediction(c, res.timeline, warmup, half))
@@ -240,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{pred * 1e3:.2f} | {s([x * 1e3 for x in meas])} | "
                     f"**{s(err, '{:+.0f}')}%** | {s([x * 1e3 for x in cal])} | "
                     f"**{s([(x / p - 1) * 100 for x, p in zip(meas, cal)], '{:+.0f}')}%** | "
-                    f"{s(ratio)} | {s([x * 1e3 for x in extra])} |")
+                    f"{s(ratio)} | {s([x * 1e3 for x in extra])} | "
+                    f"{s([m['speed'] for m in runs])} | "
+                    f"{s([(x / (pred * m['speed']) - 1) * 100 for x, m in zip(meas, runs)], '{:+.0f}')}% |")
         for r in range(stages):
             fs = [m["factors"][r] for m in runs]
             factor_rows.append(f"| {name} | {stages} | {r} | " + " | ".join(
@@ -298,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         "| model | stages | without the overheads: predicted ms | error | overheads of the "
         "busiest stage ms | predicted ms/minibatch | measured ms/minibatch | error | "
         "after stage calibration: predicted ms | error | "
-        "busiest rank: compute as run / plan | busiest rank: send + transfer + idle ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "busiest rank: compute as run / plan | busiest rank: send + transfer + idle ms | "
+        "machine: now / at the profile | error at the profile's speed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "After stage calibration: before each run, its stages ran "
@@ -317,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         "in the run; its compute as run over the plan's F + B + U for that stage; and what it "
         "spent per minibatch posting sends, in transfers and in the executor between actions "
         "(none of which the plan prices; see the table after next).",
+        "",
+        "Machine: a plain training step of the whole model, timed in this process just before "
+        "the run as the profile's whole-step calibration timed it, over that calibration's "
+        "step (`machine_speed`): above 1, the machine ran slower than when the plan was "
+        "profiled. Error at the profile's speed = measured / (predicted x that ratio) - 1: "
+        "what is left of the error once the machine's drift is taken out (a diagnostic; the "
+        "bold error is the prediction's).",
         "",
         "The profile's whole-step calibration (sum of the node-by-node times → one whole "
         "training step, ms; the ratio scales every node's time of that part):",

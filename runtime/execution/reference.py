@@ -96,6 +96,7 @@ class ReferenceExecutor:
                                depth=len(self.stages),
                                loss_fn=loss_fn if rank[0] == last else None, stashing=stashing,
                                planned_reads=planned_reads(self.schedule, rank),
+                               model_input_grads=False,  # dropped below: not computed
                                detached=detached, device=self.device,
                                **options.replica_kwargs(rank[0]))
             for rank in self.schedule.ranks}

@@ -69,7 +69,9 @@ def trainer(**kw) -> Trainer:
 
 def test_the_pilot_holds_no_more_minibatches_than_a_segment() -> None:
     """Training holds one segment (8 minibatches here); while auto decides, so does the pilot
-    (before: all 48 of the pilot at once). Each trained candidate reads the pilot again."""
+    (before: all 48 of the pilot at once), plus the minibatches still in flight from the
+    segment before (3 on 3 stages: the pipeline does not drain at a segment's end, and the first
+    layer's backward keeps each one's input). Each trained candidate reads the pilot again."""
     loader = Live(96)
     loader.watching = True
     decided = []
@@ -82,7 +84,7 @@ def test_the_pilot_holds_no_more_minibatches_than_a_segment() -> None:
     t.fit(loader, epochs=1)
     d = t.auto_decision
     assert d.pilot_minibatches == 48 and {r.schedule for r in d.rows} == set(OPTS["candidates"])
-    assert 0 < loader.peak <= 8
+    assert 0 < loader.peak <= 8 + 3
     piloted = {r.schedule: r.piloted for r in d.rows}
     assert piloted["1f1b-flush"] == 48 < piloted["pipedream"] <= 96  # flush's seconds
     assert decided == [48 + piloted["pipedream"] + 1]  # a pass per trained candidate, and the

@@ -124,3 +124,31 @@ def test_mismatched_schedule_is_rejected() -> None:
                            loss_fn, sgd)
     with pytest.raises(RuntimeConfigError, match="3 batches"):
         ex.run(batches(3))
+
+
+class _CountMM(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts matrix products (a Linear's backward: one for its weight, one for its input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mm = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.mm += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cuts", [[], [2]])
+def test_model_inputs_are_not_differentiated(cuts: list[int]) -> None:
+    """The gradient of a model input goes nowhere (the distributed executor does not compute it
+    either): the input stage's backward skips that product. tiny_mlp's three Linear layers per
+    backward: three weight gradients and the inputs of the second and third layer, 5 products
+    (6 when the model input is differentiated too), whatever the cut."""
+    data = batches(6)
+    stages = split(tiny_mlp(), cuts)
+    S = len(cuts) + 1
+    sched = make_schedule("pipedream", [1] * S, 6, noam=1)
+    ex = ReferenceExecutor(stages, [1] * S, sched, loss_fn, sgd)
+    with _CountMM() as count:
+        ex.run(data)
+    assert count.mm == 5 * 6
