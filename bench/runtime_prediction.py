@@ -52,6 +52,7 @@ from fxpipe.costmodel.calibrate import time_whole_step
 from fxpipe.costmodel.overheads import Overheads, with_overheads
 from fxpipe.costmodel.profiler import isolated
 from fxpipe.runtime.execution.launch import run_distributed
+from fxpipe.runtime.execution.overhead_probe import machine_overheads
 from fxpipe.runtime.pricing.replan import measure as replan_measure
 from fxpipe.runtime.pricing.replan import reprice
 from fxpipe.runtime.schedules.kinds import make_schedule
@@ -159,7 +160,8 @@ def measure(c, loss_fn, batches, warmup: int) -> dict:
 def overhead_line(ov: Overheads) -> str:
     """The overheads the plans were priced with, in words."""
     return (f"{ov.action_s * 1e3:.2f} ms per stage and minibatch, {ov.tensor_s * 1e6:.1f} us per "
-            f"parameter tensor, {ov.message_s * 1e3:.2f} ms per message, "
+            f"parameter tensor, {ov.message_s * 1e3:.2f} ms per message "
+            f"({ov.further_s * 1e3:.2f} ms per message of a value beyond a cut's first), "
             f"{ov.stash_tensor_s * 1e6:.1f} us per tensor more where the stash copies; "
             f"{ov.source}")
 
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)  # profile with one thread, as each rank runs
+    # the overheads of this session (the cache may hold a probe taken beside other jobs): the
+    # compiles below read them from the cache
+    machine_overheads(refresh=True)
     t_start = time.perf_counter()
     models = args.models.split(",")
     counts = [int(k) for k in args.stages.split(",")]
@@ -315,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured time per minibatch: steady state (minibatches {args.warmup}..N-1, end of "
         "`U<k>` on the input stage's timeline). Error = measured / predicted - 1. "
         "The plan prices the runtime's overheads (`fxpipe.costmodel.overheads`; "
-        f"{overhead_line(next(iter(plans.values())).profile.overheads)}); \"without the "
+        f"{overhead_line(next(iter(plans.values())).profile.overheads)}, probed again at the "
+        "start of this run); \"without the "
         "overheads\" is the same profile planned with them off (the cost model before them). "
         f"This machine has {cores} cores: at 4 stages, 4 ranks share them, which the plan "
         "(one worker, one core) does not price; `run_distributed` says so in a warning before "

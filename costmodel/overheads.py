@@ -9,7 +9,10 @@ timed as plain PyTorch runs it. A stage as the runtime runs it also pays
 * per message: posting each send and taking each received tensor (every value that crosses a
   cut is one message forward and one back: priced as two, although a value that carries no
   gradient sends nothing back), and per set of stages sharing a tied parameter, the all-reduce
-  of its gradient at every update;
+  of its gradient at every update. Most of a message's cost is the action's (its sends posted,
+  its receives waited for, once per cut and direction): each value more across the same cut
+  costs less (``value_s``; on this project's 2-core machine about 0.06 ms against 0.26 ms for
+  the first, a probe with 3 small values more across its cut);
 * under a schedule that stashes weight versions (``pipedream``, ``2bw``), a copy of the stage's
   weights at every update that finds its old version still in use, and the bookkeeping of it.
 
@@ -47,7 +50,9 @@ class Overheads:
     waited for); where its schedule stashes versions, ``stash_copy_s`` (one copy of ALL the
     model's trainable weights) times its share of the parameter bytes, plus ``stash_tensor_s``
     per parameter tensor (the new version's bookkeeping: spares, the optimizer's tensors and
-    state handed over). ``source``: where the numbers come from (shown in plan summaries)."""
+    state handed over). ``value_s``: per message of each value beyond the first across the same
+    cut (None: priced as ``message_s``, the model before it; older caches and profiles).
+    ``source``: where the numbers come from (shown in plan summaries)."""
 
     action_s: float = 0.0
     tensor_s: float = 0.0
@@ -56,11 +61,14 @@ class Overheads:
     stash_copy_s: float = 0.0
     stash_tensor_s: float = 0.0
     source: str = "none"
+    value_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("action_s", "message_s", "stash_copy_s", "tensor_s", "stash_tensor_s",
-                     "tie_s"):
+                     "tie_s", "value_s"):
             v = getattr(self, name)
+            if name == "value_s" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                     or v < 0:
                 raise ProfileFormatError(f"overheads: {name}={v!r}",
@@ -69,17 +77,24 @@ class Overheads:
     @property
     def zero(self) -> bool:
         return not (self.action_s or self.message_s or self.stash_copy_s or self.tensor_s
-                    or self.stash_tensor_s or self.tie_s)
+                    or self.stash_tensor_s or self.tie_s or self.value_s)
+
+    @property
+    def further_s(self) -> float:
+        """Seconds per message of a value beyond the first across a cut (``value_s``, else
+        ``message_s``)."""
+        return self.message_s if self.value_s is None else self.value_s
 
     def stage_s(self, messages: int, tensors: int, parameter_share: float,
-                stashes: bool, ties: int = 0) -> float:
+                stashes: bool, ties: int = 0, further: int = 0) -> float:
         """Seconds per minibatch a stage replica pays beyond its nodes: the fixed action cost,
-        ``tensors`` parameter tensors, ``messages`` messages (posted and taken, per minibatch),
-        ``ties`` tied all-reduces, and where ``stashes``, a copy of ``parameter_share`` (its
-        fraction of the model's parameter bytes) of the weights."""
+        ``tensors`` parameter tensors, ``messages`` messages of the first value across each of
+        its cuts and ``further`` of the others (posted and taken, per minibatch), ``ties`` tied
+        all-reduces, and where ``stashes``, a copy of ``parameter_share`` (its fraction of the
+        model's parameter bytes) of the weights."""
         stash = self.stash_copy_s * parameter_share + self.stash_tensor_s * tensors
         return (self.action_s + self.tensor_s * tensors + self.message_s * messages
-                + self.tie_s * ties + (stash if stashes else 0.0))
+                + self.further_s * further + self.tie_s * ties + (stash if stashes else 0.0))
 
     def in_measured_stages(self, ties: bool = False) -> Overheads:
         """What is still missing from stage times MEASURED by the runtime (a re-plan's or a stage
@@ -88,7 +103,7 @@ class Overheads:
         reference executor sums tied gradients inside its update; the distributed one records
         them apart, as ``allreduce``)."""
         return Overheads(message_s=self.message_s, tie_s=0.0 if ties else self.tie_s,
-                         source=f"{self.source}; messages only")
+                         value_s=self.value_s, source=f"{self.source}; messages only")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

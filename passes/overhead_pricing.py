@@ -26,10 +26,13 @@ from .made_here import made_here, profile_facts
 from .memory_rule import MemoryRule
 
 
-def messages(crossing_in: int, crossing_out: int) -> int:
-    """Messages a stage posts or takes per minibatch: each value crossing a cut travels once
-    forward and once back (its gradient), on both of the cut's sides."""
-    return 2 * crossing_in + 2 * crossing_out
+def messages(crossing_in: int, crossing_out: int) -> tuple[int, int]:
+    """Messages a stage posts or takes per minibatch, (those of the first value across each of
+    its cuts, those of the others): each value crossing a cut travels once forward and once
+    back (its gradient), on both of the cut's sides. The first value's carry the action's
+    cost of posting and waiting (``Overheads.message_s``), the others less (``value_s``)."""
+    first = 2 * (crossing_in > 0) + 2 * (crossing_out > 0)
+    return first, 2 * crossing_in + 2 * crossing_out - first
 
 
 def tie_sets_per_stage(profile: Profile, bounds: Sequence[int]) -> list[int]:
@@ -83,10 +86,10 @@ def stage_overheads(profile: Profile, starts: Sequence[int], replicas: Sequence[
     out = []
     for s, r in enumerate(replicas):
         a, e = bounds[s], bounds[s + 1]
-        msgs = messages(len(crossing.get(a, ())), len(crossing.get(e, ())))
+        msgs, further = messages(len(crossing.get(a, ())), len(crossing.get(e, ())))
         share = (sum(nd.parameter_bytes for nd in profile.nodes[a:e]) / total_p
                  if total_p > 0 else 0.0)
         tensors = len({p for nd in profile.nodes[a:e] for p in (*nd.params, *nd.shared_params)})
-        out.append(ov.stage_s(msgs, tensors, share, rule.stashed(in_flight[s]) > 0, ties[s]) / r
-                   + again[s])
+        out.append(ov.stage_s(msgs, tensors, share, rule.stashed(in_flight[s]) > 0, ties[s],
+                              further) / r + again[s])
     return out

@@ -10,33 +10,44 @@ plan (cached per machine).
 
 The probe: four ``Linear(256, 256) + Tanh`` layers, batch 64 (about 0.6 ms of compute per stage
 at two stages, so the pipeline is compute-bound and a message's latency hides behind the next
-minibatch's work, as it does for a real stage), trained with ``pipedream`` through
-``run_distributed`` (gloo, one thread per rank) three times: on one rank, on one rank with 48
-more layers of two 4-element parameters each, and on two ranks. From each rank's own timeline,
-over the middle half of the run, the seconds per minibatch it was not waiting for its peer's
-compute (:func:`host_seconds`: forward, backward, update, posting sends, idle, and receive
-waits for the transfer itself, :func:`fxpipe.runtime.timeline.wait_breakdown`); against them,
-plain PyTorch training steps of the same layers in this process (:func:`_eager_step`, freed host
-memory kept as the profiler and the ranks keep it; not the probe's own profile, whose error
-would land in the overheads):
+minibatch's work, as it does for a real stage; :mod:`.overhead_local`), trained with
+``pipedream`` through ``run_distributed`` (gloo, one thread per rank) on one rank and on two.
+From each rank's own timeline, over the middle half of the run, the seconds per minibatch it was
+not waiting for its peer's compute (:func:`host_seconds`: forward, backward, update, posting
+sends, idle, and receive waits for the transfer itself,
+:func:`fxpipe.runtime.timeline.wait_breakdown`); against them, plain PyTorch training steps of
+the same layers in this process (``eager_step``, freed host memory kept as the profiler and the
+ranks keep it; not the probe's own profile, whose error would land in the overheads):
 
-* ``tensor_s``: (many-tensor run - one-rank run - the extra layers' plain steps) / 96 tensors;
+* ``tensor_s``: in this process, the stage replica's F, B and U of the probe with 96 more
+  layers of two 4-element parameters each, and without them, each step paired with a plain
+  step run right after it (``replica_per_tensor``): the difference of the two medians of the
+  paired excesses, over 192 tensors;
 * ``action_s``: one-rank run - plain step - 8 tensors;
 * ``message_s``: each stage of the two-rank run - half the plain step - ``action_s`` - its 4
   tensors, mean of the two stages, over its 2 messages (one value crosses the cut);
+* ``value_s``: the two-rank run of ``FanProbe`` (3 small values more across the same cut),
+  each stage against the plain two-rank run's, less half the extra values' plain compute, over
+  the 6 messages more each stage posts or takes (:func:`derive_value`);
 * ``stash_tensor_s``: a copy-on-write update of 128 tiny parameters against a plain one, per
-  tensor (:func:`stash_per_tensor`, in this process).
+  tensor (``stash_per_tensor``, in this process).
 
-Each is clamped at 0. ``machine_overheads`` runs the probe in a fresh interpreter
+The probe runs three rounds and keeps the median of each quantity (:func:`combine`): each is a
+small difference of runs of a few milliseconds, which one disturbed launch moves by its whole
+size. Each is clamped at 0. ``machine_overheads`` runs the probe in a fresh interpreter
 (:func:`measure_in_subprocess`): the ranks are started with multiprocessing's spawn, which runs
 the parent's main script again in each child, and a user's script that compiles at its top level
 (no ``__main__`` guard, the README's pattern) must not run again inside the probe. A probe that
 fails is a warning and no overheads (not cached). Cached in ``$FXPIPE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/fxpipe`` or ``~/.cache/fxpipe``), ``overheads.json``, under a key naming the
 host, its cores and the torch, Python and fxpipe versions; ``machine_overheads(refresh=True)``
-measures again. About 10 s (three launches). On the project's 2-core machine, five probes gave
-0.19-0.38 ms per stage and minibatch, 0-3.9 us per tensor and 0.21-0.48 ms per message: the
-machine's own noise, of the same order as the run-to-run spread of the profile it is added to.
+measures again. About 45 s (three rounds of three launches). On the project's 2-core machine,
+quiet, three probes in a row gave 0.18-0.24 ms per stage and minibatch, 2.9-3.6 us per tensor
+and 0.16-0.26 ms per message (before the fan run; three probes of one round each, with the
+cost per tensor taken from two distributed runs: 0.09-0.23 ms, 2.8-8.8 us and 0.18-0.23 ms;
+an older one, cached by a probe that ran beside other jobs, said 10.8 us per tensor and priced
+the zoo's GPT mini in two stages 18% slow); two with the fan run, 0.09 and 0.13 ms per value
+beyond a cut's first against 0.22 and 0.43 ms per message.
 """
 from __future__ import annotations
 
@@ -49,16 +60,14 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from fxpipe.codegen import split_graph
 from fxpipe.costmodel import Cluster, estimate_graph, to_profile
-from fxpipe.costmodel.profiler import pinned_threads
 from fxpipe.costmodel.overheads import Overheads
 from fxpipe.host_memory import keep_freed_memory
 from fxpipe.jsonio import write_json_atomic
@@ -66,52 +75,23 @@ from fxpipe.passes import partition
 from fxpipe.passes.overhead_pricing import stage_overheads
 from fxpipe.tracing import trace
 
-from ..replica.stash import WeightStash
 from ..schedules.kinds import make_schedule
 from ..timeline import TimelineEvent, minibatch_window, wait_breakdown
 from .launch import run_distributed
+from .overhead_local import (BATCH, LAYERS, WIDTH, FanProbe, eager_step, fan_cut, probe_loss,
+                             probe_model, probe_optimizer, replica_per_tensor,
+                             stash_per_tensor)
+
+__all__ = ["ProbeRound", "combine", "combine_value", "derive", "derive_value", "host_seconds", "machine_overheads",
+           "measure_overheads", "probe_loss", "probe_model", "probe_optimizer",
+           "stash_per_tensor"]
 
 log = logging.getLogger(__name__)
 
-WIDTH, LAYERS, BATCH = 256, 4, 64
-SMALL, SMALLS = 4, 48  # the many-tensor variant: 48 more layers of two 4-element tensors
 MINIBATCHES = 160  # the middle half is measured
+ROUNDS = 3  # of the whole probe; each quantity is the median over them (combine)
+FAN = 3  # values more across the fan probe's cut (value_s)
 CACHE_FILE = "overheads.json"
-
-
-def probe_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The probe's loss (module level: the spawned ranks unpickle it)."""
-    return F.mse_loss(out, target)
-
-
-def probe_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
-
-
-class _Small(nn.Module):
-    """``x + (x[:, :SMALL] @ w)`` padded: two parameter tensors and next to no compute."""
-
-    def __init__(self, g: torch.Generator) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(SMALL, SMALL, generator=g) * 0.01)
-        self.b = nn.Parameter(torch.zeros(SMALL))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.pad(x[:, :SMALL] @ self.w + self.b, (0, x.shape[1] - SMALL))
-
-
-def probe_model(small: int = 0) -> nn.Module:
-    """The probe (see the module doc); ``small`` more layers of two tiny parameter tensors
-    each, for the cost per parameter tensor."""
-    g = torch.Generator().manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(LAYERS):
-        lin = nn.Linear(WIDTH, WIDTH)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(WIDTH, WIDTH, generator=g) / WIDTH ** 0.5)
-        layers += [lin, nn.Tanh()]
-    layers += [_Small(g) for _ in range(small)]
-    return nn.Sequential(*layers)
 
 
 def host_seconds(timeline: dict[int, list[TimelineEvent]], lo: int, hi: int) -> list[float]:
@@ -129,29 +109,24 @@ def host_seconds(timeline: dict[int, list[TimelineEvent]], lo: int, hi: int) -> 
     return out
 
 
-def _eager_step(small: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Median seconds of a plain training step (forward, loss, backward, SGD step) of the probe
-    with ``small`` tiny layers, one thread."""
-    model = probe_model(small)
-    opt = probe_optimizer(list(model.parameters()))
-    times = []
-    with pinned_threads(1):
-        for i, (x, y) in enumerate(batches[:60]):
-            t0 = time.perf_counter()
-            probe_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if i >= 10:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _run_fan(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """Per stage of :class:`~.overhead_local.FanProbe` (``FAN`` values more across its cut) on
+    two ranks, the seconds per minibatch it ran (:func:`host_seconds`; its weights are the
+    probe's, so the stash's copy is the same as :func:`_run`'s and cancels in the difference)."""
+    traced = trace(FanProbe(FAN), (batches[0][0],))
+    specs = split_graph(traced.gm, fan_cut(traced.gm))
+    sched = make_schedule("pipedream", [1, 1], len(batches))
+    res = run_distributed(specs, [1, 1], sched, probe_loss, probe_optimizer, batches,
+                          timeout_s=60.0)
+    return host_seconds(res.timeline, len(batches) // 4, 3 * len(batches) // 4)
 
 
-def _run(stages: int, batches: list[tuple[torch.Tensor, torch.Tensor]], small: int = 0
-         ) -> list[float]:
-    """Per stage of the probe (with ``small`` tiny layers) on ``stages`` ranks, the seconds per
-    minibatch it ran (:func:`host_seconds`), less the stash's copy where it stashed (priced
-    per model, from the profile's ``stash_copy_s``)."""
-    traced = trace(probe_model(small), (batches[0][0],))
+def _run(stages: int, batches: list[tuple[torch.Tensor, torch.Tensor]]
+         ) -> tuple[list[float], list[float]]:
+    """Per stage of the probe on ``stages`` ranks, the seconds per minibatch it ran
+    (:func:`host_seconds`), and the stash's copy in them where it stashed (priced per model,
+    from the profile's ``stash_copy_s``; taken out of the action's cost)."""
+    traced = trace(probe_model(), (batches[0][0],))
     # estimated, not measured: only the cut (the halves are alike) and the stash's copy are read
     estimate_graph(traced.gm, traced.flat_inputs, "cpu")
     profile = to_profile(traced.gm, batch_size=BATCH, device="cpu (estimated)")
@@ -165,63 +140,101 @@ def _run(stages: int, batches: list[tuple[torch.Tensor, torch.Tensor]], small: i
     res = run_distributed(specs, [1] * stages, sched, probe_loss, probe_optimizer, batches,
                           timeout_s=60.0)
     ran = host_seconds(res.timeline, len(batches) // 4, 3 * len(batches) // 4)
-    return [t - c for t, c in zip(ran, copies)]
+    return ran, copies
 
 
-def _updates(tensors: int, held: bool, steps: int = 120) -> float:
-    """Median seconds of a stash update of ``tensors`` 4-element parameters (SGD), with the
-    current version still read by a minibatch in flight (``held``: a copy-on-write) or not."""
-    params = {f"p{i}": torch.zeros(4, requires_grad=True) for i in range(tensors)}
-    stash = WeightStash(params, probe_optimizer)
-    grads: dict[str, torch.Tensor | None] = {n: torch.ones(4) for n in params}
-    times = []
-    for k in range(steps):
-        if held:
-            stash.acquire(k, None)
-        t0 = time.perf_counter()
-        stash.update(grads)
-        times.append(time.perf_counter() - t0)
-        if held:
-            stash.release(k)
-    return statistics.median(times[steps // 4:])
+@dataclass(frozen=True)
+class ProbeRound:
+    """One round of the probe: seconds per minibatch of the one-rank run (``one``) and of each
+    stage of the two-rank run (``two``), of a plain PyTorch step of the probe (``eager_one``),
+    and the seconds per parameter tensor the stage replica adds to plain steps
+    (``per_tensor``, :func:`~fxpipe.runtime.execution.overhead_local.replica_per_tensor`)."""
+
+    one: float
+    two: tuple[float, ...]
+    eager_one: float
+    per_tensor: float
+    two_raw: tuple[float, ...] = ()  # the two-rank run without the stash's copy taken out
+    fan_two: tuple[float, ...] = ()  # each stage of FanProbe(FAN) on two ranks
+    eager_fan: float = 0.0           # a plain step of FanProbe(FAN)
 
 
-def stash_per_tensor(tensors: int = 128) -> float:
-    """Seconds per parameter tensor that a copy-on-write update adds to a plain one, beyond
-    copying the bytes (4-element tensors: next to none)."""
-    return max(_updates(tensors, True) - _updates(tensors, False), 0.0) / tensors
+def derive_value(r: ProbeRound) -> float | None:
+    """``value_s`` of one round: what the fan run's stages pay beyond the plain two-rank run's,
+    less half the fan's extra plain compute, over the ``2 * FAN`` messages more each stage
+    posts or takes (clamped at 0); None where the round has no fan run."""
+    if not r.fan_two or not r.two_raw:
+        return None
+    extra = statistics.fmean(r.fan_two) - statistics.fmean(r.two_raw)
+    return max(extra - (r.eager_fan - r.eager_one) / 2, 0.0) / (2 * FAN)
 
 
-def measure_overheads(minibatches: int = MINIBATCHES) -> Overheads:
-    """Run the probe (one rank, one rank with many tensors, two ranks) and the plain steps,
-    and derive the overheads (see the module doc); ``stash_copy_s`` is left 0 (the profile
-    measures it, per model)."""
+def derive(r: ProbeRound) -> tuple[float, float, float]:
+    """(action_s, tensor_s, message_s) of one round (see the module doc), each clamped at 0."""
+    per_tensor = max(r.per_tensor, 0.0)
+    action = max(r.one - r.eager_one - 2 * LAYERS * per_tensor, 0.0)
+    # at two stages each holds two of the probe's (identical) layers, half the step, and one
+    # value crosses the cut
+    message = max(statistics.fmean(r.two) - r.eager_one / 2 - action - LAYERS * per_tensor,
+                  0.0) / 2
+    return action, per_tensor, message
+
+
+def combine(rounds: Sequence[ProbeRound]) -> tuple[float, float, float]:
+    """The median over ``rounds`` of each of :func:`derive`'s quantities. Why: each is a small
+    difference of runs of a few milliseconds per minibatch, and one disturbed launch moves it by
+    its whole size (on the project's 2-core machine, quiet, single probes gave 0.09 to 0.23 ms
+    per action); the median of three ignores one such launch."""
+    if not rounds:
+        raise ValueError("no probe rounds")
+    got = [derive(r) for r in rounds]
+    return tuple(statistics.median(g[i] for g in got) for i in range(3))  # type: ignore[return-value]
+
+
+def combine_value(rounds: Sequence[ProbeRound]) -> float | None:
+    """The median over ``rounds`` of :func:`derive_value` (None where no round has it)."""
+    got = [v for v in (derive_value(r) for r in rounds) if v is not None]
+    return statistics.median(got) if got else None
+
+
+def measure_overheads(minibatches: int = MINIBATCHES, rounds: int = ROUNDS) -> Overheads:
+    """Run the probe ``rounds`` times (each: one rank, two ranks, the plain step and the
+    replica's steps in this process), derive the overheads of each round and keep their medians
+    (:func:`combine`; see the module doc); ``stash_copy_s`` is left 0 (the profile measures
+    it, per model)."""
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
                for _ in range(minibatches)]
     t0 = time.perf_counter()
     keep_freed_memory()  # the plain steps run as the profile times them, and the ranks run
+    got: list[ProbeRound] = []
     with torch.random.fork_rng(devices=[]):
-        one, many, two = _run(1, batches)[0], _run(1, batches, SMALLS)[0], _run(2, batches)
-        # the yardstick: the same steps as plain PyTorch runs them (what the profile's
-        # whole-step calibration holds the node times to), measured here, not the probe's
-        # profile, whose own error would land in the overheads
-        eager_one, eager_many = _eager_step(0, batches), _eager_step(SMALLS, batches)
-    per_tensor = max((many - one) - (eager_many - eager_one), 0.0) / (2 * SMALLS)
-    action = max(one - eager_one - 2 * LAYERS * per_tensor, 0.0)
-    # at two stages each holds two of the probe's (identical) layers, half the step, and one
-    # value crosses the cut
-    message = max(statistics.fmean(two) - eager_one / 2 - action - LAYERS * per_tensor,
-                  0.0) / 2
+        for _ in range(rounds):
+            (one,), (one_copy,) = _run(1, batches)
+            two_raw, two_copies = _run(2, batches)
+            fan = _run_fan(batches)
+            two = [t - c for t, c in zip(two_raw, two_copies)]
+            # the yardstick: the same steps as plain PyTorch runs them (what the profile's
+            # whole-step calibration holds the node times to), measured here, not the probe's
+            # profile, whose own error would land in the overheads
+            got.append(ProbeRound(one - one_copy, tuple(two), eager_step(0, batches),
+                                  replica_per_tensor(batches[:80]), tuple(two_raw), tuple(fan),
+                                  eager_step(0, batches, fan=FAN)))
+    action, per_tensor, message = combine(got)
     # a tied all-reduce is posted and waited for like a send and a receive: two messages
     ov = Overheads(action_s=action, message_s=message, tensor_s=per_tensor,
                    stash_tensor_s=stash_per_tensor(), tie_s=2 * message,
+                   value_s=combine_value(got),
                    source=f"measured on {platform.node() or 'this machine'} "
                           f"(fxpipe.runtime.execution.overhead_probe)")
+    spread = [derive(r) for r in got]
     log.info("runtime overheads: %.3f ms per stage and minibatch, %.1f us per parameter tensor "
-             "(%.1f us more where the stash copies), %.3f ms per message (probe, %.1f s)",
+             "(%.1f us more where the stash copies), %.3f ms per message (%.3f ms per message of "
+             "a value beyond a cut's first) (probe, median of %d rounds: %s; %.1f s)",
              action * 1e3, per_tensor * 1e6, ov.stash_tensor_s * 1e6, message * 1e3,
-             time.perf_counter() - t0)
+             ov.further_s * 1e3, len(got),
+             ", ".join(f"{a * 1e3:.3f} ms / {t * 1e6:.1f} us / {m * 1e3:.3f} ms"
+                       for a, t, m in spread), time.perf_counter() - t0)
     return ov
 
 

@@ -2,7 +2,8 @@
 
 Every expected number is worked out in the comments from the definitions in
 fxpipe.costmodel.overheads: a stage replica pays, per minibatch, ``action`` + ``tensor`` per
-parameter tensor it holds + ``message`` per message (2 per value crossing each of its cuts) +
+parameter tensor it holds + ``message`` per message (2 per value crossing each of its cuts;
+``value`` instead for the values beyond a cut's first where it is measured) +
 ``tie`` per set of stages it shares a parameter with + where its schedule stashes versions,
 ``stash_copy`` x its share of the parameter bytes + ``stash_tensor`` per parameter tensor; a stage
 with r replicas costs the pipeline 1/r of that. The overheads use distinct powers of ten so each
@@ -65,6 +66,21 @@ def test_every_value_crossing_a_cut_is_a_message_each_way() -> None:
     prof = with_ov([node(0, ()), node(1, ("n0",)), node(2, ("n0", "n1"))])
     got = stage_overheads(prof, [0, 1, 2], [1, 1, 1], [3, 2, 1], FLUSH)
     assert got == [1.0 + 20.0, 1.0 + 60.0, 1.0 + 40.0]
+
+
+def test_values_beyond_a_cuts_first_cost_value_s() -> None:
+    """The same skip with ``value_s`` = 0.5: the first value across each cut, each way, costs
+    message_s (10), every further one value_s. Stage 0: 1 value out (20); stage 1: 1 in (20),
+    2 out (20 + 2 x 0.5); stage 2: 2 in (20 + 1). Without value_s (an older profile) every
+    message is message_s, as before."""
+    ov = Overheads(action_s=1.0, message_s=10.0, value_s=0.5, source="by hand")
+    prof = with_ov([node(0, ()), node(1, ("n0",)), node(2, ("n0", "n1"))], ov)
+    got = stage_overheads(prof, [0, 1, 2], [1, 1, 1], [3, 2, 1], FLUSH)
+    assert got == [1.0 + 20.0, 1.0 + 40.0 + 1.0, 1.0 + 20.0 + 1.0]
+    assert Overheads.from_dict(ov.to_dict()) == ov
+    assert Overheads.from_dict({"message_s": 10.0}).further_s == 10.0
+    with pytest.raises(ProfileFormatError):
+        Overheads(value_s=-1.0)
 
 
 def test_a_parameter_shared_across_stages_costs_an_all_reduce_each() -> None:

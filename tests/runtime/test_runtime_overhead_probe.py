@@ -155,11 +155,52 @@ def test_the_stash_adds_a_little_per_tensor() -> None:
     assert math.isfinite(got) and 0 <= got < 1e-3
 
 
+def test_each_round_is_derived_by_the_module_docs_arithmetic() -> None:
+    """By hand: a one-rank run of 1.0 ms per minibatch against a plain step of 0.7 ms, 5 us per
+    tensor (the probe's 8 tensors: 0.04 ms) leave 0.26 ms per stage; the two-rank stages (0.8
+    and 0.6 ms, mean 0.7) less half the plain step, that and 4 tensors leave 0.07 ms for their
+    2 messages."""
+    r = op.ProbeRound(one=1.0e-3, two=(0.8e-3, 0.6e-3), eager_one=0.7e-3, per_tensor=5e-6)
+    action, tensor, message = op.derive(r)
+    assert action == pytest.approx(0.26e-3) and tensor == 5e-6
+    assert message == pytest.approx(0.035e-3)
+    # a run faster than the plain step measures no overhead, not a negative one
+    assert op.derive(op.ProbeRound(0.5e-3, (0.1e-3, 0.1e-3), 0.7e-3, -1e-6)) == (0.0, 0.0, 0.0)
+
+
+def test_a_value_beyond_the_first_is_the_fan_runs_excess() -> None:
+    """By hand, FAN = 3: the fan run's stages (2.0 and 1.8 ms, mean 1.9) against the plain
+    two-rank run's (1.5 and 1.3, mean 1.4: 0.5 ms more), less half the fan's extra plain
+    compute (0.2 ms of 0.4), over the 6 messages more each stage posts or takes: 0.05 ms."""
+    assert op.FAN == 3
+    r = op.ProbeRound(one=1e-3, two=(1.4e-3, 1.2e-3), eager_one=2e-3, per_tensor=0.0,
+                      two_raw=(1.5e-3, 1.3e-3), fan_two=(2.0e-3, 1.8e-3), eager_fan=2.4e-3)
+    assert op.derive_value(r) == pytest.approx(0.05e-3)
+    assert op.derive_value(op.ProbeRound(1e-3, (1e-3,), 1e-3, 0.0)) is None  # no fan run
+    assert op.combine_value([op.ProbeRound(1e-3, (1e-3,), 1e-3, 0.0)]) is None
+    assert op.combine_value([r, r, op.ProbeRound(**{**r.__dict__, "fan_two": (9e-3, 9e-3)})]) \
+        == pytest.approx(0.05e-3)
+
+
+def test_the_rounds_median_ignores_one_disturbed_launch() -> None:
+    base = dict(two=(0.8e-3, 0.6e-3), eager_one=0.7e-3)
+    rounds = [op.ProbeRound(one=1.0e-3, per_tensor=3e-6, **base),
+              op.ProbeRound(one=1.1e-3, per_tensor=4e-6, **base),
+              op.ProbeRound(one=9.0e-3, per_tensor=50e-6, **base)]  # the disturbed one
+    action, tensor, _ = op.combine(rounds)
+    assert tensor == 4e-6
+    assert action == pytest.approx(1.1e-3 - 0.7e-3 - 8 * 4e-6)  # the middle round's
+    with pytest.raises(ValueError):
+        op.combine([])
+
+
 def test_the_probe_measures_this_machine() -> None:
-    """The real probe (three launches): finite, non-negative, and a stage costs something."""
-    ov = op.measure_overheads(minibatches=48)
+    """The real probe (one round: two launches and the replica in this process): finite,
+    non-negative, and a stage costs something."""
+    ov = op.measure_overheads(minibatches=48, rounds=1)
     assert ov.action_s + ov.message_s > 0 and "measured on" in ov.source
-    for v in (ov.action_s, ov.message_s, ov.tensor_s, ov.stash_tensor_s, ov.tie_s):
+    assert ov.value_s is not None
+    for v in (ov.action_s, ov.message_s, ov.tensor_s, ov.stash_tensor_s, ov.tie_s, ov.value_s):
         assert math.isfinite(v) and 0 <= v < 0.05
 
 
