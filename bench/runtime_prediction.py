@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = [sum(m["parts"][r][k] for k in ("send", "recv_transfer", "recv_late", "idle"))
                  for m, r in zip(runs, slow)]
         cal = [m["calibrated"] for m in runs]
+        drift_err = [(x / (pred * m["speed"]) - 1) * 100 for x, m in zip(meas, runs)]
         b = bare[key]
         rows.append(f"| {name} | {stages} | {b * 1e3:.2f} | "
                     f"{s([(x / b - 1) * 100 for x in meas], '{:+.0f}')}% | "
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"**{s([(x / p - 1) * 100 for x, p in zip(meas, cal)], '{:+.0f}')}%** | "
                     f"{s(ratio)} | {s([x * 1e3 for x in extra])} | "
                     f"{s([m['speed'] for m in runs])} | "
-                    f"{s([(x / (pred * m['speed']) - 1) * 100 for x, m in zip(meas, runs)], '{:+.0f}')}% |")
+                    f"{s(drift_err, '{:+.0f}')}% |")
         for r in range(stages):
             fs = [m["factors"][r] for m in runs]
             factor_rows.append(f"| {name} | {stages} | {r} | " + " | ".join(

@@ -82,9 +82,9 @@ from .overhead_local import (BATCH, LAYERS, WIDTH, FanProbe, eager_step, fan_cut
                              probe_model, probe_optimizer, replica_per_tensor,
                              stash_per_tensor)
 
-__all__ = ["ProbeRound", "combine", "combine_value", "derive", "derive_value", "host_seconds", "machine_overheads",
-           "measure_overheads", "probe_loss", "probe_model", "probe_optimizer",
-           "stash_per_tensor"]
+__all__ = ["ProbeRound", "combine", "combine_value", "derive", "derive_value", "host_seconds",
+           "machine_overheads", "measure_overheads", "probe_loss", "probe_model",
+           "probe_optimizer", "stash_per_tensor"]
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,8 @@ def combine(rounds: Sequence[ProbeRound]) -> tuple[float, float, float]:
     if not rounds:
         raise ValueError("no probe rounds")
     got = [derive(r) for r in rounds]
-    return tuple(statistics.median(g[i] for g in got) for i in range(3))  # type: ignore[return-value]
+    action, tensor, message = (statistics.median(g[i] for g in got) for i in range(3))
+    return action, tensor, message
 
 
 def combine_value(rounds: Sequence[ProbeRound]) -> float | None:
