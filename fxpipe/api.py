@@ -406,7 +406,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     messages, the stash's copy; :mod:`fxpipe.costmodel.overheads`), priced into the plan:
     ``"auto"`` (default, or ``$FXPIPE_OVERHEADS``): on this machine's CPU, measured once by a
     probe on one rank and two and cached (:mod:`fxpipe.runtime.execution.overhead_probe`, about
-    10 s the first time); for an estimated device or a model on CUDA only the stash's copy (the
+    45 s the first time); for an estimated device or a model on CUDA only the stash's copy (the
     calls and messages there are not measured); ``"measure"``: probe again; ``"off"``: none
     (the nodes' times alone, the cost model before them); or an :class:`Overheads`.
 
