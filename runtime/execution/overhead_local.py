@@ -3,12 +3,14 @@
 Why in this process: what the runtime pays per parameter tensor (the replica swaps every tensor
 into the stage's module for each call, keeps its gradient sum, hands it to the optimizer) is a
 property of the stage replica, not of the links or the executor. Measured as the difference of
-two distributed runs (one rank with and without 96 tiny layers), it was the difference of two
-runs of about 2 and 9 ms per minibatch whose plain steps alone moved by 1 ms from one launch to
-the next: on the project's 2-core machine, quiet, three probes in a row gave 5.1, 2.8 and 8.8 us
-per tensor, and another three 0, 0 and 0 as their middle rounds. Here each step of the replica
-is paired with a plain step of the same layers, back to back, and the median of the paired
-differences is kept (:func:`replica_step_excess`): the machine's drift cancels in each pair.
+two distributed runs (one rank with and without 48 tiny layers), it was the difference of two
+runs of a few milliseconds per minibatch whose plain steps alone moved by up to 1 ms from one
+launch to the next: on the project's 2-core machine, quiet, three probes in a row gave 5.1, 2.8
+and 8.8 us per tensor; with 96 tiny layers and the median of three rounds, 0, 4.6 and 5.7 (the
+first's rounds all 0). Here each step of the replica is paired with a plain step of the same
+layers, back to back, and the median of the paired differences is kept
+(:func:`replica_step_excess`): the machine's drift cancels in each pair (three probes: 2.9-3.6
+us, then 3.6-5.3 in the later ones of the evening).
 
 * :func:`probe_model`: ``LAYERS`` ``Linear(WIDTH, WIDTH) + Tanh`` layers, plus ``small`` tiny
   layers of two 4-element parameters each;
