@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.codegen import StageSpec, split_graph
+from fxpipe.codegen.split import placed_nodes
 from fxpipe.costmodel.profiler import pinned_threads
 from fxpipe.tracing import trace
 
@@ -99,15 +100,14 @@ class FanProbe(nn.Module):
 
 def fan_cut(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Two stages of a traced :class:`FanProbe`: the first ends before its third layer."""
-    placed = [n for n in gm.graph.nodes if n.op not in ("get_attr", "output")]
+    placed = placed_nodes(gm)
     third = next(i for i, n in enumerate(placed) if n.op == "call_module" and n.target == "body.4")
     return {n.name: int(i >= third) for i, n in enumerate(placed)}
 
 
-def eager_step(small: int, batches: list[Batch], fan: int = 0) -> float:
-    """Median seconds of a plain training step (forward, loss, backward, SGD step) of the probe
-    with ``small`` tiny layers (or, with ``fan``, of :class:`FanProbe`), one thread."""
-    model = FanProbe(fan) if fan else probe_model(small)
+def eager_step(model: nn.Module, batches: list[Batch]) -> float:
+    """Median seconds of a plain training step (forward, loss, backward, SGD step) of
+    ``model`` (:func:`probe_model` or :class:`FanProbe`), one thread."""
     opt = probe_optimizer(list(model.parameters()))
     times = []
     with pinned_threads(1):
@@ -124,8 +124,7 @@ def eager_step(small: int, batches: list[Batch], fan: int = 0) -> float:
 def one_stage(small: int, example: torch.Tensor) -> StageSpec:
     """The probe (with ``small`` tiny layers) traced and split as one stage."""
     traced = trace(probe_model(small), (example,))
-    placed = [n.name for n in traced.gm.graph.nodes if n.op not in ("get_attr", "output")]
-    return split_graph(traced.gm, dict.fromkeys(placed, 0))[0]
+    return split_graph(traced.gm, {n.name: 0 for n in placed_nodes(traced.gm)})[0]
 
 
 def replica_step_excess(small: int, batches: list[Batch], warmup: int = 10) -> float:

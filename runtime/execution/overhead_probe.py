@@ -111,8 +111,8 @@ def host_seconds(timeline: dict[int, list[TimelineEvent]], lo: int, hi: int) -> 
 
 def _run_fan(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
     """Per stage of :class:`~.overhead_local.FanProbe` (``FAN`` values more across its cut) on
-    two ranks, the seconds per minibatch it ran (:func:`host_seconds`; its weights are the
-    probe's, so the stash's copy is the same as :func:`_run`'s and cancels in the difference)."""
+    two ranks, the seconds per minibatch it ran (:func:`host_seconds`; its weights and cut are
+    the probe's, so its stash's copy is the two-rank :func:`_run`'s)."""
     traced = trace(FanProbe(FAN), (batches[0][0],))
     specs = split_graph(traced.gm, fan_cut(traced.gm))
     sched = make_schedule("pipedream", [1, 1], len(batches))
@@ -154,8 +154,7 @@ class ProbeRound:
     two: tuple[float, ...]
     eager_one: float
     per_tensor: float
-    two_raw: tuple[float, ...] = ()  # the two-rank run without the stash's copy taken out
-    fan_two: tuple[float, ...] = ()  # each stage of FanProbe(FAN) on two ranks
+    fan_two: tuple[float, ...] = ()  # each stage of FanProbe(FAN) on two ranks, as ``two``
     eager_fan: float = 0.0           # a plain step of FanProbe(FAN)
 
 
@@ -163,9 +162,9 @@ def derive_value(r: ProbeRound) -> float | None:
     """``value_s`` of one round: what the fan run's stages pay beyond the plain two-rank run's,
     less half the fan's extra plain compute, over the ``2 * FAN`` messages more each stage
     posts or takes (clamped at 0); None where the round has no fan run."""
-    if not r.fan_two or not r.two_raw:
+    if not r.fan_two:
         return None
-    extra = statistics.fmean(r.fan_two) - statistics.fmean(r.two_raw)
+    extra = statistics.fmean(r.fan_two) - statistics.fmean(r.two)
     return max(extra - (r.eager_fan - r.eager_one) / 2, 0.0) / (2 * FAN)
 
 
@@ -212,15 +211,15 @@ def measure_overheads(minibatches: int = MINIBATCHES, rounds: int = ROUNDS) -> O
     with torch.random.fork_rng(devices=[]):
         for _ in range(rounds):
             (one,), (one_copy,) = _run(1, batches)
-            two_raw, two_copies = _run(2, batches)
+            two, copies = _run(2, batches)
             fan = _run_fan(batches)
-            two = [t - c for t, c in zip(two_raw, two_copies)]
+            two, fan = ([t - c for t, c in zip(ts, copies)] for ts in (two, fan))
             # the yardstick: the same steps as plain PyTorch runs them (what the profile's
             # whole-step calibration holds the node times to), measured here, not the probe's
             # profile, whose own error would land in the overheads
-            got.append(ProbeRound(one - one_copy, tuple(two), eager_step(0, batches),
-                                  replica_per_tensor(batches[:80]), tuple(two_raw), tuple(fan),
-                                  eager_step(0, batches, fan=FAN)))
+            got.append(ProbeRound(one - one_copy, tuple(two), eager_step(probe_model(), batches),
+                                  replica_per_tensor(batches[:80]), tuple(fan),
+                                  eager_step(FanProbe(FAN), batches)))
     action, per_tensor, message = combine(got)
     # a tied all-reduce is posted and waited for like a send and a receive: two messages
     ov = Overheads(action_s=action, message_s=message, tensor_s=per_tensor,

@@ -173,8 +173,8 @@ def test_a_value_beyond_the_first_is_the_fan_runs_excess() -> None:
     two-rank run's (1.5 and 1.3, mean 1.4: 0.5 ms more), less half the fan's extra plain
     compute (0.2 ms of 0.4), over the 6 messages more each stage posts or takes: 0.05 ms."""
     assert op.FAN == 3
-    r = op.ProbeRound(one=1e-3, two=(1.4e-3, 1.2e-3), eager_one=2e-3, per_tensor=0.0,
-                      two_raw=(1.5e-3, 1.3e-3), fan_two=(2.0e-3, 1.8e-3), eager_fan=2.4e-3)
+    r = op.ProbeRound(one=1e-3, two=(1.5e-3, 1.3e-3), eager_one=2e-3, per_tensor=0.0,
+                      fan_two=(2.0e-3, 1.8e-3), eager_fan=2.4e-3)
     assert op.derive_value(r) == pytest.approx(0.05e-3)
     assert op.derive_value(op.ProbeRound(1e-3, (1e-3,), 1e-3, 0.0)) is None  # no fan run
     assert op.combine_value([op.ProbeRound(1e-3, (1e-3,), 1e-3, 0.0)]) is None
