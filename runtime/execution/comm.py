@@ -25,6 +25,7 @@ on one connection and 14 ms on two.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -288,6 +289,55 @@ class Comm:
                               {**base, "bucket": i, "numel": p.tensor.numel(), "async": True})
                 for i, (p, t0, t1) in enumerate(zip(pends, launched, done)))
 
+    # ------------------------------------------------------------------ a tie of two ranks
+    # The sum of a tied parameter held by exactly two ranks, as two messages instead of an
+    # all-reduce: each rank sends its part once it has it, and receives the other's on a
+    # receive posted long before (its update's start), so the part that is ready first crosses
+    # the link while the other rank still computes. Each direction is a channel of its own
+    # (:func:`tied_channel`): one sender, one receiver, messages in update order, so NCCL's
+    # rules hold whatever else is in flight. Not in :attr:`_sends`: the caller waits for each.
+    def tied_recv(self, spec: TensorSpec, src: Rank, tag: int, what: str) -> _Pending:
+        """Post the receive of ``src``'s part of a tied sum (see above)."""
+        channel = tied_channel(self.rank_of[src], self.rank_of[self.me])
+        buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        pend = _Pending(None, buf, src, f"receiving {what}", what, tag=tag)
+        pend.ref = self._record("p2p", len(self.log or ()), ((False, self.rank_of[src], tag,
+                                                               spec.shape, str(spec.dtype)),),
+                                channel)
+        try:
+            pend.work = dist.irecv(buf, src=self.rank_of[src], tag=tag,
+                                   group=self.groups[channel])
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
+        return pend
+
+    def tied_send(self, tensor: torch.Tensor, dst: Rank, tag: int, what: str) -> _Pending:
+        """Post the send of this rank's part of a tied sum to ``dst``; ``tensor`` must stay
+        untouched until :meth:`tied_wait` of the returned send."""
+        channel = tied_channel(self.rank_of[self.me], self.rank_of[dst])
+        pend = _Pending(None, tensor, dst, f"sending {what}", what, tag=tag)
+        pend.ref = self._record("p2p", len(self.log or ()), ((True, self.rank_of[dst], tag,
+                                                               tuple(tensor.shape),
+                                                               str(tensor.dtype)),), channel)
+        try:
+            pend.work = dist.isend(tensor, dst=self.rank_of[dst], tag=tag,
+                                   group=self.groups[channel])
+        except RuntimeError as err:
+            raise self._fail(pend, err) from err
+        return pend
+
+    def tied_wait(self, pend: _Pending, *, span: bool = True) -> torch.Tensor:
+        """Wait (at most the timeout) for a tied part's receive (an ``allreduce`` event, as the
+        all-reduce it stands for was) or, ``span=False``, its send."""
+        self._record("wait", pend.ref)
+        with (self.recorder.span("allreduce", f"allreduce {pend.name}", group="tied pair")
+              if span else contextlib.nullcontext()):
+            try:
+                pend.work.wait(timeout=self.timeout)
+            except RuntimeError as err:
+                raise self._fail(pend, err) from err
+        return pend.tensor
+
     def barrier(self) -> None:
         """All ranks: the end of a run (no rank leaves while a peer may still talk to it)."""
         pend = _Pending(None, torch.empty(0), self.me, "final barrier")
@@ -299,6 +349,12 @@ class Comm:
             dist.barrier(async_op=True).wait(timeout=self.timeout)
         except RuntimeError as err:
             raise self._fail(pend, err) from err
+
+
+def tied_channel(src: int, dst: int) -> str:
+    """The channel (a process group of the two ranks) that carries the parts of a tied sum
+    from global rank ``src`` to ``dst``."""
+    return f"tied {src}->{dst}"
 
 
 def make_groups(replicas: Sequence[int], rank_of: Mapping[Rank, int],
@@ -317,6 +373,9 @@ def make_groups(replicas: Sequence[int], rank_of: Mapping[Rank, int],
         members = sorted(rank_of[(s, j)] for s in stages for j in range(replicas[s]))
         groups[tuple(stages)] = dist.new_group(members, timeout=timeout)
         log.debug("tied-parameter group of stages %s: ranks %s", list(stages), members)
+        if len(members) == 2:  # a tie of two ranks: a channel each way (Comm.tied_send)
+            for src, dst in (members, members[::-1]):
+                groups[tied_channel(src, dst)] = dist.new_group(members, timeout=timeout)
     for name in (*extra, *CHANNELS.values()):  # every rank of the pipeline: the gradient
         # norm's all-reduce, and the two directions of point-to-point messages (see CHANNELS)
         groups[name] = dist.new_group(sorted(set(rank_of.values())), timeout=timeout)

@@ -111,6 +111,8 @@ class RankExecutor(UpdateMixin):
         self.tied = [(stages_, [t.names[me[0]] for t in ts]) for stages_, ts
                      in tie_sets(all_tied).items() if me[0] in stages_]
         self._rounds: dict[tuple[tuple[int, ...], int], tuple[_Pending, float]] = {}
+        self._pair_inbox: dict[tuple[int, ...], tuple[int, _Pending]] = {}
+        self._pair_sent: dict[tuple[int, ...], _Pending] = {}
         self._delay = 0
         self.rec = recorder or comm.recorder
         self.schedule = schedule
@@ -287,6 +289,10 @@ class RankExecutor(UpdateMixin):
         if plan.ops:
             with self.rec.span("recv", "post receives"):
                 issuer.start()
+        updates = iter([i for i, b in enumerate(actions) if b.kind == "U"])
+        u_next = next(updates, None)
+        if u_next is not None and self.tied:  # ties of two ranks: their parts' receives
+            self.prepost_tied(actions[u_next])
         meter = self.meter
         for i, a in enumerate(actions):
             if self.fault is not None and i == self.fault[1]:
@@ -308,6 +314,9 @@ class RankExecutor(UpdateMixin):
                 self.weight(a, update=None if u is None else actions[u])
             else:
                 self.update(a)
+                u_next = next(updates, None)
+                if u_next is not None and self.tied:
+                    self.prepost_tied(actions[u_next])
             if plan.sends[i]:
                 if meter is not None:
                     meter.at("comm")
@@ -322,6 +331,7 @@ class RankExecutor(UpdateMixin):
         if final:
             assert not self._inbox and not self._data, "every message and minibatch was used"
             self._finish_tied_rounds()
+            self._finish_tied_pairs()
             self.comm.flush()
             self.comm.barrier()
             self._planner = self._proofs = None
@@ -339,7 +349,7 @@ class RankExecutor(UpdateMixin):
 
     def _begin(self, sched: Schedule) -> None:
         """A new stretch: nothing may be in flight; its plan, clipping and tied delay."""
-        if self._inbox or self._data:
+        if self._inbox or self._data or self._pair_inbox or self._pair_sent:
             raise RuntimeError(f"{self.comm.who}: a new schedule while the last stretch has "
                                "messages or minibatches in flight (its final window did not "
                                "run: a bug)")

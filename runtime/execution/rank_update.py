@@ -19,7 +19,7 @@ from ..replica.stage import StageReplica
 from ..schedules.schedule import Action, Rank, Schedule
 from ..timeline import Recorder
 from .buckets import BucketLayout, GradBuckets
-from .comm import Comm, _Pending
+from .comm import Comm, TensorSpec, _Pending, tied_channel
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ class UpdateMixin:
     _round: str
     _delay: int
     _rounds: dict[tuple[tuple[int, ...], int], tuple[_Pending, float]]
+    _pair_inbox: dict[tuple[int, ...], tuple[int, _Pending]]  # tie -> (update, receive posted)
+    _pair_sent: dict[tuple[int, ...], _Pending]  # tie -> this rank's last part sent
 
     def buckets(self) -> GradBuckets | None:
         """The stage's gradient buckets, or None when its replicas' sum is not overlapped (one
@@ -121,9 +123,64 @@ class UpdateMixin:
             return self._tied_round(a.minibatch, segs, float(self.replica.count))
         out: dict[str, torch.Tensor | None] = {}
         for key, names, seg in segs:
-            self.comm.all_reduce(seg, key, self._holders(key), f"tied {names} U{a.minibatch}")
+            other = self._pair(key)
+            if other is None:
+                self.comm.all_reduce(seg, key, self._holders(key),
+                                     f"tied {names} U{a.minibatch}")
+            else:
+                seg = self._pair_sum(key, names, seg, other, a.minibatch)
             out.update(self.replica.split_segment(seg, names, flags=True))
         return out
+
+    # A tie held by exactly two lone replicas, summed at the update (delay 0), travels as two
+    # messages (Comm.tied_send): the receive of the other's part is posted when the round
+    # begins (prepost_tied), so the part ready first crosses while the other rank computes.
+    def _pair(self, key: tuple[int, ...]) -> Rank | None:
+        """The other holder of tie ``key`` when its sum travels as two messages, else None."""
+        holders = self._holders(key)
+        if self._delay or len(holders) != 2 or self.schedule.replicas[self.me[0]] != 1:
+            return None
+        other = holders[0] if holders[1] == self.me else holders[1]
+        mine, theirs = self.comm.rank_of[self.me], self.comm.rank_of[other]
+        if {tied_channel(mine, theirs), tied_channel(theirs, mine)} - set(self.comm.groups):
+            return None  # groups made without the pair's channels: the all-reduce
+        return other
+
+    def prepost_tied(self, u: Action) -> None:
+        """Post the receives of the other holders' parts for update ``u`` (ties summed as two
+        messages), before the backwards whose gradients they complete."""
+        for key, names in self.tied:
+            other = self._pair(key)
+            if other is None or key in self._pair_inbox:
+                continue
+            shape, dtype = self.replica.segment_spec(names)
+            self._pair_inbox[key] = (u.minibatch, self.comm.tied_recv(
+                TensorSpec(shape, dtype), other, u.minibatch, f"tied {names} U{u.minibatch}"))
+
+    def _pair_sum(self, key: tuple[int, ...], names: list[str], seg: torch.Tensor,
+                  other: Rank, k: int) -> torch.Tensor:
+        """This rank's part plus the other holder's: the all-reduce's value on both ranks
+        (one addition, and a + b == b + a in IEEE arithmetic)."""
+        k_posted, recv = self._pair_inbox.pop(key, (k, None))
+        if k_posted != k:
+            raise RuntimeError(f"{self.comm.who}: the receive of tie {list(key)} was posted "
+                               f"for update {k_posted}, not {k} (a bug)")
+        if recv is None:
+            recv = self.comm.tied_recv(TensorSpec(tuple(seg.shape), seg.dtype), other, k,
+                                       f"tied {names} U{k}")
+        send = self.comm.tied_send(seg, other, k, f"tied {names} U{k}")
+        theirs = self.comm.tied_wait(recv)
+        last = self._pair_sent.pop(key, None)
+        if last is not None:  # received: the other part k was sent after its update k - 1,
+            self.comm.tied_wait(last, span=False)  # which waited for this rank's part k - 1
+        self._pair_sent[key] = send
+        return seg + theirs
+
+    def _finish_tied_pairs(self) -> None:
+        """Stretch end: this rank's last parts received (each wait bounded by the timeout)."""
+        assert not self._pair_inbox, self._pair_inbox
+        for key in list(self._pair_sent):
+            self.comm.tied_wait(self._pair_sent.pop(key), span=False)
 
     def _holders(self, key: tuple[int, ...]) -> list[Rank]:
         return [(t, j) for t in key for j in range(self.schedule.replicas[t])]

@@ -67,13 +67,19 @@ class UpdateMixin:
         stage's whole flat buffer (a copy of every gradient): what a lone replica with tied
         parameters all-reduces. Same values and dtype, bit for bit."""
         tail_dtype, device = self._tail()
-        # torch.cat of the whole buffer promotes over every part: so must this
-        dtype = functools.reduce(torch.promote_types,
-                                 [self.stash.grad_dtypes[n] for n in self.stash.trainable],
-                                 tail_dtype)
+        (_, dtype) = self.segment_spec(names)
         flags = [1.0 if n in self._grad_sum else 0.0 for n in names]
         return torch.cat([*(self._flat_part(n).to(dtype) for n in names),
                           torch.tensor(flags, dtype=tail_dtype, device=device).to(dtype)])
+
+    def segment_spec(self, names: Sequence[str]) -> tuple[tuple[int], torch.dtype]:
+        """Shape and dtype of :meth:`local_segment` for ``names``, known before any gradient
+        (a receive of the other holder's part is posted that early)."""
+        # torch.cat of the whole buffer promotes over every part: so must the segment
+        dtype = functools.reduce(torch.promote_types,
+                                 [self.stash.grad_dtypes[n] for n in self.stash.trainable],
+                                 self._tail()[0])
+        return (sum(self.stash.latest[n].numel() for n in names) + len(names),), dtype
 
     def _flat_part(self, name: str) -> torch.Tensor:
         """``name``'s gradient sum flattened (zeros in the gradients' dtype when it has none)."""

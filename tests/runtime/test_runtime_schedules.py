@@ -57,8 +57,10 @@ class Case:
                                  self.schedule(), lf, opt).run(self.data())
 
 
-TWO = {f"{k}-2stage": Case(tiny_mlp, (2,), (1, 1), k, 12 if k == "2bw" else 8, 4)
-       for k in ("1f1b-flush", "gpipe", "2bw")}
+TWO = {**{f"{k}-2stage": Case(tiny_mlp, (2,), (1, 1), k, 12 if k == "2bw" else 8, 4)
+          for k in ("1f1b-flush", "gpipe", "2bw")},
+       # a tie of two ranks: its sum travels as two messages (Comm.tied_send), not an all-reduce
+       "tied-1f1b-flush-2stage": Case(TiedLM, (1,), (1, 1), "1f1b-flush", 8, 4, tied=True)}
 THREE = {
     **{f"{k}-2-1": Case(tiny_mlp, (2,), (2, 1), k, 12 if k == "2bw" else 8, 4)
        for k in ("1f1b-flush", "gpipe", "2bw")},
@@ -103,7 +105,8 @@ def test_distributed_equals_reference(name: str, two_rank, three_rank) -> None:
 
 
 @pytest.mark.parametrize("name", ["1f1b-flush-2stage", "gpipe-2stage", "1f1b-flush-2-1",
-                                  "gpipe-2-1", "tied-1f1b-flush-2-1", "tied-noam1-3stage"])
+                                  "gpipe-2-1", "tied-1f1b-flush-2-1", "tied-noam1-3stage",
+                                  "tied-1f1b-flush-2stage"])
 def test_equals_plain_sgd(name: str, two_rank, three_rank) -> None:
     """Flush schedules accumulate m microbatch gradients = one SGD step on their concatenation
     (mean losses, equal microbatches); NOAM = 1 is plain SGD. Both executors must agree."""
@@ -116,12 +119,12 @@ def test_equals_plain_sgd(name: str, two_rank, three_rank) -> None:
                 torch.testing.assert_close(p, want[n], **TIGHT, msg=f"{name} {rank} {n}")
 
 
-@pytest.mark.parametrize("name", [n for n, c in THREE.items() if c.tied])
-def test_tied_copies_stay_identical(name: str, three_rank) -> None:
-    res = three_rank[name]
+@pytest.mark.parametrize("name", [n for n, c in {**TWO, **THREE}.items() if c.tied])
+def test_tied_copies_stay_identical(name: str, two_rank, three_rank) -> None:
+    case, res = _result(name, two_rank, three_rank)
     copies = [p[n] for p in res.replica_params.values() for n in ("wte.weight", "lm_head.weight")
               if n in p]
-    assert len(copies) == (3 if THREE[name].replicas == (2, 1) else 2)
+    assert len(copies) == (3 if case.replicas == (2, 1) else 2)
     for c in copies[1:]:
         assert torch.equal(c, copies[0])
 
@@ -147,3 +150,27 @@ def test_every_job_timeline_is_sequential_per_rank(two_rank, three_rank) -> None
             assert evs, rank
             for a, b in zip(evs, evs[1:]):
                 assert a.end <= b.start + 1e-9, (rank, a, b)
+
+
+def test_a_tie_of_two_ranks_is_summed_by_messages_posted_ahead(two_rank) -> None:
+    """Under 1f1b-flush on 2 stages the tied embedding/head sum is two messages, one per
+    direction on a channel of its own, not an all-reduce; each rank posts the receive of the
+    other's part for update k before it waits for the gradients that its update k sums (so the
+    part ready first crosses while the other rank still computes); the logs passed the NCCL
+    checker in run_jobs. Distributed == reference and == plain SGD: the tests above."""
+    res = two_rank["tied-1f1b-flush-2stage"]
+    for rank, log_ in res.comm_logs.items():
+        other = 1 - rank
+        assert not [ev for ev in log_ if ev[0] == "coll" and ev[1] != "world"]
+        posted = {ev[2][0][2]: i for i, ev in enumerate(log_)
+                  if ev[0] == "p2p" and ev[3] == f"tied {other}->{rank}"}
+        sent = {ev[2][0][2]: i for i, ev in enumerate(log_)
+                if ev[0] == "p2p" and ev[3] == f"tied {rank}->{other}"}
+        grads = {ev[1] for ev in log_ if ev[0] == "p2p" and ev[3] == "gradients"
+                 and not ev[2][0][0]}  # stage 0's gradient receives (none on the last stage)
+        assert sorted(posted) == sorted(sent) == [0, 1]  # 8 minibatches, m = 4: two updates
+        for k in (0, 1):
+            between = [ev for ev in log_[posted[k]:sent[k]] if ev[0] == "wait"]
+            assert between, (rank, k)  # waits for the round's messages came after the post
+            if rank == 0:
+                assert any(ev[1] in grads for ev in between), k
