@@ -82,6 +82,7 @@ class EventLoop:
         self.arrived: set[tuple[str, int, int]] = set()
         self.waiting: dict[tuple[str, int, int], list[Rank]] = {}
         self.barrier: dict[tuple[int, int], int] = {}
+        self.pair_sent: set[tuple[int, int]] = set()  # (stage, update): its tied part is sent
         self.port_free: dict[tuple[str, int], float] = {}
         self.done = [0.0] * sched.num_minibatches
         self.heap: list[tuple[float, int, str, Any]] = []
@@ -128,6 +129,9 @@ class EventLoop:
         s, c = rank[0], self.costs[rank[0]]
         if a.kind == "U":
             i, comp = a.minibatch, self.comp.get(s, (s,))
+            if self.delay == 0 and self.pair(comp):
+                self.pair_update(rank, a, comp, now)
+                return
             if self.delay > 0 and i >= self.delay and len(comp) > 1:
                 need = ("T", comp[0], i - self.delay)  # lagged tied sum: round i - d arrived
                 if need not in self.arrived:
@@ -164,6 +168,30 @@ class EventLoop:
         self.ptr[rank] += 1
         self.record(rank, "forward" if a.kind == "F" else "backward", str(a), now, now + dur,
                     minibatch=k)
+        self.push(now + dur, "end", (rank, a))
+
+    def pair(self, comp: tuple[int, ...]) -> bool:
+        """Whether the tied sum of ``comp`` travels as two messages (two stages of one replica
+        each, summed at the update: :meth:`fxpipe.runtime.execution.comm.Comm.tied_send`)."""
+        return len(comp) == 2 and all(self.sched.replicas[t] == 1 for t in comp)
+
+    def pair_update(self, rank: Rank, a: Action, comp: tuple[int, ...], now: float) -> None:
+        """Update ``a`` of a stage whose tie is a pair: it sends its part when it gets here
+        (on its ports, like a cut) and updates once the other's part has arrived, so the part
+        ready first crosses while the other stage computes, as the runtime sends them."""
+        s, i = rank[0], a.minibatch
+        other = comp[1] if comp[0] == s else comp[0]
+        if (s, i) not in self.pair_sent:
+            self.pair_sent.add((s, i))
+            self.send(rank, (other, 0), self.tied_bytes[s], ("P", other, i), f"tied U{i}",
+                      now, sync=True)
+        if ("P", s, i) not in self.arrived:
+            self.waiting.setdefault(("P", s, i), []).append(rank)
+            return
+        dur = self.costs[s].update_s
+        self.ptr[rank] += 1
+        if dur > 0:
+            self.record(rank, "allreduce", str(a), now, now + dur, update=i)
         self.push(now + dur, "end", (rank, a))
 
     def finished(self, rank: Rank, a: Action, t: float) -> None:
@@ -218,14 +246,18 @@ class EventLoop:
         self.push(end, "tied", (comp, k, left - piece))
 
     def send(self, src: Rank, dst: Rank, nbytes: float, key: tuple[str, int, int], name: str,
-             ready: float) -> None:
-        """Reserve the sender's egress and the receiver's ingress port; deliver after latency."""
+             ready: float, *, sync: bool = False) -> None:
+        """Reserve the sender's egress and the receiver's ingress port; deliver after latency.
+        ``sync``: a part of a tied sum, counted with the sums' bytes rather than the cuts'."""
         out = ("out" if self.duplex else "port", self.gid[src])
         inn = ("in" if self.duplex else "port", self.gid[dst])
         start = max(ready, self.port_free.get(out, 0.0), self.port_free.get(inn, 0.0))
         end = start + nbytes / self.bw
         self.port_free[out] = self.port_free[inn] = end
-        self.cut_bytes += nbytes
+        if sync:
+            self.sync_bytes += nbytes
+        else:
+            self.cut_bytes += nbytes
         self.record(src, "send", name, start, end, bytes=nbytes, to=self.gid[dst])
         self.push(end + self.lat, "arrive", key)
 

@@ -24,7 +24,10 @@ other, and an all-reduce holds every replica of a stage. So this is a discrete-e
   every holder sums its gradients with the others' at each update. When the runtime does so
   synchronously (the flushing kinds, NOAM = 1) the stages' updates form ONE barrier of all
   their replicas, held for the tied all-reduce (ring: ``2 (n - 1) / n`` of the bytes per
-  rank); under pipedream the runtime delays the tied sum by ``d`` rounds
+  rank), except a tie of two ranks (two stages of one replica each), which the runtime sums by
+  two messages: each stage sends its part when it reaches the update (on its ports, like a
+  cut) and updates once the other's part has arrived, so the part ready first crosses while
+  the other stage computes (``EventLoop.pair_update``); under pipedream the runtime delays the tied sum by ``d`` rounds
   (``schedule.tie_delay``): each round's all-reduce starts once every holder has updated,
   runs in the background on the holders' ports (delaying the cuts that share them: on a slow
   link it can be the bottleneck, GPT's 512 kB embedding sum against its 256 kB cut), and update

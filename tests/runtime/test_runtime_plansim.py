@@ -195,8 +195,9 @@ def test_cli_simulate_runs_the_trainers_window(tmp_path: Path, capsys: pytest.Ca
 def test_tied_weights_are_priced_lockstep_when_synchronous_and_free_when_delayed() -> None:
     """4 unit stages, a 1000-byte weight owned by n0 (stage 0) and shared by n3 (stage 3).
     Synchronous tied sum: the last stage's update i waits for stage 0's update i, i.e. for
-    F3 + B3 + B2 + B1 + B0 = 5 s per minibatch, plus the 2-holder ring all-reduce of
-    2 (2 - 1) / 2 * 1000 B at 1 MB/s = 1 ms. The runtime's pipedream delay (3 rounds): 2 s,
+    F3 + B3 + B2 + B1 + B0 = 5 s per minibatch, plus the 1 ms that stage 0's part of the sum
+    takes to reach stage 3 (1000 B at 1 MB/s: a tie of two ranks is two messages, each sent at
+    its holder's update; the 2-holder ring all-reduce cost the same 1 ms). The runtime's pipedream delay (3 rounds): 2 s,
     as without the tie. Bytes: each of the two holders sends 1000 B per update."""
     from fxpipe.runtime.pricing.plansim import TiedSync, tied_from_profile
 
@@ -289,6 +290,24 @@ def test_a_lagged_tied_sum_shares_the_link_with_the_cuts(w: float, x: float) -> 
     assert sim.sync_bytes_per_minibatch == pytest.approx(2 * w)
     if w == 3e6 and x > 0:  # link-bound: well above the 2 s of compute
         assert sim.steady_state_period >= 3.5
+
+
+@pytest.mark.parametrize("w, want", [(5e5, 3.0), (2e6, 3.5)])
+def test_a_synchronous_tied_pair_sends_the_part_ready_first(w: float, want: float) -> None:
+    """1f1b-flush, m = 2, two stages of F 1 s and B 1 s, no cut bytes, a w-byte tie (T = w / B
+    each way), summed as the runtime sums a tie of two ranks: each stage sends its part at its
+    update and updates once the other's has arrived. By hand: stage 1 reaches U at 5 s and
+    stage 0 at 6 s, so stage 0 has stage 1's part at 5 + T and updates at max(6, 5 + T), and
+    stage 1 gets stage 0's at 6 + T, which delays its next forward (due at 7) only when T > 1.
+    T = 0.5: 6 s per update as without the tie (3 s per minibatch; the barrier priced before,
+    both updates after the later arrival plus T, said 3.25). T = 2: stage 0 waits 1 s for
+    the part, and in steady state updates every 7 s (3.5 per minibatch; the barrier: 4.0).
+    Each stage sends w per update: w per minibatch in all."""
+    prof = _tied_pair(w, 0.0)
+    plan = partition(prof, Cluster(workers=2, bandwidth=BW), stages=2, straight=True)
+    sim = simulate_plan(plan, prof, schedule="1f1b-flush", microbatches=2, minibatches=200)
+    assert sim.steady_state_period == pytest.approx(want, rel=1e-9)
+    assert sim.sync_bytes_per_minibatch == pytest.approx(w)
 
 
 def test_auto_choice_simulates_a_pipedream_plan_that_splits_tied_weights() -> None:
