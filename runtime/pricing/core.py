@@ -108,6 +108,9 @@ class EventLoop:
             elif kind == "tied":  # the next piece of a tied all-reduce
                 comp, k, left = data
                 self.tied_transfer(comp, k, t, left)
+            elif kind == "pair":  # the next piece of a tied pair's part
+                src, dst, key, left = data
+                self.pair_transfer(src, dst, key, t, left)
             else:  # "arrive"
                 self.arrived.add(data)
                 for rank in self.waiting.pop(data, []):
@@ -178,13 +181,14 @@ class EventLoop:
     def pair_update(self, rank: Rank, a: Action, comp: tuple[int, ...], now: float) -> None:
         """Update ``a`` of a stage whose tie is a pair: it sends its part when it gets here
         (on its ports, like a cut) and updates once the other's part has arrived, so the part
-        ready first crosses while the other stage computes, as the runtime sends them."""
+        ready first crosses while the other stage computes, as the runtime sends them
+        (:meth:`pair_transfer`)."""
         s, i = rank[0], a.minibatch
         other = comp[1] if comp[0] == s else comp[0]
         if (s, i) not in self.pair_sent:
             self.pair_sent.add((s, i))
-            self.send(rank, (other, 0), self.tied_bytes[s], ("P", other, i), f"tied U{i}",
-                      now, sync=True)
+            self.sync_bytes += self.tied_bytes[s]
+            self.pair_transfer(rank, (other, 0), ("P", other, i), now, self.tied_bytes[s])
         if ("P", s, i) not in self.arrived:
             self.waiting.setdefault(("P", s, i), []).append(rank)
             return
@@ -193,6 +197,22 @@ class EventLoop:
         if dur > 0:
             self.record(rank, "allreduce", str(a), now, now + dur, update=i)
         self.push(now + dur, "end", (rank, a))
+
+    def pair_transfer(self, src: Rank, dst: Rank, key: tuple[str, int, int], ready: float,
+                      left: float) -> None:
+        """The next piece of a tied pair's part (``left`` bytes to go): like a lagged sum, on
+        the same ports as the cuts in ``TIED_CHUNKS`` pieces, so a cut waits for one piece at
+        most (the runtime sends it on a connection of its own, sharing the link)."""
+        if left <= 0:
+            self.push(ready + self.lat, "arrive", key)
+            return
+        piece = min(left, self.tied_bytes[src[0]] / TIED_CHUNKS)
+        ports = [("out" if self.duplex else "port", self.gid[src]),
+                 ("in" if self.duplex else "port", self.gid[dst])]
+        end = max([ready] + [self.port_free.get(p, 0.0) for p in ports]) + piece / self.bw
+        for p in ports:
+            self.port_free[p] = end
+        self.push(end, "pair", (src, dst, key, left - piece))
 
     def finished(self, rank: Rank, a: Action, t: float) -> None:
         s, k = rank[0], a.minibatch
@@ -246,18 +266,14 @@ class EventLoop:
         self.push(end, "tied", (comp, k, left - piece))
 
     def send(self, src: Rank, dst: Rank, nbytes: float, key: tuple[str, int, int], name: str,
-             ready: float, *, sync: bool = False) -> None:
-        """Reserve the sender's egress and the receiver's ingress port; deliver after latency.
-        ``sync``: a part of a tied sum, counted with the sums' bytes rather than the cuts'."""
+             ready: float) -> None:
+        """Reserve the sender's egress and the receiver's ingress port; deliver after latency."""
         out = ("out" if self.duplex else "port", self.gid[src])
         inn = ("in" if self.duplex else "port", self.gid[dst])
         start = max(ready, self.port_free.get(out, 0.0), self.port_free.get(inn, 0.0))
         end = start + nbytes / self.bw
         self.port_free[out] = self.port_free[inn] = end
-        if sync:
-            self.sync_bytes += nbytes
-        else:
-            self.cut_bytes += nbytes
+        self.cut_bytes += nbytes
         self.record(src, "send", name, start, end, bytes=nbytes, to=self.gid[dst])
         self.push(end + self.lat, "arrive", key)
 
