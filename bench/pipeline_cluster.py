@@ -282,10 +282,12 @@ def fxpipe_numbers(ranks: list[dict], batch: int) -> dict[str, Any]:
 def stage_times(ranks: list[dict], lo: float, hi: float) -> list[tuple[float, float, float]]:
     """Per stage (one rank each), the median seconds of a forward, a backward (per minibatch
     the schedule runs: a microbatch under ``1f1b-flush``) and an update, over the events
-    inside [lo, hi]."""
+    inside [lo, hi]; an update is its step alone, not the span that gathers a tied segment's
+    gradients before it ("U3 gradients")."""
     times = []
     for r in sorted(ranks, key=lambda r: r["stage"]):
-        inside = [(c, e - s) for c, _, s, e, _ in r["events"] if s >= lo and e <= hi]
+        inside = [(c, e - s) for c, n, s, e, _ in r["events"]
+                  if s >= lo and e <= hi and not n.endswith("gradients")]
         times.append(tuple(statistics.median(d for c, d in inside if c == cat)
                            for cat in ("forward", "backward", "optimizer")))
     return times

@@ -24,11 +24,13 @@ def test_flush_bound_counts_the_bubble() -> None:
 
 
 def test_stage_times_are_medians_inside_the_window_per_stage() -> None:
-    def ev(cat: str, start: float, length: float) -> list:
-        return [cat, cat[0].upper(), start, start + length, {}]
+    def ev(cat: str, start: float, length: float, name: str = "") -> list:
+        return [cat, name or cat[0].upper(), start, start + length, {}]
 
     ranks = [{"stage": 1, "events": [ev("forward", 0, 4), ev("backward", 4, 6),
-                                     ev("optimizer", 10, 1), ev("idle", 11, 5)]},
+                                     ev("optimizer", 10, 0.1, "U0 gradients"),
+                                     ev("optimizer", 10.1, 0.1, "U0 gradients"),
+                                     ev("optimizer", 10.2, 1), ev("idle", 11.2, 5)]},
              {"stage": 0, "events": [ev("forward", 0, 2), ev("forward", 2, 3),
                                      ev("forward", 5, 7), ev("backward", 12, 5),
                                      ev("optimizer", 17, 2), ev("forward", 30, 99)]}]
