@@ -132,15 +132,21 @@ class Comm:
                         launched=self.recorder.now() if self.recorder.enabled else 0.0)
         pend.tag = tag
         channel = CHANNELS[tag % 2 if direction is None else direction]
-        pend.ref = self._record("p2p", len(self.log or ()), ((False, self.rank_of[src], tag,
-                                                               spec.shape, str(spec.dtype)),),
+        self._post(pend, False, channel, self.groups.get(channel))
+        return pend
+
+    def _post(self, pend: _Pending, is_send: bool, channel: str, group: Any) -> None:
+        """Record (for the NCCL checker) and post one point-to-point op: ``pend``'s tensor to or
+        from its peer, with its tag, on ``channel``'s process ``group``."""
+        t, peer = pend.tensor, self.rank_of[pend.peer]
+        pend.ref = self._record("p2p", len(self.log or ()), ((is_send, peer, pend.tag,
+                                                               tuple(t.shape), str(t.dtype)),),
                                 channel)
         try:
-            pend.work = dist.irecv(buf, src=self.rank_of[src], tag=tag,
-                                   group=self.groups.get(channel))
+            pend.work = (dist.isend(t, dst=peer, tag=pend.tag, group=group) if is_send else
+                         dist.irecv(t, src=peer, tag=pend.tag, group=group))
         except RuntimeError as err:
             raise self._fail(pend, err) from err
-        return pend
 
     def wait(self, pend: _Pending) -> torch.Tensor:
         """Wait (at most the timeout) for a posted receive; the wait is a ``recv`` event whose
@@ -169,17 +175,9 @@ class Comm:
                                      f"wire plan says {spec.shape} {spec.dtype}",
                                      "the stage output shape depends on more than the input "
                                      "shapes; such models cannot be pipelined as is")
-        pend = _Pending(None, t, dst, f"sending {what}", what)
+        pend = _Pending(None, t, dst, f"sending {what}", what, tag=tag)
         channel = CHANNELS[tag % 2 if direction is None else direction]
-        pend.ref = self._record("p2p", len(self.log or ()), ((True, self.rank_of[dst], tag,
-                                                               tuple(t.shape), str(t.dtype)),),
-                                channel)
-        try:
-            pend.work = dist.isend(t, dst=self.rank_of[dst], tag=tag,
-                                   group=self.groups.get(channel))
-        except RuntimeError as err:
-            raise self._fail(pend, err) from err
-        pend.tag = tag
+        self._post(pend, True, channel, self.groups.get(channel))
         if (dst, tag) in self._sends:
             raise RuntimeError(f"{self.who}: {what} sent twice with tag {tag} (a bug)")
         self._sends[(dst, tag)] = pend
@@ -301,14 +299,7 @@ class Comm:
         channel = tied_channel(self.rank_of[src], self.rank_of[self.me])
         buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
         pend = _Pending(None, buf, src, f"receiving {what}", what, tag=tag)
-        pend.ref = self._record("p2p", len(self.log or ()), ((False, self.rank_of[src], tag,
-                                                               spec.shape, str(spec.dtype)),),
-                                channel)
-        try:
-            pend.work = dist.irecv(buf, src=self.rank_of[src], tag=tag,
-                                   group=self.groups[channel])
-        except RuntimeError as err:
-            raise self._fail(pend, err) from err
+        self._post(pend, False, channel, self.groups[channel])
         return pend
 
     def tied_send(self, tensor: torch.Tensor, dst: Rank, tag: int, what: str) -> _Pending:
@@ -316,14 +307,7 @@ class Comm:
         untouched until :meth:`tied_wait` of the returned send."""
         channel = tied_channel(self.rank_of[self.me], self.rank_of[dst])
         pend = _Pending(None, tensor, dst, f"sending {what}", what, tag=tag)
-        pend.ref = self._record("p2p", len(self.log or ()), ((True, self.rank_of[dst], tag,
-                                                               tuple(tensor.shape),
-                                                               str(tensor.dtype)),), channel)
-        try:
-            pend.work = dist.isend(tensor, dst=self.rank_of[dst], tag=tag,
-                                   group=self.groups[channel])
-        except RuntimeError as err:
-            raise self._fail(pend, err) from err
+        self._post(pend, True, channel, self.groups[channel])
         return pend
 
     def tied_wait(self, pend: _Pending, *, span: bool = True) -> torch.Tensor:

@@ -207,11 +207,7 @@ class EventLoop:
             self.push(ready + self.lat, "arrive", key)
             return
         piece = min(left, self.tied_bytes[src[0]] / TIED_CHUNKS)
-        ports = [("out" if self.duplex else "port", self.gid[src]),
-                 ("in" if self.duplex else "port", self.gid[dst])]
-        end = max([ready] + [self.port_free.get(p, 0.0) for p in ports]) + piece / self.bw
-        for p in ports:
-            self.port_free[p] = end
+        _, end = self.reserve(src, dst, ready, piece)
         self.push(end, "pair", (src, dst, key, left - piece))
 
     def finished(self, rank: Rank, a: Action, t: float) -> None:
@@ -256,23 +252,24 @@ class EventLoop:
         piece = min(left, ring / TIED_CHUNKS)
         end = ready
         for i, src in enumerate(holders):  # each holder sends the piece to the next one
-            dst = holders[(i + 1) % n]
-            ports = [("out" if self.duplex else "port", self.gid[src]),
-                     ("in" if self.duplex else "port", self.gid[dst])]
-            stop = max([ready] + [self.port_free.get(p, 0.0) for p in ports]) + piece / self.bw
-            for p in ports:
-                self.port_free[p] = stop
-            end = max(end, stop)
+            end = max(end, self.reserve(src, holders[(i + 1) % n], ready, piece)[1])
         self.push(end, "tied", (comp, k, left - piece))
+
+    def reserve(self, src: Rank, dst: Rank, ready: float, nbytes: float) -> tuple[float, float]:
+        """Hold ``src``'s egress and ``dst``'s ingress port (one port each when not duplex)
+        for ``nbytes``, from when both are free and the data is ``ready``: (start, end)."""
+        ports = (("out" if self.duplex else "port", self.gid[src]),
+                 ("in" if self.duplex else "port", self.gid[dst]))
+        start = max(ready, *(self.port_free.get(p, 0.0) for p in ports))
+        end = start + nbytes / self.bw
+        for p in ports:
+            self.port_free[p] = end
+        return start, end
 
     def send(self, src: Rank, dst: Rank, nbytes: float, key: tuple[str, int, int], name: str,
              ready: float) -> None:
         """Reserve the sender's egress and the receiver's ingress port; deliver after latency."""
-        out = ("out" if self.duplex else "port", self.gid[src])
-        inn = ("in" if self.duplex else "port", self.gid[dst])
-        start = max(ready, self.port_free.get(out, 0.0), self.port_free.get(inn, 0.0))
-        end = start + nbytes / self.bw
-        self.port_free[out] = self.port_free[inn] = end
+        start, end = self.reserve(src, dst, ready, nbytes)
         self.cut_bytes += nbytes
         self.record(src, "send", name, start, end, bytes=nbytes, to=self.gid[dst])
         self.push(end + self.lat, "arrive", key)
