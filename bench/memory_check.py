@@ -18,7 +18,9 @@ until freed). The parts of the peak say which term misses: tensors held when tra
 (gradients), the updates (AdamW's moments, made at the first step) and receives.
 
 Models: the zoo's GPT and VGG-mini (``fxpipe.models``) and a Hugging Face GPT-2 from a tiny config
-(4 layers, 64 wide), batch sizes chosen so activations and weights are of one order.
+(4 layers, 64 wide), batch sizes chosen so activations and weights are of one order, and the
+same GPT-2 with a 4096-token vocabulary, whose tied embedding is most of its weights (the head's
+stage keeps a copy).
 """
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ MODELS = {  # name -> (fxpipe.models.resolve name, batch size)
     "vgg-mini": ("vgg16", 16),
     "hf-gpt2": ("hf:GPT2LMHeadModel:n_layer=4,n_embd=64,n_head=4,vocab_size=256,"
                 "n_positions=64", 8),
+    # the same with a vocabulary that dwarfs the rest: its tied embedding (1 MiB) has a copy on
+    # the stage of the head, and the two copies' gradients are summed at each update
+    "hf-gpt2-4k": ("hf:GPT2LMHeadModel:n_layer=4,n_embd=64,n_head=4,vocab_size=4096,"
+                   "n_positions=64", 8),
 }
 KINDS = ("pipedream", "1f1b-flush", "zb-h2", "2bw")
 RECOMPUTE = ("never", "always")
@@ -84,6 +90,7 @@ def worker(args: argparse.Namespace) -> None:
         out["plan"] = {"rule": plan.memory_rule.label(), "recompute": list(plan.recompute),
                        "in_flight": [sp.in_flight for sp in plan.stages],
                        "parameter_bytes": [sp.parameter_bytes for sp in plan.stages],
+                       "copy_bytes": [sp.copy_bytes for sp in plan.stages],
                        "activation_bytes": [sp.activation_bytes for sp in plan.stages],
                        "rows": [{"stage": c.stage, "state": c.state, "versions": c.versions,
                                  "activations": c.activations, "measured": c.measured,
@@ -132,7 +139,8 @@ def _rows(runs: list[dict]) -> list[dict]:
             parts = by_stage[row["stage"]]["parts"]
             out.append({"model": run["model"], "kind": run["kind"],
                         "recompute": run["recompute"], **row,
-                        "P": plan["parameter_bytes"][row["stage"]],
+                        "P": plan["parameter_bytes"][row["stage"]]
+                        + plan.get("copy_bytes", [0.0] * (row["stage"] + 1))[row["stage"]],
                         "predicted": row["state"] + row["versions"] + row["activations"],
                         "held": parts.get("held", 0), "F": parts.get("F", 0),
                         "BW": parts.get("B", 0) + parts.get("W", 0), "U": parts.get("U", 0),
@@ -183,7 +191,8 @@ def page(runs: list[dict]) -> str:
             f"**The walked peak** (`fxpipe.runtime.pricing.memory_walk`: the schedule's action "
             "list walked with the receive buffers posted ahead, the sent tensors not yet proven "
             "received, the backward's working set, what a split backward leaves for W, the "
-            "loss's output, and the optimizer step's temporaries; what `compiled.memory_check` "
+            "loss's output, the optimizer step's temporaries and a tie's sum's buffers; what "
+            "`compiled.memory_check` "
             "reports): stages within 10%: "
             f"**{sum(0.9 <= x <= 1.1 for x in walked)} of {len(rows)}**; measured / walked "
             f"from {walked[wbest]:.2f} ({name(wbest)}) to {walked[wworst]:.2f} "
@@ -196,7 +205,8 @@ def page(runs: list[dict]) -> str:
             f"{ratio[worst]:.2f} ({name(worst)}), median {sorted(ratio)[len(ratio) // 2]:.2f}. "
             "Which term misses (min / median / max over the stages):", "",
             f"- weights, gradient sums, optimizer state and versions ((held + U + P) over state "
-            f"+ versions, P the stage's parameter bytes: the gradient sums, made by the "
+            f"+ versions, P the stage's parameter bytes with its copies of tied ones: the "
+            f"gradient sums, made by the "
             f"backwards): {_span(state)}; above 1 where AdamW's step makes temporaries and "
             "a new weight version beside the old ones;",
             f"- activations without recomputation (F over predicted activations): "

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .copies import Copies, Shared
 from .memory_rule import PIPEDREAM, MemoryRule
 
 INF = math.inf
@@ -38,6 +39,7 @@ class Solution:
     checks: int = 0                    # feasibility checks the search used (diagnostics)
     recompute: tuple[bool, ...] = ()   # per stage: activation recomputation (() = none)
     recompute_times: tuple[float, ...] = ()  # alpha[r] * F_s where recomputing, else 0
+    copies: tuple[float, ...] = ()     # bytes of shared parameters stage s keeps a copy of
 
 
 class _Inst:
@@ -48,7 +50,8 @@ class _Inst:
                  alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float],
                  memory_cap: float | None, optimizer_state_factor: float, straight: bool,
                  recompute: str = "never", forward: Sequence[float] | None = None,
-                 held: Sequence[float] | None = None, rule: MemoryRule = PIPEDREAM) -> None:
+                 held: Sequence[float] | None = None, rule: MemoryRule = PIPEDREAM,
+                 shared: Sequence[Shared] = ()) -> None:
         n = len(compute)
         if n == 0 or len(parameters) != n or len(activations) != n or len(cut_bytes) != n - 1:
             raise ValueError("compute/parameters/activations need N >= 1 entries and cut_bytes N-1")
@@ -93,6 +96,7 @@ class _Inst:
         self.rule = rule
         self._coef: dict[tuple[int, int], tuple[float, float]] = {}
         self._recomputed: dict[tuple[int, int], float] = {}  # full sets when recomputing
+        self.sh = Copies(shared, n)  # a stage's copies of parameters another stage owns
 
     # --- the exact cost expressions (the only ones used for decisions) ------------------
     def time(self, r: int, a: int, e: int, x: bool = False) -> float:
@@ -118,11 +122,18 @@ class _Inst:
         time (the one being recomputed)."""
         k, h = self.coef(r, v)
         p = self.Pl[e] - self.Pl[a]
+        if self.sh:
+            p = p + self.copies(a, e)
         if x:
             return ((2.0 + self.opt) * p + k * p
                     + h * (self.cbl[a] + (self.Hl[e] - self.Hl[a]))
                     + self._recomputed[(r, v)] * (self.Al[e] - self.Al[a]))
         return (2.0 + self.opt) * p + k * p + h * (self.Al[e] - self.Al[a])
+
+    def copies(self, a: int, e: int) -> float:
+        """Bytes of the shared parameters stage ``[a, e)`` keeps a copy of (uses, does not own):
+        priced in :meth:`mem` like its own parameters (:mod:`.copies`)."""
+        return self.sh.at(a, e)
 
     def cut(self, r: int, p: int) -> float:
         return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0
@@ -183,6 +194,8 @@ class _Inst:
         """Vectorised :meth:`mem` (same IEEE operations, so the same values)."""
         k, h = self.coef(r, v)
         p = self.Pc[e] - self.Pc[a]
+        if self.sh:
+            p = p + self.sh.many(a, e)
         if x:
             return ((2.0 + self.opt) * p + k * p
                     + h * (self.cb[a] + (self.Hc[e] - self.Hc[a]))
@@ -225,7 +238,7 @@ class _Inst:
         flags = (tuple(bool(f) for f in recompute) if recompute is not None
                  else (self.flags[-1] if len(self.flags) == 1 else False,) * len(replicas))
         total = sum(replicas)
-        comp, sync, st, cb, ct, mem, vs, rt = [], [], [], [], [], [], [], []
+        comp, sync, st, cb, ct, mem, vs, rt, cp = [], [], [], [], [], [], [], [], []
         after = total
         for s, (r, x) in enumerate(zip(replicas, flags)):
             a, e = bounds[s], bounds[s + 1]
@@ -242,9 +255,10 @@ class _Inst:
             mem.append(self.mem(r, v, a, e, x))
             vs.append(v)
             rt.append(self.alpha[r] * (self.Fl[e] - self.Fl[a]) if x else 0.0)
+            cp.append(self.copies(a, e))
         return Solution(max(st + ct), tuple(starts), tuple(replicas), tuple(comp), tuple(sync),
                         tuple(st), tuple(cb), tuple(ct), tuple(mem), tuple(vs), checks,
-                        flags, tuple(rt))
+                        flags, tuple(rt), tuple(cp))
 
 
 class _LastAllowed:

@@ -66,6 +66,28 @@ def _recompute_inputs(profile: Profile) -> dict[str, list[float]]:
                      for nd in profile.nodes]}
 
 
+def shared_parameters(profile: Profile) -> tuple[tuple[int, float, tuple[int, ...]], ...]:
+    """The parameters later nodes use besides their owner (tied weights, a reused layer), as
+    the solver takes them: ``(owner, bytes, users)`` by node index, the bytes the owner's
+    ``parameter_bytes`` split evenly among the parameters it owns (exact for an embedding
+    owning one weight, as :func:`fxpipe.runtime.pricing.core.tied_from_profile` splits them)."""
+    owner: dict[str, tuple[int, float]] = {}
+    users: dict[str, list[int]] = {}
+    for i, nd in enumerate(profile.nodes):
+        for p in nd.params:
+            owner.setdefault(p, (i, nd.parameter_bytes / len(nd.params)))
+        for p in nd.shared_params:
+            users.setdefault(p, []).append(i)
+    out = []
+    for p, us in users.items():
+        if p in owner:
+            o, nbytes = owner[p]
+            later = tuple(sorted({u for u in us if u > o}))
+            if later:
+                out.append((o, nbytes, later))
+    return tuple(out)
+
+
 def check_recompute(recompute: object) -> str:
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"unknown recompute={recompute!r}",
@@ -114,7 +136,9 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     params = [nd.parameter_bytes for nd in profile.nodes]
     acts = [nd.held_bytes for nd in profile.nodes]  # what backward keeps, per minibatch
     args = (compute, params, acts, cb.tolist(), m, alpha, beta, gamma)
-    rc = dict(recompute=recompute, memory_rule=memory_rule, **_recompute_inputs(profile))
+    shared = shared_parameters(profile)
+    rc = dict(recompute=recompute, memory_rule=memory_rule, shared=shared,
+              **_recompute_inputs(profile))
     try:
         sol = solve(*args, memory_cap=cluster.memory, optimizer_state_factor=optimizer_state_factor,
                     stages=stages, straight=straight, tie_tolerance=TIE_TOLERANCE, **rc)
@@ -134,7 +158,7 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                if memory_rule.schedule in ("pipedream", "2bw") else "")
             + "or optimizer_state_factor matching your optimizer") from None
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
-                  memory_rule=memory_rule)
+                  memory_rule=memory_rule, shared=shared)
     plan = _make_plan(profile, cluster, sync, sol, _priced(profile, dp, memory_rule)[1], alpha,
                       optimizer_state_factor, memory_rule)
     if stages is None and len(sol.starts) > 1 and not profile.overheads.zero:
@@ -159,7 +183,7 @@ def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, strai
     for flag in {"never": (False,), "always": (True,), "auto": (False, True)}[recompute]:
         one = evaluate(*args, [0], [1 if straight else cluster.workers], recompute=[flag],
                        optimizer_state_factor=optimizer_state_factor, memory_rule=memory_rule,
-                       **_recompute_inputs(profile))
+                       shared=shared_parameters(profile), **_recompute_inputs(profile))
         if cluster.memory is None or one.memory[0] <= cluster.memory:
             return _make_plan(profile, cluster, sync, one, dp_time, alpha,
                               optimizer_state_factor, memory_rule)
@@ -197,11 +221,12 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
     alpha, beta, gamma = coefficients(cluster, sync)
     args = ([nd.compute_s for nd in profile.nodes], [nd.parameter_bytes for nd in profile.nodes],
             [nd.held_bytes for nd in profile.nodes], cb.tolist(), m, alpha, beta, gamma)
+    shared = shared_parameters(profile)
     sol = evaluate(*args, list(starts), list(replicas),
                    optimizer_state_factor=optimizer_state_factor, recompute=recompute,
-                   memory_rule=memory_rule, **_recompute_inputs(profile))
+                   memory_rule=memory_rule, shared=shared, **_recompute_inputs(profile))
     dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
-                  memory_rule=memory_rule)
+                  memory_rule=memory_rule, shared=shared)
     return _make_plan(profile, cluster, sync, sol, _priced(profile, dp, memory_rule)[1], alpha,
                       optimizer_state_factor, memory_rule)
 
@@ -237,8 +262,9 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
             update_s=alpha[r - 1] * sum(nd.update_s for nd in profile.nodes[a:e]),
             # evaluate() sets one flag and one time per stage, whatever the mode
             recompute=bool(sol.recompute[s]), recompute_s=sol.recompute_times[s],
-            state_bytes=float(sum(nd.parameter_bytes for nd in profile.nodes[a:e]))
-            * (2.0 + optimizer_state_factor),
+            state_bytes=(float(sum(nd.parameter_bytes for nd in profile.nodes[a:e]))
+                         + sol.copies[s]) * (2.0 + optimizer_state_factor),
+            copy_bytes=sol.copies[s],
             kept_input_bytes=(sol.cut_bytes[s] + float(sum(held[a:e]))
                               if sol.recompute[s] else None)))
         if a > 0:

@@ -65,6 +65,11 @@ class StagePlan:
     # and optimizer temporaries live during an action), what a run measures; None: not walked
     # (the planner alone, the placed kinds, plans saved before it was).
     peak_bytes: float | None = None
+    # Parameters another stage owns that this stage keeps a copy of (a tied embedding's head,
+    # a reused layer's later call): their weights, gradients, optimizer state and versions are
+    # priced in memory_bytes and state_bytes like parameter_bytes, which counts only the
+    # parameters the stage owns (0 where there are none, and in plans saved before).
+    copy_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,9 @@ class Plan:
                          f"{self.stages[0].replicas} workers; pipelining would not be faster.")
         if self.shared_parameters:
             lines.append("parameters shared across stages: " + ", ".join(
-                f"{k} {list(v)}" for k, v in sorted(self.shared_parameters.items())))
+                f"{k} {list(v)}" for k, v in sorted(self.shared_parameters.items()))
+                + "".join(f"; stage {s.index} keeps a copy ({format_bytes(s.copy_bytes)}, in its "
+                          "memory)" for s in self.stages if s.copy_bytes))
         if self.staleness:
             lines += ["", "weight staleness (steady state, per stage: own updates / global block "
                       "updates as in Randomized PipeDream):", format_staleness(self.staleness)]
@@ -231,7 +238,8 @@ class Plan:
                     if not all(isinstance(x, str) for x in nodes):
                         raise PlanFormatError(f"{where}: field 'nodes' must be a list of names")
                     kw["nodes"] = tuple(nodes)
-                elif f.name in ("update_s", "recompute_s", "overhead_s") and f.name not in sd:
+                elif (f.name in ("update_s", "recompute_s", "overhead_s", "copy_bytes")
+                      and f.name not in sd):
                     kw[f.name] = 0.0  # written before the update / recomputation / overheads
                 elif f.name == "recompute":
                     kw[f.name] = _get(sd, f.name, bool, where) if f.name in sd else False

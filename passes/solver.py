@@ -39,6 +39,7 @@ from typing import Sequence
 
 from fxpipe.errors import InfeasiblePlanError
 
+from .copies import Shared
 from .exact_stages import check_exact
 from .feasibility import RECOMPUTE_MODES, Solution, _Inst, check_budget, fewest_stages
 from .memory_rule import PIPEDREAM, MemoryRule
@@ -59,10 +60,11 @@ def _instance(compute: Sequence[float], parameters: Sequence[float],
               alpha: Sequence[float], beta: Sequence[float], gamma: Sequence[float],
               memory_cap: float | None, optimizer_state_factor: float, straight: bool,
               recompute: str = "never", forward: Sequence[float] | None = None,
-              held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM) -> _Inst:
+              held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM,
+              shared: Sequence[Shared] = ()) -> _Inst:
     return _Inst(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
                  memory_cap, optimizer_state_factor, straight, recompute, forward, held,
-                 memory_rule)
+                 memory_rule, shared)
 
 
 def _check(inst: _Inst, tau: float, stages: int | None) -> tuple[list[tuple] | None, float]:
@@ -91,7 +93,8 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
           optimizer_state_factor: float = 1.0, stages: int | None = None,
           straight: bool = False, tie_tolerance: float = 0.0, recompute: str = "never",
           forward: Sequence[float] | None = None,
-          held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM) -> Solution:
+          held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM,
+          shared: Sequence[Shared] = ()) -> Solution:
     """Minimum-bottleneck partition (see module docstring). ``stages`` forces an exact count;
     ``straight`` forces every ``r = 1``. Plans within ``tie_tolerance`` (relative) of the optimum
     count as ties, won by the fewest stages: measured profiles are nowhere near 1e-9 accurate, so
@@ -103,10 +106,14 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
     ``forward``: per-node forward time (what a recomputing stage repeats; required unless
     "never"); ``held``: per-node bytes a recomputing stage holding the node keeps per in-flight
     minibatch besides its cut input (model inputs; default 0). ``memory_rule``: what a replica
-    holds besides its state under the schedule the plan is for (default PipeDream's)."""
+    holds besides its state under the schedule the plan is for (default PipeDream's).
+    ``shared``: parameters used by nodes besides the one that owns them (tied weights, a
+    reused layer), ``(owner, bytes, users)`` by node index with the bytes in the owner's
+    ``parameters``: a stage holding a user but not the owner keeps a copy of its own, priced in
+    its memory like its own parameters (the stage's ``copies``)."""
     inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
                      memory_cap, optimizer_state_factor, straight, recompute, forward, held,
-                     memory_rule)
+                     memory_rule, shared)
     if stages is not None and not 1 <= stages <= min(inst.n, workers):
         raise InfeasiblePlanError(f"cannot make {stages} stages from {inst.n} nodes and "
                                   f"{workers} workers")
@@ -150,7 +157,7 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
         # plan without it, with no more stages, wins
         plain = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
                           gamma, memory_cap, optimizer_state_factor, straight,
-                          memory_rule=memory_rule)
+                          memory_rule=memory_rule, shared=shared)
         alt = (fewest_stages(plain, best.bottleneck) if stages is None
                else check_exact(plain, best.bottleneck, stages)[0])
         checks += 1
@@ -166,13 +173,14 @@ def evaluate(compute: Sequence[float], parameters: Sequence[float], activations:
              beta: Sequence[float], gamma: Sequence[float], starts: Sequence[int],
              replicas: Sequence[int], *, optimizer_state_factor: float = 1.0,
              recompute: Sequence[bool] | None = None, forward: Sequence[float] | None = None,
-             held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM
-             ) -> Solution:
+             held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM,
+             shared: Sequence[Shared] = ()) -> Solution:
     """Costs of a given partition, with the solver's exact expressions (for tests, reports);
     ``recompute``: one flag per stage (then ``forward`` is required, see :func:`solve`)."""
     mode = "auto" if recompute is not None and any(recompute) else "never"
     inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
-                     None, optimizer_state_factor, False, mode, forward, held, memory_rule)
+                     None, optimizer_state_factor, False, mode, forward, held, memory_rule,
+                     shared)
     return inst.evaluate(list(starts), list(replicas), recompute=recompute)
 
 
@@ -183,7 +191,7 @@ def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
                    straight: bool = False, recompute: str = "never",
                    forward: Sequence[float] | None = None,
                    held: Sequence[float] | None = None,
-                   memory_rule: MemoryRule = PIPEDREAM) -> float:
+                   memory_rule: MemoryRule = PIPEDREAM, shared: Sequence[Shared] = ()) -> float:
     """Smallest per-worker memory for which some plan exists (time unconstrained), to the float:
     0 when nothing needs memory, inf when no plan exists at all or only above ``_NO_PLAN``
     bytes. Used to tell users how much memory they need. Bisection on the cap from a bracket
@@ -192,7 +200,7 @@ def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
     def ok(cap: float) -> bool:
         inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
                          gamma, cap, optimizer_state_factor, straight, recompute, forward, held,
-                         memory_rule)
+                         memory_rule, shared)
         return _check(inst, math.inf, stages)[0] is not None
 
     if ok(0.0):

@@ -6,7 +6,8 @@ activations held, v = the plan's in-flight count; :func:`memory_rule` gives it t
 schedule a plan is made for (``fxpipe.compile(..., schedule=...)``). What a replica really holds
 depends on the schedule:
 
-- weights, gradients and optimizer state, ``P (2 + opt)`` (``StagePlan.state_bytes``), always;
+- weights, gradients and optimizer state, ``P (2 + opt)`` (``StagePlan.state_bytes``), always,
+  P counting the copies a stage keeps of parameters another stage owns (``copy_bytes``);
 - stashed weight versions besides the live one: ``pipedream`` keeps one per minibatch in flight
   (v' - 1), ``2bw`` one shadow version, the flushing kinds (``1f1b-flush``, ``gpipe``, ``zb-*``)
   and the placed ones none;
@@ -73,6 +74,12 @@ def stashed_versions(kind: str, in_flight: int) -> int:
     return int(memory_rule(kind).stashed(max(in_flight, 1)))
 
 
+def held_parameters(sp: StagePlan) -> float:
+    """The parameter bytes a replica of ``sp`` keeps: its own and its copies of parameters
+    another stage owns (a tied weight's other holder keeps, steps and stashes a copy)."""
+    return sp.parameter_bytes + sp.copy_bytes
+
+
 def state_bytes(sp: StagePlan) -> float:
     """``P (2 + opt)``: recorded by the planner; for plans saved before it was, recovered from
     the plan's own memory figure by its rule (exact where the stage does not recompute; a
@@ -82,7 +89,7 @@ def state_bytes(sp: StagePlan) -> float:
     if sp.recompute:
         return 3.0 * sp.parameter_bytes
     v = max(sp.in_flight, 1)
-    return sp.memory_bytes - (v - 1) * sp.parameter_bytes - v * sp.activation_bytes
+    return sp.memory_bytes - (v - 1) * held_parameters(sp) - v * sp.activation_bytes
 
 
 def activation_memory(sp: StagePlan, in_flight: int, scale: float = 1.0,
@@ -104,7 +111,7 @@ def kept_inputs(sp: StagePlan) -> float:
     if sp.kept_input_bytes is not None:
         return sp.kept_input_bytes
     v = max(sp.in_flight, 1)
-    return max((sp.memory_bytes - state_bytes(sp) - (v - 1) * sp.parameter_bytes
+    return max((sp.memory_bytes - state_bytes(sp) - (v - 1) * held_parameters(sp)
                 - sp.activation_bytes) / v, 0.0)
 
 
@@ -114,7 +121,7 @@ def schedule_memory(stages: Sequence[StagePlan], kind: str, in_flight: Sequence[
     simulated schedule's peak minibatches held per stage)."""
     if len(in_flight) != len(stages):
         raise ValueError(f"{len(in_flight)} in-flight counts for {len(stages)} stages")
-    return tuple(state_bytes(sp) + stashed_versions(kind, v) * sp.parameter_bytes
+    return tuple(state_bytes(sp) + stashed_versions(kind, v) * held_parameters(sp)
                  + activation_memory(sp, v, scale, kind)
                  for sp, v in zip(stages, in_flight))
 
@@ -168,7 +175,7 @@ def check_memory(plan: Plan, measured: Sequence[int],
     rows = []
     for sp, got in zip(plan.stages, measured):
         state = state_bytes(sp)
-        versions = plan.memory_rule.stashed(max(sp.in_flight, 1)) * sp.parameter_bytes
+        versions = plan.memory_rule.stashed(max(sp.in_flight, 1)) * held_parameters(sp)
         w = walked[sp.index] if walked is not None else None
         rows.append(MemoryCheck(sp.index, state, versions,
                                 sp.memory_bytes - state - versions, int(got),

@@ -20,7 +20,13 @@ each action, what is live during it:
   where the backward is split, what B leaves for W (the weighted nodes' output gradients, and
   the recomputed set) until W; on the last stage the loss's copy of the model output;
 - **the optimizer step's temporaries**: ``per_byte * P + per_largest * L`` measured on the
-  optimizer (:func:`~fxpipe.runtime.replica.state_size.step_temporaries`), during each ``U``.
+  optimizer (:func:`~fxpipe.runtime.replica.state_size.step_temporaries`), during each ``U``;
+- **a tied parameter's sum** (:func:`tie_buffers`, the gradient bytes ``T`` of the parameters a
+  stage shares): a tie of two lone stages summed at the update keeps the receive of the other's
+  part posted through the round and its own part sent until the next update proves it
+  received (2 T), and at the update frees the old part and makes the new one and the sum (T
+  more, before the step's temporaries); a lagged sum keeps ``d`` rounds' parts in flight and
+  posts this round's at the update; an all-reduce at the update makes the part (T) there.
 
 What crosses each cut comes from the profile (the values produced in one stage and consumed in a
 later one, each sent once to each consuming stage, as codegen sends them), with the bytes of
@@ -30,7 +36,7 @@ their outputs; a gradient goes back along the values computed from a parameter
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fxpipe.costmodel.profile import Profile
 from fxpipe.passes.made_here import made_here, model_inputs_behind, profile_facts
@@ -39,8 +45,9 @@ from fxpipe.passes.plan import Plan
 from ..schedules.commplan import MODEL, Issuer, Msg, RankPlan, StageLinks, comm_plans
 from ..schedules.kinds import make_schedule
 from ..schedules.proofs import SendProofs
-from ..schedules.schedule import Rank, Schedule
-from .memory import kept_inputs, state_bytes, stashed_versions
+from ..schedules.schedule import Rank, Schedule, tie_delay
+from .core import tied_from_profile
+from .memory import held_parameters, kept_inputs, state_bytes, stashed_versions
 from .sim_measure import peak_in_flight
 
 
@@ -56,6 +63,8 @@ class StageBytes:
     backward: float
     update: float
     for_w: float = 0.0  # a split backward: what B leaves for W, per minibatch
+    tie_received: float = 0.0  # a tied pair's receive, posted through the round
+    tie_sent: float = 0.0  # tied parts sent (or lagged rounds summing) between updates
 
 
 @dataclass(frozen=True)
@@ -174,10 +183,40 @@ def stage_bytes(plan: Plan, profile: Profile, kind: str, in_flight: Sequence[int
         recomputed = sp.activation_bytes * scale if sp.recompute else 0.0
         extra = loss * scale if sp.index == last else 0.0
         out.append(StageBytes(
-            base=state_bytes(sp) + stashed_versions(kind, v) * sp.parameter_bytes,
+            base=state_bytes(sp) + stashed_versions(kind, v) * held_parameters(sp),
             held=held + extra, backward=w * scale + extra + recomputed,
-            update=per_byte * sp.parameter_bytes + per_largest * L,
+            update=per_byte * held_parameters(sp) + per_largest * L,
             for_w=fw * scale + recomputed))
+    return tuple(out)
+
+
+def tie_buffers(plan: Plan, profile: Profile, sched: Schedule
+                ) -> tuple[tuple[float, float, float, float], ...]:
+    """Per stage, what summing its tied parameters keeps, as the runtime sums them
+    (:mod:`fxpipe.runtime.execution.rank_update`): ``(received, sent, update, pair)`` bytes,
+    the first two live between updates, ``update`` made during each update besides the step's
+    temporaries, ``pair`` made at the update before the step (the sum of a tied pair: the
+    update's working set is the larger of it and the step's temporaries). ``T``: the bytes of
+    the ties the stage holds (each tie's sum is a flat segment of its gradients)."""
+    tied = tied_from_profile(plan, profile)
+    delay = tie_delay(sched, [t.stages for t in tied])
+    out = []
+    for s in range(len(plan.stages)):
+        received = sent = update = pair = 0.0
+        for t in tied:
+            if s not in t.stages:
+                continue
+            T = t.nbytes
+            if delay == 0 and len(t.stages) == 2 and all(sched.replicas[h] == 1
+                                                         for h in t.stages):
+                # the update frees the old part and makes the new one and the sum, then
+                # steps with the sum: T more than between updates, before the step's own
+                received, sent, pair = received + T, sent + T, pair + T
+            elif delay > 0:  # d rounds in flight; this round's part posted at the update
+                sent, update = sent + delay * T, update + T
+            else:  # an all-reduce of the part, made at the update
+                update += T
+        out.append((received, sent, update, pair))
     return tuple(out)
 
 
@@ -215,7 +254,8 @@ def walk_rank(sched: Schedule, links: Sequence[StageLinks], sizes: Mapping[str, 
                 sent.pop(p, None)
         working = {"B": terms.backward, "U": terms.update}.get(a.kind, 0.0)
         now = {"base": terms.base, "held": sum(held.values()), "working": working,
-               "received": sum(posted.values()), "sent": sum(sent.values())}
+               "received": sum(posted.values()) + terms.tie_received,
+               "sent": sum(sent.values()) + terms.tie_sent}
         total = sum(now.values())
         if total > best:
             best, parts = total, now
@@ -245,7 +285,9 @@ def walk_memory(plan: Plan, profile: Profile, kind: str, *, microbatches: int | 
     links, sizes = stage_links(plan, profile)
     in_flight = [max(peak_in_flight(sched.actions[(s, j)]) for j in range(r))
                  for s, r in enumerate(plan.replicas)]
-    terms = stage_bytes(plan, profile, kind, in_flight, temporaries, scale)
+    own = stage_bytes(plan, profile, kind, in_flight, temporaries, scale)
+    terms = [replace(b, update=max(b.update, p) + u, tie_received=r, tie_sent=t)
+             for b, (r, t, u, p) in zip(own, tie_buffers(plan, profile, sched))]
     carries = gradient_values(profile)
 
     def grads(value: str, k: int) -> bool:

@@ -28,6 +28,7 @@ from fxpipe.passes import Plan
 from fxpipe.passes.partition import partition, plan_for
 
 from ..timeline import TimelineEvent
+from .memory import held_parameters
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def memory_terms(plan: Plan) -> dict[str, Any]:
     """What a re-plan must price memory with to keep ``plan``'s: its schedule's rule and its
     state per parameter byte (``state = P (2 + opt)``, recovered from a stage that records it;
     SGD with momentum's 1 for plans saved before)."""
-    opt = next((sp.state_bytes / sp.parameter_bytes - 2.0 for sp in plan.stages
+    opt = next((sp.state_bytes / held_parameters(sp) - 2.0 for sp in plan.stages
                 if sp.state_bytes is not None and sp.parameter_bytes > 0), 1.0)
     return {"memory_rule": plan.memory_rule, "optimizer_state_factor": max(opt, 0.0)}
 

@@ -96,14 +96,20 @@ def schedule_memory(p: float, a: float, v: int, r: int, m: int, opt: float,
 
 def price(compute: Sequence[float], params: Sequence[float], acts: Sequence[float],
           cuts: Sequence[float], starts: Sequence[int], replicas: Sequence[int], net: Net,
-          opt: float = 1.0, schedule: str = "pipedream", m: int | None = None) -> Priced:
+          opt: float = 1.0, schedule: str = "pipedream", m: int | None = None,
+          shared: Sequence[tuple[int, float, Sequence[int]]] = ()) -> Priced:
     """``cuts[p - 1]``: bytes live across cut position p (before node p); ``schedule`` and
-    ``m`` (microbatches per update, default the cluster's workers): whose memory."""
+    ``m`` (microbatches per update, default the cluster's workers): whose memory; ``shared``:
+    parameters (owner node, bytes, user nodes) of which a stage with a user and without the
+    owner keeps a copy, in its memory like its own parameters (not in its time)."""
     ends = [*starts[1:], len(compute)]
     st, ct, vs, mem = [], [], [], []
     for s, (a, e, r) in enumerate(zip(starts, ends, replicas)):
         c, p, x = sum(compute[a:e]), sum(params[a:e]), sum(acts[a:e])
+        copies = sum(b for o, b, users in shared
+                     if not a <= o < e and any(a <= u < e for u in users))
         st.append(stage_time(c, p, r, net))
+        p += copies
         ct.append(cut_time(cuts[a - 1], r, net) if s else 0.0)
         vs.append(in_flight(replicas, s))
         mem.append(memory(p, x, vs[-1], opt) if schedule == "pipedream" else

@@ -100,6 +100,28 @@ def test_shared_parameters_reported() -> None:
     assert Plan.from_dict(plan.to_dict()) == plan
 
 
+def test_a_stage_using_a_parameter_it_does_not_own_keeps_a_copy_in_its_memory() -> None:
+    """A tied embedding: node 0 owns emb.weight and a second 5e7-byte weight (the owner's 1e8
+    split evenly: 5e7 each), node 3 (the head) uses emb.weight. Cut 2 | 2 on 4 straight
+    workers: stage 1 keeps a copy of emb.weight, 5e7 bytes, with its gradient and momentum
+    (opt = 1) besides its own 2e8: state (2e8 + 5e7) x 3; memory adds v = 1 activation sets,
+    no stashed version. Saved and loaded with the plan; a plan saved before loads with 0."""
+    prof = chain([(0.01, 1e8, 1e6)] * 4, params={0: ("emb.weight", "emb.other")},
+                 shared={3: ("emb.weight",)})
+    plan = plan_for(prof, Cluster(workers=2, bandwidth="1Gbps"), [0, 2], [1, 1])
+    last = plan.stages[1]
+    assert (plan.stages[0].copy_bytes, last.copy_bytes) == (0.0, 5e7)
+    assert last.parameter_bytes == 2e8 and last.state_bytes == (2e8 + 5e7) * 3
+    assert last.memory_bytes == (2e8 + 5e7) * 3 + 2e6
+    assert Plan.from_dict(plan.to_dict()) == plan
+    old = plan.to_dict()
+    for sd in old["stages"]:
+        del sd["copy_bytes"]
+    assert Plan.from_dict(old).stages[1].copy_bytes == 0.0
+    one = plan_for(prof, Cluster(workers=2, bandwidth="1Gbps"), [0], [1])
+    assert one.stages[0].copy_bytes == 0.0  # the owner's stage: counted once
+
+
 def test_plan_for_reproduces_the_solvers_plan_and_prices_others() -> None:
     prof = chain([(0.01, 1e6, 1e5)] * 3 + [(0.04, 1e3, 1e5)])
     cluster = Cluster(workers=4, bandwidth="1Gbps")

@@ -91,14 +91,15 @@ def test_summary_of_a_two_stage_plan_literally() -> None:
     """Stage 0: compute (0.02 + 0.002) / 4 = 5.5 ms plus sync 2 (3/4) 1e8 / 1e11 / 4 = 0.375 ms:
     5.875 ms, shown 5.88 ms; update 0.002 / 4 = 500 us; memory 3 P + (2 - 1) P + 2 A with
     P = 100 MB, A = 2 MB: 404 MB (v = ceil(8 / 4) = 2). Stage 1: 5 + 0.375 ms, the cut
-    2 * 1 MB / (1.25e8 * 4) = 4 ms, memory 3 P + A = 302 MB. Data parallel on 8 spans machines:
+    2 * 1 MB / (1.25e8 * 4) = 4 ms, memory 3 P + A with P = 100 MB and its copy of
+    emb.weight, 50 MB: 452 MB. Data parallel on 8 spans machines:
     (0.042 + 2 (7/8) 2e8 / 1.25e8) / 8 = 355.25 ms: 355.25 / 5.875 = 60.47x. Batch 8:
     8 / 5.875 ms = 1361.7 samples/s."""
     assert two_level_plan().summary().splitlines() == [
         "stage  nodes                                    replicas    compute     update       comm     memory",
         "-" * 100,
         "    0  n0..n1 (2)                                      4    5.88 ms     500 us       0 us     404 MB",
-        "    1  n2..n3 (2)                                      4    5.38 ms       0 us       4 ms     302 MB",
+        "    1  n2..n3 (2)                                      4    5.38 ms       0 us       4 ms     452 MB",
         "(compute = forward + backward + update + sync, per minibatch; update = the optimizer step, "
         "included in compute)",
         "",
@@ -107,7 +108,8 @@ def test_summary_of_a_two_stage_plan_literally() -> None:
         "memory per worker priced for: pipedream",
         "data-parallel time: 355 ms; speedup over data parallelism: 60.47x",
         "throughput: 1361.7 samples/s (batch 8)",
-        "parameters shared across stages: emb.weight [0, 1]",
+        "parameters shared across stages: emb.weight [0, 1]; stage 1 keeps a copy (50 MB, in "
+        "its memory)",
     ]
 
 
@@ -245,7 +247,9 @@ def test_span_column_and_shared_list_edges() -> None:
     assert lines[2][7:47] == "n0..n1 (3)".ljust(40)
     assert lines[3][7:47] == "a" * 17 + ".." + "b" * 17 + " (2)"
     assert lines[4][7:47] == ("a" * 18 + ".." + "b" * 17)[:37] + "..."
-    assert lines[-1] == "parameters shared across stages: emb.weight [0, 1], w2 [1, 2]"
+    assert lines[-1] == ("parameters shared across stages: emb.weight [0, 1], w2 [1, 2]; "
+                         "stage 1 keeps a copy (50 MB, in its memory); stage 2 keeps a copy "
+                         "(50 MB, in its memory)")  # both made from the plan's stage 1
 
 
 def test_to_dict_is_plain_json() -> None:

@@ -37,7 +37,8 @@ def coeffs(net: Net) -> tuple[list[float], list[float], list[float]]:
     return a, b, g
 
 
-def brute(C, P, A, cb, net: Net, cap, opt, stages, straight, schedule="pipedream", m_=None):
+def brute(C, P, A, cb, net: Net, cap, opt, stages, straight, schedule="pipedream", m_=None,
+          shared=()):
     """Every cut set and replica vector priced by the definitions: (optimum, fewest stages of
     the plans within TIE of it, {(starts, replicas): price} of the feasible plans)."""
     n, m = len(C), net.workers
@@ -53,7 +54,7 @@ def brute(C, P, A, cb, net: Net, cap, opt, stages, straight, schedule="pipedream
             for rv in reps:
                 if sum(rv) > m:
                     continue
-                pr = price(C, P, A, cb, (0, *cuts), rv, net, opt, schedule, m_)
+                pr = price(C, P, A, cb, (0, *cuts), rv, net, opt, schedule, m_, shared)
                 if cap is None or all(x <= cap for x in pr.memory):
                     feasible[((0, *cuts), rv)] = pr
     if not feasible:
@@ -156,6 +157,80 @@ def test_solver_under_a_schedule_memory_rule_matches_brute_force(inst, schedule,
     assert len(sol.replicas) == (stages if stages is not None else want_s)
     assert evaluate(C, P, A, cb, net.workers, a, b, g, list(sol.starts), list(sol.replicas),
                     optimizer_state_factor=opt, memory_rule=rule).memory == sol.memory
+
+
+@st.composite
+def shared_parameters(draw, n: int, P: list[float]):
+    """Up to two parameters shared by later nodes (tied weights), owners distinct, each at most
+    its owner's bytes (it is part of them): ``(owner, bytes, users)``."""
+    out = []
+    owners = draw(st.lists(st.integers(0, max(n - 2, 0)), max_size=2, unique=True)) if n > 1 \
+        else []
+    for o in owners:
+        users = draw(st.lists(st.integers(o + 1, n - 1), min_size=1, max_size=3, unique=True))
+        out.append((o, float(draw(st.integers(0, int(P[o])))), tuple(sorted(users))))
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data(), instances(), st.sampled_from(["pipedream", *sorted(RULES)]),
+       st.sampled_from([None, 2]))
+def test_shared_parameters_copies_match_brute_force(data, inst, schedule, m) -> None:
+    """A stage that uses a shared parameter (a tied embedding's head) without owning it keeps a
+    copy, priced in its memory like its own parameters (pd_oracle, from that definition): the
+    solver's optimum under a cap, its memory exactly and each stage's copies."""
+    C, P, A, cb, net, cap, opt, stages, straight = inst
+    shared = data.draw(shared_parameters(len(C), P))
+    want, want_s, feasible = brute(C, P, A, cb, net, cap, opt, stages, straight, schedule, m,
+                                   shared)
+    a, b, g = coeffs(net)
+    rule = RULES[schedule](m) if schedule != "pipedream" else MemoryRule("pipedream", "window",
+                                                                         "window")
+    try:
+        sol = solve(C, P, A, cb, net.workers, a, b, g, memory_cap=cap, optimizer_state_factor=opt,
+                    stages=stages, straight=straight, tie_tolerance=TIE, memory_rule=rule,
+                    shared=shared)
+    except InfeasiblePlanError:
+        assert want == math.inf
+        return
+    assert want < math.inf
+    mine = price(C, P, A, cb, sol.starts, sol.replicas, net, opt, schedule, m, shared)
+    assert (tuple(sol.starts), tuple(sol.replicas)) in feasible
+    assert math.isclose(mine.bottleneck, want, rel_tol=TIE)
+    assert sol.memory == mine.memory
+    assert len(sol.replicas) == (stages if stages is not None else want_s)
+    ends = [*sol.starts[1:], len(C)]
+    assert sol.copies == tuple(
+        sum(nb for o, nb, us in shared if not s0 <= o < e and any(s0 <= u < e for u in us))
+        for s0, e in zip(sol.starts, ends))
+
+
+def test_a_tied_heads_stage_keeps_a_copy_by_hand() -> None:
+    """An embedding (node 0, 60 bytes, all of them the weight the head at node 2 uses), a
+    middle node of 100 bytes, the head (no weight of its own), SGD with momentum (opt = 1),
+    1F1B with a flush every minibatch (no versions) and no activations: a replica holds 3 x its
+    parameters. Cut after node 0, stage 1 keeps 100 + 60 (the head's copy): 480 bytes, so 2
+    stages do not fit 300 bytes; priced without the copy they would (180 and 300)."""
+    C, P, A, cb = [1.0, 1.0, 1.0], [60.0, 100.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0]
+    a, b, g = coeffs(Net(3, 1e30, 1e30))
+    flush = MemoryRule("1f1b-flush", "none", "window-batch", microbatches=1)
+    tied = [(0, 60.0, (2,))]
+    two = evaluate(C, P, A, cb, 3, a, b, g, [0, 1], [1, 1], shared=tied, memory_rule=flush)
+    assert two.copies == (0.0, 60.0) and two.memory == (180.0, 480.0)
+    head = evaluate(C, P, A, cb, 3, a, b, g, [0, 2], [1, 1], shared=tied, memory_rule=flush)
+    assert head.copies == (0.0, 60.0) and head.memory == (480.0, 180.0)
+    one = evaluate(C, P, A, cb, 3, a, b, g, [0], [1], shared=tied, memory_rule=flush)
+    assert one.copies == (0.0,) and one.memory == (480.0,)
+    with pytest.raises(InfeasiblePlanError):
+        solve(C, P, A, cb, 3, a, b, g, memory_cap=300.0, stages=2, straight=True,
+              memory_rule=flush, shared=tied)
+    untied = solve(C, P, A, cb, 3, a, b, g, memory_cap=300.0, stages=2, straight=True,
+                   memory_rule=flush)
+    assert untied.starts == (0, 1) and untied.memory == (180.0, 300.0)
+    three = solve(C, P, A, cb, 3, a, b, g, memory_cap=300.0, straight=True, memory_rule=flush,
+                  shared=tied)
+    assert three.starts == (0, 1, 2) and three.memory == (180.0, 300.0, 180.0)
+    assert three.copies == (0.0, 0.0, 60.0)
 
 
 def test_a_cap_between_the_rules_has_a_plan_only_under_the_flushing_schedule() -> None:

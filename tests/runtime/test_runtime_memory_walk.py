@@ -11,7 +11,8 @@ from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.runtime.pricing.memory import check_memory, memory_rule, memory_table
 from fxpipe.runtime.pricing.memory_walk import (StageBytes, StagePeak, gradient_values,
-                                                stage_bytes, stage_links, walk_memory, walk_rank)
+                                                stage_bytes, stage_links, tie_buffers,
+                                                walk_memory, walk_rank)
 from fxpipe.runtime.replica.state_size import step_temporaries, temporaries_for
 from fxpipe.runtime.schedules.commplan import MODEL, StageLinks
 from fxpipe.runtime.schedules.kinds import make_schedule
@@ -150,6 +151,56 @@ def test_stage_terms_from_the_profile() -> None:
     peaks = walk_memory(plan, prof, "1f1b-flush", microbatches=2, temporaries=(1.0, 2.0))
     assert [p.stage for p in peaks] == [0, 1] and all(isinstance(p, StagePeak) for p in peaks)
     assert all(p.peak == sum(p.parts.values()) for p in peaks)
+
+
+def _tied(stages: int) -> tuple[Profile, Plan, Plan]:
+    """An embedding e (owns the 64-byte weight w) on stage 0, a head h using it on the last
+    stage, plain layers between: the profile, and its plan under 1f1b-flush and pipedream."""
+    mid = [ProfileNode(name=f"m{i}", op="call_module", target=f"m{i}", forward_s=1.0,
+                       backward_s=2.0, activation_bytes=8, parameter_bytes=4.0,
+                       inputs=(f"m{i - 1}" if i else "e",), params=(f"v{i}",))
+           for i in range(stages - 2)]
+    last = mid[-1].name if mid else "e"
+    head = ProfileNode(name="h", op="call_module", target="h", forward_s=1.0, backward_s=2.0,
+                       activation_bytes=8, parameter_bytes=0.0, inputs=(last,),
+                       shared_params=("w",), is_output=True)
+    prof = Profile(nodes=(_node("x", op="placeholder", out=8), _node("e", ("x",), 8, p=64),
+                          *mid, head))
+    groups = [("x", "e"), *[(n.name,) for n in mid], ("h",)]
+    plans = tuple(_plan(k, tuple(_stage(i, g, p=64 if i == 0 else (4 if g[0][0] == "m" else 0))
+                                 for i, g in enumerate(groups)))
+                  for k in ("1f1b-flush", "pipedream"))
+    return prof, plans[0], plans[1]
+
+
+def test_a_tie_keeps_its_sums_buffers_by_hand() -> None:
+    """(received, sent, update, pair) per stage, T = 64 the tie's bytes: a pair of lone stages
+    summed at the update keeps the receive of the other's part posted (T) and its own part
+    sent until proven (T), and makes T more at the update before the step; pipedream lags the
+    sum d = 1 round on 2 stages (windows 2 and 1): one round's part in flight, this round's
+    posted at the update; a stage without the tie keeps nothing."""
+    prof, flush, pipedream = _tied(2)
+    f = make_schedule("1f1b-flush", [1, 1], 8, microbatches=2)
+    assert tie_buffers(flush, prof, f) == ((64.0, 64.0, 0.0, 64.0),) * 2
+    d = make_schedule("pipedream", [1, 1], 8)
+    assert tie_buffers(pipedream, prof, d) == ((0.0, 64.0, 64.0, 0.0),) * 2
+    prof3, flush3, pipedream3 = _tied(3)  # a middle stage without the tie; d = 2 under pipedream
+    assert tie_buffers(flush3, prof3, make_schedule("1f1b-flush", [1, 1, 1], 8, microbatches=3)
+                       ) == ((64.0, 64.0, 0.0, 64.0), (0.0,) * 4, (64.0, 64.0, 0.0, 64.0))
+    assert tie_buffers(pipedream3, prof3, make_schedule("pipedream", [1, 1, 1], 8)
+                       ) == ((0.0, 128.0, 64.0, 0.0), (0.0,) * 4, (0.0, 128.0, 64.0, 0.0))
+    # in the walk (state 0 here): stage 0 peaks at its update as without the tie (the step's
+    # temporaries, 1 x P = 64, and 16 bytes of receives posted), plus the two buffers; stage 1,
+    # without temporaries (P = 0), peaks at its update too with the tie: the sum (64), the two
+    # buffers, and its own messages (16 received, 16 sent), where untied it peaked in B (56)
+    peaks = walk_memory(flush, prof, "1f1b-flush", microbatches=2, temporaries=(1.0, 0.0))
+    plain = walk_memory(flush, Profile(nodes=tuple(
+        n if n.name != "h" else ProfileNode(**{**n.__dict__, "shared_params": ()})
+        for n in prof.nodes)), "1f1b-flush", microbatches=2, temporaries=(1.0, 0.0))
+    assert [p.peak for p in plain] == [80.0, 56.0]
+    assert [p.peak for p in peaks] == [80.0 + 128.0, 64.0 + 128.0 + 32.0]
+    assert dict(peaks[1].parts) == {"base": 0.0, "held": 0, "working": 64.0,
+                                    "received": 16.0 + 64.0, "sent": 16.0 + 64.0}
 
 
 def test_step_temporaries_measured() -> None:
