@@ -180,7 +180,8 @@ def page(runs: list[dict]) -> str:
             return f"{r['model']} {r['kind']} recompute {r['recompute']} stage {r['stage']}"
 
         # the gradient sums (P) are made by the backwards: state's, not the working set's
-        state = [(r["held"] + r["U"] + r["P"]) / (r["state"] + r["versions"]) for r in rows]
+        state = [(r["held"] + r["U"] + r["P"]) / (r["state"] + r["versions"]) for r in rows
+                 if r["state"] + r["versions"] > 0]  # a stage with no weights: no ratio
         acts = [r["F"] / r["activations"] for r in rows if r["recompute"] == "never"]
         working = [max(r["BW"] - r["P"], 0) / r["predicted"] for r in rows]
         comm = [r["comm"] / r["predicted"] for r in rows]

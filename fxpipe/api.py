@@ -430,11 +430,14 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             f"this model is {fingerprint})", "re-plan with fxpipe.compile(model, cluster, ...)")
 
     def make() -> dict[str, Any]:
+        from fxpipe.runtime.pricing.memory_walk import LOSS_IN_MODEL
         from fxpipe.runtime.replica.state_size import state_factor, temporaries_for
 
         profile = with_runtime_overheads(
             cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer), cluster,
             overheads, on_cuda=any(p.is_cuda for p in traced.gm.parameters()))
+        if loss_fn is model_loss:  # its loss is in the graph: no loss outside keeps a copy
+            profile = replace(profile, meta={**profile.meta, LOSS_IN_MODEL: True})
         factor = state_factor(list(traced.gm.parameters()), optimizer, master_weights)
         if plan is not None:  # the user's plan, as saved
             chosen = plan

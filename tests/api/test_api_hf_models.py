@@ -2,6 +2,7 @@
 choice, and the module-level drawing of large graphs."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,26 @@ def test_tracer_choice_is_the_users_and_reported() -> None:
                        tracer="symbolic_trace")
     with pytest.raises(ConfigError, match="unknown tracer='fx'"):
         fxpipe.compile(spec.model, 2, example_inputs=spec.example_inputs, tracer="fx")
+
+
+def test_a_model_computing_its_own_loss_is_marked_for_the_memory_walk() -> None:
+    """An HF model given labels trains on its own loss: the profile says so, and the walk then
+    prices no loss outside the graph on the last stage (runtime/pricing/memory_walk.py); a
+    model trained with a loss_fn is not marked."""
+    from fxpipe.runtime.pricing.memory_walk import LOSS_IN_MODEL, stage_bytes
+
+    hf_spec = models.resolve("hf:GPT2LMHeadModel:n_layer=2,n_embd=32,n_head=2,vocab_size=512,"
+                             "n_positions=16", batch_size=2, seq_len=8)
+    own = fxpipe.compile(hf_spec.model, 2, example_inputs=hf_spec.example_inputs, repeats=1,
+                         stages=2, straight=True)
+    assert own.profile.meta.get(LOSS_IN_MODEL) is True
+    spec = models.get("gpt")
+    outside = fxpipe.compile(spec.model, 2, example_inputs=spec.example_inputs, repeats=1,
+                             loss_fn=spec.loss_fn)
+    assert LOSS_IN_MODEL not in outside.profile.meta
+    last = stage_bytes(own.plan, own.profile, "1f1b-flush", [2, 1])[-1]
+    plain = dataclasses.replace(own.profile, meta={})  # as if a loss outside kept a copy
+    assert stage_bytes(own.plan, plain, "1f1b-flush", [2, 1])[-1].backward > last.backward
 
 
 def test_large_graphs_are_drawn_one_box_per_module() -> None:

@@ -40,3 +40,15 @@ def test_summary_by_hand() -> None:
     assert "(comm over predicted): 0.05 / 0.50 / 0.50:" in text
     assert "| gpt | pipedream | never | 1 | 0.00 |" in text  # MiB, two decimals
     assert "Failed: vgg-mini 2bw recompute always: RuntimeError: boom" in text
+
+
+def test_a_stage_without_weights_has_no_state_ratio() -> None:
+    """A stage that owns no parameter and keeps no copy (a loss-only last stage): its state is 0,
+    so it has no (held + U + P) / state ratio; the page still lists it and its walked ratio."""
+    run = _run()
+    rows = run["ranks"][0]["plan"]["rows"]
+    rows[1] = {**rows[1], "state": 0.0, "versions": 0.0}
+    run["ranks"][0]["plan"]["parameter_bytes"] = [100.0, 0.0]
+    text = page([run])
+    assert "the backwards): 1.00 / 1.00 / 1.00; above 1" in text  # stage 0's alone
+    assert "| 0.96 |" in text  # stage 1's measured / walked, 480 / 500

@@ -10,9 +10,9 @@ import torch
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.runtime.pricing.memory import check_memory, memory_rule, memory_table
-from fxpipe.runtime.pricing.memory_walk import (StageBytes, StagePeak, gradient_values,
-                                                stage_bytes, stage_links, tie_buffers,
-                                                walk_memory, walk_rank)
+from fxpipe.runtime.pricing.memory_walk import (LOSS_IN_MODEL, StageBytes, StagePeak,
+                                                gradient_values, stage_bytes, stage_links,
+                                                tie_buffers, walk_memory, walk_rank)
 from fxpipe.runtime.replica.state_size import step_temporaries, temporaries_for
 from fxpipe.runtime.schedules.commplan import MODEL, StageLinks
 from fxpipe.runtime.schedules.kinds import make_schedule
@@ -140,6 +140,14 @@ def test_stage_terms_from_the_profile() -> None:
     # a microbatch of half the minibatch: every per-minibatch term at half (the state whole)
     h = stage_bytes(plan, prof, "1f1b-flush", [2, 1], temporaries=(1.0, 2.0), scale=0.5)[1]
     assert h == StageBytes(base=96, held=24, backward=28, update=24 + 48, for_w=4)
+    # a model that computes its own loss: its output still kept, the loss's backward the graph's
+    own = Profile(nodes=prof.nodes, meta={LOSS_IN_MODEL: True})
+    assert stage_bytes(plan, own, "1f1b-flush", [2, 1], temporaries=(1.0, 2.0))[1] == \
+        StageBytes(base=96, held=40 + 8, backward=48, update=24 + 48, for_w=8)
+    # ... unless it recomputes: its forward makes the output (8) again beside the kept one
+    again = _plan("1f1b-flush", (plan.stages[0], _stage(1, ("b", "d"), p=24, a=40, state=96,
+                                                        recompute=True, kept=32.0)))
+    assert stage_bytes(again, own, "1f1b-flush", [2, 1])[1].backward == 48 + 8 + 40
     # pipedream stashes v - 1 versions of the stage's weights
     assert stage_bytes(plan, prof, "pipedream", [2, 1])[0].base == 160 + 40
     # recomputing: kept inputs per minibatch in flight, the recomputed set during B (and
