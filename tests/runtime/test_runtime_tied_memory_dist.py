@@ -8,8 +8,9 @@ ranks. Before both were priced, the last stage's plan said 0.76 MiB and its walk
 
 Measured / walked, now: 1.02 and 1.11 under 1f1b-flush (the same in 5 runs; the last stage's
 rest is the loss's backward, the logits' gradients beside their log-probabilities); under
-pipedream 0.91-0.93 and 0.98-1.00 in most runs, but 1 run in 6 measured 2.6 and 1.2 MiB more
-(1.17, 1.13) on the same plan and walk, so the bound is 1.25, far below the misses priced here.
+pipedream 0.91-0.93 and 0.98-1.00 in most runs, but 3 runs of 16 measured 2.6 and 1.2 MiB
+more (1.17, 1.13) on the same plan and walk, so the bound is 1.25, far below the misses priced
+here.
 """
 from __future__ import annotations
 
