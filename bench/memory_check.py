@@ -135,12 +135,12 @@ def _rows(runs: list[dict]) -> list[dict]:
             continue
         by_stage = {r["stage"]: r for r in run["ranks"]}
         plan = run["ranks"][0]["plan"]
+        copies = plan.get("copy_bytes") or [0.0] * len(plan["parameter_bytes"])  # older runs
         for row in plan["rows"]:
             parts = by_stage[row["stage"]]["parts"]
             out.append({"model": run["model"], "kind": run["kind"],
                         "recompute": run["recompute"], **row,
-                        "P": plan["parameter_bytes"][row["stage"]]
-                        + plan.get("copy_bytes", [0.0] * (row["stage"] + 1))[row["stage"]],
+                        "P": plan["parameter_bytes"][row["stage"]] + copies[row["stage"]],
                         "predicted": row["state"] + row["versions"] + row["activations"],
                         "held": parts.get("held", 0), "F": parts.get("F", 0),
                         "BW": parts.get("B", 0) + parts.get("W", 0), "U": parts.get("U", 0),

@@ -123,17 +123,12 @@ class _Inst:
         k, h = self.coef(r, v)
         p = self.Pl[e] - self.Pl[a]
         if self.sh:
-            p = p + self.copies(a, e)
+            p = p + self.sh.at(a, e)
         if x:
             return ((2.0 + self.opt) * p + k * p
                     + h * (self.cbl[a] + (self.Hl[e] - self.Hl[a]))
                     + self._recomputed[(r, v)] * (self.Al[e] - self.Al[a]))
         return (2.0 + self.opt) * p + k * p + h * (self.Al[e] - self.Al[a])
-
-    def copies(self, a: int, e: int) -> float:
-        """Bytes of the shared parameters stage ``[a, e)`` keeps a copy of (uses, does not own):
-        priced in :meth:`mem` like its own parameters (:mod:`.copies`)."""
-        return self.sh.at(a, e)
 
     def cut(self, r: int, p: int) -> float:
         return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0
@@ -255,7 +250,7 @@ class _Inst:
             mem.append(self.mem(r, v, a, e, x))
             vs.append(v)
             rt.append(self.alpha[r] * (self.Fl[e] - self.Fl[a]) if x else 0.0)
-            cp.append(self.copies(a, e))
+            cp.append(self.sh.at(a, e))
         return Solution(max(st + ct), tuple(starts), tuple(replicas), tuple(comp), tuple(sync),
                         tuple(st), tuple(cb), tuple(ct), tuple(mem), tuple(vs), checks,
                         flags, tuple(rt), tuple(cp))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError, InfeasiblePlanError
 from fxpipe.units import format_bytes
 
+from .copies import Shared
 from .cuts import all_crossing_values, cut_bytes
 from .memory_rule import PIPEDREAM, MemoryRule
 from .overhead_pricing import stage_overheads
@@ -66,11 +68,11 @@ def _recompute_inputs(profile: Profile) -> dict[str, list[float]]:
                      for nd in profile.nodes]}
 
 
-def shared_parameters(profile: Profile) -> tuple[tuple[int, float, tuple[int, ...]], ...]:
+def shared_parameters(profile: Profile) -> tuple[Shared, ...]:
     """The parameters later nodes use besides their owner (tied weights, a reused layer), as
     the solver takes them: ``(owner, bytes, users)`` by node index, the bytes the owner's
     ``parameter_bytes`` split evenly among the parameters it owns (exact for an embedding
-    owning one weight, as :func:`fxpipe.runtime.pricing.core.tied_from_profile` splits them)."""
+    owning one weight; the simulator's ties, ``tied_from_profile``, are made from these)."""
     owner: dict[str, tuple[int, float]] = {}
     users: dict[str, list[int]] = {}
     for i, nd in enumerate(profile.nodes):
@@ -165,7 +167,7 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
         # the overheads are priced on the solver's cuts (overhead_pricing.py): a pipeline pays
         # messages one stage does not, so it must beat the one-stage plan priced the same way
         single = _one_stage(profile, cluster, sync, args, straight, recompute, alpha,
-                            optimizer_state_factor, memory_rule, plan.data_parallel_time)
+                            optimizer_state_factor, memory_rule, plan.data_parallel_time, shared)
         if single is not None and (single.time_per_minibatch
                                    <= plan.time_per_minibatch * (1.0 + TIE_TOLERANCE)):
             log.info("the %d-stage plan (%.4g s with the runtime's overheads) is no faster than "
@@ -177,13 +179,14 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
 
 def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, straight: bool,
                recompute: str, alpha: list[float], optimizer_state_factor: float,
-               memory_rule: MemoryRule, dp_time: float) -> Plan | None:
+               memory_rule: MemoryRule, dp_time: float,
+               shared: Sequence[Shared] = ()) -> Plan | None:
     """The one-stage plan (every worker a replica; one worker when ``straight``), recomputing
     only where ``recompute`` allows and it must to fit; None when it does not fit the cap."""
     for flag in {"never": (False,), "always": (True,), "auto": (False, True)}[recompute]:
         one = evaluate(*args, [0], [1 if straight else cluster.workers], recompute=[flag],
                        optimizer_state_factor=optimizer_state_factor, memory_rule=memory_rule,
-                       shared=shared_parameters(profile), **_recompute_inputs(profile))
+                       shared=shared, **_recompute_inputs(profile))
         if cluster.memory is None or one.memory[0] <= cluster.memory:
             return _make_plan(profile, cluster, sync, one, dp_time, alpha,
                               optimizer_state_factor, memory_rule)

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from ..replica.stage import StageReplica
-from ..schedules.schedule import Action, Rank, Schedule
+from ..schedules.schedule import Action, Rank, Schedule, tie_by_messages
 from ..timeline import Recorder
 from .buckets import BucketLayout, GradBuckets
 from .comm import Comm, TensorSpec, _Pending, tied_channel
@@ -137,9 +137,9 @@ class UpdateMixin:
     # begins (prepost_tied), so the part ready first crosses while the other rank computes.
     def _pair(self, key: tuple[int, ...]) -> Rank | None:
         """The other holder of tie ``key`` when its sum travels as two messages, else None."""
-        holders = self._holders(key)
-        if self._delay or len(holders) != 2 or self.schedule.replicas[self.me[0]] != 1:
+        if not tie_by_messages(key, self.schedule.replicas, self._delay):
             return None
+        holders = self._holders(key)
         other = holders[0] if holders[1] == self.me else holders[1]
         mine, theirs = self.comm.rank_of[self.me], self.comm.rank_of[other]
         if {tied_channel(mine, theirs), tied_channel(theirs, mine)} - set(self.comm.groups):

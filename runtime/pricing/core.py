@@ -18,11 +18,11 @@ from typing import Any, Mapping, Sequence
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError
-from fxpipe.passes.partition import coefficients
+from fxpipe.passes.partition import coefficients, shared_parameters
 from fxpipe.passes.plan import Plan
 from fxpipe.units import format_bytes, format_seconds
 
-from ..schedules.schedule import Action, Rank, sync_sets
+from ..schedules.schedule import Action, Rank, sync_sets, tie_by_messages
 from ..timeline import TimelineEvent, to_chrome_trace, write_chrome_trace
 from .memory import schedule_memory
 
@@ -176,7 +176,7 @@ class EventLoop:
     def pair(self, comp: tuple[int, ...]) -> bool:
         """Whether the tied sum of ``comp`` travels as two messages (two stages of one replica
         each, summed at the update: :meth:`fxpipe.runtime.execution.comm.Comm.tied_send`)."""
-        return len(comp) == 2 and all(self.sched.replicas[t] == 1 for t in comp)
+        return tie_by_messages(comp, self.sched.replicas, 0)
 
     def pair_update(self, rank: Rank, a: Action, comp: tuple[int, ...], now: float) -> None:
         """Update ``a`` of a stage whose tie is a pair: it sends its part when it gets here
@@ -280,25 +280,18 @@ DEFAULT_FORWARD_FRACTION = 1.0 / 3.0  # backward ~ 2x forward when no profile sa
 
 def tied_from_profile(plan: Plan, profile: Profile) -> list[TiedSync]:
     """The plan's tied parameters: a parameter a node of one stage owns and a node of another
-    stage lists in ``shared_params``. Its bytes are the owner node's ``parameter_bytes`` split
-    evenly among the parameters that node owns (exact for an embedding owning one weight)."""
+    stage lists in ``shared_params``, with the bytes the planner prices its copies at
+    (:func:`fxpipe.passes.partition.shared_parameters`), summed per set of stages."""
     stage_of = {n: sp.index for sp in plan.stages for n in sp.nodes}
-    owner: dict[str, tuple[int, float]] = {}
-    users: dict[str, set[int]] = {}
-    for node in profile.nodes:
-        s = stage_of.get(node.name)
-        if s is None:
-            continue
-        for p in node.params:
-            owner[p] = (s, node.parameter_bytes / max(len(node.params), 1))
-            users.setdefault(p, set()).add(s)
-        for p in node.shared_params:
-            users.setdefault(p, set()).add(s)
+    names = profile.names
     by_set: dict[tuple[int, ...], float] = {}
-    for p, stages in users.items():
-        if len(stages) > 1 and p in owner:
+    for owner, nbytes, users in shared_parameters(profile):
+        if names[owner] not in stage_of:
+            continue
+        stages = {stage_of[names[i]] for i in (owner, *users) if names[i] in stage_of}
+        if len(stages) > 1:
             key = tuple(sorted(stages))
-            by_set[key] = by_set.get(key, 0.0) + owner[p][1]
+            by_set[key] = by_set.get(key, 0.0) + nbytes
     return [TiedSync(k, v) for k, v in sorted(by_set.items())]
 
 

@@ -45,7 +45,7 @@ from fxpipe.passes.plan import Plan
 from ..schedules.commplan import MODEL, Issuer, Msg, RankPlan, StageLinks, comm_plans
 from ..schedules.kinds import make_schedule
 from ..schedules.proofs import SendProofs
-from ..schedules.schedule import Rank, Schedule, tie_delay
+from ..schedules.schedule import Rank, Schedule, tie_by_messages, tie_delay
 from .core import tied_from_profile
 from .memory import held_parameters, kept_inputs, state_bytes, stashed_versions
 from .sim_measure import peak_in_flight
@@ -221,8 +221,7 @@ def tie_buffers(plan: Plan, profile: Profile, sched: Schedule
             if s not in t.stages:
                 continue
             T = t.nbytes
-            if delay == 0 and len(t.stages) == 2 and all(sched.replicas[h] == 1
-                                                         for h in t.stages):
+            if tie_by_messages(t.stages, sched.replicas, delay):
                 # the update frees the old part and makes the new one and the sum, then
                 # steps with the sum: T more than between updates, before the step's own
                 received, sent, pair = received + T, sent + T, pair + T

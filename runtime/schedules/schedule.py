@@ -316,6 +316,14 @@ def tie_delay(sched: Schedule, tie_stage_sets: Sequence[Sequence[int]]) -> int:
     return max(max(0, sched.windows[min(c)] - sched.windows[max(c)]) for c in tie_stage_sets)
 
 
+def tie_by_messages(stages: Sequence[int], replicas: Sequence[int], delay: int) -> bool:
+    """Whether a tie of ``stages`` is summed by two messages instead of an all-reduce: two
+    stages of one replica each, summed at the update (``delay`` 0). The runtime sums it so
+    (``fxpipe.runtime.execution.comm.Comm.tied_send``), the simulator and the memory walk
+    price it so."""
+    return delay == 0 and len(stages) == 2 and all(replicas[s] == 1 for s in stages)
+
+
 def uneven_tied_updates(sched: Schedule, tie_stage_sets: Sequence[Sequence[int]]
                         ) -> dict[Rank, int] | None:
     """Updates per rank of the first set of stages sharing a weight whose ranks update unequally
