@@ -18,9 +18,10 @@ from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.passes import partition
 from fxpipe.passes.reference_dp import pipedream_dp
+from fxpipe.models import pipedream
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "data" / "pipedream-profiles"
+PROFILES = pipedream.PROFILES
 log = logging.getLogger("plan_speed")
 
 

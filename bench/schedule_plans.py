@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 from bench._report import publish
+from fxpipe.models import pipedream
 
 SECTION = "schedule-plans"
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "data" / "pipedream-profiles"
+PROFILES = pipedream.PROFILES
 SOURCES = ("gpt", "vgg16", "pipedream:vgg16", "pipedream:gnmt", "pipedream:resnet50")
 KINDS = ("1f1b-flush", "zb-h2")
 

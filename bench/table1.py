@@ -22,11 +22,12 @@ from fxpipe.costmodel import Cluster, Profile
 from fxpipe.passes import partition
 from fxpipe.runtime.pricing.plan_choice import choose_by_simulation
 from fxpipe.runtime.pricing.plansim import data_parallel_plan, minibatches_for, simulate_plan
+from fxpipe.models import pipedream
 
 ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("fxpipe.bench.table1")
-PROFILES = ROOT / "data" / "pipedream-profiles"
+PROFILES = pipedream.PROFILES
 MODELS = {"VGG16": "vgg16", "AlexNet": "alexnet", "ResNet-50": "resnet50",
           "Inception-v3": "inception_v3", "GNMT": "gnmt", "GPT-2 (124M)": None}
 WORKERS = (4, 8, 16, 64)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         "Command: `.venv/bin/python -m bench.table1` "
         f"(took {took:.0f} s on this machine; pure simulation, no GPU).",
         "",
-        "Profiles: PipeDream's published GPU profiles (`data/pipedream-profiles/`, MIT) and "
+        "Profiles: PipeDream's published GPU profiles (shipped in `fxpipe/models/pipedream_profiles/`, MIT; `pipedream:<name>`) and "
         "the zoo's full-size GPT (GPT-2 small, batch 8 x 1024 tokens) estimated for a V100 on the "
         "meta device. Clusters: one worker per machine, every link at the given bandwidth, memory "
         "unconstrained (16 GB at the profiles' batch sizes would rule out BSP itself). Sync model "

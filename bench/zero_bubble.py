@@ -29,12 +29,13 @@ from fxpipe.passes import partition
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.runtime.pricing.placed_sim import virtual_cluster
 from fxpipe.runtime.pricing.plansim import simulate_plan
+from fxpipe.models import pipedream
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SYNC_KINDS = ("gpipe", "1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v")
 PLACED = ("interleaved-1f1b", "zb-v")  # 2 stages per worker (fxpipe.runtime.schedules.placement)
-PROFILE_DIRS = (ROOT / "data" / "pipedream-profiles",)  # vendored (MIT, see its LICENSE)
+PROFILE_DIRS = (pipedream.PROFILES,)  # vendored (MIT, see its LICENSE)
 STAGES, WORKERS, BANDWIDTH = 8, 8, "10Gbps"
 UNLIMITED = "1TB"  # memory is not the question here (as in table1.py); the zb-h2 rows hold more
 

@@ -2,6 +2,7 @@
 from .export import export_stages, load_exported
 from .pipeline import run_stages
 from .split import StageSpec, split_graph
-from .visualize import draw_plan
+from .visualize import draw_overview, draw_plan
 
-__all__ = ["split_graph", "StageSpec", "run_stages", "export_stages", "load_exported", "draw_plan"]
+__all__ = ["split_graph", "StageSpec", "run_stages", "export_stages", "load_exported", "draw_plan",
+           "draw_overview"]

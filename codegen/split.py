@@ -295,7 +295,8 @@ def _build_stage_gm(gm: fx.GraphModule, k: int, ins: list[fx.Node], body: list[f
         if n in recomputed:
             env[n] = graph.create_node(n.op, n.target, fx.node.map_arg(n.args, lookup),
                                        fx.node.map_arg(n.kwargs, lookup), name=f"{n.name}_here")
-            env[n].meta = dict(n.meta)
+            env[n].meta = {**n.meta, "fxpipe": {**(n.meta.get("fxpipe") or {}),
+                                                 "made_here": True}}
         else:
             env[n] = graph.node_copy(n, lookup)
     graph.output(tuple(lookup(n) for n in outs))

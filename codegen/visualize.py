@@ -1,8 +1,9 @@
-"""Draw a partitioned graph with graphviz: one cluster per stage, cut edges in red.
+"""Draw a plan with graphviz: at a glance, or node by node.
 
-The picture answers the questions a user has about a plan: what runs where, how many replicas
-each stage has and how long it takes, and which activations cross the network (the red, bold cut
-edges, labelled with their size). ``get_attr`` nodes are folded into their consumers so that big
+The overview (:func:`draw_overview`, from the plan alone) answers what a user asks of a plan:
+its stages left to right, what each holds, its replicas, time and memory, and the bytes that
+cross the network into each (the red, bold edges). The node-level view (:func:`draw_plan`)
+shows every operation in one cluster per stage, cut edges in red, labelled with their size. ``get_attr`` nodes are folded into their consumers so that big
 models stay legible. A graph of more than :data:`MAX_DETAIL` operations (a Hugging Face model's
 aten graph: 2,000 nodes for Llama-7B, which graphviz needs many minutes to lay out) is drawn one
 box per module instead (``model.layers.3``, 68 ops), at the deepest module level that keeps the
@@ -21,6 +22,8 @@ import torch.fx as fx
 
 from fxpipe.errors import ConfigError
 from fxpipe.units import format_bytes, format_seconds
+
+from fxpipe.passes.plan import Plan
 
 from .split import MODEL, StageSpec
 
@@ -73,6 +76,9 @@ def _stage_label(k: int, info: Mapping[str, Any] | None) -> str:
     return " | ".join(parts)
 
 
+EXPORT_NO_MODULE = "_empty_nn_module_stack"
+
+
 def module_path(node: fx.Node) -> str:
     """The module a node belongs to: a ``call_module``'s target, else the innermost entry of
     the ``nn_module_stack`` the tracer recorded ("" at the top level)."""
@@ -80,15 +86,20 @@ def module_path(node: fx.Node) -> str:
         return str(node.target)
     stack = node.meta.get("nn_module_stack")
     if stack:
-        return str(list(stack.values())[-1][0])
+        path = str(list(stack.values())[-1][0])
+        # torch.export's placeholder for nodes it made outside any module (the batch size it
+        # reads from an input): no module of the user's
+        return "" if path.startswith(EXPORT_NO_MODULE) else path
     return ""
 
 
 def module_span(gm: fx.GraphModule, depth: int = 3) -> str:
     """``"model.layers.3..model.layers.7"``: the first and last module (cut at ``depth``) a
-    stage's operations belong to; "" when the tracer recorded none."""
+    stage's own operations belong to (not the values it makes again from the model's inputs);
+    "" when the tracer recorded none."""
     paths = [_truncate(module_path(n), depth) for n in gm.graph.nodes
-             if n.op in ("call_function", "call_method", "call_module")]
+             if n.op in ("call_function", "call_method", "call_module")
+             and not (n.meta.get("fxpipe") or {}).get("made_here")]  # an earlier stage's work
     paths = [p for p in paths if p]
     if not paths:
         return ""
@@ -236,15 +247,66 @@ def _shape_suffix(node: fx.Node) -> str:
     return f"\\n{list(shape)}" if isinstance(shape, tuple) else ""
 
 
+def overview_graph(plan: Plan, spans: Sequence[str] | None = None) -> graphviz.Digraph:
+    """The plan at a glance (no rendering): its stages left to right, each with the modules it
+    holds, its replicas, time and memory per minibatch as :meth:`Plan.summary` states them, and
+    between stages the bytes each minibatch sends into the next (its comm time)."""
+    dot = graphviz.Digraph("fxpipe_plan_overview")
+    dot.attr(rankdir="LR", fontname="Helvetica", nodesep="0.3", ranksep="0.5")
+    dot.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="11")
+    dot.attr("edge", fontname="Helvetica", fontsize="10")
+    dot.node("input", "input", shape="ellipse", fillcolor="lightgrey")
+    previous = "input"
+    for st in plan.stages:
+        what = spans[st.index] if spans is not None and spans[st.index] else (
+            f"{st.nodes[0]}..{st.nodes[-1]}" if len(st.nodes) > 1 else
+            (st.nodes[0] if st.nodes else "(empty)"))
+        lines = [f"stage {st.index}", f"{what} ({len(st.nodes)} nodes)",
+                 f"{st.replicas} replica{'s' if st.replicas > 1 else ''}",
+                 f"compute {format_seconds(st.compute_s + st.sync_s)}",
+                 f"memory {format_bytes(st.memory_bytes)}"
+                 + (f" (peak {format_bytes(st.peak_bytes)})" if st.peak_bytes is not None
+                    else "")]
+        dot.node(f"stage{st.index}", "\n".join(lines),
+                 fillcolor="#eef3fb" if st.index % 2 == 0 else "#f6f1e7",
+                 peripheries="2" if st.replicas > 1 else "1")
+        label = (f"{format_bytes(st.input_bytes)} each way\n{format_seconds(st.comm_s)}"
+                 if st.index > 0 else "")
+        attrs = {"color": CUT_COLOR, "penwidth": "2.5", "fontcolor": CUT_COLOR,
+                 "style": "bold"} if st.index > 0 else {}
+        dot.edge(previous, f"stage{st.index}", label=label, **attrs)
+        previous = f"stage{st.index}"
+    dot.node("output", "output", shape="ellipse", fillcolor="lightgrey")
+    dot.edge(previous, "output")
+    workers = plan.cluster.get("workers")
+    dot.attr(label=f"{format_seconds(plan.time_per_minibatch)} per minibatch on "
+                   f"{plan.workers_used} of {workers} workers; "
+                   f"{plan.speedup_over_data_parallel:.2f}x over data parallelism"
+                   + (f", {plan.speedup_over_one_worker:.2f}x over one worker"
+                      if plan.speedup_over_one_worker is not None else ""),
+             labelloc="b", fontsize="11")
+    return dot
+
+
+def draw_overview(plan: Plan, path: str | os.PathLike[str],
+                  spans: Sequence[str] | None = None) -> Path:
+    """Draw :func:`overview_graph` to ``path`` (.svg, .png or .dot by suffix)."""
+    return _render(overview_graph(plan, spans), path, f"{len(plan.stages)} stages")
+
+
 def draw_plan(stages: Sequence[StageSpec], path: str | os.PathLike[str],
               stage_info: Sequence[Mapping[str, Any]] | None = None) -> Path:
-    """Draw ``stages`` to ``path``; the format follows the suffix (.svg, .png, .dot)."""
+    """Draw ``stages`` node by node to ``path``; the format follows the suffix (.svg, .png,
+    .dot)."""
+    return _render(plan_graph(stages, stage_info), path, f"{len(stages)} stages, node by node")
+
+
+def _render(dot: graphviz.Digraph, path: str | os.PathLike[str], what: str) -> Path:
     path = Path(path)
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ConfigError(f"cannot draw to {path}: unknown suffix {path.suffix!r}",
                           hint="use .svg, .png or .dot")
-    dot = plan_graph(stages, stage_info)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     if fmt == "dot":
@@ -262,5 +324,5 @@ def draw_plan(stages: Sequence[StageSpec], path: str | os.PathLike[str],
             raise ConfigError(f"graphviz failed to render {path}: {exc}",
                               hint="draw to a .dot file and inspect it") from exc
     os.replace(tmp, path)
-    log.info("drew %d stages to %s", len(stages), path)
+    log.info("drew %s to %s", what, path)
     return path

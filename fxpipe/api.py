@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from fxpipe.codegen import StageSpec, draw_plan, export_stages, load_exported, run_stages, split_graph
+from fxpipe.codegen import (StageSpec, draw_overview, draw_plan, export_stages, load_exported,
+                            run_stages, split_graph)
 from fxpipe.codegen.visualize import module_span
 from fxpipe.costmodel import Cluster, Profile, estimate_graph, get_device, profile_graph, to_profile
 from fxpipe.costmodel.overheads import Overheads, with_overheads
@@ -262,23 +263,31 @@ class CompiledModel:
         self._needs_values("export the stages")
         export_stages(self.stage_specs, directory, plan_json=self.plan.to_dict())
 
-    def visualize(self, path: str | os.PathLike[str]) -> None:
-        """Draw the partitioned graph (.svg, .png or .dot by suffix)."""
-        info = [dict(replicas=st.replicas, compute_s=st.compute_s, comm_s=st.comm_s,
-                     memory_bytes=st.memory_bytes, stage_time_s=st.stage_time_s)
-                for st in self.plan.stages]
+    def visualize(self, path: str | os.PathLike[str], nodes: bool = False) -> None:
+        """Draw the plan (.svg, .png or .dot by suffix): its stages left to right with their
+        modules, replicas, compute, memory and the bytes crossing each cut; ``nodes=True``: the
+        partitioned graph node by node (one cluster per stage)."""
+        if not nodes:
+            spans = [module_span(st.gm) for st in self.stage_specs]
+            draw_overview(self.plan, path, spans if all(spans) else None)
+            return
+        info = [dict(replicas=st.replicas, compute_s=st.compute_s + st.sync_s, comm_s=st.comm_s,
+                     memory_bytes=st.memory_bytes) for st in self.plan.stages]
         draw_plan(self.stage_specs, path, stage_info=info)
 
-    def summary(self) -> str:
-        """The plan's table (:meth:`Plan.summary`), each stage described by the modules it
-        covers (``model.layers.3..model.layers.7``) where the tracer recorded them; after a
-        trainer with ``schedule="auto"`` chose, also what it chose and why."""
+    def summary(self, detail: bool = False) -> str:
+        """The plan's table (:meth:`Plan.summary`, ``detail`` as there), each stage described
+        by the modules it covers (``model.layers.3..model.layers.7``) where the tracer recorded
+        them; once a trainer's ``fit`` started, also what it trains (the schedule, why auto
+        chose it, the cut), with auto's pilot table under ``detail``."""
         spans = [module_span(st.gm) for st in self.stage_specs]
-        text = self.plan.summary(spans if all(spans) else None)
+        text = self.plan.summary(spans if all(spans) else None, detail=detail)
         decision = getattr(self, "auto_decision", None)  # set by a trainer's schedule="auto"
         recipe = getattr(self, "recipe", None)  # what a trainer's fit trains (trainer_cut)
-        return "\n\n".join([text] + ([decision.summary()] if decision is not None else [])
-                           + ([f"fxpipe trains:\n{recipe}"] if recipe else []))
+        parts = [text] + ([f"fxpipe trains:\n{recipe}"] if recipe else [])
+        if decision is not None and (detail or not recipe):
+            parts.append(decision.summary())
+        return "\n\n".join(parts)
 
     def __repr__(self) -> str:
         return (f"CompiledModel({type(self.model).__name__}, stages={len(self.stage_specs)}, "
@@ -367,7 +376,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             leaf_modules: Sequence[Any] = (), repeats: int = 5,
             optimizer: Callable[..., Any] | None = None, choose: str = "auto",
             tracer: str = "auto", plan_timeout_s: float = 600.0,
-            recompute: str = "never", schedule: str = "pipedream",
+            recompute: str = "never", schedule: str = "auto",
             microbatches: int | None = None,
             master_weights: bool | None = None,
             overheads: str | Overheads | None = None) -> CompiledModel:
@@ -385,18 +394,21 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     timed per stage (default: SGD with momentum), since every replica steps after each backward.
     ``choose="simulation"`` picks among the planner's candidates by simulating each one
     (:func:`choose_plan`); ``"planner"`` takes the planner's optimum; the default (``"auto"``)
-    the planner's for ``schedule="pipedream"`` unless it splits tied parameters across stages
-    or simulates more than 5% slower than planned (round trips longer than PipeDream's window,
-    replicas waiting for each other), the simulation otherwise.
+    the simulation, except the planner's for ``schedule="pipedream"`` unless it splits tied
+    parameters across stages or simulates more than 5% slower than planned (round trips longer
+    than PipeDream's window, replicas waiting for each other). Every choice is compared with
+    one worker too: a plan uses fewer of the cluster's workers where that is faster.
     ``tracer``: "auto" (torch.fx.symbolic_trace, else torch.export: the first that gives a graph
     that runs, trains and exports), "symbolic_trace" or "export"; ``compiled.tracer`` says which
     one ran. ``recompute``: activation recomputation per stage, "never", "always" or "auto"
     (the planner recomputes where it makes the plan fit in memory or faster; the trainer then
     recomputes in those stages, see ``plan.recompute``). ``schedule`` (and ``microbatches`` per
-    update): the schedule whose memory the plan fits the cluster's with (default PipeDream's
-    rule, which stashes a weight version per minibatch in flight; ``"1f1b-flush"`` stashes
-    none, so a plan that fits only under it is found for it; ``plan.memory_rule`` says which),
-    and whose peak, walked through its actions, each stage must fit too
+    update): the schedule the plan is priced for, its time and its memory (default ``"auto"``:
+    what the default trainer trains, 1F1B with a flush and each minibatch cut into one
+    microbatch per worker, ``runtime.schedules.spec.AUTO_PRICED``; ``"pipedream"``: PipeDream's
+    asynchronous 1F1B, whose rule stashes a weight version per minibatch in flight;
+    ``plan.memory_rule`` and ``plan.time_source`` say which), and whose peak, walked through
+    its actions, each stage must fit too
     (:func:`choose_fitted_plan`; ``plan.stages[s].peak_bytes``, the summary's ``peak``).
     A stage's state is priced as the run keeps it (``runtime/replica/state_size.py``): weights,
     gradients, ``optimizer``'s state measured on stand-ins, and float32 masters for low-precision
@@ -418,6 +430,10 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if tracer not in TRACERS:
         raise ConfigError(f"unknown tracer={tracer!r}", f"use one of {', '.join(TRACERS)}")
+    if loss_fn is not None:
+        from fxpipe.runtime.training.first_check import check_loss_fn
+
+        check_loss_fn(loss_fn)
     cluster = _as_cluster(cluster)
     traced = trace(model, example_inputs, example_kwargs=example_kwargs,
                    leaf_modules=leaf_modules, method=tracer)
@@ -479,7 +495,7 @@ CHOOSERS = ("auto", "planner", "simulation")
 
 def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 stages: int | None = None, straight: bool = False,
-                choose: str = "auto", schedule: str = "pipedream",
+                choose: str = "auto", schedule: str = "auto",
                 recompute: str = "never", microbatches: int | None = None,
                 optimizer_state_factor: float = 1.0) -> Plan:
     """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds), priced as
@@ -489,7 +505,8 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     waiting for each other, which the analytic bottleneck does not; the plan's time and its data
     parallelism's are then the simulated ones under ``schedule`` (``plan.time_source``), and
     data parallelism is among the candidates, so the plan is never slower than it. ``auto``
-    (default): the planner for ``pipedream``, the simulation for every other schedule.
+    (default): the planner for ``pipedream``, the simulation for every other schedule
+    (``"auto"``, the default, is priced as the default trainer trains: see :func:`compile`).
     Under ``auto`` a pipedream optimum is chosen by simulation too where the planner's
     objective does not price it (:func:`fxpipe.runtime.pricing.plan_choice.unpriced_by_planner`):
     it puts a shared parameter (tied embeddings) on two stages, whose gradient sum crosses the
@@ -504,7 +521,9 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
         raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
     from fxpipe.passes.memory_rule import PIPEDREAM
     from fxpipe.runtime.pricing.memory import SHAPES, memory_rule
+    from fxpipe.runtime.schedules.spec import priced_kind
 
+    schedule = priced_kind(schedule)
     # the placed kinds (several stages per process) keep PipeDream's rule for their candidates
     rule = memory_rule(schedule, microbatches) if schedule in SHAPES else PIPEDREAM
     if choose == "planner" or (choose == "auto" and schedule == "pipedream"):
@@ -540,7 +559,7 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
 
 def choose_fitted_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                        stages: int | None = None, straight: bool = False,
-                       choose: str = "auto", schedule: str = "pipedream",
+                       choose: str = "auto", schedule: str = "auto",
                        recompute: str = "never", microbatches: int | None = None,
                        optimizer_state_factor: float = 1.0,
                        temporaries: tuple[float, float] = (0.0, 0.0)) -> Plan:
@@ -551,7 +570,9 @@ def choose_fitted_plan(profile: Profile, cluster: Cluster, *, sync: str = "allre
     ``(per_byte, per_largest)`` (:func:`fxpipe.runtime.replica.state_size.temporaries_for`;
     none where no optimizer is known)."""
     from fxpipe.peak_fit import fit_peaks
+    from fxpipe.runtime.schedules.spec import priced_kind
 
+    schedule = priced_kind(schedule)
     return fit_peaks(
         lambda c: choose_plan(profile, c, sync=sync, stages=stages, straight=straight,
                               choose=choose, schedule=schedule, recompute=recompute,

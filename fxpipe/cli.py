@@ -1,13 +1,14 @@
 """The ``fxpipe`` command, for people who never open Python.
 
-    fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps
-    fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --device V100 --export out/ --svg plan.svg
+    fxpipe plan pipedream:vgg16 --workers 8 --bandwidth 10Gbps --schedule pipedream --svg plan.svg
+    fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --device V100 --export out/
     fxpipe plan path/to/file.py:factory --workers 4
-    fxpipe plan data/pipedream-profiles/vgg16/graph.txt --workers 8 --sync parameter-server
 
 MODEL is a zoo name (``fxpipe.models.names()``), ``file.py:factory`` (factory() returns an
 ``fxpipe.models.ModelSpec``, a ``(model, example_inputs)`` pair, or a module plus
-``--input-shape``), or a profile: PipeDream's ``graph.txt`` or fxpipe's ``profile.json``.
+``--input-shape``), ``hf:Class[:key=value,...]``, or a profile: ``pipedream:<name>`` (PipeDream's
+published profiles, shipped with fxpipe), a PipeDream ``graph.txt`` or fxpipe's
+``profile.json``.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from fxpipe.cli_args import add_model_arguments, add_recompute_argument, resolve_model
 from fxpipe.errors import ConfigError, FxpipeError
@@ -24,25 +25,45 @@ from fxpipe.errors import ConfigError, FxpipeError
 log = logging.getLogger("fxpipe")
 
 
+def profile_of(model: str) -> Path | None:
+    """The profile file MODEL names (``pipedream:<name>``, a ``graph.txt`` or a
+    ``profile.json``), or None when MODEL names a model to trace."""
+    from fxpipe.models import pipedream
+
+    if model.startswith(pipedream.PREFIX):
+        return pipedream.profile_path(model)
+    return Path(model) if Path(model).suffix in (".txt", ".json") else None
+
+
+def load_profile(path: Path) -> Any:
+    from fxpipe.costmodel import Profile
+
+    return Profile.from_pipedream(path) if path.suffix == ".txt" else Profile.load(path)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from fxpipe.api import choose_fitted_plan
-    from fxpipe.costmodel import Cluster, Profile
-    from fxpipe.units import format_seconds
+    from fxpipe.codegen import draw_overview
+    from fxpipe.costmodel import Cluster
 
     cluster = Cluster(workers=args.workers, bandwidth=args.bandwidth, device=args.device,
                       memory=args.memory, workers_per_machine=args.workers_per_machine,
                       intra_bandwidth=args.intra_bandwidth)
-    suffix = Path(args.model).suffix
+    path = profile_of(args.model)
     compiled = None
-    if suffix in (".txt", ".json"):
-        if args.export or args.svg:
-            raise ConfigError("--export and --svg need a model, not a profile",
-                              "pass a zoo name or file.py:factory")
-        profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
+    if path is not None:
+        if args.export or args.nodes:
+            raise ConfigError(f"--{'export' if args.export else 'nodes'} needs a model, not a "
+                              "profile (a profile has costs, no graph)",
+                              "pass a zoo name, hf:... or file.py:factory")
+        profile = load_profile(path)
         plan = choose_fitted_plan(  # no optimizer is known: no step temporaries
             profile, cluster, sync=args.sync, stages=args.stages, straight=args.straight,
             choose=args.choose, recompute=args.recompute, schedule=args.schedule,
             microbatches=args.microbatches)
+        if args.svg:
+            draw_overview(plan, args.svg)
+            print(f"drew the plan to {args.svg}")
     else:
         from fxpipe.api import compile as fx_compile
 
@@ -59,23 +80,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
             compiled.export(args.export)
             print(f"exported stages and plan.json to {args.export}")
         if args.svg:
-            compiled.visualize(args.svg)
-            print(f"drew the partitioned graph to {args.svg}")
+            compiled.visualize(args.svg, nodes=args.nodes)
+            print(f"drew the plan{' node by node' if args.nodes else ''} to {args.svg}")
     if args.save_plan:
         plan.save(args.save_plan)
-    print(plan.summary() if compiled is None else compiled.summary())
-    if "spread" in profile.meta:
-        print(f"costs measured on this machine ({profile.meta.get('threads', 1)} thread); spread "
-              f"of the measurements (IQR / median): {100 * profile.meta['spread']:.1f}%")
-    if plan.time_source != "planner":
-        print(f"chosen by simulation among the planner's candidates (-v lists them): "
-              f"{plan.time_source}, {format_seconds(plan.time_per_minibatch)} per minibatch in "
-              "steady state; data parallelism simulated the same way")
-    dp = plan.data_parallel_time
-    print(f"data-parallel training on the same cluster: {format_seconds(dp)} per minibatch; "
-          f"fxpipe's plan: {format_seconds(plan.time_per_minibatch)} "
-          f"(predicted speedup {plan.speedup_over_data_parallel:.2f}x)")
+    print(plan.summary(detail=args.detail) if compiled is None
+          else compiled.summary(detail=args.detail))
+    print(costs_line(profile, cluster))
+    claim = paper_claim(args.model)
+    if claim:
+        print(f"{claim}; fxpipe's plan here: {plan.speedup_over_data_parallel:.2f}x the "
+              "throughput of data parallelism, from PipeDream's own profile")
     return 0
+
+
+def costs_line(profile: Any, cluster: Any) -> str:
+    """Where the plan's costs come from, in one line."""
+    if "spread" in profile.meta:
+        return (f"costs: measured on this machine ({profile.meta.get('threads', 1)} thread per "
+                f"worker; spread of the measurements, IQR / median: "
+                f"{100 * profile.meta['spread']:.1f}%)")
+    if cluster.device is not None:
+        return f"costs: estimated for {cluster.device} from each operation's FLOPs and bytes"
+    if profile.source.startswith("pipedream:"):
+        return (f"costs: measured on GPUs by PipeDream's authors, per minibatch of "
+                f"{profile.batch_size} (their published profile {Path(profile.source).parent.name})")
+    return f"costs: from the profile {profile.source!r}"
+
+
+def paper_claim(model: str) -> str | None:
+    """What PipeDream's paper reports for a ``pipedream:`` model, if it reports something."""
+    from fxpipe.models import pipedream
+
+    if not model.startswith(pipedream.PREFIX):
+        return None
+    return pipedream.PAPER.get(model.removeprefix(pipedream.PREFIX))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="plan a model (or a profile) for a cluster and print the plan")
     pl.add_argument("model", help="zoo name, hf:Class[:key=value,...] (a Hugging Face "
-                    "architecture from its config), file.py:factory, PipeDream graph.txt or "
-                    "profile.json")
+                    "architecture from its config), file.py:factory, pipedream:<name> "
+                    "(PipeDream's published GPU profiles: vgg16, resnet50, ...), a PipeDream "
+                    "graph.txt or a profile.json")
     pl.add_argument("--workers", type=int, required=True)
     pl.add_argument("--bandwidth", default="10Gbps", help="e.g. 10Gbps, 25Gbit/s, 1.25GB/s")
     pl.add_argument("--device", default=None, help="plan for this device (V100, A100, H100, ...) "
@@ -97,11 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, default=None, help="force the number of stages")
     pl.add_argument("--straight", action="store_true", help="one worker per stage")
     add_recompute_argument(pl)
-    pl.add_argument("--schedule", default="pipedream",
-                    choices=["pipedream", "2bw", "1f1b-flush", "gpipe", "zb-h1", "zb-h2"],
-                    help="the schedule whose memory the plan is fitted with (default PipeDream's "
-                    "rule: a stashed weight version per minibatch in flight; the flushing kinds "
-                    "stash none)")
+    pl.add_argument("--schedule", default="auto",
+                    choices=["auto", "pipedream", "2bw", "1f1b-flush", "gpipe", "zb-h1", "zb-h2"],
+                    help="the schedule the plan is priced for, time and memory (auto, the "
+                    "default: what the default trainer trains, 1f1b-flush with each minibatch "
+                    "cut into one microbatch per worker; pipedream: PipeDream's asynchronous "
+                    "1F1B, a stashed weight version per minibatch in flight)")
     pl.add_argument("--microbatches", type=int, default=None,
                     help="microbatches per update of the flushing kinds (default: the workers)")
     pl.add_argument("--choose", default="auto", choices=["auto", "planner", "simulation"],
@@ -110,13 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
                     "the fastest (slower; sees 1F1B start-up, a flush's bubble and replicas "
                     "waiting for each other); auto (default): planner for pipedream (simulation "
                     "when its plan puts tied parameters on two stages), simulation for the "
-                    "other schedules")
+                    "other schedules and for auto")
     pl.add_argument("--size", default="mini", help="zoo model size: mini or full")
     pl.add_argument("--batch-size", type=int, default=None)
     pl.add_argument("--input-shape", default=None, help="for factories that return a bare module")
     add_model_arguments(pl)
     pl.add_argument("--export", default=None, metavar="DIR", help="write stage_k.py + plan.json")
-    pl.add_argument("--svg", default=None, metavar="FILE", help="draw the partitioned graph")
+    pl.add_argument("--svg", default=None, metavar="FILE",
+                    help="draw the plan: its stages left to right with their replicas, time, "
+                    "memory and the bytes crossing each cut (.svg, .png or .dot)")
+    pl.add_argument("--nodes", action="store_true",
+                    help="with --svg: draw the partitioned graph node by node instead")
+    pl.add_argument("--detail", action="store_true",
+                    help="print each stage's optimizer step and overheads, what its memory is "
+                    "made of, the minibatches in flight and the weight staleness of each schedule")
     pl.add_argument("--save-plan", default=None, metavar="FILE", help="write plan.json")
     pl.set_defaults(func=cmd_plan)
     from fxpipe.cli_train import add_train_parser

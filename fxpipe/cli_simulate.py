@@ -1,6 +1,6 @@
 """``fxpipe simulate``: predict a plan's training speed on a cluster we do not have.
 
-    fxpipe simulate data/pipedream-profiles/vgg16/graph.txt --workers 8 --bandwidth 10Gbps
+    fxpipe simulate pipedream:vgg16 --workers 8 --bandwidth 10Gbps
     fxpipe simulate vgg16 --size full --device V100 --workers 8 --trace predicted.json
     fxpipe simulate profile.json --workers 16 --plan plan.json --schedule 1f1b-flush
 
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-from pathlib import Path
 from typing import Any
 
 from fxpipe.cli_args import parse_noam
 from fxpipe.errors import ConfigError
 
 log = logging.getLogger("fxpipe")
-SCHEDULES = ("pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2", "interleaved-1f1b",
+SCHEDULES = ("auto", "pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2", "interleaved-1f1b",
              "zb-v")
 PLACED = ("interleaved-1f1b", "zb-v")  # several stages per process: runtime.schedules.placement
 
@@ -29,7 +28,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``fxpipe simulate`` on the ``fxpipe`` command's subparsers."""
     p = subparsers.add_parser("simulate", help="event-simulate a plan on a (hypothetical) cluster")
     p.add_argument("model", metavar="MODEL_OR_PROFILE",
-                   help="zoo name, file.py:factory, PipeDream graph.txt or profile.json")
+                   help="zoo name, file.py:factory, pipedream:<name> (PipeDream's published "
+                   "profiles), PipeDream graph.txt or profile.json")
     p.add_argument("--workers", type=int, required=True)
     p.add_argument("--bandwidth", default="10Gbps", help="e.g. 10Gbps, 25Gbit/s, 1.25GB/s")
     p.add_argument("--latency", type=float, default=0.0, help="seconds per message")
@@ -45,7 +45,9 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="which plan to simulate: the planner's optimum, or the fastest simulated "
                    "of its candidates (as fxpipe plan --choose; auto: the planner's for "
                    "pipedream, the simulation for the other schedules)")
-    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES)
+    p.add_argument("--schedule", default="auto", choices=SCHEDULES,
+                   help="the schedule to simulate (auto, the default: what the default trainer "
+                   "trains, 1f1b-flush with each minibatch cut into one microbatch per worker)")
     p.add_argument("--chunks", type=int, default=2,
                    help="interleaved-1f1b: stages per worker (the plan gets chunks x workers "
                    "stages, placed round robin; zb-v always 2, in a V)")
@@ -71,12 +73,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]:
-    from fxpipe.costmodel import Profile
+    from fxpipe.cli import load_profile, profile_of
     from fxpipe.passes import Plan
 
-    suffix = Path(args.model).suffix
-    if suffix in (".txt", ".json"):
-        profile = Profile.from_pipedream(args.model) if suffix == ".txt" else Profile.load(args.model)
+    path = profile_of(args.model)
+    if path is not None:
+        profile = load_profile(path)
     else:
         from fxpipe.api import compile as fx_compile
         from fxpipe.cli_args import resolve_model
@@ -116,9 +118,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                                 simulate_plan, trainer_window)
     from fxpipe.units import format_bytes, format_seconds
 
+    from fxpipe.runtime.schedules.spec import priced_kind
+
     cluster = Cluster(workers=args.workers, bandwidth=args.bandwidth, device=args.device,
                       memory=args.memory, workers_per_machine=args.workers_per_machine,
                       intra_bandwidth=args.intra_bandwidth, latency=args.latency)
+    if args.schedule == "auto":
+        args.schedule = priced_kind("auto")
+        print(f"schedule auto: simulated as {args.schedule}, what the default trainer trains")
     profile, plan = _profile_and_plan(args, cluster)
     noam = (trainer_window(plan, profile, args.schedule) if args.noam == "auto" else
             None if args.noam == "pipedream" else args.noam)
@@ -138,7 +145,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     bsp = simulate_plan(data_parallel_plan(profile, cluster, sync=plan.sync), profile,
                         minibatches=minibatches_for([cluster.workers], floor=args.minibatches),
                         latency_s=args.latency, duplex=duplex)
-    print(plan.summary())
+    print(plan.summary(detail=True))
     print()
     if noam is not None and noam != base:
         print(f"in flight at the input stage: {noam} minibatches (PipeDream's NOAM: {base}"

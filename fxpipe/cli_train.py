@@ -78,6 +78,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="minibatches")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="delete the checkpoints --checkpoint-dir holds and start afresh (without "
+                   "it, or --resume, a folder holding another run's checkpoints is refused)")
     p.add_argument("--elastic", action="store_true", help="under torchrun's elastic agent: "
                    "re-plan for this start's WORLD_SIZE and resume from the newest complete "
                    "checkpoint of any plan, if there is one (fxpipe/cli_elastic.py)")
@@ -159,14 +162,14 @@ def _check_data(name: str) -> None:
 
 def plan_schedule(schedule: str) -> str:
     """The schedule the plan is made and priced for: the one named (its memory rule and, for
-    the synchronous kinds, its simulated time), PipeDream's for ``auto`` (its pick is made
-    after planning, and pipedream holds the most) and for the placed kinds (several stages
-    per process: no rule of their own)."""
+    the synchronous kinds, its simulated time), ``auto`` itself (priced as the default trainer
+    trains: ``fxpipe.compile``), and PipeDream's for the placed kinds (several stages per
+    process: no rule of their own)."""
     from fxpipe.runtime.pricing.memory import SHAPES
-    from fxpipe.runtime.schedules.spec import parse_schedule
+    from fxpipe.runtime.schedules.spec import AUTO, parse_schedule
 
     kind = parse_schedule(schedule).kind
-    return kind if kind in SHAPES else "pipedream"
+    return kind if kind in SHAPES or kind == AUTO else "pipedream"
 
 
 def auto_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -365,13 +368,15 @@ def run_worker(args: argparse.Namespace) -> int:
                           stages=args.stages, straight=args.straight, tracer=args.tracer,
                           schedule=plan_schedule(args.schedule),
                           microbatches=args.microbatches, overheads=args.overheads)
-    if rank == 0:
-        print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}", flush=True)
+    if rank == 0:  # the plan before training: its stages, speedups, and why it is what it is
+        print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}\n"
+              f"{compiled.summary()}", flush=True)
     train, evaluate = _loaders(args, spec)
     trainer = compiled.trainer(**_recipe(args, compiled, train, spec.model),  # plan's recompute
                            schedule=args.schedule, vertical_sync=args.vertical_sync,
                            auto_options=auto_options(args),
                            checkpoint_dir=args.checkpoint_dir,
+                           overwrite_checkpoints=args.overwrite_checkpoints,
                            checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
                            seed=args.seed, progress=not args.no_progress,
                            clip_grad_norm=args.clip, precision=args.precision,
@@ -388,10 +393,10 @@ def run_worker(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     history = trainer.fit(train, epochs=args.epochs, eval_loader=evaluate, resume=resume)
     state = trainer.state_dict() if args.save else None  # collective: rank 0 gets every stage
-    if rank == 0 and trainer.auto_decision is not None:
-        print(trainer.auto_decision.summary(), flush=True)
-    if rank == 0 and getattr(compiled, "recipe", None):
+    if rank == 0 and getattr(compiled, "recipe", None):  # the schedule, why, the cut
         print(f"fxpipe trains:\n{compiled.recipe}", flush=True)
+    if rank == 0 and args.verbose and trainer.auto_decision is not None:
+        print(trainer.auto_decision.summary(), flush=True)  # auto's pilot table
     if rank == 0 and not trainer.idle:
         for h in history:
             extra = "".join(f", {k} {h[k]:.4f}" for k in ("eval_loss", "eval_accuracy") if k in h)

@@ -159,38 +159,59 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
             + ("a flushing schedule (schedule='1f1b-flush': no stashed weight versions), "
                if memory_rule.schedule in ("pipedream", "2bw") else "")
             + "or optimizer_state_factor matching your optimizer") from None
-    dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
-                  memory_rule=memory_rule, shared=shared)
-    plan = _make_plan(profile, cluster, sync, sol, _priced(profile, dp, memory_rule)[1], alpha,
-                      optimizer_state_factor, memory_rule)
-    if stages is None and len(sol.starts) > 1 and not profile.overheads.zero:
+    base = _baselines(profile, args, optimizer_state_factor, memory_rule, shared)
+    plan = _make_plan(profile, cluster, sync, sol, base, alpha, optimizer_state_factor,
+                      memory_rule)
+    if stages is None and not profile.overheads.zero:
         # the overheads are priced on the solver's cuts (overhead_pricing.py): a pipeline pays
-        # messages one stage does not, so it must beat the one-stage plan priced the same way
+        # messages one stage does not, and a replica group an all-reduce one worker does not,
+        # so the plan must beat every one-stage plan (on 1..m workers) priced the same way
         single = _one_stage(profile, cluster, sync, args, straight, recompute, alpha,
-                            optimizer_state_factor, memory_rule, plan.data_parallel_time, shared)
+                            optimizer_state_factor, memory_rule, base, shared)
         if single is not None and (single.time_per_minibatch
-                                   <= plan.time_per_minibatch * (1.0 + TIE_TOLERANCE)):
-            log.info("the %d-stage plan (%.4g s with the runtime's overheads) is no faster than "
-                     "one stage (%.4g s): one stage", len(sol.starts), plan.time_per_minibatch,
-                     single.time_per_minibatch)
+                                   < plan.time_per_minibatch * (1.0 - TIE_TOLERANCE)
+                                   or (len(sol.starts) > 1 and single.time_per_minibatch
+                                       <= plan.time_per_minibatch * (1.0 + TIE_TOLERANCE))):
+            log.info("the plan %s (%.4g s with the runtime's overheads) is no faster than one "
+                     "stage on %d worker(s) (%.4g s): one stage", plan.replicas,
+                     plan.time_per_minibatch, single.replicas[0], single.time_per_minibatch)
             return single
     return plan
 
 
 def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, straight: bool,
                recompute: str, alpha: list[float], optimizer_state_factor: float,
-               memory_rule: MemoryRule, dp_time: float,
+               memory_rule: MemoryRule, base: tuple[float, float],
                shared: Sequence[Shared] = ()) -> Plan | None:
-    """The one-stage plan (every worker a replica; one worker when ``straight``), recomputing
-    only where ``recompute`` allows and it must to fit; None when it does not fit the cap."""
-    for flag in {"never": (False,), "always": (True,), "auto": (False, True)}[recompute]:
-        one = evaluate(*args, [0], [1 if straight else cluster.workers], recompute=[flag],
-                       optimizer_state_factor=optimizer_state_factor, memory_rule=memory_rule,
-                       shared=shared, **_recompute_inputs(profile))
-        if cluster.memory is None or one.memory[0] <= cluster.memory:
-            return _make_plan(profile, cluster, sync, one, dp_time, alpha,
-                              optimizer_state_factor, memory_rule)
-    return None
+    """The fastest one-stage plan with the runtime's overheads, on any number of the workers
+    (data parallelism on all of them, or fewer where their all-reduce costs more than it
+    gains, down to one worker; one worker when ``straight``; ties go to more workers),
+    recomputing only where ``recompute`` allows and it must to fit; None when none fits the
+    cap."""
+    best: tuple[float, Plan] | None = None
+    for r in ([1] if straight else range(cluster.workers, 0, -1)):
+        for flag in {"never": (False,), "always": (True,), "auto": (False, True)}[recompute]:
+            one = evaluate(*args, [0], [r], recompute=[flag],
+                           optimizer_state_factor=optimizer_state_factor,
+                           memory_rule=memory_rule, shared=shared, **_recompute_inputs(profile))
+            if cluster.memory is None or one.memory[0] <= cluster.memory:
+                t = _priced(profile, one, memory_rule)[1]
+                if best is None or t < best[0] * (1.0 - TIE_TOLERANCE):
+                    best = (t, _make_plan(profile, cluster, sync, one, base, alpha,
+                                          optimizer_state_factor, memory_rule))
+                break
+    return None if best is None else best[1]
+
+
+def _baselines(profile: Profile, args: tuple, optimizer_state_factor: float,
+               memory_rule: MemoryRule, shared: Sequence[Shared]) -> tuple[float, float]:
+    """What a plan is compared with, priced like it (the runtime's overheads included): data
+    parallelism on every worker, and one worker training alone."""
+    workers = args[4]
+    return tuple(_priced(profile, evaluate(*args, [0], [r],  # type: ignore[return-value]
+                                           optimizer_state_factor=optimizer_state_factor,
+                                           memory_rule=memory_rule, shared=shared),
+                         memory_rule)[1] for r in (workers, 1))
 
 
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,
@@ -228,10 +249,9 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
     sol = evaluate(*args, list(starts), list(replicas),
                    optimizer_state_factor=optimizer_state_factor, recompute=recompute,
                    memory_rule=memory_rule, shared=shared, **_recompute_inputs(profile))
-    dp = evaluate(*args, [0], [m], optimizer_state_factor=optimizer_state_factor,
-                  memory_rule=memory_rule, shared=shared)
-    return _make_plan(profile, cluster, sync, sol, _priced(profile, dp, memory_rule)[1], alpha,
-                      optimizer_state_factor, memory_rule)
+    return _make_plan(profile, cluster, sync, sol,
+                      _baselines(profile, args, optimizer_state_factor, memory_rule, shared),
+                      alpha, optimizer_state_factor, memory_rule)
 
 
 def _priced(profile: Profile, sol: Solution, rule: MemoryRule) -> tuple[list[float], float]:
@@ -242,7 +262,7 @@ def _priced(profile: Profile, sol: Solution, rule: MemoryRule) -> tuple[list[flo
 
 
 def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
-               dp_time: float, alpha: list[float], optimizer_state_factor: float,
+               base: tuple[float, float], alpha: list[float], optimizer_state_factor: float,
                memory_rule: MemoryRule) -> Plan:
     names = profile.names
     held = _recompute_inputs(profile)["held"]
@@ -281,11 +301,12 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
     workers_used = sum(sol.replicas)
     plan = Plan(stages=tuple(stage_plans), cluster=dict(cluster.to_dict()), sync=sync,
                 time_per_minibatch=bottleneck, noam=math.ceil(workers_used / sol.replicas[0]),
-                data_parallel_time=dp_time, batch_size=profile.batch_size,
+                data_parallel_time=base[0], one_worker_time=base[1],
+                batch_size=profile.batch_size,
                 shared_parameters=shared,
                 model_fingerprint=profile.meta.get("model_fingerprint"),
                 profile_source=profile.source, workers_used=workers_used,
                 memory_rule=memory_rule)
-    log.info("plan: replicas %s, %.4g s/minibatch (data parallel %.4g s)", plan.replicas,
-             plan.time_per_minibatch, dp_time)
+    log.info("plan: replicas %s, %.4g s/minibatch (data parallel %.4g s, one worker %.4g s)",
+             plan.replicas, plan.time_per_minibatch, base[0], base[1])
     return plan

@@ -104,6 +104,10 @@ class Plan:
     # by fxpipe.compile from fxpipe.runtime.pricing.plansim), None where it is ``noam``. The
     # pipedream rows of ``staleness`` are for this window.
     window: int | None = None
+    # One worker training the whole model alone, priced like ``time_per_minibatch`` (the
+    # runtime's overheads, or simulated the same way): what a plan on fewer workers is chosen
+    # against (None in plans saved before it was recorded).
+    one_worker_time: float | None = None
 
     # --- views -------------------------------------------------------------------------
     @property
@@ -127,6 +131,13 @@ class Plan:
         return self.data_parallel_time / self.time_per_minibatch
 
     @property
+    def speedup_over_one_worker(self) -> float | None:
+        if self.one_worker_time is None:
+            return None
+        return math.inf if self.time_per_minibatch <= 0 else (
+            self.one_worker_time / self.time_per_minibatch)
+
+    @property
     def throughput(self) -> float | None:
         """Samples per second in steady state (None when the batch size is unknown)."""
         if self.batch_size is None or self.time_per_minibatch <= 0:
@@ -137,15 +148,17 @@ class Plan:
         """Node name -> stage index (what codegen's split_graph takes)."""
         return {n: s.index for s in self.stages for n in s.nodes}
 
-    def summary(self, spans: list[str] | None = None) -> str:
-        """A human-readable table plus the headline numbers. ``spans``: what each stage holds,
-        in words (default: its first and last node), e.g. the modules a compiled model's stages
-        cover, which read better than an aten graph's node names."""
+    def summary(self, spans: list[str] | None = None, detail: bool = False) -> str:
+        """The plan on one screen: a row per stage, then its time, speedups and what it leaves
+        out. ``spans``: what each stage holds, in words (default: its first and last node), e.g.
+        the modules a compiled model's stages cover, which read better than an aten graph's
+        node names. ``detail``: also each stage's optimizer step and overheads, what its
+        memory is made of, the minibatches in flight and the staleness table."""
         rc = any(self.recompute)  # the column only when some stage recomputes
         walked = all(s.peak_bytes is not None for s in self.stages)
-        head = (f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10} {'update':>10} "
-                f"{'comm':>10} {'memory':>10}" + (f" {'peak':>10}" if walked else "")
-                + (f" {'recompute':>10}" if rc else ""))
+        head = (f"{'stage':>5}  {'nodes':<40} {'replicas':>8} {'compute':>10}"
+                + (f" {'update':>10}" if detail else "") + f" {'comm':>10} {'memory':>10}"
+                + (f" {'peak':>10}" if walked else "") + (f" {'recompute':>10}" if rc else ""))
         lines = [head, "-" * len(head)]
         for s in self.stages:
             span = (f"{s.nodes[0]}..{s.nodes[-1]} ({len(s.nodes)})" if len(s.nodes) > 1
@@ -155,59 +168,100 @@ class Plan:
             if len(span) > 40:
                 span = span[:37] + "..."
             lines.append(f"{s.index:>5}  {span:<40} {s.replicas:>8} "
-                         f"{format_seconds(s.compute_s + s.sync_s):>10} "
-                         f"{format_seconds(s.update_s):>10} {format_seconds(s.comm_s):>10} "
-                         f"{format_bytes(s.memory_bytes):>10}"
+                         f"{format_seconds(s.compute_s + s.sync_s):>10}"
+                         + (f" {format_seconds(s.update_s):>10}" if detail else "")
+                         + f" {format_seconds(s.comm_s):>10} {format_bytes(s.memory_bytes):>10}"
                          + (f" {format_bytes(s.peak_bytes or 0.0):>10}" if walked else "")
                          + (f" {format_seconds(s.recompute_s) if s.recompute else 'no':>10}"
                             if rc else ""))
-        lines.append("(compute = forward + backward + update + sync, per minibatch; update = "
-                     "the optimizer step, included in compute)")
-        if any(s.overhead_s for s in self.stages):
-            lines.append("(compute includes the runtime's overheads per minibatch: "
-                         + ", ".join(f"stage {s.index} {format_seconds(s.overhead_s)}"
-                                     for s in self.stages)
-                         + "; its calls, messages and stash copies, fxpipe.costmodel.overheads, "
-                         "and what it makes again from the model's inputs, "
-                         "fxpipe.passes.made_here)")
-        if walked:
-            lines.append("(memory = weights, gradients, optimizer state, stashed versions and "
-                         "activations held between actions, as the schedule's rule prices them; "
-                         "peak = the most live at once, walked through the schedule's actions: "
-                         "with the receive buffers posted ahead, sends not yet proven received, "
-                         "the backward's working set and the optimizer step's temporaries; the "
-                         "cap is held against the peak)")
-        if rc:
-            lines.append("(recompute = the extra forward of activation recomputation, included in "
-                         "compute; such a stage keeps only its inputs per minibatch in flight)")
+        lines.append("(per minibatch: compute = forward, backward, optimizer step and weight sync "
+                     "of the stage's replicas; comm = activations in and gradients back; memory "
+                     "per worker" + ("; peak = the most live at once, held against the cap"
+                                     if walked else "")
+                     + ("; recompute = the extra forward of a stage that keeps only its inputs"
+                        if rc else "") + ")")
+        if detail:
+            lines += self._footnotes(rc, walked)
         lines.append("")
-        lines.append(f"time per minibatch: {format_seconds(self.time_per_minibatch)}"
-                     f" ({self.sync} sync, {self.workers_used} of {self.cluster.get('workers')} workers"
-                     + ("" if self.time_source == "planner" else f"; {self.time_source}") + ")")
-        lines.append(f"NOAM (minibatches in flight at the input stage): {self.noam}"
-                     + (f"; under pipedream the trainer admits {self.window}, the fewest that "
-                        "hide the plan's round trips (the memory column is for the NOAM: the "
-                        "input stage holds a weight version and an activation set more per "
-                        "minibatch beyond it)" if self.window else ""))
-        lines.append(f"memory per worker priced for: {self.memory_rule.label()}"
-                     + (f" (cap {format_bytes(self.cluster['memory'])})"
-                        if self.cluster.get("memory") is not None else ""))
-        lines.append(f"data-parallel time: {format_seconds(self.data_parallel_time)}; "
-                     f"speedup over data parallelism: {self.speedup_over_data_parallel:.2f}x")
+        workers = self.cluster.get("workers")
+        how = ("pipedream, by the planner's bottleneck" if self.time_source == "planner"
+               else self.time_source)
+        lines.append(f"time per minibatch: {format_seconds(self.time_per_minibatch)} on "
+                     f"{self.workers_used} of {workers} workers ({self.sync} sync; {how})")
+        lines.append("speedup: " + self._speedups())
         if self.throughput is not None:
             lines.append(f"throughput: {self.throughput:.1f} samples/s (batch {self.batch_size})")
-        if self.is_data_parallel:
-            lines.append(f"This plan IS plain data parallelism: one stage replicated on "
-                         f"{self.stages[0].replicas} workers; pipelining would not be faster.")
+        why = self._why()
+        if why:
+            lines.append(why)
         if self.shared_parameters:
             lines.append("parameters shared across stages: " + ", ".join(
                 f"{k} {list(v)}" for k, v in sorted(self.shared_parameters.items()))
                 + "".join(f"; stage {s.index} keeps a copy ({format_bytes(s.copy_bytes)}, in its "
                           "memory)" for s in self.stages if s.copy_bytes))
-        if self.staleness:
-            lines += ["", "weight staleness (steady state, per stage: own updates / global block "
-                      "updates as in Randomized PipeDream):", format_staleness(self.staleness)]
+        if detail:
+            lines.append(f"memory per worker priced for: {self.memory_rule.label()}"
+                         + (f" (cap {format_bytes(self.cluster['memory'])})"
+                            if self.cluster.get("memory") is not None else ""))
+            lines.append(f"NOAM (minibatches in flight at the input stage): {self.noam}"
+                         + (f"; under pipedream the trainer admits {self.window}, the fewest that "
+                            "hide the plan's round trips (the memory column is for the NOAM: the "
+                            "input stage holds a weight version and an activation set more per "
+                            "minibatch beyond it)" if self.window else ""))
+            if self.staleness:
+                lines += ["", "weight staleness (steady state, per stage: own updates / global "
+                          "block updates as in Randomized PipeDream):",
+                          format_staleness(self.staleness)]
+        elif self.cluster.get("memory") is not None:
+            lines.append(f"memory cap: {format_bytes(self.cluster['memory'])} per worker, priced "
+                         f"for {self.memory_rule.label()}")
         return "\n".join(lines)
+
+    def _speedups(self) -> str:
+        """Against data parallelism on every worker, and against one worker alone."""
+        out = (f"{self.speedup_over_data_parallel:.2f}x over data parallelism on "
+               f"{self.cluster.get('workers')} workers ({format_seconds(self.data_parallel_time)} "
+               "per minibatch)")
+        one = self.speedup_over_one_worker
+        if one is not None:
+            out += (f", {one:.2f}x over one worker ({format_seconds(self.one_worker_time or 0.0)})")
+        return out
+
+    def _why(self) -> str:
+        """One line where the plan is not a pipeline on every worker: why not."""
+        workers = self.cluster.get("workers")
+        if self.workers_used < (workers or 0):
+            return (f"This plan uses {self.workers_used} of the {workers} workers: none on more "
+                    "is faster here (their all-reduces and messages cost more than they save); "
+                    f"in a {workers}-process job the other ranks idle.")
+        if self.is_data_parallel and (workers or 0) > 1:
+            st = self.stages[0]
+            return (f"This plan is plain data parallelism on {workers} workers: no pipeline is "
+                    f"faster here (per minibatch: compute {format_seconds(st.compute_s)}, weight "
+                    f"sync {format_seconds(st.sync_s)}; a pipeline pays for its messages and "
+                    "its imbalance).")
+        return ""
+
+    def _footnotes(self, rc: bool, walked: bool) -> list[str]:
+        out = ["(update = the optimizer step, included in compute)"]
+        if any(s.overhead_s for s in self.stages):
+            out.append("(compute includes the runtime's overheads per minibatch: "
+                       + ", ".join(f"stage {s.index} {format_seconds(s.overhead_s)}"
+                                   for s in self.stages)
+                       + "; its calls, messages and stash copies, fxpipe.costmodel.overheads, "
+                       "and what it makes again from the model's inputs, "
+                       "fxpipe.passes.made_here)")
+        if walked:
+            out.append("(memory = weights, gradients, optimizer state, stashed versions and "
+                       "activations held between actions, as the schedule's rule prices them; "
+                       "peak = the most live at once, walked through the schedule's actions: "
+                       "with the receive buffers posted ahead, sends not yet proven received, "
+                       "the backward's working set and the optimizer step's temporaries; the "
+                       "cap is held against the peak)")
+        if rc:
+            out.append("(recompute = the extra forward of activation recomputation, included in "
+                       "compute; such a stage keeps only its inputs per minibatch in flight)")
+        return out
 
     # --- serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -276,7 +330,9 @@ class Plan:
                    time_source=_get(d, "time_source", str, origin) if "time_source" in d
                    else "planner",
                    window=_get(d, "window", int, origin) if d.get("window") is not None
-                   else None)
+                   else None,
+                   one_worker_time=(_num(d, "one_worker_time", origin)
+                                    if d.get("one_worker_time") is not None else None))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (temporary file, then rename), so readers never see half a plan."""

@@ -14,6 +14,11 @@ class RuntimeConfigError(ConfigError):
     """The stages, schedule, replicas or batches given to an executor do not fit together."""
 
 
+class LossFunctionError(RuntimeConfigError):
+    """``loss_fn`` cannot train the model: it is not a loss (a class, not an instance), it fails
+    on the model's output and the loader's target, or it returns more than one number."""
+
+
 class StashError(FxpipeError):
     """A weight version was asked for that the stash no longer (or never) held."""
 

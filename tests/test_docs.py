@@ -37,9 +37,10 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
 TIMEOUT = 150  # seconds one command may take; the slowest run here takes ~20 s
 
+QUICK = ('.venv/bin/fxpipe plan pipedream:vgg16 --workers 8 --bandwidth 10Gbps --sync '
+         'parameter-server --schedule pipedream --svg vgg16-plan.svg')
 INSTALL = ('apt-get update -q && apt-get install -y -q graphviz && python3 -m venv .venv && '
-           '.venv/bin/pip install -q torch==2.13.0 -e ".[dev]" && '
-           '.venv/bin/fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --svg vgg16-plan.svg')
+           f'.venv/bin/pip install -q torch==2.13.0 -e ".[dev]" && {QUICK}')
 LLAMA = ('.venv/bin/fxpipe plan "hf:LlamaForCausalLM:hidden_size=4096,intermediate_size=11008,'
          'num_hidden_layers={layers},num_attention_heads=32,num_key_value_heads=32,'
          'vocab_size=32000" --meta --device A100 --memory 80GB --workers {workers} --seq-len 2048 '
@@ -60,7 +61,7 @@ REPLAN = ("sudo .venv/bin/python -m bench.replan --hosts 2 --mbit 1000 --layers 
 
 # command as the page writes it -> (what the test runs instead, or None: nothing; why)
 CHEAP: dict[str, tuple[str | None, str]] = {
-    INSTALL: (".venv/bin/fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --svg vgg16-plan.svg",
+    INSTALL: (QUICK,
               "apt-get and pip need root and the network, and the venv exists already: .ci/run "
               "runs the line verbatim on a clean clone (tests/test_readme.py checks it is the "
               "README's); here its last step, the plan, runs"),
@@ -73,10 +74,6 @@ CHEAP: dict[str, tuple[str | None, str]] = {
         "--batch-size 2",
         "shape propagation runs the full VGG16 on its default batch of 128 on the CPU (~50 s on "
         "2 cores); a batch of 2 takes the same path"),
-    LLAMA.format(layers=32, workers=8): (
-        LLAMA.format(layers=2, workers=2),
-        "32 layers take 20-35 s on 2 cores; 2 layers take the same path (hf: config, meta "
-        "device, torch.export, A100 estimate, drawing)"),
     RESNET.format(epochs=3): (RESNET.format(epochs=1),
                               "the same two-process job, one epoch instead of three"),
     LM.format(epochs=10): (LM.format(epochs=1),
@@ -109,8 +106,14 @@ CHEAP: dict[str, tuple[str | None, str]] = {
 # commands whose page shows what they print (the untyped block after theirs): every line of it
 # must still be in their output (deterministic: the costs are estimated, not measured)
 CHECK_PRINTED = {
+    QUICK,
     ".venv/bin/fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --device V100 --batch-size 64 "
     "--svg docs/vgg16-plan.svg",
+    ".venv/bin/fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --device V100 --batch-size 64 "
+    "--schedule pipedream --detail",
+    ".venv/bin/fxpipe simulate gpt --device V100 --workers 8 --bandwidth 10Gbps --straight "
+    "--stages 8 --schedule zb-h2 --choose planner",
+    LLAMA.format(layers=32, workers=8),
 }
 
 # (page, first line) of a python block that is a script a command runs -> the file name
@@ -243,6 +246,7 @@ def run(command: str, work: Path) -> subprocess.CompletedProcess[str]:
     if command not in _RESULTS:
         cmd = command.replace(".venv/bin/", f"{BIN}/")
         env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+        env.pop("FXPIPE_OVERHEADS", None)  # as a reader runs it (conftest turns them off)
         t0 = time.perf_counter()
         try:
             res = subprocess.run(["bash", "-c", cmd], cwd=scratch(work), env=env, text=True,

@@ -14,17 +14,29 @@ def test_ci_runs_the_readme_commands() -> None:
         assert command in readme, f".ci/run runs a command the README does not give: {command}"
 
 
-def test_readme_files_exist_in_a_clone() -> None:
-    """Every repository file the README's and the docs pages' commands read (the vendored
-    PipeDream profiles) is in the repository itself: the commands work from a fresh clone, with
-    nothing beside it."""
+def test_what_the_pages_plan_is_shipped_inside_the_package() -> None:
+    """Every ``pipedream:<name>`` the README and the docs pages plan is a profile shipped inside
+    the ``fxpipe`` package (pyproject's package data names its files, licence included), so the
+    commands work after a plain install, from any folder, without a clone; no page reads a file
+    from beside the repository."""
+    import fnmatch
     import re
+    import tomllib
 
+    from fxpipe.models import pipedream
+
+    shipped = tomllib.loads(ROOT.joinpath("pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]["fxpipe.models"]
+    files = [p.relative_to(pipedream.PROFILES.parent).as_posix()
+             for p in pipedream.PROFILES.rglob("*") if p.is_file()]
+    assert "pipedream_profiles/LICENSE.txt" in files
+    for f in files:
+        assert any(fnmatch.fnmatch(f, pat) for pat in shipped), f"{f} is not package data"
+    named = set()
     for page in PAGES:
         text = page.read_text()
-        assert "../shared" not in text, page
-        for p in sorted(set(re.findall(r"(?<![\w/.])(data/[\w./-]+)", text))):
-            assert ROOT.joinpath(p).is_file(), f"{page.relative_to(ROOT)}: {p}"
-    readme = ROOT.joinpath("README.md").read_text()
-    assert re.findall(r"(?<![\w/.])(data/[\w./-]+)", readme), \
-        "the README names no data files any more: drop this test"
+        assert "../shared" not in text and "data/pipedream-profiles" not in text, page
+        named |= set(re.findall(r"pipedream:(\w+)", text))
+    assert "vgg16" in named
+    for name in named - {"name"}:
+        assert pipedream.profile_path(name).is_file(), name

@@ -51,6 +51,7 @@ from ..replica.precision import autocast
 from ..replica.stage import LossFn, StageReplica, model_env, tie_sets, tied_parameters
 from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
+from ..replica.weighted import Weighted
 from ..schedules.schedule import Rank, Schedule
 from ..schedules.spec import Mitigation
 from ..timeline import Recorder, TimelineEvent
@@ -74,18 +75,22 @@ Metrics = list[float]  # [loss sum, minibatches, correct predictions, samples wi
 
 
 def eval_metrics(loss_fn: LossFn, out: Any, target: Any) -> torch.Tensor:
-    """[loss, 1, correct top-1 predictions, labelled samples] as one float64 tensor on the
-    output's device (summed over minibatches, read once). Correct predictions count when it
-    looks like classification (logits [..., C], integer labels [...])."""
+    """[loss, what it counts for, correct top-1 predictions, labelled samples] as one float64
+    tensor on the output's device (summed over minibatches, read once): a :class:`Weighted`
+    target's loss is scaled by its weight and counts for its ``count`` (samples or labels:
+    the sums then give the mean over them), a plain one counts once. Correct predictions count
+    when it looks like classification (logits [..., C], integer labels [...])."""
+    count = float(target.count) if isinstance(target, Weighted) else 1.0
     loss = loss_fn(out, target).detach()
+    target = target.value if isinstance(target, Weighted) else target
     correct = labelled = torch.zeros((), dtype=torch.float64, device=loss.device)
     if (isinstance(out, torch.Tensor) and isinstance(target, torch.Tensor)
             and not target.is_floating_point() and out.dim() == target.dim() + 1
             and out.shape[:-1] == target.shape):
         correct = (out.argmax(-1) == target).sum().to(torch.float64)
         labelled = labelled + target.numel()
-    return torch.stack([loss.to(torch.float64).reshape(()), torch.ones_like(correct), correct,
-                        labelled])
+    return torch.stack([loss.to(torch.float64).reshape(()), torch.full_like(correct, count),
+                        correct, labelled])
 
 
 def _total(metrics: Sequence[torch.Tensor]) -> Metrics:

@@ -14,7 +14,8 @@ Candidates: the planner's optimum; the chain of plans obtained from it by mergin
 time, the two adjacent stages whose merge the planner rates best (ending at plain data
 parallelism; each costed by ``plan_for``, so cheap at any size); and, where that exact search is
 cheap (at most ``exact_up_to`` workers; it is O(S M^2 N) per probe), the planner's exact optimum
-for every stage count up to ``max_stages``.
+for every stage count up to ``max_stages``; and one worker alone (a pipeline or a replica group
+must beat it to be worth its workers).
 """
 from __future__ import annotations
 
@@ -110,6 +111,9 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                                            recompute=recompute, diagnose=False, **kw))
                 except InfeasiblePlanError:  # more stages than cut points, or memory
                     continue
+        alone = plan_for(profile, cluster, [0], [1], **kw)  # fewer workers may be faster
+        if cluster.memory is None or alone.stages[0].memory_bytes <= cluster.memory:
+            plans.append(alone)
     seen: set[tuple] = set()
     sims: list[tuple[Plan, str, PlanSimulation]] = []
     one_per_process = [k for k in schedules if k not in PLACED_KINDS]
@@ -203,18 +207,21 @@ def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict,
 
 def priced_by_simulation(choice: SimulatedChoice, profile: Profile, cluster: Cluster, *,
                          sync: str = "allreduce", microbatches: int | None = None) -> Plan:
-    """The chosen plan with its time and its data parallelism's as simulated under the chosen
-    schedule (``time_source``), so ``plan.summary()`` and its speedup speak of the schedule
-    that will run: bubble and start-up included, data parallelism timed the same way."""
+    """The chosen plan with its time, its data parallelism's and one worker's as simulated under
+    the chosen schedule (``time_source``), so ``plan.summary()`` and its speedups speak of the
+    schedule that will run: bubble and start-up included, the baselines timed the same way."""
     kind = choice.schedule
     if kind in PLACED_KINDS:  # several stages per process: the plan's own figures stand
         return choice.plan
     m = None if kind == "pipedream" else microbatches
-    dp = data_parallel_plan(profile, cluster, sync=sync)
-    dp_sim = simulate_plan(dp, profile, schedule=kind, microbatches=m,
-                           minibatches=minibatches_for(dp.replicas))
+    base = []
+    for workers in (cluster.workers, 1):  # data parallelism on every worker, and one worker
+        p = data_parallel_plan(profile, cluster, sync=sync, workers=workers)
+        base.append(simulate_plan(p, profile, schedule=kind, microbatches=m,
+                                  minibatches=minibatches_for(p.replicas)).steady_state_period)
     return replace(choice.plan, time_per_minibatch=choice.simulation.steady_state_period,
-                   data_parallel_time=dp_sim.steady_state_period, time_source=f"simulated {kind}")
+                   data_parallel_time=base[0], one_worker_time=base[1],
+                   time_source=f"simulated {kind}")
 
 
 def splits_tied(plan: Plan, profile: Profile) -> bool:

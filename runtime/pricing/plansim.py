@@ -51,8 +51,8 @@ from typing import Sequence
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError, InfeasiblePlanError
-from fxpipe.passes.partition import coefficients
-from fxpipe.passes.plan import Plan, StagePlan
+from fxpipe.passes.partition import plan_for
+from fxpipe.passes.plan import Plan
 
 from ..schedules.kinds import _windows as windows
 from ..schedules.kinds import make_schedule
@@ -282,18 +282,9 @@ def simulate_as_trained(plan: Plan, profile: Profile | None, kind: str, *, minib
 def data_parallel_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                        workers: int | None = None) -> Plan:
     """BSP data parallelism as a one-stage plan on ``workers`` (default: all) replicas, costed
-    with the planner's formulas, so the simulator can time the baseline the same way."""
+    with the planner's formulas and the runtime's overheads (:func:`~fxpipe.passes.partition.
+    plan_for`), so the simulator times the baseline as it times the plans it is compared with."""
     r = cluster.workers if workers is None else workers
     if not 1 <= r <= cluster.workers:
         raise ConfigError(f"workers={r} outside 1..{cluster.workers}")
-    alpha, beta, _ = coefficients(cluster, sync)
-    c, p = profile.total_compute_s, profile.total_parameter_bytes
-    a = sum(n.held_bytes for n in profile.nodes)
-    compute, sync_s = alpha[r - 1] * c, beta[r - 1] * p
-    st = StagePlan(index=0, nodes=tuple(profile.names), replicas=r, compute_s=compute,
-                   sync_s=sync_s, stage_time_s=compute + sync_s, input_bytes=0.0, comm_s=0.0,
-                   parameter_bytes=p, activation_bytes=a, memory_bytes=3 * p + a, in_flight=1,
-                   state_bytes=3 * p)
-    return Plan(stages=(st,), cluster=dict(cluster.to_dict()), sync=sync,
-                time_per_minibatch=compute + sync_s, noam=1, data_parallel_time=compute + sync_s,
-                batch_size=profile.batch_size, profile_source=profile.source, workers_used=r)
+    return plan_for(profile, cluster, [0], [r], sync=sync)

@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import RuntimeConfigError
+from .weighted import Weighted
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,15 @@ def rank_device(requested: str | torch.device | None = None, *,
 
 
 def to_device(x: Any, device: torch.device) -> Any:
-    """``x`` (a tensor; anything else is returned as is) on ``device``; a host tensor bound for
-    a GPU is copied from pinned memory without blocking the host."""
+    """``x`` on ``device``: a tensor, the tensors of a tuple, list or dict (a target of several
+    tensors) or of a :class:`~.weighted.Weighted` target; anything else as it is. A host tensor
+    bound for a GPU is copied from pinned memory without blocking the host."""
+    if isinstance(x, Weighted):
+        return Weighted(to_device(x.value, device), x.weight, x.count)
+    if isinstance(x, (tuple, list)) and type(x) in (tuple, list):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, dict) and type(x) is dict:
+        return {k: to_device(v, device) for k, v in x.items()}
     if not isinstance(x, torch.Tensor) or x.device == device:
         return x
     if device.type == "cuda" and x.device.type == "cpu":

@@ -20,6 +20,11 @@ from .placement import PLACED_KINDS
 from .schedule import SCHEDULE_KINDS
 
 AUTO = "auto"
+AUTO_PRICED = "1f1b-flush"
+"""What the default trainer (``schedule="auto"``) trains unless a pilot shows that an
+asynchronous schedule reaches the loss sooner: 1F1B with a flush, each loader minibatch cut into
+one microbatch per worker, one update per minibatch (the user's recipe). A plan made for "auto"
+is priced for it, time and memory, so what the plan predicts is what the default runs."""
 MITIGATIONS = ("lr_scale", "predict", "dc", "momentum", "nesterov")
 
 
@@ -68,6 +73,13 @@ class ScheduleSpec:
     @property
     def name(self) -> str:
         return self.kind + (f"+{self.mitigation.name}" if self.mitigation else "")
+
+
+def priced_kind(schedule: str) -> str:
+    """The kind a plan made for ``schedule`` is priced for: :data:`AUTO_PRICED` for ``"auto"``,
+    else the schedule's own kind (mitigations cost what their kind costs)."""
+    kind = parse_schedule(schedule).kind
+    return AUTO_PRICED if kind == AUTO else kind
 
 
 def parse_schedule(spec: str) -> ScheduleSpec:

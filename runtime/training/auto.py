@@ -86,8 +86,22 @@ SYNCHRONOUS = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2")
 SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # minibatch SGD, flush's arithmetic: its pilot curve
 SAFE = ("the synchronous schedule is never statistically worse, so it is the safe choice "
         "without a measurement")
-ONE_STAGE = ("one stage: no schedule makes its weights stale, so a pilot has nothing to "
-             "measure; pipedream updates after every minibatch with no flush to wait for")
+ONE_STAGE = ("one worker: no pipeline, nothing stale, so a pilot has nothing to measure; it "
+             "trains as plain PyTorch does, an update after every minibatch (pipedream's "
+             "schedule on one stage)")
+DATA_PARALLEL = ("one stage on {r} workers (data parallelism): no schedule makes its weights "
+                 "stale, so a pilot has nothing to measure; each minibatch is cut into one share "
+                 "per replica and the replicas' gradients are combined by their shares, one "
+                 "update per minibatch")
+
+
+def one_stage(replicas: Sequence[int]) -> Decision:
+    """auto's pick for a one-stage plan: plain steps on one worker (pipedream updates after every
+    minibatch), a synchronous step on the cut minibatch for a replicated one (pipedream's
+    replicas would each take whole minibatches: twice the batch, half the updates)."""
+    r = sum(replicas)
+    return (Decision("pipedream", ONE_STAGE) if r == 1
+            else Decision("1f1b-flush", DATA_PARALLEL.format(r=r)))
 DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "pipedream", "pipedream+lr_scale",
                       "pipedream+predict+momentum")
 """Trained in the pilot: flush (whose curve gpipe and the zero-bubble kinds share), pipedream,
@@ -379,7 +393,7 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     which the microbatched candidates cut minibatches. ``noams``: the asynchronous kinds'
     windows at the input stage, as the trainer would run them (None: PipeDream's NOAM)."""
     if len(stages) == 1:
-        return Decision("pipedream", ONE_STAGE)
+        return one_stage(replicas)
     data = batches if isinstance(batches, PilotData) else PilotData.held(batches)
     count = data.count() if options.pilot > 0 else 0
     if options.pilot <= 0 or count < max(options.min_pilot, 1):

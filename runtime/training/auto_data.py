@@ -55,12 +55,12 @@ class PilotData:
 
     def __init__(self, loader: Iterable[Any] | None, minibatches: int, *,
                  chunk: int | None = None, seed: int = 0,
-                 held: Sequence[Batch] | None = None) -> None:
+                 held: Sequence[Batch] | None = None, expects: Sequence[str] = ()) -> None:
         if chunk is not None and chunk < 1:
             raise RuntimeConfigError(f"a pilot chunk of {chunk} minibatches",
                                      "use a positive chunk (a training segment)")
         self.loader, self.minibatches, self.chunk, self.seed = loader, minibatches, chunk, seed
-        self._held = held
+        self._held, self.expects = held, tuple(expects)
         self._count: int | None = None if held is None else min(len(held), minibatches)
         # shared with every view of these minibatches (:meth:`limited`): the fingerprints of
         # the longest complete pass so far, and the most minibatches a pass has read
@@ -75,7 +75,8 @@ class PilotData:
         """The first ``n`` of these minibatches (the same loader, chunks and seed)."""
         if n >= self.minibatches:
             return self
-        out = PilotData(self.loader, n, chunk=self.chunk, seed=self.seed, held=self._held)
+        out = PilotData(self.loader, n, chunk=self.chunk, seed=self.seed, held=self._held,
+                        expects=self.expects)
         out._shared = self._shared  # every candidate's pass is checked against the others'
         if self._count is not None:
             out._count = min(self._count, n)
@@ -143,7 +144,7 @@ class PilotData:
         n = 0
         for epoch in range(max(self.minibatches, 1)):
             stream = PartStream(self.loader, epoch, self.seed, need_inputs=True,
-                                need_targets=True)
+                                need_targets=True, expects=self.expects)
             streams[:] = [stream]
             start = n
             try:

@@ -21,12 +21,12 @@ import torch
 from fxpipe.errors import FxpipeError
 
 from ..errors import RuntimeConfigError
-
+from ..replica.weighted import WeightedLoss
 from ..schedules.kinds import make_schedule
 from ..schedules.spec import parse_schedule
 from ..schedules.stream import STREAM_KINDS, ScheduleStream
 from .auto_data import PilotData
-from .loss_split import Cut, WeightedLoss
+from .loss_split import Cut
 
 if TYPE_CHECKING:
     from ..replica.step_options import StepOptions
@@ -113,7 +113,7 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
         from .trainer_cut import find_cut  # called alone (not by a trainer): test it here
 
         first = data.first(1)
-        cut = Cut(*find_cut(stages, loss_fn, first[0])[:2]) if first else None
+        cut = Cut(*find_cut(stages, loss_fn, first[0])[:2], loss_fn.loss_fn) if first else None
     curves: dict[str, list[float]] = {}
     notes: dict[str, str] = {}
     rng = torch.get_rng_state()

@@ -11,8 +11,8 @@ from typing import Any
 from ..errors import RuntimeConfigError
 from ..schedules.spec import parse_schedule
 from ..schedules.stream import STREAM_KINDS
-from .auto import (ONE_STAGE, SAFE, STRETCH, AutoOptions, Decision, choose, periods,
-                   pilot_lengths, price, share_of, split_for, trained)
+from .auto import (SAFE, STRETCH, AutoOptions, Decision, choose, periods,
+                   one_stage, pilot_lengths, price, share_of, split_for, trained)
 from .auto_data import PilotData, loader_length
 from .auto_memory import (available_bytes, optimizer_state_factor, rank_estimate,
                           training_bytes)
@@ -60,7 +60,7 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
         if found is not None:
             decision = Decision(found, "the checkpoint being resumed was trained with it")
     if decision is None and len(trainer.stages) == 1:
-        decision = Decision("pipedream", ONE_STAGE)
+        decision = one_stage(trainer.replicas)
     if decision is None and isinstance(loader, Iterator):  # a generator: one pass, no pilot
         decision = Decision("1f1b-flush", f"no pilot: the loader is an iterator "
                             f"({type(loader).__name__}), which can be read once, and a pilot "
@@ -96,12 +96,14 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
             opts.report(decision)
         return decision  # adopted, and its pilot's end state loaded
     if decision is None:
-        data = PilotData(loader, cap, chunk=trainer.segment, seed=trainer.seed)
+        data = PilotData(loader, cap, chunk=trainer.segment, seed=trainer.seed,
+                         expects=trainer.model_args)
 
         def cut(first: list[Any]) -> Cut | None:
             """The trainer's cut and loss rule, tested once (trainer_cut), for the pilot."""
-            trainer._prepare_cut(first[0] if first else None)
-            return Cut(trainer.cut_spec, trainer.loss_rule) if trainer.cut_spec else None
+            trainer._check_first(first[0] if first else None)
+            return (Cut(trainer.cut_spec, trainer.loss_rule, trainer.user_loss_fn)
+                    if trainer.cut_spec else None)
 
         decision = choose(trainer.stages, trainer.replicas, trainer.loss_fn, trainer.optimizer,
                           data, replace(opts, pilot=min(opts.pilot, max(want, 1))),

@@ -9,7 +9,7 @@ Why this shape:
 * each process writes only its own stage, so nothing has to be gathered to save;
 * every file is written to a temporary name, fsynced, then renamed (atomic on POSIX), so a crash
   leaves either the old state or the new one, never a torn file; older checkpoints are deleted
-  (only when ``keep`` is set) after a newer manifest is complete;
+  (all but the newest :data:`KEEP` by default) after a newer manifest is complete;
 * a checkpoint without a manifest, or whose files do not match it, is incomplete: resume falls
   back to the newest one that every stage finished.
 
@@ -40,6 +40,52 @@ _NAME = re.compile(r"^e(\d{4,})-m(\d{7,})$")
 
 class CheckpointError(FxpipeError):
     """No usable checkpoint, a corrupt one, or one made for a different pipeline."""
+
+
+KEEP = 3
+"""Complete checkpoints the trainer keeps by default (``keep_checkpoints``): the newest three,
+so a corrupt last one still leaves two to fall back to."""
+
+
+def check_directory(directory: str | os.PathLike[str]) -> None:
+    """Refuse, before training, a ``checkpoint_dir`` the first checkpoint could not be written
+    to: a file, a path through a file, or a directory (or the nearest existing parent of one
+    to be made) this process cannot write."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"checkpoint_dir={str(directory)!r} is a file, not a directory",
+                              "pass a directory (made if missing), e.g. checkpoint_dir='ckpt/'")
+    there = path
+    while not there.exists():
+        there = there.parent
+    if not there.is_dir():
+        raise CheckpointError(f"checkpoint_dir={str(directory)!r} cannot be made: {there} is a "
+                              "file", "pass a directory path that does not go through a file")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise CheckpointError(f"checkpoint_dir={str(directory)!r}: this process cannot write "
+                              f"to {there}", "pass a directory you can write to")
+
+
+def existing_run(directory: str | os.PathLike[str]) -> str | None:
+    """What ``directory`` already holds from a run (the newest checkpoint's name, position and
+    how many there are), or None when it holds no checkpoint folder."""
+    root = Path(directory)
+    names = sorted(p.name for p in root.iterdir()
+                   if _NAME.match(p.name) and p.is_dir()) if root.is_dir() else []
+    if not names:
+        return None
+    m = _NAME.match(names[-1])
+    assert m is not None
+    return (f"{len(names)} checkpoint(s), the newest {names[-1]} (epoch {int(m.group(1))}, "
+            f"minibatch {int(m.group(2))})")
+
+
+def clear(directory: str | os.PathLike[str]) -> None:
+    """Delete every checkpoint folder in ``directory`` (nothing else in it)."""
+    root = Path(directory)
+    for p in root.iterdir() if root.is_dir() else []:
+        if _NAME.match(p.name) and p.is_dir():
+            shutil.rmtree(p)
 
 
 def checkpoint_name(epoch: int, minibatch: int) -> str:

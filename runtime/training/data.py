@@ -84,7 +84,8 @@ class PartStream:
     is by construction: one seeded order for all ranks)."""
 
     def __init__(self, loader: Iterable[Any], epoch: int, seed: int, *, need_inputs: bool,
-                 need_targets: bool, start: int = 0, prefetch: int = 0) -> None:
+                 need_targets: bool, start: int = 0, prefetch: int = 0,
+                 expects: Sequence[str] = ()) -> None:
         check_loader(loader)
         torch.manual_seed(derive_seed(seed, epoch, -1))
         _set_epoch(loader, epoch)
@@ -94,6 +95,7 @@ class PartStream:
         self._count = 0
         self._first: Batch | None = None  # the first whole minibatch read (plain loaders)
         self._source = (loader, epoch, start)
+        self._expects = tuple(expects)  # the model's argument names, for a clear error
         self._it: Iterator[tuple[Batch, Any]] = (
             ((p, None) for p in parts(epoch, need_inputs, need_targets, start)) if callable(parts)
             else self._plain(loader, need_inputs, need_targets, start))
@@ -114,10 +116,7 @@ class PartStream:
                 yield (item if need_inputs or need_targets else None, None), dict(item)
                 continue
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
-                raise RuntimeConfigError(f"the loader yielded {type(item).__name__} at "
-                                         f"minibatch {k}",
-                                         "a training loader yields (inputs, target) pairs or "
-                                         "dicts of keyword inputs")
+                raise not_a_pair(item, k, self._expects)
             yield (item[0] if need_inputs else None, item[1] if need_targets else None), item
 
     def __iter__(self) -> PartStream:
@@ -153,6 +152,25 @@ class PartStream:
         out = f"{self._count}:{self._hash.hexdigest()}"
         self._hash, self._count = hashlib.blake2b(digest_size=16), 0
         return out
+
+
+def not_a_pair(item: Any, k: int, expects: Sequence[str]) -> RuntimeConfigError:
+    """The error for a loader item that is not ``(inputs, target)``: what it is, and how the
+    model's inputs (``expects``, its argument names) are passed."""
+    from .first_check import describe
+
+    many = isinstance(item, (tuple, list))
+    what = (f"{len(item)} items per minibatch ({describe(item)})" if many
+            else describe(item))
+    if len(expects) > 1:
+        how = (f"the model takes {len(expects)} inputs ({', '.join(expects)}): yield them as "
+               f"one tuple, then the target: (({', '.join(expects)}), target); or a dict of "
+               "keyword inputs with the labels among them")
+    else:
+        how = ("yield (inputs, target): the model's input, then what the loss compares its "
+               "output with; or a dict of keyword inputs with the labels among them")
+    return RuntimeConfigError(f"the loader yielded {what} at minibatch {k}: fxpipe takes each "
+                              "minibatch as a pair (inputs, target)", how)
 
 
 _SAMPLE = 4096  # elements of a tensor that go into its fingerprint (evenly strided)

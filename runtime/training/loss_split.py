@@ -8,10 +8,18 @@ whole minibatch (in-batch negatives) cannot be cut at all. So fxpipe finds out w
 loss has, once, on the first minibatch (:func:`probe`), where it runs the model on the whole
 minibatch and on two uneven parts (eval mode, no gradients):
 
-    mean   L = (n_A L_A + n_B L_B) / N         (samples per part)
-    sum    L = L_A + L_B
-    token  L = (t_A L_A + t_B L_B) / T         (labels != -100 per part, optionally shifted
+    mean      L = (n_A L_A + n_B L_B) / N      (samples per part)
+    sum       L = L_A + L_B
+    token     L = (t_A L_A + t_B L_B) / T      (labels != -100 per part, optionally shifted
                                                 by one position as a causal LM does)
+    weighted  L = (w_A L_A + w_B L_B) / W      (w: the part's summed per-sample weights, which
+                                                the target decides: cross entropy with
+                                                ``weight=`` per class)
+
+A weighted mean's weights are not visible to fxpipe, but its gradient shows them: at any output
+``o``, the whole loss's gradient on part A's slice is ``w_A / W`` times part A's own loss's
+gradient, so ``w_A / W`` is the ratio of the two (:func:`shares`, on a fixed pseudo-random
+output of the probed shape, from the targets alone).
 
 To tell a token mean from a mean when the minibatch has no padding, the check runs again with
 part of one sample's labels set to -100. The first rule that holds (to float tolerance) is the
@@ -37,11 +45,12 @@ from fxpipe.tracing.batchdims import as_call, tensor_leaves
 
 from ..errors import RuntimeConfigError
 from ..execution.contract import Batch
+from ..replica.weighted import Weighted
 from .minibatch import (BATCH_DIMS_HINT, CutSpec, cut_part, cut_sizes, minibatch_size, name_of,
                         piece_sizes)
 
 IGNORE = -100  # torch's CrossEntropyLoss default ignore_index, Hugging Face's padding label
-RULES = ("mean", "sum", "token")
+RULES = ("mean", "sum", "token", "weighted")
 
 
 class LossSplitError(RuntimeConfigError):
@@ -59,39 +68,24 @@ class LossRule:
     side: str = ""
     path: str = ""
     shift: int = 0
+    # ``weighted``: the whole minibatch's output as probed (shape, batch dimension, dtype): the
+    # shape of the output :func:`shares` differentiates the loss at
+    out_shape: tuple[int, ...] = ()
+    out_dim: int = 0
+    out_dtype: str = "torch.float32"
 
     def describe(self) -> str:
         return {"mean": "a per-sample mean: microbatches weighted by their samples",
                 "sum": "a sum: microbatch losses added",
                 "token": f"a mean over valid labels ({name_of(self.side, self.path)} != {IGNORE}"
                          f"{', shifted by one' if self.shift else ''}): microbatches weighted "
-                         "by their valid labels"}[self.kind]
+                         "by their valid labels",
+                "weighted": "a weighted mean (per-sample weights the target decides, e.g. "
+                            "cross entropy with weight=): microbatches weighted by their "
+                            "samples' summed weights"}[self.kind]
 
 
-class Weighted:
-    """A target with the scale its microbatch's loss takes (see the module doc)."""
-
-    __slots__ = ("value", "weight")
-
-    def __init__(self, value: Any, weight: float) -> None:
-        self.value, self.weight = value, weight
-
-
-class WeightedLoss:
-    """``loss_fn`` that applies a :class:`Weighted` target's scale (picklable: it travels to
-    spawned ranks); plain targets pass through unchanged."""
-
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
-        self.loss_fn = loss_fn
-
-    def __call__(self, output: Any, target: Any) -> torch.Tensor:
-        if isinstance(target, Weighted):
-            loss = self.loss_fn(output, target.value)
-            return loss if target.weight == 1.0 else loss * target.weight
-        return self.loss_fn(output, target)
-
-
-def _units(rule: LossRule, part: Batch, size: int) -> float:
+def units(rule: LossRule, part: Batch, size: int) -> float:
     """What a part counts for under ``rule``: samples, or valid labels."""
     if rule.kind != "token":
         return float(size)
@@ -100,14 +94,46 @@ def _units(rule: LossRule, part: Batch, size: int) -> float:
     return float((labels[..., rule.shift:] != IGNORE).sum())
 
 
-def weights(rule: LossRule, pieces: Sequence[Batch], sizes: Sequence[int]) -> list[float]:
-    """``c_i`` of each piece of ONE update (see the module doc)."""
+def shares(rule: LossRule, loss_fn: Callable[..., Any], whole: Any, targets: Sequence[Any],
+           sizes: Sequence[int]) -> list[float]:
+    """A weighted mean's ``w_i / W`` for the parts of one minibatch (their ``targets``, of
+    ``sizes`` samples, cut from the ``whole`` target; see the module doc), from the loss's
+    gradients at a fixed pseudo-random output of ``rule.out_shape`` (its batch dimension made
+    ``sum(sizes)``). A part whose own loss has no gradient there counts for nothing."""
+    shape = list(rule.out_shape)
+    shape[rule.out_dim] = sum(sizes)
+    dtype = getattr(torch, rule.out_dtype.replace("torch.", ""))
+    out = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    with torch.enable_grad():
+        o = out.clone().requires_grad_(True)
+        (g,) = torch.autograd.grad(loss_fn(o, whole), o)
+        found, start = [], 0
+        for target, n in zip(targets, sizes):
+            op = out.narrow(rule.out_dim, start, n).clone().requires_grad_(True)
+            (h,) = torch.autograd.grad(loss_fn(op, target), op)
+            h, gp = h.double(), g.narrow(rule.out_dim, start, n).double()
+            hh = float((h * h).sum())
+            found.append(float((gp * h).sum()) / hh if hh > 0 else 0.0)
+            start += n
+    return found
+
+
+def weights(rule: LossRule, pieces: Sequence[Batch], sizes: Sequence[int],
+            whole: Batch | None = None, loss_fn: Callable[..., Any] | None = None
+            ) -> list[float]:
+    """``c_i`` of each piece of ONE update (see the module doc); a weighted mean needs the
+    ``whole`` minibatch the pieces were cut from and the user's ``loss_fn``."""
     g = len(pieces)
     if rule.kind == "sum":
         return [float(g)] * g
-    units = [_units(rule, p, n) for p, n in zip(pieces, sizes)]
-    total = sum(units)
-    return [g * u / total if total > 0 else 1.0 for u in units]
+    if rule.kind == "weighted":
+        if whole is None or loss_fn is None:
+            raise RuntimeConfigError("a weighted-mean loss cut without its whole minibatch",
+                                     "report this as an fxpipe bug")
+        return [g * c for c in shares(rule, loss_fn, whole[1], [p[1] for p in pieces], sizes)]
+    counts = [units(rule, p, n) for p, n in zip(pieces, sizes)]
+    total = sum(counts)
+    return [g * u / total if total > 0 else 1.0 for u in counts]
 
 
 def _loss(loss_fn: Callable[..., Any], out: Any, target: Any) -> float | None:
@@ -203,8 +229,9 @@ def probe(run: Callable[[Any], Any], loss_fn: Callable[..., Any], part: Batch,
             if leaves else "the loss")
     raise LossSplitError(
         f"the loss of the whole minibatch is not a combination of its parts' losses for any "
-        f"cut of {what}: neither a per-sample mean, a sum, nor a mean over labels != {IGNORE} "
-        "(e.g. a loss over the whole minibatch, such as in-batch negatives, which a cut changes)",
+        f"cut of {what}: neither a per-sample mean, a sum, a mean over labels != {IGNORE}, nor "
+        "a weighted mean whose weights the target decides (e.g. a loss over the whole "
+        "minibatch, such as in-batch negatives, which a cut changes)",
         "train with one microbatch per update (schedule='pipedream', or a named schedule with "
         "microbatches=: each loader minibatch is then one microbatch), or write the loss per "
         "sample; if the target's batch dimension is what fxpipe got wrong, " + BATCH_DIMS_HINT)
@@ -221,6 +248,10 @@ def _rule(run: Callable[[Any], Any], loss_fn: Callable[..., Any], part: Batch, s
     candidates = [LossRule("mean"), LossRule("sum")] + [
         LossRule("token", side, path, shift) for side, path, ndim in sources
         for shift in ((0, 1) if ndim > 1 else (0,))]
+    out = run(part[0])
+    if isinstance(out, torch.Tensor) and out.is_floating_point() and size in out.shape:
+        candidates.append(LossRule("weighted", out_shape=tuple(out.shape),
+                                   out_dim=list(out.shape).index(size), out_dtype=str(out.dtype)))
     error = dict.fromkeys(candidates, 0.0)
     cuts = sorted({1, (size + 1) // 2})
     variants = [part] + [_masked(part, side, path, spec) for side, path, _ in sources]
@@ -241,8 +272,16 @@ def _rule(run: Callable[[Any], Any], loss_fn: Callable[..., Any], part: Batch, s
             if any(v is None for v in parts):
                 return None
             for r in candidates:
-                units = [_units(r, q, n) for q, n in zip(pieces, (k, size - k))]
-                got = _predict(r, parts, units)  # type: ignore[arg-type]
+                if r.kind == "weighted":
+                    try:
+                        counts = shares(r, loss_fn, variant[1], [q[1] for q in pieces],
+                                        (k, size - k))
+                    except Exception:  # noqa: BLE001 - no gradient to read weights from
+                        error[r] = math.inf
+                        continue
+                else:
+                    counts = [units(r, q, n) for q, n in zip(pieces, (k, size - k))]
+                got = _predict(r, parts, counts)  # type: ignore[arg-type]
                 err = abs(got - whole) / max(abs(whole), 1e-3) if math.isfinite(got) else math.inf
                 error[r] = max(error[r], err)
     best = min(candidates, key=lambda r: error[r])
@@ -262,12 +301,15 @@ class Cut:
     def sizes(self, parts: Sequence[Batch]) -> list[int]:
         return [minibatch_size(p, self.spec) for p in parts]
 
+    loss_fn: Callable[..., Any] | None = None  # the user's (a weighted mean's weights)
+
     def pieces(self, parts: Sequence[Batch], sizes: Sequence[int], k: int) -> list[Batch]:
-        return cut_segment(parts, sizes, k, self.spec, self.rule)[0]
+        return cut_segment(parts, sizes, k, self.spec, self.rule, self.loss_fn)[0]
 
 
 def cut_segment(parts: Sequence[Batch], sizes: Sequence[int], k: int, spec: CutSpec,
-                rule: LossRule | None) -> tuple[list[Batch], list[float]]:
+                rule: LossRule | None, loss_fn: Callable[..., Any] | None = None
+                ) -> tuple[list[Batch], list[float]]:
     """A segment's minibatches as ``k`` microbatches each, in order, each target wrapped with
     its loss scale when ``rule`` is given (ranks that compute the loss), and each microbatch's
     share of its minibatch (1/pieces: the logged loss is the mean of the minibatches' losses).
@@ -280,7 +322,7 @@ def cut_segment(parts: Sequence[Batch], sizes: Sequence[int], k: int, spec: CutS
         kj = min(k, size) if i == last and size else k
         pieces = cut_part(p, kj, size, spec)
         if rule is not None and kj > 1:
-            cs = weights(rule, pieces, piece_sizes(size, kj))
+            cs = weights(rule, pieces, piece_sizes(size, kj), p, loss_fn)
             pieces = [(a, Weighted(t, c)) for (a, t), c in zip(pieces, cs)]
         out += pieces
         share += [1.0 / kj] * kj

@@ -89,6 +89,44 @@ class NamedFactory:
         return self.factory(params, names=list(names), **kw)
 
 
+class SameAs:
+    """An optimizer factory that makes, for each stage, an optimizer of the class and defaults
+    of ``optimizer`` (an instance the user made over the whole model's parameters)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.cls, self.defaults = type(optimizer), dict(optimizer.defaults)
+
+    def __call__(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return self.cls(params, **self.defaults)
+
+    def __repr__(self) -> str:
+        return f"{self.cls.__name__}({', '.join(f'{k}={v!r}' for k, v in self.defaults.items())})"
+
+
+def as_factory(optimizer: Any) -> Callable[..., torch.optim.Optimizer]:
+    """The trainer's ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (fxpipe makes
+    one optimizer per stage replica, over that stage's parameters), or an optimizer instance,
+    taken as the factory of its class with its defaults (its parameters and state are not used).
+    A class is a factory too (``torch.optim.SGD``: its own defaults). Refused, naming the
+    factory it needs: an instance whose parameter groups differ in their options (a factory
+    with ``names=`` builds such groups per stage), or anything not callable."""
+    hint = ("pass a factory that makes the optimizer for the parameters it is given, e.g. "
+            "optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        if any(o != options[0] for o in options[1:]):
+            raise RuntimeConfigError(
+                f"optimizer={type(optimizer).__name__} instance with {len(options)} parameter "
+                "groups of different options: fxpipe makes one optimizer per stage and cannot "
+                "tell which of a stage's parameters go in which group",
+                hint + "; a factory with a names= parameter receives the model's names of the "
+                "stage's parameters to group them (fxpipe.runtime.weight_decay_groups)")
+        return SameAs(optimizer)
+    if not callable(optimizer):
+        raise RuntimeConfigError(f"optimizer={optimizer!r} is not an optimizer factory", hint)
+    return optimizer
+
+
 def wrap_factory(factory: Callable[..., torch.optim.Optimizer], stages: Sequence[StageSpec],
                  state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None
                  ) -> Callable[..., torch.optim.Optimizer]:

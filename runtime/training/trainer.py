@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from fxpipe.codegen.split import MODEL, StageSpec
+from fxpipe.errors import FxpipeError
 from fxpipe.tracing.batchdims import BatchDims
 
 from ..errors import RuntimeConfigError
@@ -72,6 +73,7 @@ from ..replica.stage import LossFn, StageReplica, check_stages
 from ..replica.stash import OptimizerFactory
 from ..replica.state_size import temporaries_for
 from ..replica.step_options import StepOptions
+from ..replica.weighted import WeightedLoss
 from ..schedules.placement import PLACED_KINDS
 from ..schedules.schedule import Schedule
 from ..schedules.spec import AUTO, parse_schedule
@@ -79,11 +81,13 @@ from ..schedules.staleness import own_delays
 from .auto import DEFAULT_CANDIDATES, AutoOptions, Decision
 from .auto_look import look_again
 from .auto_resolve import resolve as resolve_auto
+from . import checkpoint as ckpt
+from .checkpoint import KEEP, check_directory
 from .data import PartStream
-from .loss_split import WeightedLoss
+from .first_check import check_loss_fn
 from .memory_fit import check_schedule_memory, fitting_candidates
 from .metrics import MetricsLog
-from .param_names import wrap_factory
+from .param_names import as_factory, wrap_factory
 from .trainer_checkpoint import CheckpointMixin
 from .trainer_cut import CutMixin, check_split
 from .trainer_progress import Progress
@@ -164,7 +168,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                  lr_scheduler_interval: str = "step",
                  schedule: str = "pipedream", vertical_sync: bool = False,
                  microbatches: int | None = None, checkpoint_dir: str | None = None,
-                 checkpoint_every: int | None = None, keep_checkpoints: int | None = None,
+                 checkpoint_every: int | None = None, keep_checkpoints: int | None = KEEP,
+                 overwrite_checkpoints: bool = False,
                  segment: int | None = None, executor: str = "distributed",
                  timeout_s: float = 60.0, data_timeout_s: float = 600.0, seed: int = 0,
                  device: str | None = None, progress: bool = True, stashing: bool = True,
@@ -185,6 +190,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                  noam: int | str | None = None, measure_memory: bool = False) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
+        check_loss_fn(loss_fn)
         spec = parse_schedule(schedule)  # a kind, "pipedream+<mitigations>" or "auto"
         if spec.kind == AUTO and vertical_sync:
             raise RuntimeConfigError("vertical_sync=True with schedule='auto'",
@@ -201,6 +207,14 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         if checkpoint_every is not None and checkpoint_dir is None:
             raise RuntimeConfigError("checkpoint_every without checkpoint_dir",
                                      "pass checkpoint_dir='ckpt/'")
+        if keep_checkpoints is not None and (not isinstance(keep_checkpoints, int)
+                                             or isinstance(keep_checkpoints, bool)
+                                             or keep_checkpoints < 1):
+            raise RuntimeConfigError(f"keep_checkpoints={keep_checkpoints!r}",
+                                     "keep a positive number of the newest checkpoints, or None "
+                                     "to keep them all")
+        if checkpoint_dir is not None:
+            check_directory(checkpoint_dir)  # a file, or unwritable: not at the first save
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
         self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
@@ -208,6 +222,9 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self.batch_dims, self.input_batch_dims = batch_dims, input_batch_dims  # trainer_cut
         self.cut_spec, self.loss_rule, self.on_recipe = None, None, on_recipe
         self._bn_warned, self._bns, self._probe_size, self._share = False, None, 0, []
+        self._first_checked = False  # the loader's first minibatch (trainer_cut._check_first)
+        io = self.stages[0].io if self.stages else None
+        self.model_args: tuple[str, ...] = tuple(io.arg_names) if io is not None else ()
         self.user_loss_fn, loss_fn = loss_fn, WeightedLoss(loss_fn)  # scales ride with targets
         self.options = StepOptions.make(len(self.stages), clip_grad_norm=clip_grad_norm,
                                         precision=precision, recompute=recompute,
@@ -215,7 +232,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                         loss_scaler=loss_scaler)
         self.options.check_kind(spec.kind)  # fp16: a flushing schedule, named
         self._noam_spec = check_noam(noam, spec.kind)  # trainer_schedule
-        optimizer = wrap_factory(optimizer, self.stages, state_keys)  # `names=` (param_names)
+        optimizer = wrap_factory(as_factory(optimizer), self.stages,  # `names=` (param_names)
+                                 state_keys)
         self._set_segments(spec.kind)
         self.loss_fn, self.kind, self.vertical_sync = loss_fn, spec.kind, vertical_sync
         self.schedule_name, self.mitigation = spec.name, spec.mitigation
@@ -228,6 +246,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self._shares: dict[int, float] = {}  # minibatch -> its weight in the logged loss
         self._acc, self._dt = [0.0, 0.0, 0.0, 0.0], 0.0  # the epoch's sums; a segment's seconds
         self._samples = 0  # the segment's samples (trainer_cut)
+        self._sizes_read: list[int] = []  # and each minibatch's (trainer_cut._lead)
         self.harm: str | None = None  # why this plan is slower than one worker (trainer_schedule)
         self.harm_ratio: float | None = None  # and by how much: segment time / one worker's
         self._harm_segments = 0
@@ -238,6 +257,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self._check_tied_cadence()  # before any process group: a clear error, not a hang
         self.checkpoint_dir, self.checkpoint_every = checkpoint_dir, checkpoint_every
         self.keep_checkpoints, self.seed, self.progress = keep_checkpoints, seed, progress
+        self.overwrite_checkpoints = overwrite_checkpoints
+        self._own_checkpoints = False  # this trainer has written checkpoint_dir's checkpoints
         self.on_checkpoint, self.fingerprint = on_checkpoint, fingerprint
         self.state_keys = dict(state_keys) if state_keys is not None else None
         self.history: History = []
@@ -271,6 +292,10 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                               device=device, options=self.options,
                                               measure_memory=measure_memory, **mitigated)
         self.idle = isinstance(self.backend, IdleBackend)
+        if job is not None and job[0] == 0 and job[1] > len(empty.ranks):
+            log.warning("the plan uses %d of the job's %d processes: more are not faster here "
+                        "(compiled.summary() says why); ranks %d..%d idle", len(empty.ranks),
+                        job[1], len(empty.ranks), job[1] - 1)
         self.replanner = replan.bind(self) if replan is not None else None  # trainer_switch
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
         self.lr_interval = lr_scheduler_interval
@@ -313,6 +338,10 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
     def _fit(self, train_loader: Iterable[Any], epochs: int, eval_loader: Iterable[Any] | None,
              resume: bool) -> None:
         epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
+        if self.checkpoint_dir is not None and not resume:
+            self._claim_checkpoint_dir()  # another run's checkpoints: refused, or cleared
+        if not isinstance(train_loader, Iterator):  # an iterator's first is checked as read
+            self._check_first(self._first_minibatch(train_loader))  # before auto's pilot too
         if self.kind == AUTO:
             decision = resolve_auto(self, train_loader, resume, epochs)
             if decision.continued:  # decided on the pipeline: its winner trained the pilot
@@ -320,6 +349,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         told = False
         if resume:
             epoch0, pos0, partial = self._resume()
+            self._own_checkpoints = True  # that run goes on here: its checkpoints are ours
         if isinstance(train_loader, Iterator) and epochs - epoch0 > 1:
             raise RuntimeConfigError(
                 f"{epochs - epoch0} epochs from an iterator ({type(train_loader).__name__}), "
@@ -331,7 +361,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
             pos = pos0 if epoch == epoch0 else 0
             self._acc = list(partial) if epoch == epoch0 else [0.0, 0.0, 0.0, 0.0]
             it = PartStream(train_loader, epoch, self.seed, need_inputs=self.need_inputs,
-                            need_targets=self.need_targets, start=pos,
+                            need_targets=self.need_targets, start=pos, expects=self.model_args,
                             prefetch=self.prefetch if self.need_inputs or self.need_targets
                             else 0)
             bar = Progress(f"epoch {epoch + 1}/{epochs}", total, pos,
@@ -394,18 +424,59 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                 self._checkpoint(epoch + 1, 0, [0.0, 0.0, 0.0, 0.0])
         self._write_back()
 
+    def _claim_checkpoint_dir(self) -> None:
+        """Before training without ``resume``: a ``checkpoint_dir`` holding checkpoints this
+        trainer did not write is another run's. Refused (a later resume would pick whichever is
+        newest of both runs), unless ``overwrite_checkpoints``, which deletes them first. Rank
+        0 decides for all."""
+        verdict = None
+        if self.index == 0 and not self._own_checkpoints:
+            found = ckpt.existing_run(self.checkpoint_dir)
+            if found is not None and not self.overwrite_checkpoints:
+                verdict = (f"checkpoint_dir={self.checkpoint_dir!r} holds another run's "
+                           f"checkpoints ({found}), and fit was not asked to resume")
+            elif found is not None:
+                ckpt.clear(self.checkpoint_dir)
+                log.warning("deleted the checkpoints in %s (%s): overwrite_checkpoints=True",
+                            self.checkpoint_dir, found)
+        verdict = self.backend.broadcast(verdict, "checkpoint directory")
+        if verdict is not None:
+            raise ckpt.CheckpointError(verdict, "continue that run with fit(..., resume=True), "
+                                       "pass another checkpoint_dir, or overwrite_checkpoints="
+                                       "True to delete them and start afresh")
+        self._own_checkpoints = True
+
+    def _first_minibatch(self, loader: Iterable[Any]) -> Batch | FxpipeError | None:
+        """The loader's first minibatch, whole, on the ranks that compute the loss (what
+        :meth:`_check_first` tests before any step), or the error reading it raised; None
+        elsewhere."""
+        if self._first_checked or not self.need_targets:
+            return None
+        it = PartStream(loader, 0, self.seed, need_inputs=self.need_inputs,
+                        need_targets=self.need_targets, expects=self.model_args)
+        try:
+            return it.first_whole() if next(it, None) is not None else None
+        except FxpipeError as err:  # the loader's shape: every rank stops with it
+            return err
+        finally:
+            it.close()
+
     def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
-        """Mean loss (and top-1 accuracy for classification) of the latest weights, computed on
-        the output stage and shared with every rank."""
+        """The loss of the latest weights over the whole of ``loader``, a mean over its samples
+        (over its valid labels for a token-mean loss; a sum loss's sum per sample), as plain
+        per-sample evaluation gives it, so a short last minibatch weighs by its samples; and the
+        top-1 accuracy for classification. Computed on the output stage, shared with every
+        rank."""
         if self.idle:
             return {}
         it = PartStream(loader, 0, self.seed, need_inputs=self.need_inputs,
-                        need_targets=self.need_targets)
+                        need_targets=self.need_targets, expects=self.model_args)
         total = [0.0] * 4
         while True:
             parts, n = self._lead(it, _EVAL_CHUNK, "evaluation", split=False)
             if n == 0:
                 break
+            parts = self._counted(parts, self._sizes_read)
             total = [a + b for a, b in zip(total, self.backend.evaluate(parts, self._wire))]
             if n < _EVAL_CHUNK:
                 break

@@ -27,9 +27,11 @@ from ..execution.contract import Batch
 from ..execution.trainer_backends import DistributedBackend
 from ..execution.wire import make_wire_plan
 from ..replica.stage_call import modes
+from ..replica.weighted import Weighted
 from ..schedules.spec import AUTO
 from .data import PartStream, take
-from .loss_split import LossRule, LossSplitError, cut_segment, piece_sizes, probe
+from .first_check import check_first
+from .loss_split import LossRule, cut_segment, piece_sizes, probe, units
 from .minibatch import BATCH_DIMS_HINT, CutSpec, minibatch_size, user_dims
 
 log = logging.getLogger("fxpipe.runtime.training.trainer")
@@ -94,6 +96,7 @@ class CutMixin:
     """Cut methods of the Trainer (it provides the attributes declared here)."""
 
     stages: list[Any]
+    replicas: list[int]
     kind: str
     split: int
     microbatches: int | None
@@ -107,6 +110,7 @@ class CutMixin:
     cut_spec: CutSpec | None
     loss_rule: LossRule | None
     _bn_warned: bool
+    _first_checked: bool
     _bns: list[str] | None
     _probe_size: int
     schedule_name: str
@@ -118,30 +122,43 @@ class CutMixin:
     _wire: Any
     _samples: int
     _share: list[float]
+    _sizes_read: list[int]
 
     def _may_cut(self) -> bool:
         """Will (or, under auto, may) this run cut minibatches?"""
-        return (len(self.stages) > 1 and self.microbatches is None
+        return (sum(self.replicas) > 1 and self.microbatches is None
                 and (self.kind == AUTO or self.split > 1))
 
-    def _prepare_cut(self, first: Batch | None) -> None:
-        """Find the cut and the loss rule once, from ``first`` (a whole minibatch: inputs and
-        target; None on ranks that do not compute the loss): see the module doc. Every rank
-        calls it at the same point (the verdict is exchanged)."""
-        if self.cut_spec is not None or not self._may_cut():
+    def _check_first(self, first: Batch | None) -> None:
+        """Before any step: on the ranks that compute the loss, the loader's first whole
+        minibatch ``first`` (None on the other ranks) must run through the model and the loss
+        (:func:`.first_check.check_first`), and where this run cuts minibatches, the cut and
+        the loss rule are found on it (see the module doc). The verdict (or the error) is
+        exchanged, so every rank goes on or stops alike; every rank calls it at the same
+        point. Once per trainer, and again only for a cut a re-plan made necessary."""
+        probe = self.cut_spec is None and self._may_cut()
+        if self._first_checked and not probe:
             return
         verdict: Any = None
-        if self.need_targets and first is not None:
+        if isinstance(first, FxpipeError):  # reading it failed (the loader's shape)
+            verdict = ("error", type(first), first.message, first.hint)
+        elif self.need_targets and first is not None:
             try:
-                verdict = ("ok",) + self._probe(first)
+                if not self._first_checked:
+                    check_first(self.stages, self.user_loss_fn, first,
+                                lambda inputs: whole_model(self.stages, inputs))
+                verdict = ("ok",) + (self._probe(first) if probe else (None, None, 0))
             except FxpipeError as err:
-                verdict = ("error", isinstance(err, LossSplitError), err.message, err.hint)
-        got = next((v for v in self.backend.exchange(verdict, "cut probe") if v is not None), None)
-        if got is None:  # nothing was read (an empty epoch): nothing to cut yet
+                verdict = ("error", type(err), err.message, err.hint)
+        got = next((v for v in self.backend.exchange(verdict, "first minibatch check")
+                    if v is not None), None)
+        if got is None:  # nothing was read (an empty epoch): nothing to check yet
             return
         if got[0] == "error":
-            raise (LossSplitError if got[1] else RuntimeConfigError)(got[2], got[3])
-        self.cut_spec, self.loss_rule, self._probe_size = got[1], got[2], got[3]
+            raise got[1](got[2], got[3])
+        self._first_checked = True
+        if got[1] is not None:
+            self.cut_spec, self.loss_rule, self._probe_size = got[1], got[2], got[3]
 
     def _probe(self, part: Batch) -> tuple[CutSpec, LossRule, int]:
         return find_cut(self.stages, self.user_loss_fn, part, self.batch_dims,
@@ -157,7 +174,7 @@ class CutMixin:
                                      "report this as an fxpipe bug")
         self._check_batchnorm(sizes)
         return cut_segment(parts, sizes, self.split, self.cut_spec,
-                           self.loss_rule if self.need_targets else None)
+                           self.loss_rule if self.need_targets else None, self.user_loss_fn)
 
     def _sizes(self, parts: Sequence[Batch]) -> list[int]:
         """Samples of each minibatch (rank 0 holds the inputs; it sizes them for everyone)."""
@@ -209,30 +226,44 @@ class CutMixin:
         return True
 
     def recipe(self) -> str:
-        """What fit trains, in a few lines: the schedule, the cut and the loss's combination
-        (logged at the start of fit, shown by ``compiled.summary()``)."""
+        """What fit trains, in plain words: the schedule (and why auto chose it), how each
+        loader minibatch is shared among the stages' replicas, and what an update is (logged at
+        the start of fit, shown by ``compiled.summary()``)."""
         decision = getattr(self, "auto_decision", None)
+        replicas = list(getattr(self, "replicas", [1] * len(self.stages)))
         lines = [f"schedule: {self.schedule_name}"
-                 + (f" (chosen by auto: {decision.reason})" if decision is not None else "")]
+                 + (f", chosen by auto: {decision.reason}" if decision is not None else "")]
+        who = "; ".join(f"stage {s}: {r} replicas" for s, r in enumerate(replicas) if r > 1)
         if self.split > 1 and self.cut_spec is not None:
             n = self._probe_size
             sizes = f" ({n} samples -> {piece_sizes(n, self.split)})" if n else ""
-            lines += [f"cut: each minibatch into {self.split} microbatches{sizes}, one update "
-                      f"per minibatch, along {self.cut_spec.describe()}",
-                      f"loss: {self.loss_rule.describe() if self.loss_rule else '?'}; the "
-                      "update is the whole minibatch's gradient, the logged loss its loss"]
+            share = (f"; each stage's replicas take the microbatches in turn ({who}) and their "
+                     "gradients are summed by each one's share of the minibatch" if who else "")
+            lines += [f"cut: each minibatch into {self.split} microbatches{sizes}, along "
+                      f"{self.cut_spec.describe()}{share}",
+                      "update: one per minibatch on every stage, the whole minibatch's gradient "
+                      f"(the loss is {self.loss_rule.describe() if self.loss_rule else '?'}); "
+                      "the logged loss is the minibatch's"]
         elif self.kind == "pipedream" and self.microbatches is None:
-            lines.append("cut: none; an update after every minibatch (on each replica group)")
+            if who:
+                lines.append(f"no cut: each minibatch trains whole on one replica of each stage; "
+                             f"a stage's replicas take minibatches in turn ({who}), so an "
+                             "update of such a stage averages as many minibatches' gradients "
+                             "(a larger batch, fewer updates than plain PyTorch's step per "
+                             "minibatch); a stage on one worker updates after every minibatch")
+            else:
+                lines.append("no cut: an update after every minibatch, on every stage")
         else:
-            m = self.microbatches or sum(getattr(self, "replicas", [1]))
-            lines.append(f"cut: none; each minibatch is one microbatch and an update averages "
-                         f"the gradients of {m} minibatches (gradient accumulation)")
+            m = self.microbatches or sum(replicas)
+            lines.append(f"no cut: each minibatch is one microbatch and an update averages the "
+                         f"gradients of {m} minibatches (gradient accumulation: {m} times the "
+                         "loader's batch per update)")
         noam = self._noam() if hasattr(self, "_noam") else None
         if noam is not None:
             how = f"noam={noam}" if isinstance(self._noam_spec, int) else \
                 "the fewest that hide the plan's round trips"
             lines.append(f"in flight: {noam} minibatches at the input stage ({how}; PipeDream's "
-                         f"NOAM would be {-(-sum(self.replicas) // self.replicas[0])})")
+                         f"NOAM would be {-(-sum(replicas) // replicas[0])})")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ reading
@@ -247,8 +278,8 @@ class CutMixin:
         read different data stop here. Returns the parts and how many minibatches were read."""
         reads = self.need_inputs or self.need_targets
         parts = take(it, n) if reads else []
-        if split and self.split > 1 and self.cut_spec is None:  # tested once (trainer_cut)
-            self._prepare_cut(it.first_whole() if parts else None)
+        if not self._first_checked or (split and self.split > 1 and self.cut_spec is None):
+            self._check_first(it.first_whole() if parts else None)  # once, before any step
         read, plan, samples, sizes = len(parts), None, 0, None
         share = [1.0] * len(parts)
         if self.index == 0:  # rank 0 reads the inputs: it sizes the minibatches for all
@@ -281,4 +312,25 @@ class CutMixin:
         elif self.index != 0 and split:
             parts, share = self._cut(parts, sizes)
         self._wire, self._samples, self._share = plan, samples, share
+        self._sizes_read = list(sizes or [])
         return parts, count
+
+    def _counted(self, parts: list[Batch], sizes: Sequence[int]) -> list[Batch]:
+        """``parts`` (whole minibatches) with each target saying what its loss counts for in a
+        mean over the data (:class:`~fxpipe.runtime.execution.contract.Weighted`): its samples
+        (a mean loss, weighted by them; a sum, once), or its valid labels under a token-mean
+        rule, on the ranks that compute the loss."""
+        if not self.need_targets or len(sizes) != len(parts):
+            return parts
+        rule = self.loss_rule
+        out = []
+        for part, n in zip(parts, sizes):
+            count = float(n)
+            if rule is not None and rule.kind == "token":
+                try:
+                    count = units(rule, part, n)
+                except (KeyError, TypeError, AttributeError):  # labels not on this rank
+                    pass
+            weight = 1.0 if rule is not None and rule.kind == "sum" else count
+            out.append((part[0], Weighted(part[1], weight, count)))
+        return out

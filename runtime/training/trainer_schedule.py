@@ -372,13 +372,21 @@ class ScheduleMixin:
         said = (f"their compute was {total:.3g} s in all" if step is None else
                 f"one worker would take about {one:.3g} s (their compute in all: {total:.3g} s; "
                 f"the profile's whole steps: {step:.3g} s, + {PROFILE_MARGIN:.0%})")
+        plan = self.auto_options.plan
+        predicted = ("" if plan is None or not plan.one_worker_time else
+                     f"; the plan predicted {plan.time_per_minibatch * 1e3:.3g} ms per minibatch "
+                     f"against one worker's {plan.one_worker_time * 1e3:.3g} ms, so this machine "
+                     "runs the plan slower than its profile says")
         self.harm = (f"{sum(self.replicas)} workers took {dt:.3g} s for {n} minibatches while "
                      f"{said}: one worker would have been {self.harm_ratio:.2f}x faster (the "
                      f"least over {HARM_SEGMENTS} segments in a row; the links, "
                      "the pipeline's bubbles or its per-message costs cost more than the split "
-                     "gains); plan for fewer workers (fxpipe.Cluster(workers=1)); replan='auto' "
-                     "goes on with one worker")
-        log.warning("this plan does harm: %s", self.harm)
+                     f"gains){predicted}")
+        nxt = ("re-planning onto one worker (replan='auto')" if getattr(self, "replanner", None)
+               is not None else "training goes on with this plan; compile where the job runs "
+               "(its costs measured there), or pass replan='auto' to go on with one worker when "
+               "this happens")
+        log.warning("this plan is slower than one worker: %s; %s", self.harm, nxt)
 
     def _one_worker_s(self, samples: int) -> float | None:
         """Seconds one worker takes to train ``samples`` samples by the compiled profile (its

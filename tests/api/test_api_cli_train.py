@@ -47,4 +47,4 @@ def test_the_plan_is_made_for_the_schedule_named() -> None:
 
     assert [plan_schedule(s) for s in ("1f1b-flush", "zb-h2", "2bw", "gpipe", "pipedream+predict",
                                        "auto", "interleaved-1f1b")] == \
-        ["1f1b-flush", "zb-h2", "2bw", "gpipe", "pipedream", "pipedream", "pipedream"]
+        ["1f1b-flush", "zb-h2", "2bw", "gpipe", "pipedream", "auto", "pipedream"]

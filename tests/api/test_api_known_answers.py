@@ -32,11 +32,21 @@ def _plan(bandwidth: object, **kw: object) -> fxpipe.Plan:
 
 
 def test_communication_bound_replicates_the_body_and_isolates_the_tail() -> None:
-    plan = _plan("10Gbps")
+    plan = _plan("10Gbps", schedule="pipedream")  # PipeDream's schedule, priced by its planner
     assert plan.replicas == [7, 1]
     assert plan.stages[0].nodes[-1] == "_13" and plan.stages[1].nodes[0] == "_14"  # cut at the MLP
     assert plan.speedup_over_data_parallel > 5
     assert plan.noam == 2  # ceil(8 workers / 7 input replicas)
+
+
+def test_the_default_prices_the_same_split_as_the_default_trainer_runs_it() -> None:
+    """The default plan is priced as the default trainer trains (1F1B with a flush, each
+    minibatch cut into one microbatch per worker): the same split, its bubble included, so a
+    smaller speedup than PipeDream's asynchronous schedule, and one worker slower still."""
+    plan, async_plan = _plan("10Gbps"), _plan("10Gbps", schedule="pipedream")
+    assert plan.replicas == [7, 1] and plan.time_source == "simulated 1f1b-flush"
+    assert 1 < plan.speedup_over_data_parallel < async_plan.speedup_over_data_parallel
+    assert plan.one_worker_time > plan.data_parallel_time > plan.time_per_minibatch
 
 
 def test_negligible_communication_is_data_parallel_and_says_so() -> None:

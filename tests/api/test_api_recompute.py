@@ -100,7 +100,8 @@ def test_cli_plan_and_simulate_show_the_flags(tmp_path, capsys) -> None:
     assert main(["plan", str(prof), "--workers", "2", "--bandwidth", "1GB/s", "--memory",
                  "400B"]) != 0
     assert "recompute='auto'" in capsys.readouterr().err
-    args = ["--workers", "2", "--bandwidth", "1GB/s", "--memory", "1900B"]
+    args = ["--workers", "2", "--bandwidth", "1GB/s", "--memory", "1900B", "--schedule",
+            "pipedream"]
     assert main(["plan", str(prof), *args, "--recompute", "auto", "--save-plan",
                  str(tmp_path / "plan.json")]) == 0
     out = capsys.readouterr().out

@@ -7,8 +7,9 @@ import pytest
 
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ProfileFormatError
+from fxpipe.models import pipedream
 
-PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
+PROFILES = pipedream.PROFILES  # PipeDream's published profiles, shipped (MIT)
 BATCH = {"vgg16": 128, "resnet50": 128, "resnext50": 128, "inception_v3": 128,
          "nasnetamobile": 128, "resnet101": 64, "resnext101": 64, "densenet121": 64,
          "alexnet": 256, "resnet18": 256, "squeezenet1_0": 256, "nasnetalarge": 16,

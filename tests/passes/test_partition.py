@@ -1,7 +1,6 @@
 """partition(): known answers, validation, two-level clusters, shared parameters."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
@@ -9,8 +8,9 @@ from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import ConfigError, InfeasiblePlanError
 from fxpipe.passes import Plan, partition, plan_for
+from fxpipe.models import pipedream
 
-PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
+PROFILES = pipedream.PROFILES  # PipeDream's published profiles, shipped (MIT)
 
 
 def chain(specs: list[tuple[float, float, float]], *, shared: dict[int, tuple[str, ...]] | None = None,
@@ -49,7 +49,8 @@ def test_negligible_comm_is_data_parallel() -> None:
     prof = chain([(0.01, 1e6, 1e6)] * 6)
     plan = partition(prof, Cluster(workers=8, bandwidth=1e18))
     assert plan.replicas == [8] and plan.is_data_parallel
-    assert "IS plain data parallelism" in plan.summary()
+    assert "This plan is plain data parallelism on 8 workers: no pipeline is faster here" \
+        in plan.summary()
     assert plan.noam == 1
 
 

@@ -44,7 +44,8 @@ def test_replicated_update_is_divided_like_compute() -> None:
     assert plan.replicas == [4]
     assert plan.stages[0].update_s == 2.0 / 4
     assert plan.stages[0].compute_s == pytest.approx((4.0 + 2.0) / 4, rel=1e-15)
-    assert "update" in plan.summary()
+    assert "update" in plan.summary(detail=True).splitlines()[0]  # a column in detail only
+    assert "update" not in plan.summary().splitlines()[0]
 
 
 def test_same_optimum_as_pipedream_dp_with_updates() -> None:

@@ -109,8 +109,10 @@ def test_summary_and_json_round_trip(tmp_path) -> None:
     plan = partition(cap_case(), Cluster(workers=2, bandwidth=BW, memory=400), recompute="auto")
     text = plan.summary()
     assert text.splitlines()[0].endswith(f" {'memory':>10} {'recompute':>10}")
+    assert "; recompute = the extra forward of a stage that keeps only its inputs)" in text
     assert ("(recompute = the extra forward of activation recomputation, included in compute; "
-            "such a stage keeps only its inputs per minibatch in flight)") in text
+            "such a stage keeps only its inputs per minibatch in flight)") in plan.summary(
+        detail=True)
     # stage 0 recomputes (its extra forward: 1 s); stage 1 does not
     assert text.splitlines()[2].endswith("330 B        1 s")
     assert text.splitlines()[3].endswith("310 B         no")

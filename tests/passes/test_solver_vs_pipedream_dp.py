@@ -1,19 +1,19 @@
 """The fast solver against PipeDream's own O(N^2 M^2) dynamic program, on PipeDream's real GPU
-profiles (vendored in data/pipedream-profiles, MIT). ``fxpipe.passes.reference_dp`` writes the cost
+profiles (shipped in fxpipe/models/pipedream_profiles, MIT). ``fxpipe.passes.reference_dp`` writes the cost
 model out again from its definitions (it imports neither ``partition``'s coefficients nor
 ``cut_bytes``), so the same optimum means both read the definitions the same way, on one-level and
 two-level clusters, fast and slow networks."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from fxpipe.costmodel import Cluster, Profile
 from fxpipe.passes import partition
 from fxpipe.passes.reference_dp import pipedream_dp
+from fxpipe.models import pipedream
 
-PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"
+PROFILES = pipedream.PROFILES  # PipeDream's published profiles, shipped (MIT)
 CLUSTERS = {
     "4x10Gbps": dict(workers=4, bandwidth="10Gbps"),
     "8x10Gbps": dict(workers=8, bandwidth="10Gbps"),

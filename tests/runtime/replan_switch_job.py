@@ -29,7 +29,8 @@ def main() -> int:
     out, mode = sys.argv[1], sys.argv[2]
     true, bad, bad_plan = wrong_start()
     compiled = fxpipe.compile(Net(), CLUSTER, example_inputs=(example(),),
-                              loss_fn=F.cross_entropy, plan=None if mode == "harm" else bad_plan)
+                              loss_fn=F.cross_entropy, plan=None if mode == "harm" else bad_plan,
+                              schedule="pipedream")
     if mode != "harm":  # harm: the right plan, which the perfect timer keeps
         compiled.profile = bad
     extra = (dict(replan_measure=perfect_timer(true)) if mode in ("perfect", "harm")

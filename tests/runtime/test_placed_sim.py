@@ -2,7 +2,6 @@
 ``fxpipe simulate --schedule``, against values derived by hand."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from test_runtime_plan_choice import chain
@@ -14,8 +13,9 @@ from fxpipe.passes import partition
 from fxpipe.runtime.pricing.placed_sim import stages_per_process, virtual_cluster
 from fxpipe.runtime.pricing.plan_choice import choose_by_simulation
 from fxpipe.runtime.pricing.plansim import simulate_plan
+from fxpipe.models import pipedream
 
-PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
+PROFILES = pipedream.PROFILES  # PipeDream's published profiles, shipped (MIT)
 
 
 def test_choice_among_placed_and_one_stage_per_process_kinds() -> None:

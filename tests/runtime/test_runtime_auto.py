@@ -233,7 +233,8 @@ def test_compiled_trainer_defaults_to_auto_and_reports_in_the_summary() -> None:
                                                        "candidates": ("1f1b-flush", "pipedream")})
     t.fit(data, epochs=1)
     assert t.auto_decision.periods_from == "the plan simulator"
-    assert "schedule auto -> " in compiled.summary()
+    assert "schedule auto -> " in compiled.summary(detail=True)  # the pilot's table
+    assert "fxpipe trains:\nschedule: " in compiled.summary()
     assert AutoOptions.make(None).pilot > 0
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,9 @@ from fxpipe.errors import ConfigError
 from fxpipe.passes import Plan, partition
 from fxpipe.runtime.pricing.plan_choice import _merge_chain, choose_by_simulation
 from fxpipe.runtime.pricing.plansim import data_parallel_plan, minibatches_for, simulate_plan
+from fxpipe.models import pipedream
 
-PROFILES = Path(__file__).resolve().parents[2] / "data" / "pipedream-profiles"  # vendored, MIT
+PROFILES = pipedream.PROFILES  # PipeDream's published profiles, shipped (MIT)
 
 
 def chain(n: int, f: float, b: float, act: float, par: float) -> Profile:
@@ -79,20 +79,20 @@ def test_forced_stages_has_one_candidate_and_bad_arguments_are_clear() -> None:
 def test_cli_plan_choose_simulation(capsys: pytest.CaptureFixture[str]) -> None:
     graph = str(PROFILES / "inception_v3" / "graph.txt")
     argv = ["plan", graph, "--workers", "8", "--bandwidth", "10Gbps", "--sync",
-            "parameter-server"]
+            "parameter-server", "--schedule", "pipedream"]
     assert cli_main(argv) == 0
     capsys.readouterr()
     assert cli_main([*argv, "--choose", "simulation"]) == 0
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if ln.strip()[:1].isdigit() and "node" in ln]
     assert [int(r[3]) for r in rows] == [7, 1], out  # stage, nodes, (count), replicas
-    assert "chosen by simulation" in out
+    assert "simulated pipedream" in out
 
 
 def test_cli_simulate_choose_simulation(capsys: pytest.CaptureFixture[str]) -> None:
     graph = str(PROFILES / "inception_v3" / "graph.txt")
     argv = ["simulate", graph, "--workers", "8", "--bandwidth", "10Gbps", "--sync",
-            "parameter-server"]
+            "parameter-server", "--schedule", "pipedream"]
     speedups = {}
     for choose in ("planner", "simulation"):
         assert cli_main([*argv, "--choose", choose]) == 0

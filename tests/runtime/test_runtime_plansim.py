@@ -137,7 +137,9 @@ def test_chrome_trace_one_f_and_b_per_minibatch_per_rank(tmp_path: Path) -> None
 
 
 def test_pipedream_vgg16_compute_bound_plan_matches() -> None:
-    path = Path(__file__).resolve().parents[2] / "data/pipedream-profiles/vgg16/graph.txt"
+    from fxpipe.models import pipedream
+
+    path = pipedream.profile_path("vgg16")
     prof = Profile.from_pipedream(path)
     plan = partition(prof, Cluster(workers=8, bandwidth="10Gbps"), sync="parameter-server")
     sim = simulate_plan(plan, prof)
@@ -179,7 +181,7 @@ def test_cli_simulate_runs_the_trainers_window(tmp_path: Path, capsys: pytest.Ca
     add_simulate_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["simulate", str(tmp_path / "p.json"), "--workers", "2",
                               "--bandwidth", "1MB/s", "--stages", "2", "--straight",
-                              *(["--noam", noam] if noam else [])])
+                              "--schedule", "pipedream", *(["--noam", noam] if noam else [])])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith("in flight at the input stage")]
@@ -350,11 +352,12 @@ def test_auto_choice_simulates_a_pipedream_plan_whose_round_trips_are_not_hidden
         ProfileNode(name=f"n{i}", op="call_module", target="m", forward_s=1.0, backward_s=1.0,
                     activation_bytes=cut_s * BW if i == 0 else 0.0, parameter_bytes=5e6,
                     inputs=(f"n{i - 1}",) if i else ()) for i in range(2)), batch_size=4)
-    free = choose_plan(prof, Cluster(workers=2, bandwidth=BW), choose="planner")
+    free = choose_plan(prof, Cluster(workers=2, bandwidth=BW), choose="planner",
+                       schedule="pipedream")
     # the cap: what PipeDream's window holds on the fuller stage, and 1 MB (< a version) more
     cap = max(sp.memory_bytes for sp in free.stages) + 1e6
     cluster = Cluster(workers=2, bandwidth=BW, memory=cap if capped else None)
-    planner = choose_plan(prof, cluster, choose="planner")
+    planner = choose_plan(prof, cluster, choose="planner", schedule="pipedream")
     assert planner.replicas == [1, 1] and planner.time_per_minibatch == pytest.approx(2.0)
     sim = simulate_plan(planner, prof, minibatches=200).steady_state_period
     assert sim == pytest.approx(2.0 + cut_s, rel=1e-9)
@@ -368,7 +371,7 @@ def test_auto_choice_simulates_a_pipedream_plan_whose_round_trips_are_not_hidden
     assert [own for own, _ in shown.staleness["pipedream"]] == ([1, 0] if capped else [2, 0])
     assert shown.staleness["1f1b-flush"] == planner.staleness.get("1f1b-flush",
                                                                   ((0, 1), (0, 0)))
-    auto = choose_plan(prof, cluster)
+    auto = choose_plan(prof, cluster, schedule="pipedream")
     assert auto.replicas == [1, 1]
     if stalls:
         why = unpriced_by_planner(planner, prof) or ""

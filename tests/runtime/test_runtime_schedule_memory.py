@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import fxpipe
+from fxpipe.units import format_bytes
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import InfeasiblePlanError
@@ -94,7 +95,7 @@ def test_trainer_refuses_a_schedule_the_memory_does_not_fit() -> None:
     model, x = Chain(), torch.randn(512, 64)  # activations outweigh the weights
     loss = lambda o, t: (o - t).pow(2).mean()  # noqa: E731
     probe = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100"), example_inputs=(x,),
-                           loss_fn=loss, stages=4, straight=True)
+                           loss_fn=loss, stages=4, straight=True, schedule="pipedream")
     # a cap the plan fits by PipeDream's rule (and its walked peak, which compile holds against
     # the cap), but not gpipe's 16 microbatches
     need = simulate_plan(probe.plan, probe.profile, schedule="gpipe", minibatches=32,
@@ -102,7 +103,8 @@ def test_trainer_refuses_a_schedule_the_memory_does_not_fit() -> None:
     cap = max(sp.peak_bytes or 0.0 for sp in probe.plan.stages) * 1.01
     assert need > cap
     compiled = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100", memory=cap),
-                              example_inputs=(x,), loss_fn=loss, stages=4, straight=True)
+                              example_inputs=(x,), loss_fn=loss, stages=4, straight=True,
+                              schedule="pipedream")
     with pytest.raises(RuntimeConfigError, match=r"schedule 'gpipe' needs .* on stage \d at its "
                        r"peak .*microbatches=16.*the cluster has"):
         compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), schedule="gpipe",
@@ -151,7 +153,8 @@ def test_a_cap_between_the_rules_plans_for_the_flushing_schedule() -> None:
     model, x = Chain(), torch.randn(512, 64)
     loss = lambda o, t: (o - t).pow(2).mean()  # noqa: E731
     kw = dict(example_inputs=(x,), loss_fn=loss, stages=4, straight=True)
-    probe = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100"), **kw)
+    probe = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100"), schedule="pipedream",
+                           **kw)
     flush = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="V100"), schedule="1f1b-flush",
                            microbatches=2, **kw)
     # by hand: stage s (window 4 - s) holds min(4 - s, 2) sets under 1f1b-flush m=2, none stashed
@@ -166,10 +169,12 @@ def test_a_cap_between_the_rules_plans_for_the_flushing_schedule() -> None:
     assert max(sp.memory_bytes for sp in flush.plan.stages) <= flush_peak < cap
     cluster = fxpipe.Cluster(workers=4, device="V100", memory=cap)
     with pytest.raises(InfeasiblePlanError, match="flushing schedule"):
-        fxpipe.compile(model, cluster, **kw)
+        fxpipe.compile(model, cluster, schedule="pipedream", **kw)
     fits = fxpipe.compile(model, cluster, schedule="1f1b-flush", microbatches=2, **kw)
     assert fits.plan.memory_rule == memory_rule("1f1b-flush", 2)
-    assert "memory per worker priced for: 1f1b-flush (m=2)" in fits.plan.summary()
+    assert (f"memory cap: {format_bytes(cap)} per worker, priced for 1f1b-flush (m=2)"
+            in fits.plan.summary())
+    assert "memory per worker priced for: 1f1b-flush (m=2)" in fits.plan.summary(detail=True)
     assert Plan.from_dict(fits.plan.to_dict()) == fits.plan
     opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     with pytest.raises(RuntimeConfigError, match="schedule 'pipedream' needs .* on stage 0"):

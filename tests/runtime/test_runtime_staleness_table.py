@@ -105,7 +105,8 @@ def test_plan_json_carries_the_table_and_old_plans_still_load(tmp_path) -> None:
     assert plan.staleness == {} and "staleness" not in plan.summary()  # passes cannot compute it
     full = replace(plan, staleness=plan_staleness(plan.replicas))
     assert full.staleness["pipedream"] == ((2, 7), (1, 6), (0, 4))
-    assert _row(full.summary(), "pipedream") == ["2/7", "1/6", "0/4"]
+    assert _row(full.summary(detail=True), "pipedream") == ["2/7", "1/6", "0/4"]
+    assert "staleness" not in full.summary()  # the first screen leaves it to detail
     d = json.loads(json.dumps(full.to_dict()))
     assert d["staleness"]["pipedream"] == [[2, 7], [1, 6], [0, 4]]
     assert Plan.from_dict(d) == full
@@ -125,7 +126,8 @@ def test_fxpipe_simulate_reports_staleness(tmp_path, capsys) -> None:
     parser = argparse.ArgumentParser(prog="fxpipe")
     add_simulate_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["simulate", str(tmp_path / "p.json"), "--workers", "2",
-                              "--straight", "--stages", "2", "--minibatches", "24"])
+                              "--straight", "--stages", "2", "--minibatches", "24",
+                              "--schedule", "pipedream"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "weight staleness" in out and _row(out, "pipedream") == ["1/3", "0/2"]

@@ -70,7 +70,8 @@ def example() -> torch.Tensor:
 
 def right_start() -> tuple[Profile, Plan]:
     """The right (estimated) profile and the plan solved on it."""
-    c = fxpipe.compile(Net(), CLUSTER, example_inputs=(example(),), loss_fn=F.cross_entropy)
+    c = fxpipe.compile(Net(), CLUSTER, example_inputs=(example(),), loss_fn=F.cross_entropy,
+                       schedule="pipedream")  # the planner's own pricing, which re-plans use
     return c.profile, c.plan
 
 
@@ -101,7 +102,7 @@ def wrong() -> tuple[Profile, Plan]:
 def compiled(plan: Plan, profile: Profile) -> Any:
     """A fresh model (same initial weights) compiled to ``plan``, believing ``profile``."""
     c = fxpipe.compile(Net(), CLUSTER, example_inputs=(example(),), loss_fn=F.cross_entropy,
-                       plan=plan)
+                       plan=plan, schedule="pipedream")
     c.profile = profile  # what the run believes its costs are
     return c
 
