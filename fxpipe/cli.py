@@ -19,26 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from fxpipe.cli_args import add_model_arguments, add_recompute_argument, resolve_model
+from fxpipe.cli_args import (add_model_arguments, add_recompute_argument, load_profile,
+                             profile_of, resolve_model)
 from fxpipe.errors import ConfigError, FxpipeError
 
 log = logging.getLogger("fxpipe")
-
-
-def profile_of(model: str) -> Path | None:
-    """The profile file MODEL names (``pipedream:<name>``, a ``graph.txt`` or a
-    ``profile.json``), or None when MODEL names a model to trace."""
-    from fxpipe.models import pipedream
-
-    if model.startswith(pipedream.PREFIX):
-        return pipedream.profile_path(model)
-    return Path(model) if Path(model).suffix in (".txt", ".json") else None
-
-
-def load_profile(path: Path) -> Any:
-    from fxpipe.costmodel import Profile
-
-    return Profile.from_pipedream(path) if path.suffix == ".txt" else Profile.load(path)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

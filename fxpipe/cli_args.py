@@ -6,6 +6,7 @@ imports them without importing the command's entry point (which imports the subc
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 
@@ -18,6 +19,23 @@ def resolve_model(args: argparse.Namespace) -> Any:
     return models.resolve(args.model, size=args.size, batch_size=args.batch_size,
                           seq_len=getattr(args, "seq_len", 128), meta=getattr(args, "meta", False),
                           input_shape=shape)
+
+
+def profile_of(model: str) -> Path | None:
+    """The profile file MODEL names (``pipedream:<name>``, a ``graph.txt`` or a
+    ``profile.json``), or None when MODEL names a model to trace."""
+    from fxpipe.models import pipedream
+
+    if model.startswith(pipedream.PREFIX):
+        return pipedream.profile_path(model)
+    return Path(model) if Path(model).suffix in (".txt", ".json") else None
+
+
+def load_profile(path: Path) -> Any:
+    """The profile in ``path``: PipeDream's ``graph.txt`` format, else fxpipe's JSON."""
+    from fxpipe.costmodel import Profile
+
+    return Profile.from_pipedream(path) if path.suffix == ".txt" else Profile.load(path)
 
 
 def add_recompute_argument(p: argparse.ArgumentParser) -> None:

@@ -73,7 +73,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _profile_and_plan(args: argparse.Namespace, cluster: Any) -> tuple[Any, Any]:
-    from fxpipe.cli import load_profile, profile_of
+    from fxpipe.cli_args import load_profile, profile_of
     from fxpipe.passes import Plan
 
     path = profile_of(args.model)

@@ -413,7 +413,12 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     lengths = pilot_lengths(trained(options.candidates), per, P, count)
     args = (options, replicas, len(stages), lengths, run_minibatches, world, microbatches)
     early = price(*args, per=per)  # the plan's profile: no probe where it already prices out
-    if early is None and run_minibatches and options.max_cost is not None:
+    if early is not None:
+        return replace(early, pilot_seconds=time.perf_counter() - t0)
+    # the trainer's check of the first minibatch (and its cut), before any candidate's step
+    the_cut = (cut(data.first(1)) if cut is not None and any(
+        split_for(c, replicas, microbatches) > 1 for c in options.candidates) else None)
+    if run_minibatches and options.max_cost is not None:
         step = (probe(stages, replicas, loss_fn, optimizer, data.first(5),
                       step_options=step_options) if mine else 0.0)
         step = max(gather(step, "auto: pilot probe")) if gather is not None else step
@@ -423,10 +428,7 @@ def choose(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...
     curves_notes = pilot(stages, replicas, loss_fn, optimizer, data, mine,
                          lengths=lengths, microbatches=microbatches, seed=seed,
                          step_options=step_options,
-                         lr_scheduler=lr_scheduler, noams=noams,
-                         cut=cut(data.first(1)) if cut is not None and any(
-                             split_for(c, replicas, microbatches) > 1
-                             for c in options.candidates) else None)
+                         lr_scheduler=lr_scheduler, noams=noams, cut=the_cut)
     curves, notes = merge(gather(curves_notes, "auto: pilot curves") if gather is not None
                           else [curves_notes], options.candidates)
     d = decide(curves, {c: per[c] for c in curves}, margin=options.margin, notes=notes)

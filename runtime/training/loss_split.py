@@ -243,7 +243,8 @@ def _rule(run: Callable[[Any], Any], loss_fn: Callable[..., Any], part: Batch, s
     about half and half) of ``part`` and of its masked copies (one per integer tensor that may
     hold labels). The true rule is exact up to rounding; a wrong one is off by its weights'
     difference times the parts' loss difference, which the masked copies make large for label
-    counts. Rules no copy tells apart keep the order mean, sum, token."""
+    counts. Rules no copy tells apart keep the order mean, sum, token; a weighted mean (its
+    shares read off float gradients, theirs exact counts) only where none of those holds."""
     sources = _label_sources(part, spec)
     candidates = [LossRule("mean"), LossRule("sum")] + [
         LossRule("token", side, path, shift) for side, path, ndim in sources
@@ -284,10 +285,14 @@ def _rule(run: Callable[[Any], Any], loss_fn: Callable[..., Any], part: Batch, s
                 got = _predict(r, parts, counts)  # type: ignore[arg-type]
                 err = abs(got - whole) / max(abs(whole), 1e-3) if math.isfinite(got) else math.inf
                 error[r] = max(error[r], err)
-    best = min(candidates, key=lambda r: error[r])
-    if error[best] > 1e-4:
-        return None
-    return next(r for r in candidates if error[r] <= error[best] + 1e-9)
+    plain = [r for r in candidates if r.kind != "weighted"]
+    best = min(plain, key=lambda r: error[r])
+    if error[best] <= 1e-4:
+        return next(r for r in plain if error[r] <= error[best] + 1e-9)
+    # a weighted mean only where no count of samples or labels explains the loss: its shares
+    # are read off float gradients, a plain mean's are exact integers
+    weighted = [r for r in candidates if r.kind == "weighted" and error[r] <= 1e-4]
+    return weighted[0] if weighted else None
 
 
 @dataclass(frozen=True)

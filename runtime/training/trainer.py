@@ -340,8 +340,6 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         epoch0, pos0, partial = 0, 0, [0.0, 0.0, 0.0, 0.0]
         if self.checkpoint_dir is not None and not resume:
             self._claim_checkpoint_dir()  # another run's checkpoints: refused, or cleared
-        if not isinstance(train_loader, Iterator):  # an iterator's first is checked as read
-            self._check_first(self._first_minibatch(train_loader))  # before auto's pilot too
         if self.kind == AUTO:
             decision = resolve_auto(self, train_loader, resume, epochs)
             if decision.continued:  # decided on the pipeline: its winner trained the pilot
@@ -445,21 +443,6 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                        "pass another checkpoint_dir, or overwrite_checkpoints="
                                        "True to delete them and start afresh")
         self._own_checkpoints = True
-
-    def _first_minibatch(self, loader: Iterable[Any]) -> Batch | FxpipeError | None:
-        """The loader's first minibatch, whole, on the ranks that compute the loss (what
-        :meth:`_check_first` tests before any step), or the error reading it raised; None
-        elsewhere."""
-        if self._first_checked or not self.need_targets:
-            return None
-        it = PartStream(loader, 0, self.seed, need_inputs=self.need_inputs,
-                        need_targets=self.need_targets, expects=self.model_args)
-        try:
-            return it.first_whole() if next(it, None) is not None else None
-        except FxpipeError as err:  # the loader's shape: every rank stops with it
-            return err
-        finally:
-            it.close()
 
     def evaluate(self, loader: Iterable[Any]) -> dict[str, float]:
         """The loss of the latest weights over the whole of ``loader``, a mean over its samples

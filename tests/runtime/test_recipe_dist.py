@@ -38,5 +38,5 @@ def test_default_trainer_on_two_ranks_equals_plain_pytorch(name: str, tmp_path) 
     assert got["state"].keys() == want.keys()
     for k, v in want.items():
         torch.testing.assert_close(got["state"][k], v, rtol=2e-5, atol=2e-5)
-    assert "schedule: 1f1b-flush (chosen by auto" in got["recipe"]
+    assert "schedule: 1f1b-flush, chosen by auto" in got["recipe"]
     assert "each minibatch into 2 microbatches" in got["recipe"]

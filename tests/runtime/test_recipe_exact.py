@@ -252,7 +252,7 @@ def test_fit_and_summary_say_what_trains() -> None:
     assert "schedule: 1f1b-flush" in text
     assert "into 2 microbatches (5 samples -> [3, 2])" in text
     assert "dim 0 of input 0, dim 0 of the target" in text
-    assert "loss: a sum" in text
+    assert "(the loss is a sum: microbatch losses added)" in text
 
 
 def test_split_is_checked() -> None:
