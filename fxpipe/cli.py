@@ -16,11 +16,10 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
-from fxpipe.cli_args import (add_model_arguments, add_recompute_argument, load_profile,
-                             profile_of, resolve_model)
+from fxpipe.cli_args import (add_model_arguments, add_recompute_argument, costs_line,
+                             load_profile, profile_of, resolve_model)
 from fxpipe.errors import ConfigError, FxpipeError
 
 log = logging.getLogger("fxpipe")
@@ -58,8 +57,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               sync=args.sync, choose=args.choose, tracer=args.tracer,
                               recompute=args.recompute, schedule=args.schedule,
                               microbatches=args.microbatches, overheads=args.overheads)
-        print(f"traced {spec.name} with {compiled.tracer} ({len(compiled.traced.gm.graph.nodes)} "
-              "graph nodes)")
+        print(f"traced {spec.name} with {compiled.tracer}: {len(compiled.profile.nodes)} nodes "
+              "(its inputs and operations, the stages' node counts below)")
         plan, profile = compiled.plan, compiled.profile
         if args.export:
             compiled.export(args.export)
@@ -77,20 +76,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{claim}; fxpipe's plan here: {plan.speedup_over_data_parallel:.2f}x the "
               "throughput of data parallelism, from PipeDream's own profile")
     return 0
-
-
-def costs_line(profile: Any, cluster: Any) -> str:
-    """Where the plan's costs come from, in one line."""
-    if "spread" in profile.meta:
-        return (f"costs: measured on this machine ({profile.meta.get('threads', 1)} thread per "
-                f"worker; spread of the measurements, IQR / median: "
-                f"{100 * profile.meta['spread']:.1f}%)")
-    if cluster.device is not None:
-        return f"costs: estimated for {cluster.device} from each operation's FLOPs and bytes"
-    if profile.source.startswith("pipedream:"):
-        return (f"costs: measured on GPUs by PipeDream's authors, per minibatch of "
-                f"{profile.batch_size} (their published profile {Path(profile.source).parent.name})")
-    return f"costs: from the profile {profile.source!r}"
 
 
 def paper_claim(model: str) -> str | None:

@@ -38,6 +38,20 @@ def load_profile(path: Path) -> Any:
     return Profile.from_pipedream(path) if path.suffix == ".txt" else Profile.load(path)
 
 
+def costs_line(profile: Any, cluster: Any) -> str:
+    """Where the plan's costs come from, in one line."""
+    if "spread" in profile.meta:
+        return (f"costs: measured on this machine ({profile.meta.get('threads', 1)} thread per "
+                f"worker; spread of the measurements, IQR / median: "
+                f"{100 * profile.meta['spread']:.1f}%)")
+    if cluster.device is not None:
+        return f"costs: estimated for {cluster.device} from each operation's FLOPs and bytes"
+    if profile.source.startswith("pipedream:"):
+        return (f"costs: measured on GPUs by PipeDream's authors, per minibatch of "
+                f"{profile.batch_size} (their published profile {Path(profile.source).parent.name})")
+    return f"costs: from the profile {profile.source!r}"
+
+
 def add_recompute_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", default="never", choices=["never", "always", "auto"],
                    help="activation recomputation per stage (auto: where it makes the plan fit "

@@ -86,6 +86,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "checkpoint of any plan, if there is one (fxpipe/cli_elastic.py)")
     p.add_argument("--size", default="mini", help="zoo model size: mini or full")
     p.add_argument("--device", default="cpu", help="device the plan is estimated for")
+    p.add_argument("--bandwidth", default="10Gbps",
+                   help="the link between workers the plan is priced for, e.g. 10Gbps")
+    p.add_argument("--input-shape", default=None,
+                   help="for a file.py:factory that returns a bare module: its input's shape")
     p.add_argument("--stages", type=int, default=None, help="force the number of stages")
     p.add_argument("--straight", action="store_true", help="one worker per stage")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any wait may take")
@@ -196,6 +200,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.data == "digits":  # fail here, before torchrun starts N processes to say the same
         spec = _spec(args)
         digits_for(_input_shape(spec), args.model)
+    elif args.data == "synthetic" and ".py:" in args.model:  # a user's model: can it train?
+        _synthetic_ready(_spec(args), args.model)
     nproc = args.nproc
     if args.plan:
         from fxpipe.passes import Plan
@@ -250,8 +256,24 @@ def _spec(args: argparse.Namespace) -> Any:
     """The ModelSpec MODEL names (zoo, hf:Class or file.py:factory)."""
     from fxpipe import models
 
+    shape = (tuple(int(s) for s in args.input_shape.split(","))
+             if getattr(args, "input_shape", None) else None)
     return models.resolve(args.model, size=args.size, batch_size=args.batch_size, seed=args.seed,
-                          seq_len=args.seq_len)
+                          seq_len=args.seq_len, input_shape=shape)
+
+
+SPEC_HINT = ("return fxpipe.models.ModelSpec(name=..., size='custom', model=model, "
+             "example_inputs=(x,), loss_fn=F.cross_entropy, make_batch=lambda batch_size, seed: "
+             "(inputs, target), batch_size=32) from the factory (docs/training.md), or give "
+             "your own data with --data file.py:loaders")
+
+
+def _synthetic_ready(spec: Any, model: str) -> None:
+    """A user's model trains on ``--data synthetic`` only with a batch maker and a loss: said
+    before torchrun starts, not after every rank has traced and planned it."""
+    if spec.make_batch is None:
+        raise ConfigError(f"{model} comes with no batch maker for --data synthetic (its factory "
+                          "returned a model, not a ModelSpec)", SPEC_HINT)
 
 
 def _input_shape(spec: Any) -> tuple[int, ...]:
@@ -271,10 +293,7 @@ def _loaders(args: argparse.Namespace, spec: Any) -> tuple[Any, Any]:
     if _is_file_spec(args.data):
         return _user_loaders(args.data)
     if args.data == "synthetic":
-        if spec.make_batch is None:
-            raise ConfigError(f"{args.model} comes with no batch maker for --data synthetic",
-                              "return an fxpipe.models.ModelSpec (with make_batch) from the "
-                              "factory")
+        _synthetic_ready(spec, args.model)
         return (synthetic_loader(spec.make_batch, bs, args.num_batches, args.seed),
                 synthetic_loader(spec.make_batch, bs, args.eval_batches, args.seed + 1)
                 if args.eval_batches > 0 else None)
@@ -363,14 +382,18 @@ def run_worker(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     spec = _spec(args)
     plan = Plan.load(args.plan) if args.plan else None
-    compiled = fx_compile(spec.model, Cluster.from_env(device=args.device),
+    cluster = Cluster.from_env(device=args.device, bandwidth=args.bandwidth)
+    compiled = fx_compile(spec.model, cluster,
                           example_inputs=spec.example_inputs, loss_fn=spec.loss_fn, plan=plan,
                           stages=args.stages, straight=args.straight, tracer=args.tracer,
                           schedule=plan_schedule(args.schedule),
                           microbatches=args.microbatches, overheads=args.overheads)
     if rank == 0:  # the plan before training: its stages, speedups, and why it is what it is
+        from fxpipe.cli_args import costs_line
+
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}\n"
-              f"{compiled.summary()}", flush=True)
+              f"{compiled.summary()}\n{costs_line(compiled.profile, cluster)} (--device), "
+              f"links of {args.bandwidth} (--bandwidth)", flush=True)
     train, evaluate = _loaders(args, spec)
     trainer = compiled.trainer(**_recipe(args, compiled, train, spec.model),  # plan's recompute
                            schedule=args.schedule, vertical_sync=args.vertical_sync,

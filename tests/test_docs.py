@@ -130,6 +130,9 @@ FRAGMENTS: dict[tuple[str, str], str] = {
                     "--nnodes N ... across machines)"):
         "a sketch over the reader's model and loaders; the README's train.py is the complete "
         "version, run by its torchrun command",
+    ("training.md", "from fxpipe.models import ModelSpec"):
+        "a factory's sketch over the reader's own MyNet; tests/api/test_api_cli_user_job.py "
+        "trains a user's factory through fxpipe train",
     ("training.md", "from fxpipe.runtime import weight_decay_groups"):
         "uses the reader's compiled model, dataset and LR function; tests/runtime/ tests each "
         "option against eager PyTorch",

@@ -168,10 +168,15 @@ class IdleBackend:
         self.index, self.world, self.needed = index, world, needed
         self.local: dict[Rank, StageReplica] = {}
         log.warning("rank %d is idle: the plan uses %d of the job's %d processes; it leaves the "
-                    "training to ranks 0..%d and exits", index, needed, world, needed - 1)
+                    "training to %s and exits", index, needed, world, ranks_text(0, needed - 1))
 
     def close(self) -> None:
         pass
+
+
+def ranks_text(first: int, last: int) -> str:
+    """``rank 0`` or ``ranks 0..3``."""
+    return f"rank {first}" if first == last else f"ranks {first}..{last}"
 
 
 def surplus_rank() -> tuple[int, int] | None:

@@ -87,8 +87,7 @@ SAME_AS_FLUSH = ("gpipe", "zb-h1", "zb-h2")  # minibatch SGD, flush's arithmetic
 SAFE = ("the synchronous schedule is never statistically worse, so it is the safe choice "
         "without a measurement")
 ONE_STAGE = ("one worker: no pipeline, nothing stale, so a pilot has nothing to measure; it "
-             "trains as plain PyTorch does, an update after every minibatch (pipedream's "
-             "schedule on one stage)")
+             "trains as plain PyTorch does, an update after every minibatch")
 DATA_PARALLEL = ("one stage on {r} workers (data parallelism): no schedule makes its weights "
                  "stale, so a pilot has nothing to measure; each minibatch is cut into one share "
                  "per replica and the replicas' gradients are combined by their shares, one "
@@ -96,12 +95,12 @@ DATA_PARALLEL = ("one stage on {r} workers (data parallelism): no schedule makes
 
 
 def one_stage(replicas: Sequence[int]) -> Decision:
-    """auto's pick for a one-stage plan: plain steps on one worker (pipedream updates after every
-    minibatch), a synchronous step on the cut minibatch for a replicated one (pipedream's
-    replicas would each take whole minibatches: twice the batch, half the updates)."""
+    """auto's pick for a one-stage plan: ``1f1b-flush`` with each minibatch cut into one share
+    per replica, a synchronous step on the whole minibatch (pipedream's replicas would each
+    take whole minibatches: twice the batch, half the updates); on one worker that is plain
+    steps, a minibatch an update, the schedule the plan was priced for."""
     r = sum(replicas)
-    return (Decision("pipedream", ONE_STAGE) if r == 1
-            else Decision("1f1b-flush", DATA_PARALLEL.format(r=r)))
+    return Decision("1f1b-flush", ONE_STAGE if r == 1 else DATA_PARALLEL.format(r=r))
 DEFAULT_CANDIDATES = ("1f1b-flush", "gpipe", "zb-h1", "zb-h2", "pipedream", "pipedream+lr_scale",
                       "pipedream+predict+momentum")
 """Trained in the pilot: flush (whose curve gpipe and the zero-bubble kinds share), pipedream,

@@ -16,6 +16,7 @@ the same steps.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 from typing import Any, Callable, Mapping, Sequence
 
@@ -25,6 +26,8 @@ from fxpipe.codegen.split import StageSpec
 
 from ..errors import RuntimeConfigError
 from ..replica.stage import tied_parameters
+
+log = logging.getLogger(__name__)
 
 NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.BatchNorm1d, torch.nn.BatchNorm2d,
               torch.nn.BatchNorm3d, torch.nn.RMSNorm)
@@ -121,7 +124,11 @@ def as_factory(optimizer: Any) -> Callable[..., torch.optim.Optimizer]:
                 "tell which of a stage's parameters go in which group",
                 hint + "; a factory with a names= parameter receives the model's names of the "
                 "stage's parameters to group them (fxpipe.runtime.weight_decay_groups)")
-        return SameAs(optimizer)
+        made = SameAs(optimizer)
+        log.warning("optimizer=%s instance: each stage gets its own %r over its parameters; the "
+                    "instance itself is not stepped (pass a factory to say so explicitly)",
+                    type(optimizer).__name__, made)
+        return made
     if not callable(optimizer):
         raise RuntimeConfigError(f"optimizer={optimizer!r} is not an optimizer factory", hint)
     return optimizer

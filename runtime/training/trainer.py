@@ -68,7 +68,7 @@ from fxpipe.tracing.batchdims import BatchDims
 from ..errors import RuntimeConfigError
 from ..execution.contract import Batch
 from ..execution.trainer_backends import (DistributedBackend, IdleBackend, ReferenceBackend,
-                                          surplus_rank)
+                                          ranks_text, surplus_rank)
 from ..replica.stage import LossFn, StageReplica, check_stages
 from ..replica.stash import OptimizerFactory
 from ..replica.state_size import temporaries_for
@@ -294,8 +294,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self.idle = isinstance(self.backend, IdleBackend)
         if job is not None and job[0] == 0 and job[1] > len(empty.ranks):
             log.warning("the plan uses %d of the job's %d processes: more are not faster here "
-                        "(compiled.summary() says why); ranks %d..%d idle", len(empty.ranks),
-                        job[1], len(empty.ranks), job[1] - 1)
+                        "(compiled.summary() says why); %s idle", len(empty.ranks), job[1],
+                        ranks_text(len(empty.ranks), job[1] - 1))
         self.replanner = replan.bind(self) if replan is not None else None  # trainer_switch
         self.local: dict[tuple[int, int], StageReplica] = self.backend.local
         self.lr_interval = lr_scheduler_interval
@@ -348,6 +348,10 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         if resume:
             epoch0, pos0, partial = self._resume()
             self._own_checkpoints = True  # that run goes on here: its checkpoints are ours
+            if epoch0 >= epochs and self.index == 0:
+                log.warning("nothing left to train: the checkpoint resumed is at the end of epoch "
+                            "%d, and fit was asked for %d epoch(s) in all; pass more epochs to "
+                            "train on", epoch0, epochs)
         if isinstance(train_loader, Iterator) and epochs - epoch0 > 1:
             raise RuntimeConfigError(
                 f"{epochs - epoch0} epochs from an iterator ({type(train_loader).__name__}), "

@@ -253,6 +253,8 @@ class CutMixin:
                              "minibatch); a stage on one worker updates after every minibatch")
             else:
                 lines.append("no cut: an update after every minibatch, on every stage")
+        elif (self.microbatches or sum(replicas)) == 1:
+            lines.append("no cut: an update after every minibatch, on every stage")
         else:
             m = self.microbatches or sum(replicas)
             lines.append(f"no cut: each minibatch is one microbatch and an update averages the "

@@ -28,7 +28,7 @@ class Progress:
             from tqdm.auto import tqdm
         except ImportError:
             return
-        self._bar = tqdm(total=total, initial=done, desc=desc, unit="mb", file=sys.stderr,
+        self._bar = tqdm(total=total, initial=done, desc=desc, unit=" minibatches", file=sys.stderr,
                          dynamic_ncols=True, leave=True)
 
     def update(self, n: int, loss: float, samples_per_s: float) -> None:

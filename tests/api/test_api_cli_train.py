@@ -48,3 +48,39 @@ def test_the_plan_is_made_for_the_schedule_named() -> None:
     assert [plan_schedule(s) for s in ("1f1b-flush", "zb-h2", "2bw", "gpipe", "pipedream+predict",
                                        "auto", "interleaved-1f1b")] == \
         ["1f1b-flush", "zb-h2", "2bw", "gpipe", "pipedream", "auto", "pipedream"]
+
+
+def test_a_users_model_without_a_model_spec_is_refused_before_torchrun(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--data synthetic`` needs a batch maker and a loss: a factory returning a bare module
+    (now with ``--input-shape``, which ``fxpipe train`` takes like ``plan``) or ``(model,
+    example_inputs)`` is refused in the launcher, naming what a ModelSpec carries, before any
+    process starts (the launcher returns 2 at once: no torchrun output)."""
+    from fxpipe.cli import main
+
+    f = tmp_path / "mine.py"
+    f.write_text("import torch\n"
+                 "def bare():\n    return torch.nn.Linear(8, 2)\n"
+                 "def pair():\n    return torch.nn.Linear(8, 2), (torch.randn(4, 8),)\n")
+    for factory, extra in (("bare", ["--input-shape", "4,8"]), ("pair", [])):
+        assert main(["train", f"{f}:{factory}", "--data", "synthetic", "--nproc", "2",
+                     *extra]) == 2
+        err = capsys.readouterr().err
+        assert "comes with no batch maker for --data synthetic" in err
+        assert "return fxpipe.models.ModelSpec(name=..., size='custom', model=model" in err
+        assert "--data file.py:loaders" in err
+    assert main(["train", f"{f}:bare", "--data", "synthetic", "--nproc", "2"]) == 2
+    assert "fxpipe needs --input-shape" in capsys.readouterr().err  # and the option exists
+
+
+def test_train_prices_the_plan_for_the_links_it_is_told() -> None:
+    import argparse
+
+    from fxpipe.cli_train import _add_arguments, _worker_argv
+
+    p = argparse.ArgumentParser()
+    _add_arguments(p)
+    args = p.parse_args(["mlp", "--data", "synthetic", "--bandwidth", "1Gbps"])
+    argv = _worker_argv(args)
+    assert argv[argv.index("--bandwidth") + 1] == "1Gbps"
+    assert p.parse_args(["mlp", "--data", "synthetic"]).bandwidth == "10Gbps"

@@ -124,14 +124,18 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_when_the_trainer_is_made(
     assert STEPS == [] and f.read_text() == "not a folder"
 
 
-def test_an_optimizer_instance_is_taken_as_its_class_and_options() -> None:
+def test_an_optimizer_instance_is_taken_as_its_class_and_options(
+        caplog: pytest.LogCaptureFixture) -> None:
     """``optimizer=SGD(model.parameters(), ...)``: every stage gets an SGD with its options, so
-    training equals the factory's; an instance with groups of different options is refused,
-    naming the factory it needs."""
+    training equals the factory's, and a warning says the instance itself is not stepped; an
+    instance with groups of different options is refused, naming the factory it needs."""
     ref = fit(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     other = mlp()
-    got = fit(optimizer=torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
+    with caplog.at_level("WARNING"):
+        got = fit(optimizer=torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
     assert got[-1]["loss"] == ref[-1]["loss"]
+    assert "optimizer=SGD instance: each stage gets its own SGD(lr=0.1, momentum=0.9" in \
+        caplog.text and "the instance itself is not stepped" in caplog.text
     groups = torch.optim.SGD([{"params": list(other[0].parameters()), "lr": 0.1},
                               {"params": list(other[2].parameters()), "lr": 0.01}], lr=0.1)
     with pytest.raises(RuntimeConfigError, match="2 parameter groups of different options") as e:
@@ -153,6 +157,23 @@ def test_a_second_run_into_a_run_s_checkpoints_is_refused_unless_it_resumes_or_o
     assert sorted(p.name for p in Path(d).iterdir()) == first  # nothing overwritten
     fit(checkpoint_dir=d, overwrite_checkpoints=True, checkpoint_every=2)
     assert sorted(p.name for p in Path(d).iterdir()) == ["e0000-m0000002", "e0001-m0000000"]
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_left(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    d = str(tmp_path / "ckpt")
+    first = fit(checkpoint_dir=d)
+    STEPS.clear()
+    compiled = fxpipe.compile(mlp(), fxpipe.Cluster(workers=2), example_inputs=(loader()[0][0],),
+                              loss_fn=F.cross_entropy, stages=2, straight=True, repeats=1,
+                              overheads="off")
+    trainer = compiled.trainer(optimizer=counting, executor="reference", progress=False,
+                               checkpoint_dir=d)
+    with caplog.at_level("WARNING"):
+        again = trainer.fit(loader(), resume=True)
+    assert again == first and STEPS == []
+    assert ("nothing left to train: the checkpoint resumed is at the end of epoch 1, and fit "
+            "was asked for 1 epoch(s) in all") in caplog.text
 
 
 def test_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
