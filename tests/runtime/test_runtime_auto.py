@@ -355,7 +355,9 @@ def test_an_unaffordable_or_pointless_pilot_is_not_run() -> None:
     unknown = choose(stages, [1, 1, 1], loss_fn, opt, data, opts)  # no length: no limit
     assert unknown.pilot_minibatches == 48
     one = choose(split(tiny_mlp(), []), [1], loss_fn, opt, data, opts)
-    assert one.schedule == "pipedream" and "one stage" in one.reason and not one.rows
+    assert one.schedule == "1f1b-flush" and "one worker" in one.reason and not one.rows
+    dp = choose(split(tiny_mlp(), []), [2], loss_fn, opt, data, opts)
+    assert dp.schedule == "1f1b-flush" and "(data parallelism)" in dp.reason and not dp.rows
     t = trainer("auto", auto_options={"pilot": 48, "min_pilot": 40})
     t.fit(batches(96), epochs=1)  # 96 minibatches: a 4 x 48-step pilot is too dear
     assert t.schedule_name == "1f1b-flush" and "would cost" in t.auto_decision.reason

@@ -110,22 +110,25 @@ def test_auto_keeps_the_users_microbatches_and_refuses_short_minibatches() -> No
         early.fit(tail[::-1], epochs=1)
 
 
-def test_one_stage_trains_pipedream_without_a_pilot(tmp_path: Path) -> None:
+def test_one_worker_trains_plain_steps_without_a_pilot(tmp_path: Path) -> None:
+    """One stage on one worker: no pilot, the schedule its plan is priced for (1f1b-flush, an
+    update a minibatch, nothing cut), equal to plain steps."""
     data = batches(8, batch=6)
     t = trainer("auto", cuts=[])
     t.fit(data, epochs=1)
     d = t.auto_decision
-    assert (t.schedule_name, t.split, d.rows) == ("pipedream", 1, ())
-    assert "one stage" in d.reason
+    assert (t.schedule_name, t.split, d.rows) == ("1f1b-flush", 1, ())
+    assert "one worker" in d.reason
+    assert "no cut: an update after every minibatch, on every stage" in t.recipe()
     want = plain(data)
     for n, v in t.state_dict().items():
         torch.testing.assert_close(v, want[n], rtol=1e-6, atol=1e-7, msg=n)
     # a resumed run keeps the checkpoint's schedule, one stage or not
-    first = trainer("1f1b-flush", cuts=[], checkpoint_dir=str(tmp_path))
+    first = trainer("pipedream", cuts=[], checkpoint_dir=str(tmp_path))
     first.fit(data, epochs=1)
     again = trainer("auto", cuts=[], checkpoint_dir=str(tmp_path))
     again.fit(data, epochs=2, resume=True)
-    assert again.schedule_name == "1f1b-flush" and "checkpoint" in again.auto_decision.reason
+    assert again.schedule_name == "pipedream" and "checkpoint" in again.auto_decision.reason
 
 
 def test_the_pilot_leaves_out_a_minibatch_too_small_to_cut() -> None:
