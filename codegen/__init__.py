@@ -1,4 +1,8 @@
-"""fxpipe.codegen: split a traced graph into pipeline stages, run, export and draw them."""
+"""fxpipe.codegen: split a traced graph into pipeline stages, run, export and draw them.
+
+``split`` makes the stages and ``pipeline`` runs them in one process; ``export`` and ``sourcegen``
+write them as readable Python; ``carry`` adapts them to torch's pipelining; ``visualize`` draws.
+"""
 from .export import export_stages, load_exported
 from .pipeline import run_stages
 from .split import StageSpec, split_graph

@@ -1,13 +1,7 @@
 """fxpipe's stages in the shape torch.distributed.pipelining wants: each stage feeds the next.
 
-fxpipe routes a value from its producer straight to every stage that uses it (a skip connection
-is one message), and a later stage may read model inputs itself (an attention mask, labels).
-torch's ``PipelineStage`` knows one edge only: stage k's outputs are stage k+1's inputs, and only
-stage 0 sees the model inputs. So :class:`CarryStage` k takes everything that crosses the boundary
-before it (:func:`carried`: values made earlier, or model inputs, that some later stage needs) and
-returns everything that crosses the boundary after it, passing through what it does not use; the
-last stage returns the model output. The stage's own parameters are the fxpipe stage's (the same
-tensors), so the split, the costs and the tied weights are fxpipe's.
+:class:`CarryStage` k takes what crosses the boundary before it (:func:`carried`) and returns what
+crosses the one after, passing through what it does not use; its parameters are fxpipe's own.
 """
 from __future__ import annotations
 

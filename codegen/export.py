@@ -1,16 +1,7 @@
-"""Write stages as readable Python + weights, and load them back in a fresh process.
+"""Write stages as readable Python plus weights, and load them back in a fresh process.
 
-Layout of an export directory (every file written atomically, nothing else touched)::
-
-    stage_<k>.py   a module with class Stage<k>: submodules built from their constructors,
-                   get_attr tensors as empty placeholders, and the generated forward
-    stage_<k>.pt   that stage's tensors under the model's own qualified names (weights_only)
-    stages.json    the manifest: routing (inputs/sources/outputs/consumers), tensor names, ties,
-                   and the model's I/O convention
-    plan.json      the partition plan, when given
-
-Readable code (not pickles) so that a user can audit what each worker runs and so that loading is
-safe: ``torch.load(..., weights_only=True)`` only.
+Per stage ``stage_<k>.py`` and its tensors ``stage_<k>.pt``, with ``stages.json`` (routing, ties,
+I/O) and ``plan.json``, written atomically: code, not pickles, so users can audit what runs.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Run split stages sequentially in this process (the reference semantics of a pipeline).
+"""Run split stages one after another in this process: the reference semantics of a pipeline.
 
-It is the oracle the distributed runtime is tested against, and it is autograd-transparent: the
-stages share the model's Parameter objects, so ``loss(run_stages(...)).backward()`` fills the same
-``.grad`` fields as running the original model.
+Autograd-transparent (the stages share the model's Parameter objects), so a backward through
+``run_stages`` fills the same ``.grad`` fields as running the original model.
 """
 from __future__ import annotations
 

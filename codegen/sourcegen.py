@@ -1,9 +1,7 @@
-"""Generate the readable Python source of one stage (used by export.py).
+"""Generate the readable Python source of one stage (used by :mod:`.export`).
 
-Like ``GraphModule.to_folder`` but self-describing and pickle-free: submodules are rebuilt from
-their constructor expression (checked by rebuilding them here), tensors read by ``get_attr`` are
-declared as empty placeholders whose values come from ``stage_<k>.pt``, tied parameters are tied
-again in ``__init__``, and the docstring says where every input comes from and every output goes.
+Pickle-free, unlike ``GraphModule.to_folder``: submodules rebuilt from checked constructor calls,
+``get_attr`` tensors as placeholders filled from ``stage_<k>.pt``, tied parameters tied again.
 """
 from __future__ import annotations
 

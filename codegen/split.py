@@ -1,10 +1,7 @@
 """Split one traced GraphModule into per-stage GraphModules (the heart of codegen).
 
-Why a custom splitter rather than ``torch.fx.passes.split_module``: we need (a) direct routing of a
-value from its producer to every later consumer (no relaying through intermediate stages, which
-would cost bandwidth PipeDream's cost model does not count), (b) parameters copied into every
-stage that uses them under their original names, sharing the Parameter objects, and (c) static
-non-tensor values baked into consumers so that only tensors cross stage boundaries.
+Not ``torch.fx.passes.split_module``: each value goes straight from its producer to every stage
+using it, stages share the model's Parameters under their names, and static values are not sent.
 """
 from __future__ import annotations
 
@@ -130,7 +127,7 @@ def _validate(gm: fx.GraphModule, nodes: list[fx.Node], stage_of: Mapping[str, i
 
 
 def split_graph(gm: fx.GraphModule, stage_of: Mapping[str, int]) -> list[StageSpec]:
-    """Split ``gm`` into ``max(stage_of)+1`` stage GraphModules (see the module docstring).
+    """Split ``gm`` into ``max(stage_of)+1`` stage GraphModules (see docs/design-notes.mdstring).
 
     Raises ConfigError for an invalid ``stage_of`` or for a non-sendable, non-static value (tuple
     of tensors, opaque object) that would cross a stage boundary.

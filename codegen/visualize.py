@@ -1,13 +1,7 @@
-"""Draw a plan with graphviz: at a glance, or node by node.
+"""Draw a plan with graphviz, at a glance (:func:`draw_overview`) or op by op (:func:`draw_plan`).
 
-The overview (:func:`draw_overview`, from the plan alone) answers what a user asks of a plan:
-its stages left to right, what each holds, its replicas, time and memory, and the bytes that
-cross the network into each (the red, bold edges). The node-level view (:func:`draw_plan`)
-shows every operation in one cluster per stage, cut edges in red, labelled with their size. ``get_attr`` nodes are folded into their consumers so that big
-models stay legible. A graph of more than :data:`MAX_DETAIL` operations (a Hugging Face model's
-aten graph: 2,000 nodes for Llama-7B, which graphviz needs many minutes to lay out) is drawn one
-box per module instead (``model.layers.3``, 68 ops), at the deepest module level that keeps the
-picture under :data:`MAX_BOXES` boxes.
+The overview shows stages, replicas, time, memory and the bytes into each; the node view folds
+``get_attr`` nodes into consumers and, past :data:`MAX_DETAIL` operations, draws a box per module.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """fxpipe.costmodel: what each node of a traced graph costs, and the :class:`Profile` of it.
 
-``profile_graph`` measures this machine, ``estimate_graph`` models hardware we do not have (FLOPs
-and bytes on a roofline), ``annotate_parameters`` decides which node owns which parameter, and
-``to_profile`` turns the annotated graph into the torch-free Profile the partitioner consumes.
-
-Exports are lazy (PEP 562): ``fxpipe.costmodel.profile`` and ``hardware`` are plain data that the
-torch-free phases (``fxpipe.passes``, ``fxpipe.runtime.schedules``) read, so importing them must
-not run the measuring modules, which import torch.
+``profiler`` measures, scaled to whole steps by ``calibrate``; ``estimator`` models a device of
+``hardware``; ``update``, ``saved`` and ``overheads`` price the step, what backward keeps and the
+runtime; ``extract`` and ``pipedream`` make the ``profile``. Lazy exports: no torch on import.
 """
 from __future__ import annotations
 

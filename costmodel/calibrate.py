@@ -1,28 +1,8 @@
 """Whole-step calibration: node times scaled so their sums equal one training step as it runs.
 
-Why: the profiler times every node alone, in a loop, on its own inputs (it must: the planner
-needs each node's cost separately). A node timed that way runs with its weights and inputs hot
-in cache, its outputs in freshly recycled memory, and autograd walking a one-node graph. A
-training step runs the nodes one after another over the whole model: weights, gradients and
-optimizer state stream through the caches (a 3.7M-parameter MLP's step touches 45 MB against a
-32 MB L3), the allocator hands out new gradient buffers, autograd walks the whole graph. On this
-machine the sums of the node times fell 20-45% short of a whole step's forward, backward and
-update (BENCHMARKS ``runtime_prediction``: +11-27% error before any re-plan).
-
-So after the node-by-node pass, :func:`calibrate` times whole steps of the graph the way a
-pipeline stage runs them (forward with grad enabled; ``autograd.grad`` of the outputs with
-respect to the trainable parameters; the gradients handed to an optimizer over clones of the
-parameters, one ``step()``), and scales each node's
-``forward_s``, ``backward_s`` and ``update_s`` by the ratio of the whole step's part to the sum of
-its nodes. The ratios keep each node's share of its part (the partition still balances on the
-node-by-node measurement) and are recorded on the graph's output node
-(``meta["fxpipe"]["calibration"]``), from where :func:`~fxpipe.costmodel.extract.to_profile`
-copies them into ``Profile.meta``. The caller's parameters, gradients, buffers and RNG are as
-before (the profiler's ``isolated`` context and clones).
-
-What it cannot see: a stage's working set is a part of the whole model's, so a stage of a model
-that overflows the cache as a whole may fit it alone; and ranks sharing one machine share its
-caches and memory bandwidth. The runtime's re-plan (``replan="auto"``) measures those.
+Nodes timed alone run hot in cache on a one-node autograd graph; a step streams every weight,
+gradient and optimizer state. :func:`calibrate` times whole steps as a stage runs them and scales
+each node's forward, backward and update by the step's part over its nodes' sum (shares kept).
 """
 from __future__ import annotations
 

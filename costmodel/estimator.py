@@ -1,26 +1,8 @@
 """Analytical per-node costs for hardware we do not have (a roofline model).
 
-Why: planning for a V100/A100/H100 cluster from a laptop. Each node runs once on this machine,
-only to learn its shapes and its FLOPs: forward FLOPs come from
-``torch.utils.flop_counter.FlopCounterMode`` around the node's call, backward FLOPs from the same
-counter around ``torch.autograd.grad`` of its outputs (so they are the FLOPs autograd really
-issues, not a 2x rule of thumb). Time is then
-
-    max(flops / (peak * efficiency), bytes_moved / mem_bandwidth) + launch_overhead
-
-where ``peak`` is the device's for the node's arithmetic (:class:`Arithmetic`: float32 products
-on the plain cores unless torch's settings allow TF32, bf16 and fp16 on tensor cores) and
-bytes_moved = input tensor bytes + output bytes + the module's parameter and buffer bytes, and
-about twice that for the backward. Pure views (reshape, getitem, size) move nothing and cost
-nothing. The weight update (``update_s``) of the parameters a node owns is memory-bound:
-``optimizer_bytes_factor * parameter bytes / mem_bandwidth + one launch per tensor`` (see
-:mod:`fxpipe.costmodel.update`).
-
-Every node runs on fake tensors (``FakeTensorMode``): shapes, dtypes and devices without values
-or memory. So estimating never allocates the model's activations, works for a model instantiated
-on the meta device (a 7B-parameter Llama plans on a laptop), and keeps the devices torch.export
-baked into the graph (``arange(..., device=cpu)``) consistent with the weights, which a plain
-copy of the weights to the meta device does not.
+Each node runs once on fake tensors (no values, no memory: a meta-device model estimates too) to
+count its forward and backward FLOPs and the bytes it moves; its time is then
+``max(flops / (peak * efficiency), bytes_moved / mem_bandwidth) + launch_overhead``.
 """
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """From an annotated FX graph to the torch-free :class:`~fxpipe.costmodel.profile.Profile`.
 
-Two jobs live here because both are about *what* the partitioner sees rather than *how much* a
-node costs: parameter ownership (:func:`annotate_parameters`) and the conversion of the graph's
-``node.meta["fxpipe"]`` into profile nodes (:func:`to_profile`).
-
-Ownership rule: each parameter is counted once, by the first node in program order that uses it.
-Identity (``id`` of the Parameter object), not the name, decides what "the same parameter" is,
-because tied weights (an embedding and an lm_head sharing one Parameter) have two names.
+:func:`annotate_parameters` gives each parameter to the first node in program order that uses it,
+by identity (tied weights have two names, one Parameter); :func:`to_profile` turns the graph's
+``node.meta["fxpipe"]`` into profile nodes.
 """
 from __future__ import annotations
 

@@ -1,32 +1,8 @@
 """What the runtime pays per stage that no node's time contains (plain numbers, no torch).
 
-Why: the profile prices a stage as the sum of its nodes' forward, backward and update, each
-timed as plain PyTorch runs it. A stage as the runtime runs it also pays
-
-* fixed costs per minibatch: three calls (F, B, U) through the stage replica (weights swapped
-  in, stash versions acquired and released, gradient sums kept, the timeline) and the executor
-  between them, plus a little per parameter tensor it holds;
-* per message: posting each send and taking each received tensor (every value that crosses a
-  cut is one message forward and one back: priced as two, although a value that carries no
-  gradient sends nothing back), and per set of stages sharing a tied parameter, the all-reduce
-  of its gradient at every update. Most of a message's cost is the action's (its sends posted,
-  its receives waited for, once per cut and direction): each value more across the same cut
-  costs less (``value_s``; on this project's 2-core machine about 0.06 ms against 0.26 ms for
-  the first, a probe with 3 small values more across its cut);
-* under a schedule that stashes weight versions (``pipedream``, ``2bw``), a copy of the stage's
-  weights at every update that finds its old version still in use, and the bookkeeping of it.
-
-On this project's 2-core machine these were about 0.23 ms per stage and minibatch, 3 us per
-parameter tensor and 0.24 ms per message (``fxpipe.runtime.execution.overhead_probe``): the zoo's
-GPT mini cut in two, whose stages compute 5.2-5.5 ms each, ran at 7.6-7.75 ms per minibatch while
-the plan without them said 5.2-5.5 (+42-46%); with them, 6.7-7.4 (+5-15%, BENCHMARKS
-``runtime_prediction``).
-:class:`Overheads` holds the measured values; the planner adds :meth:`Overheads.stage_s` to every
-stage (``fxpipe.passes.overhead_pricing``), and a plan that pays message costs must beat the
-one-stage plan that pays none (``fxpipe.passes.partition``).
-
-The values travel in ``Profile.meta["overheads"]`` (so a saved profile keeps them and older
-profiles load without them: zero, the cost model before them).
+A stage replica pays per minibatch for its F, B and U calls, its parameter tensors, its messages,
+its tied all-reduces and, under a stashing schedule, a copy of its weights. :class:`Overheads`
+keeps them in ``Profile.meta["overheads"]`` (absent: zero) for ``passes/overhead_pricing.py``.
 """
 from __future__ import annotations
 
@@ -41,7 +17,7 @@ META_KEY = "overheads"
 
 @dataclass(frozen=True)
 class Overheads:
-    """Seconds the runtime spends beyond the nodes' times (see the module doc).
+    """Seconds the runtime spends beyond the nodes' times (docs/design-notes.md).
 
     Per minibatch and stage replica: ``action_s``, its F, B and U calls and the executor between
     them; ``tensor_s`` per parameter tensor it holds (swapped into the stage's module for every

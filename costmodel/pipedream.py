@@ -1,19 +1,8 @@
 """Import PipeDream's ``graph.txt`` profiles (torch-free).
 
-PipeDream (github.com/msr-fiddle/pipedream) publishes per-layer GPU profiles of real models. Reading
-them lets fxpipe plan those models for clusters we do not have and compare its planner with
-PipeDream's. The preprocessing mirrors PipeDream's optimizer (``optimizer_graph_hierarchical.py``):
-
-* the ``Input*`` source nodes get zero times and sizes (data loading is not a stage's compute, and
-  the input never has to travel between stages);
-* sink nodes whose module repr starts with ``__getitem__`` are dropped (one pass, as PipeDream
-  does);
-* milliseconds become seconds;
-* a multi-output activation ``[a; b; c]`` counts as ``a + b + c`` bytes. Such a node's output is a
-  tuple, which fxpipe marks non-``sendable`` (the partitioner does not cut while it is live).
-
-Nodes are emitted in a topological order; ties are broken by PipeDream's numeric node id so the
-order is deterministic and close to the profiler's program order.
+PipeDream publishes per-layer GPU profiles of real models; reading them lets fxpipe plan those
+models for clusters we do not have. The preprocessing mirrors PipeDream's optimizer
+(``optimizer_graph_hierarchical.py``); nodes come out topologically, ties by numeric node id.
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """The profile: per-node costs of a linearisable graph, as plain numbers (no torch).
 
-A :class:`Profile` is what the partitioner consumes. It is produced by the profiler or the
-analytical estimator from an annotated FX graph, loaded from fxpipe's JSON, or imported from
-PipeDream's ``graph.txt`` (see :mod:`fxpipe.costmodel.pipedream`). Times are seconds per
-minibatch, sizes are bytes (batch included).
-
-``update_s`` is the optimizer step for the parameters a node owns. It is part of ``compute_s``
-because in the ``pipedream`` (1F1B) schedule every replica runs F, B and U for each minibatch it
-processes, so a stage is busy for all three. Profiles written before the field existed (and
-PipeDream imports, whose profiles have no update time) load with ``update_s = 0``.
+A :class:`Profile` is what the partitioner consumes: made by the profiler or the estimator, loaded
+from fxpipe's JSON or imported from PipeDream's ``graph.txt``. Times are seconds per minibatch,
+sizes bytes (batch included); ``compute_s`` includes ``update_s``, the node's optimizer step.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Measured per-node costs: run the graph node by node on this machine and time each node.
 
-Why node by node: the partitioner needs the cost of every node *separately* (a stage's compute is
-the sum over its nodes), including its backward pass. Each node therefore runs on detached copies
-of its inputs, so ``torch.autograd.grad`` through its output covers exactly that node's backward and
-nothing upstream. The walker (:func:`iter_node_calls`) is shared with the analytical estimator.
-
-Profiling is side-effect free for the caller: train/eval flags, buffers (BatchNorm running stats),
-the RNG state and every ``.grad`` are as before (``autograd.grad`` never accumulates into
-``.grad``).
+The partitioner needs each node's cost separately, backward included, so :func:`iter_node_calls`
+(shared with the estimator) runs each node on detached copies of its inputs. Profiling leaves the
+caller's train/eval flags, buffers, RNG state and every ``.grad`` as they were.
 """
 from __future__ import annotations
 

@@ -1,20 +1,8 @@
 """What backward keeps: the bytes each node's forward saves for its backward.
 
-A node's output is not what training holds per minibatch in flight: a transpose of a weight
-(``x @ w.t()``) is a view of a parameter, a ``reshape`` of an activation shares its storage, and
-most elementwise ops keep nothing. Memory is the tensors autograd saves (``saved_tensors_hooks``
-sees every one), counted once per storage:
-
-- a storage of a parameter, buffer or constant costs nothing (it is state, priced as such);
-- a storage first made by an earlier node (an input of this node, or a view of one) is charged
-  to the first node in program order that saves it, at the bytes of the value that made it;
-- a storage made inside this node (an intermediate of a call_module, a mask, indices) is
-  charged to this node, at its storage's bytes.
-
-Storages are told apart by their ``StorageImpl`` (``untyped_storage()._cdata``), which views and
-``detach()`` share and which fake and meta tensors have too, so the estimator records the same
-thing without memory. The walker (``iter_node_calls``) gives each value its *origins*: for each
-storage, the node that made it (``None`` for state).
+A node's output is not what training holds (``w.t()`` is a view of a parameter, most elementwise
+ops save nothing), so each node runs under ``saved_tensors_hooks`` and each saved storage counts
+once: state is free, a storage made earlier is charged to the first node that saves it.
 """
 from __future__ import annotations
 

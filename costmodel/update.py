@@ -1,29 +1,8 @@
 """The weight update's cost: one optimizer step for the parameters each node owns.
 
-Why it is in the cost model: in the ``pipedream`` (1F1B) schedule every replica runs F, B and U
-for each minibatch, and the update is memory-bound (an SGD-momentum step reads parameter,
-gradient and momentum and writes parameter and momentum), so on a CPU it can cost more than the
-forward and backward of a wide MLP. Leaving it out made plans under-predict by ~3x.
-
-Measured (:func:`measure_updates`): per-node timing of ``optimizer.step()`` is dominated by the
-step's fixed Python/dispatch overhead for small nodes (a LayerNorm's 2 KiB step is ~all
-overhead), and summing that per node would charge a stage once per node for an overhead its one
-optimizer pays once. So parameters are timed in *groups* of consecutive owning nodes (up to
-``group_bytes``, so clones stay small on big models): one step of the whole group (``t_full``)
-and one step of the same number of 1-element tensors (``t_base``, the per-tensor and fixed
-overhead). ``t_base`` is split among the group's nodes by tensor count and ``t_full - t_base``
-(the bandwidth part) by bytes, so the nodes of a group sum exactly to the group's step time.
-Everything runs on detached clones with random gradients: the real parameters and their
-``.grad`` are never touched.
-
-Estimated (:func:`estimate_update_s`): ``factor * bytes / mem_bandwidth + tensors * launch``
-with ``factor`` ~5 for SGD with momentum and ~7 for Adam.
-
-The stash's copy (:func:`measure_stash_copy`, :func:`estimate_stash_copy`): under a schedule that
-stashes weight versions, an update that finds its old version still in use copies the stage's
-weights into spare tensors first (one ``torch._foreach_copy_``, runtime/replica/stash.py), which
-on a CPU is a read and a write of every weight; timed here for the whole model, a stage pays its
-share by bytes (:mod:`fxpipe.costmodel.overheads`).
+Under ``pipedream`` (1F1B) every replica steps after each minibatch, so the step is stage time:
+measured on clones per group of owning nodes (:func:`measure_updates`) or estimated from bytes
+(:func:`estimate_update_s`). The stash's copy of the weights is priced here too.
 """
 from __future__ import annotations
 
@@ -137,7 +116,7 @@ def _step_time(tensors: Sequence[torch.Tensor], factory: OptimizerFactory, timer
 def measure_updates(gm: fx.GraphModule, optimizer_factory: OptimizerFactory, timer: Timer,
                     *, group_bytes: int = GROUP_BYTES) -> dict[str, float]:
     """Seconds per optimizer step per node name, for every compute node that owns trainable
-    parameters (see the module docstring for the grouping and apportioning)."""
+    parameters (see docs/design-notes.mdstring for the grouping and apportioning)."""
     owners = [(n.name, ps) for n in gm.graph.nodes
               if n.op in ("call_module", "call_function", "call_method")
               for ps in (owned_trainable(gm, n),) if ps]

@@ -1,9 +1,8 @@
 """fxpipe: automatic PipeDream-style pipeline parallelism for unmodified PyTorch models.
 
-A thin facade of re-exports. It runs first on every ``import fxpipe.<phase>``, so it imports
-nothing heavy eagerly: names resolve lazily (PEP 562), and ``import fxpipe.passes`` stays free of
-torch. The work happens in the phases ``fxpipe.tracing``, ``fxpipe.costmodel``, ``fxpipe.passes``,
-``fxpipe.codegen`` and ``fxpipe.runtime``.
+A lazy facade (PEP 562; every ``import fxpipe.<phase>`` runs it). ``api`` holds ``compile``
+(``peak_fit``: its memory fit); ``cli``, ``cli_args``, ``cli_simulate``, ``cli_train`` and
+``cli_elastic`` are the command; ``errors``, ``units``, ``jsonio``, ``host_memory`` shared leaves.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""`fxpipe.compile`: trace, cost, partition and split an unmodified nn.Module.
+"""``fxpipe.compile``: trace, cost, partition and split an unmodified nn.Module into stages.
 
-    compiled = fxpipe.compile(model, fxpipe.Cluster(workers=8, bandwidth="10Gbps"),
-                              example_inputs=(x,), loss_fn=F.cross_entropy)
-    compiled.plan.summary(); compiled(x); compiled.export("out/"); compiled.visualize("p.svg")
-
-The pipeline of phases is linear and each phase only records on ``node.meta["fxpipe"]`` or returns
-a frozen report; this module wires them together and owns nothing but the glue.
+It returns a :class:`CompiledModel` (stages, plan and profile: runnable, trainable, exportable);
+:func:`choose_plan` and :func:`load` are its parts for a profile or an export. Each phase records
+on ``node.meta["fxpipe"]`` or returns a frozen report; this module only wires them together.
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""The ``fxpipe`` command, for people who never open Python.
+"""The ``fxpipe`` command: ``fxpipe plan`` here; ``train`` and ``simulate`` in their own modules.
 
-    fxpipe plan pipedream:vgg16 --workers 8 --bandwidth 10Gbps --schedule pipedream --svg plan.svg
-    fxpipe plan vgg16 --workers 8 --bandwidth 10Gbps --device V100 --export out/
-    fxpipe plan path/to/file.py:factory --workers 4
-
-MODEL is a zoo name (``fxpipe.models.names()``), ``file.py:factory`` (factory() returns an
-``fxpipe.models.ModelSpec``, a ``(model, example_inputs)`` pair, or a module plus
-``--input-shape``), ``hf:Class[:key=value,...]``, or a profile: ``pipedream:<name>`` (PipeDream's
-published profiles, shipped with fxpipe), a PipeDream ``graph.txt`` or fxpipe's
-``profile.json``.
+MODEL is a zoo name, ``hf:Class[:key=value,...]``, ``file.py:factory`` (a ModelSpec, a
+``(model, example_inputs)`` pair or a module plus ``--input-shape``), or a profile:
+``pipedream:<name>``, a PipeDream ``graph.txt`` or fxpipe's ``profile.json``.
 """
 from __future__ import annotations
 

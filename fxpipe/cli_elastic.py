@@ -1,23 +1,8 @@
-"""``fxpipe.cli_train --elastic``: a worker that torchrun's elastic agent may restart on another
-number of workers.
+"""``fxpipe.cli_train --elastic``: a worker that torchrun's elastic agent may restart.
 
-    # on each host (2 to 3 of them), the same command; host0 runs the c10d rendezvous store:
-    torchrun --nnodes 2:3 --nproc-per-node 1 --max-restarts 3 --rdzv-backend c10d \\
-        --rdzv-endpoint host0:29400 --rdzv-id job1 \\
-        -m fxpipe.cli_train mlp --data synthetic --schedule 1f1b-flush --microbatches 4 \\
-        --checkpoint-dir /shared/ckpt --checkpoint-every 4 --elastic
-
-Membership is torchrun's (c10d rendezvous); fxpipe only has to start right after each
-(re)start: the worker plans for the ``WORLD_SIZE`` the rendezvous gave it (as every start of
-``cli_train`` does: ``Cluster.from_env()``, an estimated plan every rank derives identically) and
-resumes from the newest COMPLETE checkpoint in the shared ``--checkpoint-dir`` whatever plan
-wrote it (:mod:`fxpipe.runtime.training.repartition`), or starts from scratch when there is none. A
-restart loses the minibatches trained since that checkpoint (they are trained again) and
-nothing else.
-
-Why every rank decides on its own: after a restart no worker of the old group is alive (the
-agents stop them all before the new rendezvous), so every rank sees the same folder; which
-checkpoint to load is then chosen by rank 0 and broadcast (``Trainer._resume``).
+Membership is torchrun's (c10d rendezvous); each (re)start plans for the ``WORLD_SIZE`` it was
+given and resumes from the newest complete checkpoint in the shared ``--checkpoint-dir``, whatever
+plan wrote it (:mod:`fxpipe.runtime.training.repartition`), or starts from scratch.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """``fxpipe simulate``: predict a plan's training speed on a cluster we do not have.
 
-    fxpipe simulate pipedream:vgg16 --workers 8 --bandwidth 10Gbps
-    fxpipe simulate vgg16 --size full --device V100 --workers 8 --trace predicted.json
-    fxpipe simulate profile.json --workers 16 --plan plan.json --schedule 1f1b-flush
-
-MODEL_OR_PROFILE is anything ``fxpipe plan`` takes. Without ``--plan`` the planner chooses one for
-the cluster; either way the plan's schedule is event-simulated (fxpipe.runtime.pricing.plansim) and
-compared with the planner's prediction and with BSP data parallelism on the same cluster.
-``--trace`` writes a Chrome/Perfetto trace in the format of the runtime's measured timeline.
+MODEL_OR_PROFILE is anything ``fxpipe plan`` takes; without ``--plan`` the planner chooses one.
+The plan's schedule is event-simulated (:mod:`fxpipe.runtime.pricing.plansim`) and compared with
+the planner's prediction and with BSP data parallelism; ``--trace`` writes a Perfetto trace.
 """
 from __future__ import annotations
 

@@ -1,35 +1,8 @@
 """``fxpipe train MODEL --data DATASET --nproc N``: pipeline-parallel training from the shell.
 
-    fxpipe train alexnet --data synthetic --nproc 4 --epochs 2 --checkpoint-dir ckpt/
-    fxpipe train vgg16 --data synthetic --nproc 2 --plan plan.json --schedule 1f1b-flush
-    fxpipe train mlp --data digits --nproc 4 --schedule pipedream+predict   # or auto (default)
-
-On one machine the command launches torchrun itself (``python -m torch.distributed.run
---nproc-per-node N ... -m fxpipe.cli_train WORKER-ARGS``); every rank then builds the same zoo
-model and compiles it with the same plan: ``--plan`` if given, else one estimated for
-``--device`` (default "cpu"), which is deterministic so every rank derives the identical plan
-(a measured profile would differ from rank to rank). Across machines run
-``torchrun ... -m fxpipe.cli_train MODEL ...`` on each machine yourself.
-
-DATASET: ``synthetic`` (the zoo's seeded batch maker), ``digits`` (scikit-learn's 8x8 digits,
-for models taking 64 features; needs scikit-learn installed), or ``file.py:factory`` where
-``factory()`` returns ``(train_loader, val_loader)`` (val may be None): any iterables of
-``(inputs, target)`` pairs or dicts of keyword inputs, the same on every rank (no
-DistributedSampler: fxpipe pairs minibatches across stages itself).
-
-A user's own job, e.g. a language model (the model file returns an fxpipe.models.ModelSpec with
-its loss)::
-
-    fxpipe train lm.py:model --data lm.py:loaders --nproc 2 --schedule 1f1b-flush \
-        --optimizer adamw --lr 1e-3 --weight-decay 0.1 --warmup 20 --schedule-lr cosine \
-        --clip 1.0 --precision bf16 --metrics out.jsonl
-
-``--optimizer adamw`` makes two parameter groups by name (weight decay only on tensors of 2+
-dimensions); ``--optimizer muon`` puts the 2-D hidden matrices under ``torch.optim.Muon`` and
-embeddings, the head, norms and biases under AdamW; ``--warmup``/``--schedule-lr`` step after
-every optimizer update (the cosine ends
-at ``--total-steps``, by default the updates of stage 0 over all epochs: minibatches / microbatches
-for the flushing kinds, minibatches for pipedream).
+The launcher starts torchrun on this machine (across machines, run ``torchrun ... -m
+fxpipe.cli_train`` on each); every rank compiles the model with ``--plan`` or a plan estimated
+for ``--device`` and trains it on ``synthetic``, ``digits`` or ``file.py:factory`` data.
 """
 from __future__ import annotations
 

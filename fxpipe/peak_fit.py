@@ -1,15 +1,8 @@
 """The memory cap held against the peak a run reaches, not only the rule between actions.
 
-The planner fits each stage's memory to ``Cluster(memory=...)`` by the schedule's rule
-(:mod:`fxpipe.passes.memory_rule`: state, stashed versions, activations in flight), which the
-partition solver prices exactly. A run peaks higher, inside an action: receive buffers posted
-ahead, sends not yet proven received, the backward's working set, the optimizer step's
-temporaries (measured 1.32x the rule in the median, benchmarks/memory-check.md).
-:func:`fit_peaks` walks the chosen plan through its schedule
-(:func:`fxpipe.runtime.pricing.memory_walk.walk_memory`) and, where a stage's walked peak is over
-the cap, plans again for lower caps (from the cap minus that stage's excess over its rule, then
-by bisection) and keeps the fastest plan whose peaks fit; the plan records the walked peaks
-(``StagePlan.peak_bytes``, shown by ``summary()``) and keeps the user's cap.
+:func:`fit_peaks` walks the chosen plan through its schedule (``runtime/pricing/memory_walk.py``)
+and, where a stage peaks over ``Cluster(memory=...)``, plans again for lower caps, keeping the
+fastest plan whose walked peaks (``StagePlan.peak_bytes``) fit; the plan keeps the user's cap.
 """
 from __future__ import annotations
 

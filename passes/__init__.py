@@ -1,7 +1,7 @@
-"""The passes phase: partition a Profile onto a Cluster (pure numbers; no torch here).
+"""The passes phase: ``partition`` puts a Profile on a Cluster as a ``plan`` (pure numbers).
 
-``partition`` is the entry point; ``solve`` is the exact array-level core; ``cut_bytes`` prices
-every cut of a profile's order.
+The exact ``solver`` checks with ``feasibility``, ``exact_stages`` and ``recompute``; ``cuts``,
+``made_here``, ``copies``, ``memory_rule`` and ``overhead_pricing`` price; ``reference_dp`` checks.
 """
 from .cuts import all_crossing_values, crossing_values, cut_bytes
 from .partition import SYNC_MODELS, coefficients, partition, plan_for

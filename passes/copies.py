@@ -1,13 +1,7 @@
-"""Copies of shared parameters, per stage, for the solver (pure numbers).
+"""Bytes of shared parameters (tied weights, a reused layer) each stage keeps a copy of.
 
-A parameter several nodes use (a tied embedding and its head, a reused layer) is owned by its
-first user: the profile counts its bytes there once. A stage holding a later user but not the
-owner keeps a copy of its own (weights, gradients, optimizer state and stashed versions, like
-its own parameters), which the solver must price. The owner being the first user, stage
-``[a, e)`` keeps a copy exactly when ``a > owner`` and the first user at or after ``a`` is below
-``e``: a table per parameter of that first user answers it for any stage, scalar or vectorised,
-and the copies only grow with ``e`` and only shrink, with the owner's own bytes, as ``a`` grows,
-so the memory the solver searches on stays monotone in both ends.
+Owned by its first user, a parameter is copied by stage ``[a, e)`` exactly when ``a > owner`` and
+its first user at or after ``a`` is below ``e``: monotone in both ends, as the solver needs.
 """
 from __future__ import annotations
 

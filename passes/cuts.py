@@ -1,14 +1,7 @@
-"""What crosses each cut of a profile's node order (torch-free).
+"""Bytes and names of the values live across each cut of a profile's node order (torch-free).
 
-Cut position ``p`` (``1 <= p <= N-1``) separates nodes ``[0, p)`` from ``[p, N)``. A value crosses
-it when it is produced before the cut and consumed after it; it is counted once however many later
-nodes use it, because codegen sends it once to each consuming stage (so a skip connection costs
-exactly its tensor's bytes at every cut it spans). A model output (``is_output``) is sent to
-the last stage, where the loss runs, so it is live up to the last node; other values no later
-node consumes cross nothing. A value made from the model's inputs alone crosses nothing either
-(``passes.made_here``: each stage that reads it makes it from the model inputs, which count as
-crossing into that stage, as any model input a stage reads does). A cut where a non-``sendable``
-value is live costs ``inf``: the partitioner must never place a stage boundary there.
+A value live across a cut counts once however many stages read it; a model output stays live to
+the end, a value :mod:`.made_here` crosses nothing, and a live non-``sendable`` one costs ``inf``.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Feasibility with an exact stage count (``partition(..., stages=S)``).
+"""Feasibility with an exact stage count (``partition(..., stages=S)``), vectorised with numpy.
 
-Exactly-S covers are not prefix-closed (dropping a stage changes the count), so unlike
-:func:`~fxpipe.passes.feasibility.check_budget` each state keeps the full set of coverable prefix
-ends as a boolean array: O(S M^2 N) per check, vectorised with numpy. Fine for real models; the
-fast path (stages=None) is what scales to 10,000 nodes.
+Exactly-S covers are not prefix-closed, so each state keeps every coverable prefix end: O(S M^2 N)
+per check, slower than :mod:`.feasibility`'s any-count checks that ``stages=None`` uses.
 """
 from __future__ import annotations
 

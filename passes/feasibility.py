@@ -1,9 +1,7 @@
-"""Feasibility checks behind :mod:`fxpipe.passes.solver` (pure numbers).
+"""The solver's feasibility checks: is there a plan with bottleneck at most ``tau``, in few stages?
 
-:class:`_Inst` holds one instance's prefix sums and the ONLY cost expressions used for decisions
-(:meth:`_Inst.time`, :meth:`_Inst.mem`, :meth:`_Inst.cut` and their vectorised twins, which perform
-the same IEEE operations), so plans are optimal exactly in floating point. See solver.py for the
-cost model and the search.
+:class:`_Inst` holds an instance's prefix sums and the ONLY cost expressions decisions use (its
+vectorised twins do the same IEEE operations), so plans are optimal exactly in floating point.
 """
 from __future__ import annotations
 

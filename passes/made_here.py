@@ -1,29 +1,7 @@
-"""Values made from the model's inputs alone: every stage that reads one makes it itself.
+"""Values made from the model's inputs alone (masks, rotary tables): each reading stage makes them.
 
-A decoder builds its attention mask and rotary tables once, from the model's inputs and buffers,
-and every layer reads them. Sent from the stage that made them, they cost a message to every
-later stage, each held by the sender until it is proven received: on Llama-70B cut into 64
-stages, 78 GB on the first stage (benchmarks/big-model-plans.md). Every stage can read the
-model's inputs itself (the loader gives each rank the batch), so a later stage makes such a value
-from them, as Megatron-LM and torchtitan make masks and rotary tables in every stage.
-
-A node is *made here* (by each stage that reads it) when
-
-- it is a function or method call (a module call is the user's layer, opaque here, and every
-  node of a PipeDream import is one);
-- it reaches no parameter (a buffer or a constant is fine: every stage holds the same);
-- every input is a model input or itself made here (a node with no inputs, ``arange``, is);
-- it is repeatable: no random op (dropout, ``rand``, ``bernoulli``, ...), no uninitialised
-  memory (``empty``), no in-place op or ``setitem``, no normalisation that may update its
-  running statistics;
-- no in-place op anywhere mutates it or what it was made from: a value read after a mutation
-  would differ from the one made afresh.
-
-Such a value carries no gradient (nothing trainable made it), so it sends nothing back either.
-What it costs: its nodes' forwards run again on each stage that reads it (the plan prices them
-once, on the stage they are placed on; the masks and tables of a decoder are a few elementwise
-ops, see benchmarks/big-model-plans.md). The decision is here, pure data; ``passes.cuts`` prices
-what then crosses and ``codegen.split`` does the surgery.
+Such a node: a function or method call, repeatable (no random op, ``empty``, in-place op or
+running-statistics norm), reaching no parameter, on model inputs or made values; none mutated.
 """
 from __future__ import annotations
 
@@ -85,8 +63,8 @@ def repeatable(target: str) -> bool:
 
 
 def made_here(nodes: Sequence[NodeFacts]) -> frozenset[str]:
-    """The names of the nodes each stage that reads them makes itself (module doc); ``nodes``
-    in program order, placeholders included (they are read, never made)."""
+    """The names of the nodes each stage that reads them makes itself (the rule:
+    docs/design-notes.md); ``nodes`` in program order, placeholders included (read, never made)."""
     placeholders = {n.name for n in nodes if n.op == "placeholder"}
     made: set[str] = set()
     for n in nodes:

@@ -1,25 +1,7 @@
-"""What a replica holds besides its state, by the schedule a plan is made for (pure numbers).
+"""What a replica holds besides its state under a plan's schedule, in shapes the solver prices.
 
-A replica of stage s always holds its weights, gradients and optimizer state, ``P (2 + opt)``.
-What else it holds is the schedule's: PipeDream's rule (``pipedream``, the planner's default)
-stashes ``v - 1`` weight versions and keeps ``v`` minibatches' activations, v = the stage's
-window ``ceil(workers from s on / r)``; a flushing schedule stashes nothing and holds at most its
-window or the update's microbatches per replica; ``2bw`` keeps one shadow version. The planner
-takes a :class:`MemoryRule` so a plan that fits only under a flushing schedule is found for it.
-
-The rule is data (a serialisable frozen dataclass) in shapes the solver prices exactly:
-
-    memory = P (2 + opt) + versions(v, r) P + sets(v, r) A                 (no recomputation)
-    memory = P (2 + opt) + versions(v, r) P + sets(v, r) X + recomputed(v, r) A
-                                  (recomputing: X = the stage's inputs per minibatch in flight;
-                                   one full set while it recomputes, or every held set where a
-                                   split backward keeps its recomputed graph until its W)
-
-with ``sets`` in units of the profiled minibatch's activations (a microbatch of a minibatch cut
-``split`` ways holds 1/split of them). Both are nondecreasing in v for a fixed r, which the
-solver's "idle workers in front" argument needs. Which schedule kind has which shape is the
-runtime's knowledge (``fxpipe.runtime.pricing.memory.memory_rule``, checked there against the
-generated schedules' own action lists); this module only prices the shapes.
+``P (2 + opt) + stashed(v) P + sets(v, r) A`` (recomputing: ``sets X`` plus the recomputed sets of
+A), nondecreasing in v; :mod:`fxpipe.runtime.pricing.memory` says which kind has which rule.
 """
 from __future__ import annotations
 
@@ -42,7 +24,7 @@ ceil(m / r) of an update's m microbatches); ceil(m / r) (all of an update's, GPi
 
 @dataclass(frozen=True)
 class MemoryRule:
-    """The shape of a schedule's memory (see the module docstring). ``microbatches``: m per
+    """The shape of a schedule's memory (see docs/design-notes.mdstring). ``microbatches``: m per
     update for the held shapes that count them (None: the cluster's workers, the runtime's
     default m); ``split``: each minibatch cut into that many microbatches; ``limit``: at most
     this many sets per replica whatever the shape (zero-bubble H2's bound; None: no bound);

@@ -1,18 +1,7 @@
-"""The runtime's overheads priced onto a partition (pure numbers, no torch).
+"""The runtime's overheads priced onto the solver's partition, after its search (pure numbers).
 
-Why after the solver rather than inside it: the overheads (:mod:`fxpipe.costmodel.overheads`) are
-a fixed cost per stage, a cost per message across each of its cuts and a share of the stash's
-copy. Inside the solver's search a stage's cost must grow with its end (its monotone searches
-rely on it), and a stage that ends the graph sends nothing on, so its message cost drops exactly
-there. Priced here, on the cuts the solver chose, a plan states what it will cost; the cuts
-themselves balance the nodes' times, which is where the overheads move them least (every stage
-pays the fixed part, an interior one two messages per value more than an end one). What the
-overheads do decide is whether to pipeline at all: :func:`fxpipe.passes.partition.partition`
-keeps a plan of several stages only if it beats the one-stage plan, which pays no message.
-
-A stage also makes again the values made from the model's inputs alone that it reads
-(:mod:`.made_here`: an attention mask, rotary tables), which the solver prices once, on the stage
-they are placed on: :func:`made_again_s` prices the copies here, with the overheads.
+A stage pays a fixed cost, its messages, a share of the stash's copy and the values it makes again
+(:func:`made_again_s`), priced outside the search, whose costs must grow with a stage's end.
 """
 from __future__ import annotations
 

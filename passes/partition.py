@@ -1,9 +1,7 @@
-"""``partition(profile, cluster)``: the passes phase's entry point (torch-free).
+"""``partition(profile, cluster)``: the passes phase's entry point, from a Profile to a Plan.
 
-Turns a :class:`~fxpipe.costmodel.profile.Profile` and a :class:`~fxpipe.costmodel.hardware.Cluster`
-into the per-r cost coefficients of DESIGN.md's cost model, runs the exact solver, and packages the
-answer as a :class:`~fxpipe.passes.plan.Plan`. All validation that users can trigger lives here, so
-errors speak in terms of the model and the cluster rather than arrays.
+Builds the cost model's per-r coefficients, runs the exact solver, prices the overheads, and holds
+all validation users can trigger, so errors speak of the model and the cluster, not of arrays.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The partitioner's output: a :class:`Plan` of :class:`StagePlan` s, serialisable to JSON.
 
-A plan is data that later phases (codegen, runtime, the CLI) consume, possibly in another process
-or on another machine, so it round-trips exactly through JSON (floats are written with ``repr``
-precision) and refuses malformed files with a message naming the file and the field.
+Later phases may read it in another process or machine, so it round-trips exactly (floats by
+``repr``) and a malformed file is refused with a message naming the file and the field.
 """
 from __future__ import annotations
 

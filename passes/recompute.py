@@ -1,20 +1,7 @@
-"""Feasibility checks when stages may recompute their activations (pure numbers).
+"""Feasibility checks when stages may recompute their activations (pure numbers, still exact).
 
-A stage that recomputes keeps, per in-flight minibatch, only its inputs (the bytes live across the
-cut into it, plus model inputs it holds) and runs its forward again in the backward:
-
-    memory = (2 + opt) P + (v - 1) P + v (cut_bytes[a] + H) + A      time = alpha (C + F) + beta P
-
-Why a second pair of checks: :func:`~fxpipe.passes.feasibility.check_budget` starts every stage
-as late as its budget allows, because without recomputation a later start only shrinks the stage
-(it reaches at least as far). With recomputation the memory depends on ``cut_bytes[a]``, which is
-not monotone in the start ``a``: an earlier start at a thin cut can reach further than the
-latest one at a fat cut. So these checks take, for each (budget, replicas) pair, the best reach
-over EVERY allowed start ``a <= R(k - r)`` and both flags (vectorised: ``reach_many`` over all
-starts), which keeps them exact. What still holds, and makes the recurrence exact: for a fixed
-start, time and memory grow with the end, so "the furthest coverable prefix" sets stay
-prefix-closed (truncating the last stage keeps a cover valid). Cost: O(M^2 N log N) per check
-instead of O(M^2 log N); ``recompute="never"`` keeps the fast checks.
+A recomputing stage's memory depends on the cut into it, not monotone in its start, so these checks
+try every allowed start and both flags: O(M^2 N log N) per check instead of O(M^2 log N).
 """
 from __future__ import annotations
 

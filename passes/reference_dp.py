@@ -1,16 +1,7 @@
-"""PipeDream's dynamic program, literally: the O(N^2 M^2) oracle for the fast solver.
+"""PipeDream's dynamic program, literally: the O(N^2 M^2) oracle for the fast solver's optimum.
 
-    A(j, m) = min over i < j, r <= m of max(A(i, m - r), T(i..j, r), cut(i, r))
-
-where A(j, m) is the best bottleneck covering nodes [0, j) with at most m workers, T the stage
-time with r replicas and cut(i, r) the price of the cut before node i into r replicas.
-
-Why it shares nothing with :mod:`~fxpipe.passes.partition`: an oracle that imports the
-coefficients or the cut prices it is meant to check agrees with any bug in them. So the cost
-model (DESIGN.md, no memory limit) is written out again here from its definitions, in the
-simplest form: per-stage sums, the bytes live across each cut found by scanning the edges, the
-bandwidths chosen per stage. Its optimum must equal ``partition``'s ``time_per_minibatch``;
-tests and ``bench/plan_speed.py`` compare the two.
+``A(j, m) = min over i < j, r <= m of max(A(i, m - r), T(i..j, r), cut(i, r))`` on DESIGN.md's
+cost model (no memory limit), written out anew: importing nothing it checks, it shares no bug.
 """
 from __future__ import annotations
 

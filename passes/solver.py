@@ -1,35 +1,7 @@
-"""Exact pipeline partitioning as pure numbers (no torch, no profile objects).
+"""Exact minimum-bottleneck partitioning into contiguous, replicated stages (pure numbers).
 
-Problem: split nodes ``0..N-1`` into contiguous stages ``[a_s, a_{s+1})``, give stage ``s``
-``r_s >= 1`` replicas with ``sum r_s <= workers``, and minimise the bottleneck
-
-    max( max_s  alpha[r_s] * C_s + beta[r_s] * P_s ,  max_{s>=1} cut_bytes[a_s] * gamma[r_s] )
-
-subject to memory per replica ``(2 + opt) P_s + (v_s - 1) P_s + v_s A_s <= memory_cap`` with
-``v_s = ceil(W_s / r_s)``, ``W_s`` = workers of stages ``s..end`` of the plan itself (PipeDream's
-rule; a :class:`~fxpipe.passes.memory_rule.MemoryRule` replaces the stashed versions ``v_s - 1``
-and the activation sets ``v_s`` by the schedule's own, e.g. none and ``min(v_s, ceil(m / r_s))``
-under 1F1B with a flush). The per-r
-coefficients (index ``r-1``) make one core serve ring all-reduce, PipeDream's parameter server and
-two-level clusters (see :mod:`fxpipe.passes.partition`).
-
-Why not PipeDream's DP: it is O(N^2 M^2). We search on the bottleneck ``tau`` instead, with an
-O(M^2 log N) monotone feasibility check (:func:`~fxpipe.passes.feasibility.check_budget`): ``R(k)``,
-the furthest prefix coverable with a budget of ``k`` workers, is prefix-closed (truncating the last
-stage keeps a cover valid), so ``R(k) = max_r reach_r(last cut allowed for r at or before
-R(k-r))``. A stage's in-flight count in the check is ``ceil((workers - budget before it) / r)``;
-idle workers are best placed "in front", so the check accepts exactly the plans that satisfy the
-memory rule with the plan-intrinsic ``v_s`` above.
-
-The search keeps ``hi`` = bottleneck of the best plan found and ``lo`` = a value below which
-everything is proven infeasible: an infeasible check also reports the smallest value at which any of
-its comparisons could flip, so ``lo`` jumps to real candidate values and the loop ends with
-``lo == hi``, exactly optimal. Ties: fewest stages (so plain data parallelism wins when it is as
-fast), by a stage-layered version of the recurrence at the optimal ``tau``.
-
-Activation recomputation (``recompute="always"|"auto"``): a recomputing stage's memory depends on
-the bytes entering it, which is not monotone in its start, so the checks of
-:mod:`~fxpipe.passes.recompute` try every allowed start and both flags (still exact).
+Minimises ``max(max_s alpha[r_s] C_s + beta[r_s] P_s, max_{s>=1} gamma[r_s] cut_bytes[a_s])`` with
+``sum r_s <= workers`` and memory capped, by a search on the bottleneck with :mod:`.feasibility`.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""fxpipe.runtime: schedules as data, one stage replica's computation, executing and training.
+"""fxpipe.runtime: the schedule as data, its price, a replica's work, execution and training.
 
-Five packages, each importing only those before it (tests/test_layering.py checks it)::
-
-    schedules  (data, no torch)       what every rank does
-    pricing    (imports schedules)     what a plan costs; choosing and re-choosing one
-    replica    (imports schedules)     one stage replica's computation (torch, no distributed)
-    execution  (replica, schedules)    carrying schedules out; the only user of torch.distributed
-    training   (all four)              the training loop a user drives; nothing imports it
-
-plus the shared leaves ``errors`` and ``timeline``. Exports are lazy (PEP 562) so that importing
-the pure-Python ``fxpipe.runtime.schedules`` does not import torch or torch.distributed.
+Packages ``schedules``, ``pricing``, ``replica``, ``execution`` and ``training`` import one way,
+beside the leaves ``errors`` and ``timeline``; lazy exports keep ``schedules`` free of torch.
 """
 from __future__ import annotations
 

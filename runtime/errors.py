@@ -1,9 +1,7 @@
-"""Runtime-specific exceptions (the runtime's part of fxpipe's hierarchy, see fxpipe/errors.py).
+"""The runtime's exceptions, on :mod:`fxpipe.errors`' base, split by how a caller reacts.
 
-They are separate from the generic ones because a caller reacts differently: a
-:class:`RuntimeConfigError` is a mistake in how the pipeline was assembled (fix the call), a
-:class:`StashError` is a broken weight-version invariant (a bug or an inconsistent schedule), and a
-:class:`PeerError` means another rank died or hung (look at that rank's log).
+:class:`RuntimeConfigError`: the pipeline was assembled wrong (fix the call); :class:`StashError`:
+a broken weight-version invariant (a bug); :class:`PeerError`: another rank died or hung.
 """
 from __future__ import annotations
 

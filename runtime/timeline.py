@@ -1,30 +1,7 @@
-"""What each rank did when: recording, Chrome/Perfetto trace export and busy fractions.
+"""What each rank did when: timeline events, their Chrome/Perfetto trace and busy fractions.
 
-Why the runtime records its own timeline: the planner predicts a time per minibatch and a busy
-fraction per stage; only a measurement of the real run (forward, backward, sends, receive waits,
-all-reduces, optimizer steps, and the gaps in between) tells whether the pipeline is balanced and
-where the time goes. Every rank stamps events with ``time.perf_counter()`` relative to a start
-that all ranks take right after a common barrier, so the ranks' rows line up in one trace.
-
-On a GPU the host only enqueues kernels, so a host clock around a forward measures its launch,
-not its run: a recorder given a ``device_clock`` (:class:`fxpipe.runtime.replica.device.CudaClock`)
-times the compute spans (forward, backward, optimizer) with CUDA events on the compute stream
-instead, read once when the timeline is finished; waits and posts stay on the host clock, so on a
-GPU a compute span may overlap the host's later waits (the device ran behind the host).
-
-On the CPU, events of one rank never overlap: an action is recorded as its parts in the order they
-run (receive waits, then compute, then posting sends; all-reduce, then optimizer step), and a send
-is only its posting (the transfer itself runs in the background). ``idle`` events fill the gaps
-between a rank's recorded events.
-
-One update may produce several ``optimizer`` spans: the distributed executor records gathering
-the gradients ("U3 gradients": flattening them for an all-reduce) apart from the step itself
-("U3"), with the all-reduce wait between them; a lone replica without tied weights records only
-the step. Every span of update k carries ``args["update"] = k``: group by it (not by name, not
-by counting spans) to get the time of, or the completion of, one update.
-
-The trace format is the Trace Event Format's complete events (``ph: "X"``, microseconds), which
-chrome://tracing and https://ui.perfetto.dev open: ``pid`` = global rank, ``tid`` = category.
+Ranks stamp spans from a start taken after a common barrier (compute spans on the device's stream
+given a ``device_clock``); group one update's spans by ``args["update"]``, not by name or count.
 """
 from __future__ import annotations
 
@@ -64,7 +41,7 @@ class TimelineEvent:
 
 
 class DeviceClock(Protocol):
-    """Marks on a device's stream, read back as host seconds (see the module doc)."""
+    """Marks on a device's stream, read back as host seconds (docs/design-notes.md)."""
 
     def mark(self) -> Any: ...
 
@@ -155,7 +132,7 @@ Timeline = Mapping[int, Sequence[TimelineEvent]]
 
 def to_chrome_trace(timeline: Timeline, names: Mapping[int, str] | None = None,
                     background: Timeline | None = None) -> dict:
-    """The Trace Event Format dict (see the module doc); ``names``: rank -> process label;
+    """The Trace Event Format dict (docs/design-notes.md); ``names``: rank -> process label;
     ``background``: per-rank events that overlap the rank's own (bucketed all-reduces in flight
     during a backward), drawn on a track of their own."""
     events: list[dict[str, Any]] = []

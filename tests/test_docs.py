@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -251,12 +252,18 @@ def run(command: str, work: Path) -> subprocess.CompletedProcess[str]:
         env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
         env.pop("FXPIPE_OVERHEADS", None)  # as a reader runs it (conftest turns them off)
         t0 = time.perf_counter()
+        # a session of its own: on a timeout the whole group goes (torchrun and its ranks too)
+        proc = subprocess.Popen(["bash", "-c", cmd], cwd=scratch(work), env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
         try:
-            res = subprocess.run(["bash", "-c", cmd], cwd=scratch(work), env=env, text=True,
-                                 capture_output=True, timeout=TIMEOUT)
+            out, err = proc.communicate(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             pytest.fail(f"{command!r} ran past {TIMEOUT} s: too slow for CI; give it a cheap form "
                         f"in CHEAP (tests/test_docs.py) with the reason")
+        res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
         res.args = f"{command}  ({time.perf_counter() - t0:.1f} s)"
         _RESULTS[command] = res
     return _RESULTS[command]

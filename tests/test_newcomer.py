@@ -15,6 +15,7 @@ import ast
 import hashlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +45,12 @@ def run(command: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedPr
            "OMP_NUM_THREADS": "1"}
     env.pop("FXPIPE_OVERHEADS", None)  # a newcomer's defaults (conftest turns them off)
     proc = subprocess.Popen(["bash", "-c", command.replace(".venv/bin/", f"{BIN}/")], cwd=cwd,
-                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # a group of its own: torchrun and its ranks
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{command!r} ran past {timeout} s\n{out[-3000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, out, "")

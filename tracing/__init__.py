@@ -1,7 +1,8 @@
 """fxpipe.tracing: capture a model as a trainable torch.fx GraphModule and annotate its nodes.
 
-Public API: ``trace(model, example_inputs, *, leaf_modules=(), method="auto") -> TracedGraph``
-and ``propagate_shapes(gm, example_inputs)`` (writes ``node.meta["fxpipe"]``, see docs/DESIGN.md).
+``trace`` (``leaves`` and ``modes`` keep its graphs exportable and following train/eval) gives a
+TracedGraph whose ``modelio`` maps inputs and rebuilds outputs and whose ``batchdims`` says each
+input's batch dimension; ``shapes`` writes ``node.meta["fxpipe"]`` (keys in docs/DESIGN.md).
 """
 from .shapes import describe_value, propagate_shapes
 from .trace import TracedGraph, trace

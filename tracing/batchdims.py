@@ -1,24 +1,8 @@
 """Which dimension of each model input is the batch: tested on the example, not guessed.
 
-Why: a pipeline cuts a minibatch into microbatches, and the cut is invisible only along the
-dimension in which samples are independent. "Dim 0 of every tensor whose dim 0 equals the batch
-size" cuts a time-major ``nn.LSTM`` input along time, a per-class weight whose length happens to
-equal the batch, and refuses ``position_ids`` of shape ``(1, T)``. The definition we test is the
-one microbatching relies on: cutting the inputs along the candidate dimensions into two parts and
-running the model on each gives the parts of the whole run's outputs (along one dimension of each
-output), to float tolerance. A causal language model passes along time for the first part only
-(the second part lacks its context), a recurrent network not at all, the batch always. The model
-runs in eval mode without gradients for the test (dropout off, BatchNorm on its running
-statistics: both per sample) and is left exactly as it was (:func:`.shapes.preserved_state`).
-
-Candidates are the dimensions of equal size across the inputs (the batch size is one number);
-each input is cut along at most one of them, and subsets are tried largest first, so a tensor
-whose length matches the batch by coincidence but that does not split (a per-class weight) is
-left whole. An example of one sample, or a model on the meta device, has nothing to test: the
-result says so (:attr:`BatchDims.note`), and whoever needs a cut raises it then.
-
-Paths name the tensors of the model's ``(args, kwargs)`` as :func:`torch.utils._pytree.keystr`
-writes them, e.g. ``[0][0]`` (the first positional input) or ``[1]['input_ids']``.
+A microbatch cut is invisible only along dimensions in which samples are independent, so a set of
+input dimensions of one size is the batch when the model (eval, no grad, state restored) run on
+the example cut in two along them gives the parts of the whole run's outputs.
 """
 from __future__ import annotations
 
@@ -177,7 +161,7 @@ def _combos(leaves: Sequence[tuple[str, torch.Tensor]], size: int) -> Iterator[d
 
 def infer_batch_dims(run: Run, args: tuple[Any, ...], kwargs: Mapping[str, Any], *,
                      module: torch.nn.Module | None = None) -> BatchDims:
-    """Test which input dimensions are the batch (see the module doc). ``run(args, kwargs)``
+    """Test which input dimensions are the batch (docs/design-notes.md). ``run(args, kwargs)``
     calls the model; ``module`` (its nn.Module) is put in eval mode and restored."""
     call = (tuple(args), dict(kwargs))
     leaves = tensor_leaves(call)

@@ -1,11 +1,8 @@
 """Which torch.nn modules may stay single ``call_module`` nodes (leaves) in a traced graph.
 
-Why it is the tracer's business: a leaf must be rebuilt by the exported stage code
-(:mod:`fxpipe.codegen.sourcegen`), which writes ``torch.nn.<repr>``. That only works for a
-childless torch.nn module whose one-line ``repr`` evaluates back to an equal module (Linear,
-Conv2d, LSTM, ...). ``torch.fx``'s default keeps *every* torch.nn module a leaf, including
-``MultiheadAttention`` (child ``out_proj``) and ``TransformerEncoderLayer``, which stage code
-cannot rebuild; fxpipe traces through those instead, so every model that compiles also exports.
+Exported stage code (:mod:`fxpipe.codegen.sourcegen`) rebuilds a leaf as ``torch.nn.<repr>``, so
+only a childless module whose repr evaluates back to an equal one qualifies; fxpipe traces through
+the rest (``MultiheadAttention``, ``TransformerEncoderLayer``), so every compiled model exports.
 """
 from __future__ import annotations
 

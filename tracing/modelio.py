@@ -1,10 +1,8 @@
 """How the whole model's inputs map onto placeholders and how its output is rebuilt.
 
-Splitting a graph loses the original ``forward`` signature and the output structure (a tuple, a
-dict, a Hugging Face ``ModelOutput`` rebuilt from a pytree spec for ``torch.export`` graphs). This
-module keeps exactly that information, in a form that can be written to JSON, so that
-``run_stages`` (and a fresh process that loads exported stages) returns the same structure as the
-original ``GraphModule``.
+Splitting a graph loses the ``forward`` signature and the output structure (tuple, dict, a Hugging
+Face ``ModelOutput``); :class:`ModelIO` keeps both, JSON-serialisable, so ``run_stages`` and stages
+loaded in a fresh process return what the original ``GraphModule`` returns.
 """
 from __future__ import annotations
 

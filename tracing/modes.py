@@ -1,31 +1,8 @@
 """Make graphs traced by ``torch.export`` follow ``train()`` / ``eval()`` again.
 
-Why: ``torch.export`` records the mode the model was in as constants. ``nn.Dropout`` becomes
-``aten.dropout(x, 0.1, True)``, a Hugging Face attention ``aten.scaled_dot_product_attention(...,
-dropout_p=0.1)``, ``nn.BatchNorm`` ``aten.batch_norm(..., training=True, ...)`` plus an in-place
-``add_`` on ``num_batches_tracked``. Calling ``eval()`` on such a graph changes nothing: evaluation
-would run with dropout on and BatchNorm would keep updating its running statistics (and a model
-exported in eval mode could never train with dropout). ``symbolic_trace`` does not have the
-problem: it keeps those layers as modules, and a module reads ``self.training`` when it runs.
-
-So this pass puts modules back (one call from ``trace._export``; it records nothing else):
-
-* each dropout op becomes a ``call_module`` of an ``nn.Dropout`` (``AlphaDropout``,
-  ``FeatureAlphaDropout``, or :class:`FeatureDropout` for ``feature_dropout``) of the same p;
-  the model's own module when the op came from one (``nn_module_stack``), else a new one;
-* each ``batch_norm`` whose running statistics belong to one of the model's BatchNorm modules
-  becomes a ``call_module`` of THAT module (same tensors, same names), and export's separate
-  ``num_batches_tracked.add_(1)`` goes (the module counts itself, in train mode only);
-* each ``scaled_dot_product_attention`` with a dropout probability becomes a ``call_module`` of
-  :class:`ScaledDotProductAttention`, which applies that probability in train mode only.
-
-The rest of the graph is untouched. For the result to know the training values of p, trace in
-train mode (:func:`exported_in_train_mode`); the graph is then given the model's own modes, module
-by module, as eager runs it: the model's own modules (BatchNorm, dropout) are the very objects the
-graph calls and keep the mode the user gave each (a BatchNorm put in ``eval()`` keeps its frozen
-statistics while the rest trains), and a module made here for a functional op takes the mode of
-the module the op was traced in (Hugging Face's ``F.dropout(..., training=self.training)`` inside
-an attention module the user put in ``eval()`` stays off), as that mode was at tracing time.
+``torch.export`` bakes the trace-time mode into dropout, attention-dropout and batch-norm ops;
+:func:`follow_modes` (on a graph traced under :func:`exported_in_train_mode`) turns them back into
+``call_module`` nodes, the model's own modules where possible, that read ``self.training``.
 """
 from __future__ import annotations
 
@@ -119,7 +96,7 @@ def exported_in_train_mode(model: nn.Module) -> Iterator[None]:
 
 def follow_modes(gm: fx.GraphModule, model: nn.Module) -> ModesReport:
     """Rewrite ``gm`` (exported from ``model``) in place so that its dropout, attention dropout
-    and BatchNorm follow ``gm.train()`` / ``gm.eval()`` (see the module doc); then give every
+    and BatchNorm follow ``gm.train()`` / ``gm.eval()`` (docs/design-notes.md); then give every
     module of ``gm`` the mode eager would run it in: the model's own modules keep theirs, a
     module made here takes that of the module its op was traced in, the rest ``model``'s."""
     modes = {id(m): m.training for m in model.modules()}  # the user's, before anything is set

@@ -1,9 +1,8 @@
 """Shape propagation: record what every node of a traced graph produces on the example inputs.
 
-The partitioner needs, for every value that could cross a stage boundary, how many bytes it is
-and whether it can be sent at all (a tensor, or a small constant baked into the consumer stage).
-We learn this by running the graph once on the example inputs with an ``fx.Interpreter`` and
-writing the facts into ``node.meta["fxpipe"]`` (see docs/DESIGN.md for the keys).
+The partitioner needs, for every value that could cross a stage boundary, its bytes and whether it
+can be sent at all; one ``fx.Interpreter`` run on the example inputs writes these facts into
+``node.meta["fxpipe"]`` (keys in docs/DESIGN.md).
 """
 from __future__ import annotations
 

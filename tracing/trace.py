@@ -1,15 +1,8 @@
 """Capture an unmodified ``nn.Module`` as a trainable ``torch.fx.GraphModule``.
 
-Two tracers, tried in order:
-
-1. ``torch.fx.symbolic_trace`` gives a module-level graph (``call_module`` nodes for nn layers), so
-   generated stage code reads like the user's model. It fails on Python control flow over proxies.
-2. ``torch.export.export(strict=False).module()`` handles shape-dependent control flow (Hugging
-   Face models) by running the Python code on fake tensors; it gives an aten-level graph,
-   specialised to the example input shapes and to the train/eval mode at trace time.
-
-Either way the GraphModule's parameters ARE the user's Parameter objects under the user's names,
-so optimizers, state_dicts and tied weights keep working.
+``torch.fx.symbolic_trace`` first (module-level nodes: stage code reads like the model), else
+``torch.export`` (aten-level, survives shape-dependent control flow such as Hugging Face's).
+Either way the graph's parameters ARE the user's Parameter objects, under the user's names.
 """
 from __future__ import annotations
 

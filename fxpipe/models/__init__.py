@@ -1,10 +1,8 @@
 """fxpipe model zoo: the PipeDream paper's workloads, written plainly, in two sizes.
 
-``get(name, size="mini"|"full", batch_size=None) -> ModelSpec``. "mini" keeps each model's layer
-structure but shrinks widths/resolution so tracing plus a training step takes well under a
-second on a CPU (tests, CI); "full" is the paper size (VGG16 on 224x224 has 138M parameters) and
-is only built on request. Initialisation is seeded inside ``get`` and does not disturb the
-caller's global RNG.
+``get(name, size="mini"|"full")`` builds a seeded :class:`ModelSpec` (the caller's RNG untouched);
+``resolve`` adds ``hf:`` names (``hf``) and ``file.py:factory``. Models: ``cnn`` (VGG16, AlexNet),
+``resnet``, ``inception``, ``gpt``, ``s2vt``, ``reuse`` (tests); ``pipedream``: published profiles.
 """
 from __future__ import annotations
 

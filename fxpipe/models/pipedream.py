@@ -1,10 +1,8 @@
 """PipeDream's published per-layer GPU profiles, shipped with fxpipe: ``pipedream:<name>``.
 
-The profiles the PipeDream authors measured and published with their optimizer (MIT licensed,
-``pipedream_profiles/LICENSE.txt``; format in ``pipedream_profiles/README.md``) let anyone plan
-the paper's models for the paper's clusters without a GPU: ``fxpipe plan pipedream:vgg16
---workers 8 --bandwidth 10Gbps``. :data:`PAPER` holds what the paper reports for a model, so a
-plan can be read next to it.
+They let anyone plan the paper's models for the paper's clusters without a GPU (MIT licensed:
+``pipedream_profiles/LICENSE.txt``; format: its ``README.md``). :data:`PAPER` holds what the
+paper reports for a model, so a plan can be read next to it.
 """
 from __future__ import annotations
 

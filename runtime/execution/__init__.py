@@ -1,8 +1,7 @@
 """fxpipe.runtime.execution: carrying schedules out, in one process or many.
 
-The run contract (``contract``), the single-process oracle (``reference``), the distributed
-executor and its ranks (``executor``, ``worker``, ``hosted``, ``launch``), what travels between
-them (``comm``, ``wire``, ``buckets``, ``allocator``, ``agree``), LocalSGD, torch's own pipelining
-schedules, and the trainer's backends. The only package of fxpipe that imports
-torch.distributed; imports ``replica`` and ``schedules``.
+Executors: ``contract``, ``reference`` (the oracle), ``localsgd_executor``, ``executor`` and
+``rank_update`` (a distributed rank), ``hosted`` (several stages a process); processes: ``launch``,
+``worker``, ``ports``, ``cores``, ``agree``, ``leave``, ``trainer_backends``; transport: ``comm``,
+``wire``, ``buckets``; ``torch_pipelining``; overheads: ``overhead_probe``, ``overhead_local``.
 """

@@ -1,17 +1,7 @@
-"""One plan per distributed job: rank 0 makes it, every other rank receives it.
+"""One plan per distributed job: rank 0 measures and plans, every other rank takes its result.
 
-Why: under torchrun every rank runs the same script, so every rank calls ``fxpipe.compile``. If
-each measured its own costs, busy cores would make them disagree (on a loaded 2-core machine the
-same tiny Llama measured 620-710 ms per stage on one run, 3.6 ms on another), the cut would move
-between ranks and the job would refuse to start. So rank 0 alone measures and plans, and the
-others take its plan and profile through the job's rendezvous store: agreement by construction,
-and the other ranks skip the profiling altogether.
-
-The store is the one the job already has: the default process group's when one is initialised,
-else torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``). A job launched without torchrun
-and without a process group gets the default process group initialised here (``env://``), which
-the trainer then reuses. Every wait is bounded; a failure on rank 0 is published so the other
-ranks fail at once with its message instead of waiting out the timeout.
+Ranks profiling on their own busy cores would get different costs and cuts, so only rank 0 does;
+plan and profile travel through the job's store, every wait bounded, rank 0's errors passed on.
 """
 from __future__ import annotations
 

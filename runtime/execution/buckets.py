@@ -1,33 +1,7 @@
-"""Gradient buckets of a replicated stage: the replicas' all-reduce overlapped with the backward.
+"""Gradient buckets: a replicated stage's all-reduce overlapped with its last backward, as in DDP.
 
-Why: summing the replicas' gradients only at the update (one flat all-reduce) leaves the network
-idle during the backward pass and the CPU idle during the all-reduce. As in DDP, the trainable
-parameters are assigned once to fixed-size buckets in reverse order of use (the last layers'
-gradients are ready first in the backward); during the LAST backward before an update (the rank's
-action list says which one it is: after it, the gradient sums of this round are final), a hook
-copies each parameter's final gradient sum into its bucket slot, and a full bucket is all-reduced
-asynchronously at once. The update only waits for the buckets (each wait with the timeout).
-
-Invariants that keep every replica's collectives matched and the result exact:
-
-* every replica builds the same layout (same names, shapes, dtypes, cap) and launches the buckets
-  in index order, one collective per bucket per round, even if its hooks fire in another order or
-  a parameter got no gradient (such slots are filled when the backward ends: with the gradient sum
-  of earlier minibatches of the round, or zeros);
-* the minibatch count of the round is the last element of the last bucket (launched when the
-  backward ends), so the mean stays sum / count when replicas ran different numbers of
-  minibatches; a replica without a backward in the round fills and launches everything at ``U``;
-* with presence flags (``flags=True``, what the executor builds), the last bucket also holds one
-  flag per parameter just before the count (1: this replica has a gradient sum of the round, 0:
-  its slot is zeros); summed, a 0 says no replica had one, and :meth:`GradBuckets.grads` gives
-  that parameter None so it is not stepped, as torch.optim skips ``grad=None``
-  (:mod:`fxpipe.runtime.replica.stage_update`). The flags are known only when the backward ends,
-  where the last bucket launches anyway, so they cost no extra collective;
-* the elementwise sums are those of the single flat all-reduce (only the packing differs), and
-  :meth:`GradBuckets.flat` rebuilds exactly :meth:`StageReplica.local_gradient`'s layout, so the
-  update code is shared with the flat path; :meth:`GradBuckets.grads` gives the same values as
-  views into the buckets (no copy), which the update uses when no tied parameter needs the flat
-  layout.
+Hooks of the last backward before ``U`` fill fixed buckets (reverse order of use) and launch them in
+index order on every replica; the last bucket also carries presence flags and the minibatch count.
 """
 from __future__ import annotations
 
@@ -54,7 +28,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """The fixed assignment of a replica's trainable parameters to buckets (see the module doc).
+    """The fixed assignment of a replica's trainable parameters to buckets (docs/design-notes.md).
 
     ``names``: trainable parameter names in the replica's own (forward) order; ``buckets[i]``:
     the names in bucket i (reverse order of use); ``sizes[i]``: its number of elements (the last
@@ -76,7 +50,7 @@ class BucketLayout:
               count_dtype: torch.dtype = torch.float32, flags: bool = False) -> BucketLayout:
         """Greedy packing of ``names`` (reversed) into buckets of at most ``cap_bytes`` (a larger
         parameter gets a bucket of its own; a dtype change starts a new bucket); ``flags``: room
-        for the presence flags in the last bucket (see the module doc)."""
+        for the presence flags in the last bucket (docs/design-notes.md)."""
         buckets: list[list[str]] = []
         sizes: list[int] = []
         dtypes: list[torch.dtype] = []

@@ -1,27 +1,7 @@
-"""Every point-to-point send/receive and every collective of the runtime is posted here.
+"""Every send, receive and collective of the runtime, posted in one place so its rules hold for all.
 
-Why one place: the failure policy (each wait has a timeout; a dead or hung peer becomes a
-:class:`PeerError` naming this rank and the peer) and the wire protocol (preallocated buffers of
-known shape and dtype, integer tags, nothing pickled) must hold for every message, and are easiest
-to check when nothing else calls ``torch.distributed``'s p2p functions.
-
-Tags: ``((minibatch * num_values + value) * 2 + direction)`` with direction 0 for activations and 1
-for gradients, so a message can never be taken for another even when several are in flight
-between the same two ranks. Tags are what gloo matches by; NCCL ignores them and matches by
-order, so WHEN each message is posted is decided by :mod:`fxpipe.runtime.schedules.commplan` (one
-global order all ranks follow), and ``Comm(record=True)`` keeps a log of every host call (posts,
-waits, collectives) that :func:`~fxpipe.runtime.schedules.ncclcheck.check_logs` replays under NCCL's
-rules.
-
-Channels (issue 27): activations and gradients travel in process groups of their own
-(:data:`CHANNELS`, made by :func:`make_groups`), so each rank pair has one connection (gloo: a
-TCP connection; NCCL: a communicator and stream) per direction of the pipeline. Why: a transfer
-starts only once the receiver has said it is ready (gloo sends that notice on the pair's
-connection, where it queues behind whatever bulk data that rank is sending the other way), so on
-one shared connection the gradient receive a stage posts reaches its peer only after the
-activation it is sending: on a slow link a whole activation's transfer time later. Measured on
-two emulated hosts at 20 Mbit/s (GPT, 8 layers): stage 0 waited 73 ms per update for gradients
-on one connection and 14 ms on two.
+Every wait is bounded (a dead or hung peer becomes a :class:`PeerError`), buffers are preallocated
+from known shapes, nothing is pickled; when to post is :mod:`fxpipe.runtime.schedules.commplan`'s.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The run contract both executors keep: what goes in, what comes out, which schedules run.
+"""The run contract both executors keep: ``Batch`` in, :class:`RunResult` out, schedules checked.
 
-A run takes ``Batch``es (the one (inputs, target) pair type of the runtime: the trainer's data
-streams, the reference executor and the distributed ranks all pass these), a schedule checked by
-:func:`check_schedule` against the stages it runs, and gives a :class:`RunResult`. Kept apart from
-:mod:`fxpipe.runtime.execution.reference` so the distributed executor and the trainer's backends
-depend on the contract, not on the oracle's implementation.
+Kept apart from :mod:`fxpipe.runtime.execution.reference` so the distributed executor and the
+trainer's backends depend on the contract, not on the oracle's implementation.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Whether the CPU ranks on this host ask for more cores than it has.
+"""Whether the CPU ranks on this host ask for more cores than it has, and a warning if so.
 
-Why a warning: a plan prices one worker per stage; ranks that share cores time-slice instead, and
-gloo's waits then stall on peers that are not scheduled. Measured on 2 cores (BENCHMARKS
-``runtime_prediction``): 4 ranks of a 4-stage pipeline ran at 10.1 ms per minibatch where the
-plan said 2.9 and one process alone took 9.6. Nothing breaks, so nothing else would say why the
-run is slower than its plan, or slower than one process.
+A plan gives every worker a core; ranks sharing cores time-slice and run slower than the plan,
+and nothing else would say why.
 """
 from __future__ import annotations
 

@@ -1,37 +1,7 @@
-"""The distributed executor: one process per (stage, replica) rank carrying out its action list.
+"""The distributed executor: one process per (stage, replica) rank, walking its own action list.
 
-A rank knows everything ahead: its actions (the schedule), who owns each minibatch on every stage
-(round robin), the shape of every message (the wire plan). So it only walks its list: ``F k``
-waits for the stage's inputs (model inputs are read locally: every rank has the batches), runs
-the forward and sends each output straight to every consuming stage's owner of k; ``B k`` waits
-for the gradients of its outputs, runs the backward and sends its inputs' gradients to their
-producers; ``U i`` all-reduces the stage's gradient sums among its replicas (their own process
-group) and steps the optimizer; tied parameters also sum their gradients over every rank holding
-them (under pipedream ``d`` rounds later, see :func:`fxpipe.runtime.execution.contract.tied_delay`).
-With ``overlap_allreduce`` (default) the replicas' sum is bucketed and launched from hooks during
-the last backward before the update, as DDP does; ``U`` then only waits for it
-(:mod:`fxpipe.runtime.execution.rank_update`).
-
-A stretch of an asynchronous schedule runs a window at a time (:meth:`RankExecutor.run_window`,
-:mod:`fxpipe.runtime.schedules.stream`): receives posted, weight versions stashed, tied rounds and
-minibatches not yet forwarded carry over from one window to the next, and only the stretch's
-final window waits for every send and meets the other ranks at a barrier.
-
-WHEN each message is posted follows :mod:`fxpipe.runtime.schedules.commplan`: one global order that
-every rank follows on each of two channels (activations, gradients: a process group each),
-receives posted as early as that order allows and paced by the plan's timing (so data arrives
-while the rank computes), which is what makes the same code safe on NCCL (order-matched, a
-stream per channel) and gloo (tag-matched). All transport goes through :class:`~fxpipe.runtime.execution.comm.Comm`; all compute
-through the same :class:`StageReplica` the reference executor uses; every part is stamped on the
-rank's timeline.
-
-Device: the rank's weights, buffers and gradients live on its device (once: the stage's
-GraphModule stays where it is, see :class:`StageReplica`); model inputs and targets are copied
-there without blocking the host (:func:`fxpipe.runtime.replica.device.to_device`); losses stay on
-the device and are read once per run.
-
-:func:`run_distributed` (in :mod:`fxpipe.runtime.execution.launch`) spawns the ranks;
-:func:`fxpipe.runtime.execution.worker.worker_main` is what each of them runs.
+Actions, minibatch owners and message shapes are known ahead; compute is the reference executor's
+:class:`StageReplica`, messages follow commplan's global order, and ``U`` is in ``rank_update``.
 """
 from __future__ import annotations
 
@@ -87,7 +57,7 @@ class RankResult:
 
 
 class RankExecutor(UpdateMixin):
-    """Carry out ``schedule.actions[me]`` (see the module doc)."""
+    """Carry out ``schedule.actions[me]`` (docs/design-notes.md)."""
 
     def __init__(self, stages: Sequence[StageSpec], schedule: Schedule, me: Rank,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,

@@ -1,29 +1,7 @@
-"""A process hosting several stages: one :class:`RankExecutor` per hosted stage, one merged list.
+"""A process hosting several stages (interleaved-1f1b, zb-v): one :class:`RankExecutor` per stage.
 
-Why a module of its own: every other kind runs one rank per process, and the executor there
-walks one action list. Here (``interleaved-1f1b``, ``zb-v``:
-:mod:`fxpipe.runtime.schedules.placement`) a process walks its MERGED list, each entry naming a
-hosted rank and its action, and hands the action to that rank's executor, which computes exactly as
-it does alone (same :class:`StageReplica`, same weight versions, same gradient sums). What changes
-is where messages go:
-
-* between two stages of the same process through a local mailbox: the producer's output is put
-  there after its action, the consumer takes it when its action runs (the merged order, checked
-  by :func:`~fxpipe.runtime.schedules.placement.process_order`, guarantees it is there: no wire, no
-  wait, never a send to oneself);
-* to any other process through :class:`~fxpipe.runtime.execution.comm.Comm`, every hosted rank's
-  messages issued by ONE :class:`~fxpipe.runtime.schedules.hosted_plan.ProcessIssuer` in the
-  process-level global order (:mod:`fxpipe.runtime.schedules.hosted_plan`: per-rank orders
-  interleaved in one process break NCCL's order matching). The tag also names the consumer stage,
-  because two stages of one process can exchange the same (minibatch, value) with the same peer
-  process.
-
-Every remote wait has Comm's timeout. The recorded host calls pass commplan's NCCL checker
-(tests), but the launcher starts gloo processes only and nothing here ran on a GPU, so
-``device="cuda"`` is refused. A replicated placement (R copies of the pipeline) sums each
-stage's gradients over its replicas at ``U`` (one flat all-reduce per stage, its own group, in
-the merged order every copy shares). Tied parameters and global clipping / fp16 loss scaling
-are refused with a clear error.
+The process walks its merged list, handing each action to its rank's executor; messages between
+its own stages go through a local mailbox, the rest through Comm in one process-level order.
 """
 from __future__ import annotations
 
@@ -87,7 +65,7 @@ def check_hostable(stages: Sequence[StageSpec], placed: PlacedSchedule, device: 
 
 class HostedRankExecutor(RankExecutor):
     """A :class:`RankExecutor` that shares its process with other ranks: messages to them go
-    through ``mailbox`` (see the module doc), tags name the consumer stage."""
+    through ``mailbox`` (docs/design-notes.md), tags name the consumer stage."""
 
     def __init__(self, *args: Any, local: frozenset[Rank], mailbox: dict[MailKey, torch.Tensor],
                  **kwargs: Any) -> None:
@@ -156,7 +134,7 @@ class _Require:
 
 
 class ProcessExecutor:
-    """Carry out process ``index``'s merged list of ``placed`` (see the module doc)."""
+    """Carry out process ``index``'s merged list of ``placed`` (docs/design-notes.md)."""
 
     def __init__(self, stages: Sequence[StageSpec], placed: PlacedSchedule, index: int,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,

@@ -1,13 +1,7 @@
-"""Launch a pipeline on local processes: one spawned process per (stage, replica) rank, or, for
-a placed schedule (interleaved-1f1b, zb-v), one per PROCESS of the placement, each hosting
-several stages (:mod:`fxpipe.runtime.execution.hosted`).
+"""Launch a pipeline on local processes: one per rank, or one per process of a placed schedule.
 
-Why spawn and files: ``spawn`` is the only start method that is safe with torch and CUDA, and
-each rank writes its result (or its error message) to a file in a temporary folder, so the parent
-never blocks on a queue a dead child would not drain. Children are always joined, and terminated
-if they outlive the deadline, in a ``finally``. Several placed jobs may run one after another in
-one spawned world (``run_placed_jobs``: the tests pay the process start once); a process index
-beyond a job's placement sits that job out, joining only its barrier.
+Children are spawned (the start method safe with torch and CUDA) and each writes its result or
+error to a file, so the parent never blocks on a dead child; all are joined or terminated.
 """
 from __future__ import annotations
 

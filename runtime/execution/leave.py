@@ -1,13 +1,7 @@
-"""Leaving a job at interpreter exit when the script did not call ``Trainer.close``.
+"""Closes, at interpreter exit, every backend owning a process group that the script left open.
 
-A torchrun script that trains and returns (the README's example does) leaves its process groups
-to the interpreter's finalisation, where a gloo worker thread releasing a tensor needs the GIL and
-the process dies with SIGABRT ("terminate called without an active exception"; seen in CI at the
-end of a completed run). So every backend that owns a process group is closed by an ``atexit``
-hook, which runs before finalisation with the interpreter whole.
-
-A script that ends on an uncaught exception must not wait at exit for peers that may be gone:
-then the hook leaves without the closing barrier (``sys.excepthook`` runs before ``atexit``).
+Left to the interpreter's finalisation, gloo's teardown can abort the process; after an uncaught
+exception the hook leaves without the closing barrier, since the peers may be gone.
 """
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
 """LocalSGD on the reference executor: R independent pipeline replicas, averaged every H updates.
 
-The schedule is :func:`fxpipe.runtime.schedules.localsgd.make_localsgd_schedule`; the executor is
-the reference one with a different meaning of ``U``: each replica steps its own optimizer with its
-own gradient (no all-reduce; an empty trailing ``U`` steps nothing), and after every H-th update
-of a stage (and after its last one in the schedule) the replicas' weights and floating-point
-buffers are replaced by their mean. Optimizer state (momentum, Adam moments) stays local to each
-replica, as in LocalSGD. With H = 1 and plain or momentum SGD this is exactly synchronous SGD
-on the R minibatches of a round (averaging is linear), which the tests use as an oracle.
-
-The distributed executor does not run this schedule (its ``U`` is an all-reduce of gradients);
-``Trainer(schedule="localsgd")`` therefore needs ``executor="reference"``.
+Each replica's ``U`` steps its own optimizer on its own gradient; every H-th update (and the last)
+replaces weights and floating buffers by the replicas' mean, optimizer state staying local.
 """
 from __future__ import annotations
 
@@ -29,7 +21,8 @@ from .reference import ReferenceExecutor
 
 
 class LocalSGDExecutor(ReferenceExecutor):
-    """Carry out a :class:`LocalSGDSchedule` for ``stages`` in one process (see the module doc)."""
+    """Carry out a :class:`LocalSGDSchedule` for ``stages`` in one process
+    (docs/design-notes.md)."""
 
     def __init__(self, stages: Sequence[StageSpec], schedule: LocalSGDSchedule, loss_fn: LossFn,
                  optimizer_factory: OptimizerFactory) -> None:

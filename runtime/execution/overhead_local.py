@@ -1,24 +1,7 @@
-"""The overhead probe's model and the parts of it measured in this process, without ranks.
+"""The overhead probe's model, and the overheads measured in this process, without ranks.
 
-Why in this process: what the runtime pays per parameter tensor (the replica swaps every tensor
-into the stage's module for each call, keeps its gradient sum, hands it to the optimizer) is a
-property of the stage replica, not of the links or the executor. Measured as the difference of
-two distributed runs (one rank with and without 48 tiny layers), it was the difference of two
-runs of a few milliseconds per minibatch whose plain steps alone moved by up to 1 ms from one
-launch to the next: on the project's 2-core machine, quiet, three probes in a row gave 5.1, 2.8
-and 8.8 us per tensor; with 96 tiny layers and the median of three rounds, 0, 4.6 and 5.7 (the
-first's rounds all 0). Here each step of the replica is paired with a plain step of the same
-layers, back to back, and the median of the paired differences is kept
-(:func:`replica_step_excess`): the machine's drift cancels in each pair (three probes: 2.9-3.6
-us, then 3.6-5.3 in the later ones of the evening).
-
-* :func:`probe_model`: ``LAYERS`` ``Linear(WIDTH, WIDTH) + Tanh`` layers, plus ``small`` tiny
-  layers of two 4-element parameters each;
-* :func:`eager_step`: the median seconds of a plain training step of it (the yardstick the
-  profile's whole-step calibration holds node times to);
-* :func:`replica_per_tensor`: seconds per parameter tensor the stage replica adds to a plain
-  step (F, B and U of one stage, no links);
-* :func:`stash_per_tensor`: seconds per parameter tensor a copy-on-write update adds.
+The cost per parameter tensor is the stage replica's, not the links', so it is measured here: each
+replica step paired with a plain step of the same layers, the median difference kept.
 """
 from __future__ import annotations
 
@@ -65,7 +48,7 @@ class _Small(nn.Module):
 
 
 def probe_model(small: int = 0) -> nn.Module:
-    """The probe (see the module doc); ``small`` more layers of two tiny parameter tensors
+    """The probe (docs/design-notes.md); ``small`` more layers of two tiny parameter tensors
     each, for the cost per parameter tensor."""
     g = torch.Generator().manual_seed(0)
     layers: list[nn.Module] = []

@@ -1,53 +1,7 @@
-"""Measure what the runtime pays beyond plain PyTorch on this machine, once, and keep it.
+"""Measures once per machine what the runtime pays beyond plain PyTorch, and caches it.
 
-Why a probe: the profile times each node as plain PyTorch runs it (and scales the sums to whole
-plain training steps). The runtime also pays a fixed cost for every stage's F, B and U (the
-replica's calls, the executor between actions), a cost per parameter tensor (swapped into the
-stage's module for every call, its gradient summed), per message it posts or takes, and the
-stash's bookkeeping (:mod:`fxpipe.costmodel.overheads`). Those depend on the machine, torch and
-fxpipe far more than on the model, so they are measured here on a probe and reused for every
-plan (cached per machine).
-
-The probe: four ``Linear(256, 256) + Tanh`` layers, batch 64 (about 0.6 ms of compute per stage
-at two stages, so the pipeline is compute-bound and a message's latency hides behind the next
-minibatch's work, as it does for a real stage; :mod:`.overhead_local`), trained with
-``pipedream`` through ``run_distributed`` (gloo, one thread per rank) on one rank and on two.
-From each rank's own timeline, over the middle half of the run, the seconds per minibatch it was
-not waiting for its peer's compute (:func:`host_seconds`: forward, backward, update, posting
-sends, idle, and receive waits for the transfer itself,
-:func:`fxpipe.runtime.timeline.wait_breakdown`); against them, plain PyTorch training steps of
-the same layers in this process (``eager_step``, freed host memory kept as the profiler and the
-ranks keep it; not the probe's own profile, whose error would land in the overheads):
-
-* ``tensor_s``: in this process, the stage replica's F, B and U of the probe with 96 more
-  layers of two 4-element parameters each, and without them, each step paired with a plain
-  step run right after it (``replica_per_tensor``): the difference of the two medians of the
-  paired excesses, over 192 tensors;
-* ``action_s``: one-rank run - plain step - 8 tensors;
-* ``message_s``: each stage of the two-rank run - half the plain step - ``action_s`` - its 4
-  tensors, mean of the two stages, over its 2 messages (one value crosses the cut);
-* ``value_s``: the two-rank run of ``FanProbe`` (3 small values more across the same cut),
-  each stage against the plain two-rank run's, less half the extra values' plain compute, over
-  the 6 messages more each stage posts or takes (:func:`derive_value`);
-* ``stash_tensor_s``: a copy-on-write update of 128 tiny parameters against a plain one, per
-  tensor (``stash_per_tensor``, in this process).
-
-The probe runs three rounds and keeps the median of each quantity (:func:`combine`): each is a
-small difference of runs of a few milliseconds, which one disturbed launch moves by its whole
-size. Each is clamped at 0. ``machine_overheads`` runs the probe in a fresh interpreter
-(:func:`measure_in_subprocess`): the ranks are started with multiprocessing's spawn, which runs
-the parent's main script again in each child, and a user's script that compiles at its top level
-(no ``__main__`` guard, the README's pattern) must not run again inside the probe. A probe that
-fails is a warning and no overheads (not cached). Cached in ``$FXPIPE_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/fxpipe`` or ``~/.cache/fxpipe``), ``overheads.json``, under a key naming the
-host, its cores and the torch, Python and fxpipe versions; ``machine_overheads(refresh=True)``
-measures again. About 45 s (three rounds of three launches). On the project's 2-core machine,
-quiet, three probes in a row gave 0.18-0.24 ms per stage and minibatch, 2.9-3.6 us per tensor
-and 0.16-0.26 ms per message (before the fan run; three probes of one round each, with the
-cost per tensor taken from two distributed runs: 0.09-0.23 ms, 2.8-8.8 us and 0.18-0.23 ms;
-an older one, cached by a probe that ran beside other jobs, said 10.8 us per tensor and priced
-the zoo's GPT mini in two stages 18% slow); two with the fan run, 0.09 and 0.13 ms per value
-beyond a cut's first against 0.22 and 0.43 ms per message.
+The costs per action, tensor, message and stash (:mod:`fxpipe.costmodel.overheads`) depend on the
+machine far more than on the model, so a small probe measures them once for every plan.
 """
 from __future__ import annotations
 
@@ -169,7 +123,7 @@ def derive_value(r: ProbeRound) -> float | None:
 
 
 def derive(r: ProbeRound) -> tuple[float, float, float]:
-    """(action_s, tensor_s, message_s) of one round (see the module doc), each clamped at 0."""
+    """(action_s, tensor_s, message_s) of one round (docs/design-notes.md), each clamped at 0."""
     per_tensor = max(r.per_tensor, 0.0)
     action = max(r.one - r.eager_one - 2 * LAYERS * per_tensor, 0.0)
     # at two stages each holds two of the probe's (identical) layers, half the step, and one
@@ -200,7 +154,7 @@ def combine_value(rounds: Sequence[ProbeRound]) -> float | None:
 def measure_overheads(minibatches: int = MINIBATCHES, rounds: int = ROUNDS) -> Overheads:
     """Run the probe ``rounds`` times (each: one rank, two ranks, the plain step and the
     replica's steps in this process), derive the overheads of each round and keep their medians
-    (:func:`combine`; see the module doc); ``stash_copy_s`` is left 0 (the profile measures
+    (:func:`combine`; see docs/design-notes.md); ``stash_copy_s`` is left 0 (the profile measures
     it, per model)."""
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))

@@ -1,8 +1,6 @@
 """A free TCP port for a rendezvous, without importing torch.
 
-Kept out of :mod:`fxpipe.runtime.execution.launch` (which imports torch and torch.distributed)
-because ``fxpipe train``'s launcher needs only this before it starts torchrun, and it stays alive
-for the whole job.
+Kept out of ``launch`` (torch): ``fxpipe train``'s launcher, alive all job long, needs only this.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The update of one rank of the distributed executor: the replicas' gradient sum, tied rounds.
+"""The update ``U`` of a distributed rank: the replicas' gradient sum, tied parameters, the step.
 
 A mixin of :class:`~fxpipe.runtime.execution.executor.RankExecutor`, kept apart so the executor
-reads as the walk over its actions: ``U`` sums the stage's gradients over its replicas (bucketed
-and launched from hooks during the last backward before it, as DDP does,
-:mod:`fxpipe.runtime.execution.buckets`, or one flat all-reduce), sums tied parameters' LOCAL
-gradients over every rank holding them (at the update, or under pipedream ``d`` rounds later,
-:func:`fxpipe.runtime.execution.contract.tied_delay`), and steps the optimizer. Every summed buffer
-carries one presence flag per parameter, so a parameter no replica had a gradient for takes no
-step (:mod:`fxpipe.runtime.replica.stage_update`).
+reads as the walk over its actions.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """The single-process oracle: runs a pipeline schedule with the distributed runtime's semantics.
 
-Why it exists: the distributed executor is only as trustworthy as what it is compared with. This
-executor carries out the SAME schedule (per-rank action lists, weight versions, explicit updates)
-with the same per-replica state (each stage replica owns a copy of the stage's parameters and its
-own optimizer; replicas of a stage sum their gradients at each ``U``), but in one deterministic
-global order (``execution_order``: a topological order of the schedule's dependencies), with an
-in-memory mailbox instead of sockets. Its compute is the shared :class:`StageReplica`, so the
-distributed runtime must match it to rounding; and with one stage, or with NOAM = 1, it must match
-plain single-process SGD, which checks the oracle itself.
+Same action lists, weight versions and :class:`StageReplica` compute, in one deterministic order
+with an in-memory mailbox: the distributed executor must match it to rounding.
 """
 from __future__ import annotations
 
@@ -54,7 +48,7 @@ def tied_update(totals: dict[Rank, torch.Tensor], locals_: dict[Rank, torch.Tens
 
 
 class ReferenceExecutor:
-    """Carry out ``schedule`` for ``stages`` in one process (see the module doc).
+    """Carry out ``schedule`` for ``stages`` in one process (docs/design-notes.md).
 
     ``vertical_sync``: every stage uses, for minibatch k, the weight version the input stage used
     (PipeDream's vertical sync; needs equal replica counts). ``stashing=False`` is the ablation in

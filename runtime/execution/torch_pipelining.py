@@ -1,28 +1,7 @@
-"""Auto-split for torch.distributed.pipelining: fxpipe's stages as torch ``PipelineStage`` s.
+"""fxpipe's split as torch.distributed.pipelining ``PipelineStage`` s (torch cannot split a model).
 
-torch's pipelining API ships the schedules (``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
-``ScheduleZBVZeroBubble``, ...) but cannot split a model by itself, and wants every stage to feed
-only the next one. fxpipe's compiler makes the split (traced, costed, balanced); this module hands
-it over, with skip connections carried through the stages in between
-(:mod:`fxpipe.codegen.carry`) and tied weights kept one parameter
-(:meth:`TorchStages.sync_tied_grads` sums their gradients over the ranks that hold a copy, as
-Megatron does for embeddings)::
-
-    # torchrun --nproc-per-node 2 train.py
-    compiled = fxpipe.compile(model, fxpipe.Cluster(workers=4), example_inputs=(x,),
-                              stages=4, straight=True)             # 4 stages, 2 per rank
-    pipe = compiled.torch_stages(rank, world_size=2, placement="loop")
-    schedule = ScheduleInterleaved1F1B(pipe.stages, n_microbatches=8, loss_fn=F.cross_entropy)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    for x, y in loader:
-        opt.zero_grad()
-        schedule.step(*pipe.inputs(x), target=y) if pipe.first else schedule.step(target=y)
-        pipe.sync_tied_grads()
-        opt.step()
-
-Placements: ``loop`` puts stage s on rank ``s % world`` (one stage per rank when there are as
-many stages as ranks: Schedule1F1B, ScheduleGPipe; several for the interleaved schedules);
-``v`` puts stages s and ``2 * world - 1 - s`` on rank s (ScheduleZBVZeroBubble, DualPipeV).
+Skips ride through the stages between; tied gradients are summed by ``TorchStages.sync_tied_grads``.
+``loop`` puts stage s on rank ``s % world``; ``v`` gives rank r stages r and ``2 * world - 1 - r``.
 """
 from __future__ import annotations
 
@@ -49,7 +28,7 @@ PLACEMENTS = ("loop", "v")
 
 
 def stage_ranks(num_stages: int, world: int, placement: str = "loop") -> list[int]:
-    """The rank of each stage under ``placement`` (see the module doc)."""
+    """The rank of each stage under ``placement`` (docs/design-notes.md)."""
     if placement not in PLACEMENTS:
         raise RuntimeConfigError(f"unknown placement {placement!r}", f"use one of {PLACEMENTS}")
     if world < 1 or num_stages % world:

@@ -1,29 +1,7 @@
-"""How a :class:`~fxpipe.runtime.training.trainer.Trainer` carries out one segment of training.
+"""How a ``Trainer`` carries out one segment of training: two backends with one interface.
 
-Two backends with one interface, so the training loop (data, checkpoints, history) is written
-once and the reference executor stays the oracle of the distributed one:
-
-* :class:`ReferenceBackend`: every rank's :class:`StageReplica` in this process, driven by the
-  :class:`ReferenceExecutor`; collectives are identities.
-* :class:`DistributedBackend`: this process is one rank of a torchrun job (``RANK``,
-  ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); its stage replica is driven by the
-  :class:`RankExecutor`. Small control messages are exchanged as objects; pipeline tensors
-  never are (the trained state only when :meth:`Trainer.state_dict` asks for it).
-
-A *segment* runs one schedule on its new minibatches: a complete schedule, which ends with every
-backward done and a barrier (the weights and optimizer states at its end are a consistent cut,
-what a checkpoint saves), or a window of an asynchronous stretch
-(:mod:`fxpipe.runtime.schedules.stream`), after which minibatches are still in flight; the
-stretch's final window drains it.
-
-Control messages (segment sizes, data fingerprints, the wire plan, loss sums, checkpoint
-decisions, gathered state) travel on a gloo group of their own, even when the pipeline's tensors
-use NCCL: they are host objects, and their waits get ``data_timeout_s`` (a rank may wait there
-while rank 0's loader reads), not the short timeout that bounds every pipeline message.
-
-A job may have more processes than the plan needs (the planner chose fewer workers): the extra
-ranks get an :class:`IdleBackend`, say so, and leave; the plan's ranks form their own process
-group of exactly the plan's size.
+:class:`ReferenceBackend` runs every rank in this process; :class:`DistributedBackend` is one rank
+of a torchrun job; a rank the plan does not need gets an :class:`IdleBackend` and leaves.
 """
 from __future__ import annotations
 
@@ -98,7 +76,7 @@ def _total(metrics: Sequence[torch.Tensor]) -> Metrics:
 
 
 class ReferenceBackend:
-    """All ranks in this process (see the module doc)."""
+    """All ranks in this process (docs/design-notes.md)."""
 
     index = 0
     world = 1
@@ -162,7 +140,7 @@ class ReferenceBackend:
 
 
 class IdleBackend:
-    """A rank the plan does not need (see the module doc): it trains nothing and returns."""
+    """A rank the plan does not need (docs/design-notes.md): it trains nothing and returns."""
 
     def __init__(self, index: int, world: int, needed: int) -> None:
         self.index, self.world, self.needed = index, world, needed
@@ -187,7 +165,7 @@ def surplus_rank() -> tuple[int, int] | None:
 
 
 class DistributedBackend:
-    """This process is one rank of a torchrun job (see the module doc)."""
+    """This process is one rank of a torchrun job (docs/design-notes.md)."""
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
                  optimizer_factory: OptimizerFactory, empty: Schedule, *, stashing: bool = True,

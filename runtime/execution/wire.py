@@ -1,15 +1,7 @@
-"""The wire plan: shape and dtype of every value crossing a stage boundary, per minibatch.
+"""The wire plan: the shape and dtype of every value crossing a stage boundary, per minibatch.
 
-Why ahead of time: a receiver must post ``irecv`` into a buffer of the right size before the data
-arrives, and sending shapes (or pickled tensors) on the wire would add a round trip and a
-serialisation per message. The plan is computed once, in the launching process, and shipped to
-every rank: from the tracer's ``node.meta["fxpipe"]`` when it describes exactly these inputs, else
-from one dry run per distinct model-input signature (usually one or two: the full minibatch and
-a last partial one). The dry run propagates fake tensors (``FakeTensorMode``: shapes and dtypes,
-no compute, no memory, whatever device the stages' weights are on, no running statistics or RNG
-touched); a graph with an operation fake tensors cannot run falls back to a real no-grad run on
-the host in eval mode. ``cache`` (signature -> specs) lets a trainer pay it once per signature
-for a whole run rather than once per segment.
+Receivers post ``irecv`` into right-sized buffers before the data arrives, with no shapes on the
+wire; specs come from the tracer's metadata, else a fake-tensor dry run per input signature.
 """
 from __future__ import annotations
 
@@ -136,7 +128,7 @@ def _dry_run(stages: Sequence[StageSpec], env: dict[str, Any],
 def make_wire_plan(stages: Sequence[StageSpec], inputs: Sequence[Any], *,
                    cache: dict[Signature, dict[str, TensorSpec]] | None = None,
                    precision: str = "fp32", device: str = "cpu") -> WirePlan:
-    """The plan for minibatches with model inputs ``inputs[k]`` (see the module doc).
+    """The plan for minibatches with model inputs ``inputs[k]`` (docs/design-notes.md).
     ``precision``: the stages' forwards run under that autocast (``"bf16"``), on ``device``'s
     type (its rules differ between the CPU and CUDA): the tracer's float32 metadata then does
     not apply, the dry run runs under the same autocast."""

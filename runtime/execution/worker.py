@@ -1,10 +1,7 @@
 """What a spawned rank runs: join the process group, carry out one or more runs, report back.
 
-``run_distributed`` (:mod:`fxpipe.runtime.execution.launch`) pickles one :class:`WorkerConfig` to
-each spawned process and starts :func:`worker_main`; tests that run several jobs in one world call
-:func:`init_rank` once and :func:`run_rank` per job. The device follows the one policy of
-:mod:`fxpipe.runtime.replica.device`: spawned rank i is local rank i, so ``device="cuda"`` puts it
-on GPU i.
+``run_distributed`` (``launch``) hands each child a :class:`WorkerConfig` for :func:`worker_main`;
+tests running several jobs in one world call :func:`init_rank` once and :func:`run_rank` per job.
 """
 from __future__ import annotations
 

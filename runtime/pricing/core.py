@@ -1,11 +1,7 @@
-"""What both plan simulators share: the costs, the discrete-event loop, the result.
+"""What both plan simulators share: the stage costs, the discrete-event loop and the result.
 
-Per-stage :class:`StageCosts` built from a plan (:func:`stage_costs`), :class:`TiedSync` groups,
-:func:`split_backward`, the event loop behind :func:`fxpipe.runtime.pricing.plansim.simulate_plan`
-and :func:`fxpipe.runtime.pricing.placed_sim.simulate_placed_plan`, and their result,
-:class:`PlanSimulation`. Kept below both so neither imports the other for it; the model it
-implements (ports as first-come-first-served resources, updates as barriers of a stage's
-replicas, tied all-reduces with a lag) is described in ``plansim``.
+Kept below :mod:`.plansim` and :mod:`.placed_sim` so that neither imports the other for them; the
+model the loop runs is summarised in :mod:`.plansim`.
 """
 from __future__ import annotations
 

@@ -1,27 +1,7 @@
-"""Memory per stage for the schedule that runs, not PipeDream's rule for every schedule.
+"""Memory per stage under the schedule that runs, not PipeDream's rule for every schedule.
 
-The planner fits plans with PipeDream's rule by default (``passes/solver.py``): per replica of
-stage s, ``P (2 + opt) + (v - 1) P + v A``, v weight versions stashed and v minibatches'
-activations held, v = the plan's in-flight count; :func:`memory_rule` gives it the rule of the
-schedule a plan is made for (``fxpipe.compile(..., schedule=...)``). What a replica really holds
-depends on the schedule:
-
-- weights, gradients and optimizer state, ``P (2 + opt)`` (``StagePlan.state_bytes``), always,
-  P counting the copies a stage keeps of parameters another stage owns (``copy_bytes``);
-- stashed weight versions besides the live one: ``pipedream`` keeps one per minibatch in flight
-  (v' - 1), ``2bw`` one shadow version, the flushing kinds (``1f1b-flush``, ``gpipe``, ``zb-*``)
-  and the placed ones none;
-- activations: what backward keeps per minibatch (``StagePlan.activation_bytes``) times the most
-  minibatches the schedule's own action list holds at once (v' = ``peak_in_flight``, from F
-  until B, or until W where the backward is split, so zero-bubble's held inputs count); a
-  recomputing stage keeps its inputs per minibatch in flight and one full set while it
-  recomputes.
-
-v' comes from the simulated schedule (:class:`~.core.PlanSimulation.in_flight`), so a
-``gpipe`` update of 8 microbatches holds 8 sets where ``1f1b-flush`` holds at most S - s.
-
-:func:`check_memory` holds a plan's prediction against a run's measured peaks
-(``Trainer(measure_memory=True)``, :mod:`fxpipe.runtime.replica.live_bytes`), term by term.
+State ``P (2 + opt)`` + the kind's stashed versions + activations times the most minibatches its
+action list holds; also a kind's rule for the planner and a check against measured peaks.
 """
 from __future__ import annotations
 

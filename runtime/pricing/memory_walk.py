@@ -1,37 +1,7 @@
-"""A replica's peak memory, walked action by action through the schedule that runs (issue 26).
+"""A replica's peak memory, walked action by action through the schedule that runs.
 
-:func:`~.memory.schedule_memory` prices what a replica holds between its actions: its state, the
-versions it stashes and the activation sets in flight. Measured (benchmarks/memory-check.md),
-the peak is 1.3x that in the median, because the peak falls inside an action, beside buffers the
-runtime holds for the messages around it. This walks each rank's own action list and adds, at
-each action, what is live during it:
-
-- **receive buffers posted ahead**: the runtime posts each receive as early as the global
-  message order and its lead allow (:mod:`~fxpipe.runtime.schedules.commplan`), so up to a few
-  minibatches' inputs and gradients wait in buffers before the action that consumes them. The
-  walk replays the runtime's own :class:`~fxpipe.runtime.schedules.commplan.Issuer` on the
-  schedule (unit costs, as the executor plans it);
-- **sent tensors not yet proven received**: a send's tensor lives until a message that follows
-  its receipt comes back (:class:`~fxpipe.runtime.schedules.proofs.SendProofs`, replayed the
-  same way);
-- **the backward's working set**: the gradients flowing through the stage while it computes its
-  backward (estimated from the graph as the largest node's output and inputs: a node's output
-  gradient and its inputs' gradients live together), and a recomputing stage's recomputed set;
-  where the backward is split, what B leaves for W (the weighted nodes' output gradients, and
-  the recomputed set) until W; on the last stage the loss's copy of the model output;
-- **the optimizer step's temporaries**: ``per_byte * P + per_largest * L`` measured on the
-  optimizer (:func:`~fxpipe.runtime.replica.state_size.step_temporaries`), during each ``U``;
-- **a tied parameter's sum** (:func:`tie_buffers`, the gradient bytes ``T`` of the parameters a
-  stage shares): a tie of two lone stages summed at the update keeps the receive of the other's
-  part posted through the round and its own part sent until the next update proves it
-  received (2 T), and at the update frees the old part and makes the new one and the sum (T
-  more, before the step's temporaries); a lagged sum keeps ``d`` rounds' parts in flight and
-  posts this round's at the update; an all-reduce at the update makes the part (T) there.
-
-What crosses each cut comes from the profile (the values produced in one stage and consumed in a
-later one, each sent once to each consuming stage, as codegen sends them), with the bytes of
-their outputs; a gradient goes back along the values computed from a parameter
-(:func:`gradient_values`), as the runtime sends none for the others.
+Adds to :func:`~.memory.schedule_memory` what lives inside actions: receives posted ahead, sends
+not yet proven, the backward's working set, the optimizer step's temporaries and tied sums.
 """
 from __future__ import annotations
 
@@ -288,7 +258,7 @@ def walk_rank(sched: Schedule, links: Sequence[StageLinks], sizes: Mapping[str, 
 def walk_memory(plan: Plan, profile: Profile, kind: str, *, microbatches: int | None = None,
                 temporaries: tuple[float, float] = (0.0, 0.0), scale: float = 1.0,
                 minibatches: int | None = None) -> tuple[StagePeak, ...]:
-    """Per stage, the walked peak of its busiest replica under ``kind`` (see the module doc):
+    """Per stage, the walked peak of its busiest replica under ``kind`` (docs/design-notes.md):
     the schedule generated as the planner's simulation generates it, ``minibatches`` long
     (default: enough for its steady state, 4 S or two updates)."""
     S = len(plan.stages)

@@ -1,14 +1,7 @@
 """Price a plan under a placed kind (interleaved-1f1b, zb-v): ``simulate_placed_plan``.
 
-Why apart from :mod:`fxpipe.runtime.pricing.plansim`: there every rank is a process with its own
-compute and ports; here a process hosts several of the plan's stages, so the compute resource is the
-process and a message between two of its stages costs nothing. The plan is the planner's for
-``chunks`` times as many (virtual) workers (:func:`virtual_cluster`: the issue's "the planner
-makes v * P stages"), its S stages placed on S / chunks processes per copy of the pipeline
-(round robin, or the V). Costs are plansim's (:func:`~fxpipe.runtime.pricing.plansim.stage_costs`: a
-split backward half B, half W); a remote message across the cut into stage s takes that cut's
-bytes over the cut bandwidth plus the latency (no port contention: a lower bound where two cuts
-share a link); an update holds its stage's replicas for the plan's sync time. Pure Python.
+Apart from :mod:`.plansim` because a process hosts several stages: compute is per process, messages
+between its stages are free, remote ones cost bytes / bandwidth + latency, with no port queueing.
 """
 from __future__ import annotations
 
@@ -49,7 +42,7 @@ def simulate_placed_plan(plan: Plan, profile: Profile | None = None, *, schedule
                          minibatches: int = 200, latency_s: float | None = None,
                          microbatches: int | None = None, chunks: int = 2,
                          limit: int | None = None) -> PlanSimulation:
-    """Event-simulate ``plan`` under the placed ``schedule`` (see the module doc). Every stage
+    """Event-simulate ``plan`` under the placed ``schedule`` (docs/design-notes.md). Every stage
     must have the same replicas R (copies of the whole placed pipeline). ``microbatches`` per
     update default to twice the processes (a multiple of the processes, as Megatron's order
     needs); ``minibatches`` is rounded up to whole batches. ``limit``: minibatches admitted per

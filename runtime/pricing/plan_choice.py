@@ -1,21 +1,7 @@
-"""Choose a plan by simulating the planner's candidates: ``choose_by_simulation``.
+"""Choose a plan by event-simulating the planner's candidates: ``choose_by_simulation``.
 
-Why: the planner minimises an analytic bottleneck (``max`` over stage and cut times). That is
-exact for its cost model and fast enough to search every partition, but it cannot see what the
-schedule adds on top: the 1F1B start-up, windows too small to hide a communication round trip,
-and replicas of a stage that wait for each other at every update. With several unevenly
-replicated stages those effects can double a plan's time (see benchmarks/table1.md), while
-on the measured runs of ``bench/simcheck`` the event simulator stays within a few percent of the
-runtime. So: let the planner propose its best plan for every stage count (a handful of plans,
-from plain data parallelism to the unconstrained optimum), simulate each under the same cost
-model, and keep the fastest simulated one (ties: fewer stages).
-
-Candidates: the planner's optimum; the chain of plans obtained from it by merging, one step at a
-time, the two adjacent stages whose merge the planner rates best (ending at plain data
-parallelism; each costed by ``plan_for``, so cheap at any size); and, where that exact search is
-cheap (at most ``exact_up_to`` workers; it is O(S M^2 N) per probe), the planner's exact optimum
-for every stage count up to ``max_stages``; and one worker alone (a pipeline or a replica group
-must beat it to be worth its workers).
+The analytic bottleneck misses the start-up, small windows and replicas waiting at updates, so the
+candidates are simulated and the fastest steady state wins (ties: fewer stages).
 """
 from __future__ import annotations
 
@@ -82,7 +68,7 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                          schedules: Sequence[str] = ("pipedream",),
                          recompute: str = "never", memory_rule: MemoryRule = PIPEDREAM,
                          microbatches: int | None = None) -> SimulatedChoice:
-    """The planner's candidates (see the module doc; only the ``stages``-stage optimum when
+    """The planner's candidates (see docs/design-notes.md; only the ``stages``-stage optimum when
     ``stages`` is given), each simulated with each of ``schedules`` (e.g. the synchronous
     ``1f1b-flush`` and zero-bubble ``zb-h1``/``zb-h2`` next to ``pipedream``: the best plan
     depends on the schedule's bubble) for at least ``minibatches`` (more for many replicas:

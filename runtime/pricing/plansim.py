@@ -1,46 +1,7 @@
 """Simulate a :class:`~fxpipe.passes.plan.Plan` on a cluster we do not have: ``simulate_plan``.
 
-Why a second simulator next to :mod:`fxpipe.runtime.schedules.simulate`: that one times a schedule
-with per-cut delays and no contention, which is enough to draw grids. Predicting a plan on a real
-cluster needs the network as a *resource*: two transfers on the same link queue behind each
-other, and an all-reduce holds every replica of a stage. So this is a discrete-event simulation
-(a heap of timed events, resources granted first come first served) of the plan's schedule
-(``make_schedule(kind, plan.replicas, minibatches)``) under the planner's cost model:
-
-* compute: a replica runs a whole minibatch; stage s's forward+backward is ``compute_s * r_s``,
-  split into forward and backward with the profile's per-node times (1:2 without a profile);
-  a stage that recomputes its activations (``StagePlan.recompute``) runs its forward again at
-  the start of each backward (``recompute_s * r_s``, before B's half of a split backward);
-* cuts: each F sends the cut's bytes (every value live across it, ``input_bytes``) to the next
-  stage's owner, each B sends as many gradient bytes back, at the cut bandwidth of
-  :func:`~fxpipe.passes.partition.coefficients` plus ``latency`` per message. Links are the
-  workers' network ports: a transfer holds the sender's egress and the receiver's ingress
-  (``duplex=True``: full-duplex ports, so activations and gradients do not compete; with
-  ``duplex=False`` one port per worker carries both directions, which is what the planner's
-  ``2 X / B`` cut time assumes);
-* sync: an update ``U`` holds every replica of the stage for ``r * beta_r * P`` seconds, so its
-  cost amortised over the ``r`` minibatches of a pipedream round is the plan's ``sync_s``;
-* tied weights (a parameter shared by several stages, e.g. GPT's embedding and output layer):
-  every holder sums its gradients with the others' at each update. When the runtime does so
-  synchronously (the flushing kinds, NOAM = 1) the stages' updates form ONE barrier of all
-  their replicas, held for the tied all-reduce (ring: ``2 (n - 1) / n`` of the bytes per
-  rank), except a tie of two ranks (two stages of one replica each), which the runtime sums by
-  two messages: each stage sends its part when it reaches the update (on its ports, like a
-  cut) and updates once the other's part has arrived, so the part ready first crosses while
-  the other stage computes (``EventLoop.pair_update``); under pipedream the runtime delays the tied sum by ``d`` rounds
-  (``schedule.tie_delay``): each round's all-reduce starts once every holder has updated,
-  runs in the background on the holders' ports (delaying the cuts that share them: on a slow
-  link it can be the bottleneck, GPT's 512 kB embedding sum against its 256 kB cut), and update
-  ``i`` waits for round ``i - d``'s to arrive. Pass ``tied`` or a
-  profile listing shared parameters to price it; ``tied_delay=0`` prices the lockstep a
-  synchronous tied all-reduce would cost;
-* sends are asynchronous (the runtime posts them in the background): communication overlaps
-  compute unless a rank has to wait for its data, which is exactly what the planner's
-  ``max(stage times, cut times)`` cannot see (1F1B start-up, a window too small to hide a
-  round trip, a link shared by two cuts).
-
-Pure Python; no torch. The timeline uses :mod:`fxpipe.runtime.timeline`'s events and trace
-writer, so predicted and measured traces open side by side in ui.perfetto.dev.
+Discrete events under the planner's cost model with the network as a resource (transfers queue on
+ports, updates hold a stage's replicas), seeing what ``max(stage, cut)`` misses: start-up, windows.
 """
 from __future__ import annotations
 
@@ -87,7 +48,7 @@ def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str =
                   tied: Sequence[TiedSync] | None = None,
                   tied_delay: int | None = None,
                   microbatches: int | None = None, chunks: int = 2) -> PlanSimulation:
-    """Event-simulate ``plan``'s schedule under the cost model (see the module doc).
+    """Event-simulate ``plan``'s schedule under the cost model (docs/design-notes.md).
 
     ``latency_s`` overrides the cluster's per-message latency; ``noam`` the input stage's
     admission window (more minibatches in flight hide longer communication round trips);

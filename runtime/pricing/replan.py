@@ -1,19 +1,7 @@
-"""Re-planning from measurements (issue 13, item 1): the DECISION, as pure numbers.
+"""Re-planning from measured stage times: the decision, as pure numbers.
 
-A plan is only as good as the profile it was solved on, and the profile is measured once, on an
-idle core, before training. Once a run has timelines (:mod:`.timeline`), each stage's measured
-forward, backward and update times say how wrong the profile was for that stage's nodes. This
-module rescales the profile stage by stage to match the measurements (every node of a stage by
-that stage's factor: the only information a per-stage measurement carries), costs the CURRENT
-partition on the rescaled profile (:func:`fxpipe.passes.partition.plan_for`), re-solves
-(:func:`fxpipe.passes.partition.partition`) and proposes the new plan when it is predicted
-faster by more than a threshold.
-
-Carrying a proposal out is not done here: :mod:`.trainer_switch` switches a running trainer
-to the proposed plan at a drained segment boundary (``trainer(replan="auto")``), and any
-proposal can also be carried out by checkpointing and resuming under it (:mod:`.repartition`).
-``workers`` restricts the re-solve to the workers a running job has (its processes are fixed):
-a proposal that uses fewer is completed by :func:`use_all_workers`.
+Rescales the profile stage by stage to the measurements, re-solves, and proposes the new plan when
+predicted faster by a threshold; :mod:`fxpipe.runtime.training.trainer_switch` applies it.
 """
 from __future__ import annotations
 
@@ -192,7 +180,8 @@ def propose(profile: Profile, plan: Plan, measured: Sequence[StageTimes], cluste
             workers: int | None = None) -> Proposal:
     """Rescale ``profile`` to ``measured`` (one :class:`StageTimes` per stage, e.g. the mean of
     :func:`measure` over its replicas), cost the current partition and re-solve on it.
-    ``workers``: re-solve for exactly that many workers (a running job's; see the module doc)."""
+    ``workers``: re-solve for exactly that many workers (a running job's; see
+    docs/design-notes.md)."""
     if not threshold >= 0:
         raise ConfigError(f"threshold={threshold!r}", "a non-negative fraction, e.g. 0.05")
     if workers is not None:

@@ -1,9 +1,7 @@
-"""How a run of a schedule, simulated or measured, is reduced to numbers: the steady-state
-period (:func:`steady_state`) and the most minibatches a rank holds (the busy fraction of a
-window is :func:`fxpipe.runtime.timeline.busy_between`).
+"""Reduce a run of a schedule, simulated or measured, to its steady-state period and peak in flight.
 
-Shared by :mod:`.plansim` (one stage per process), :mod:`.placed_sim` (several) and the
-benchmarks that reduce a MEASURED timeline the same way as a simulated one.
+Shared by :mod:`.plansim`, :mod:`.placed_sim` and the benchmarks, so a measured timeline is reduced
+like a simulated one; a window's busy fraction is :func:`fxpipe.runtime.timeline.busy_between`.
 """
 from __future__ import annotations
 

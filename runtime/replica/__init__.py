@@ -1,9 +1,7 @@
-"""fxpipe.runtime.replica: one stage replica's computation. torch, no torch.distributed.
+"""fxpipe.runtime.replica: one stage replica's computation (torch, no torch.distributed).
 
-Forward, backward and update of one stage (``stage``, ``stage_update``, ``stage_set``,
-``stage_call``, ``splitgrad``), its weight versions (``stash``, ``master``), numerics
-(``precision``, ``loss_scale``, ``clipping``, ``global_step``), the scale a cut minibatch's loss
-takes (``weighted``), staleness mitigations
-(``mitigation``, ``compensate``), the options a step takes (``step_options``) and the device a
-rank uses (``device``). Imports ``schedules``; never ``pricing``.
+Compute and weights: ``stage``, ``stage_update``, ``stage_set``, ``stage_call``, ``splitgrad``,
+``stash``, ``weighted``. Numerics: ``precision``, ``master``, ``loss_scale``, ``clipping``,
+``global_step``, ``step_options``. Staleness and optimizers: ``mitigation``, ``compensate``,
+``nesterov``, ``muon``. Device and memory: ``device``, ``live_bytes``, ``state_size``.
 """

@@ -1,28 +1,7 @@
-"""Gradient clipping by norm, with ``torch.nn.utils.clip_grad_norm_``'s arithmetic.
+"""Gradient clipping by norm, with ``torch.nn.utils.clip_grad_norm_``'s arithmetic, over a pipeline.
 
-What torch does on one process (and what this module reproduces over a pipeline)::
-
-    total = ||(||g_1||, ..., ||g_n||)||_2            # the norm of the per-tensor norms
-    coef  = clamp(max_norm / (total + 1e-6), max=1)   # a float32 tensor
-    g_i  *= coef
-
-**Scope by schedule kind** (:func:`clip_scope`):
-
-* ``"global"`` for the flushing kinds (``1f1b-flush``, ``gpipe``, ``zb-h1``, ``zb-h2``): every
-  stage applies the gradient of the SAME batch at its update ``U<i>``, so the norm is the whole
-  model's, exactly as ``clip_grad_norm_`` on the unsplit model: every parameter counted once (a tied
-  parameter on the lowest stage holding it, a replicated stage by its replica 0, after the replicas'
-  sum), the squared per-tensor norms summed over the stages (in float64: one all-reduce of one
-  number per update in the distributed executor, :data:`GROUP`), and every stage scaled by the same
-  ``coef``.
-* ``"stage"`` for the asynchronous kinds ``pipedream`` and ``2bw``: stages apply gradients of
-  different minibatches at different times (pipedream), or would have to stall the pipeline at
-  every update for a global number (2BW), so each stage clips what IT applies at that update by
-  its own norm: the untied parameters of the stage together, each tied parameter on its own (its
-  copies receive the same summed gradient on every stage holding it, so they take the same
-  clipped step and stay identical). No communication. The model-wide norm of a step is then at
-  most ``sqrt(stages + tied) * max_norm``; with one stage and no tied weights it is
-  ``clip_grad_norm_`` exactly.
+:func:`clip_scope`: ``"global"`` (flushing kinds) clips by the whole model's norm, as one process
+would; ``"stage"`` (asynchronous kinds) clips what each stage applies by its own norm, no messages.
 """
 from __future__ import annotations
 
@@ -53,7 +32,7 @@ def check_max_norm(max_norm: float | None) -> float | None:
 
 
 def clip_scope(kind: str) -> str:
-    """``"global"`` or ``"stage"`` (see the module doc)."""
+    """``"global"`` or ``"stage"`` (docs/design-notes.md)."""
     return "global" if kind in GLOBAL_KINDS else "stage"
 
 

@@ -1,22 +1,7 @@
-"""Momentum correction for stale stages: spike compensation (Kosson et al., "Pipelined
-Backpropagation at Scale", 2020), for torch's SGD, Adam and AdamW.
+"""Momentum correction for stale stages: spike compensation (Kosson et al., 2020), SGD/Adam/AdamW.
 
-Why: with momentum, a gradient keeps acting for many steps (at step i after it arrives, with
-weight m^i). A stage whose gradients arrive D updates late applies each one D steps after
-synchronous training would have started to, so its momentum "spikes" late and overshoots.
-Spike compensation applies at arrival what the gradient would already have contributed in those
-D steps, and scales down the velocity by what it would have decayed:
-
-    SGD:  v <- m v + g;                   w <- w - lr (a v + b g),  a = m^D, b = (1 - m^D) / (1 - m)
-    Adam: mt <- b1 mt + (1 - b1) g;       numerator a mt + b g,     a = b1^D, b = 1 - b1^D
-
-so each gradient's total contribution (now and in every later step) is that of undelayed
-momentum. D = 0 is the optimizer unchanged; m = 0 is plain SGD for any D.
-
-The replacement step keeps the optimizer's own state keys (``momentum_buffer``; ``step``,
-``exp_avg``, ``exp_avg_sq``), so state dicts, checkpoints and LR schedulers work unchanged.
-Options the formula is not written for (nesterov, dampening, amsgrad, maximize, capturable,
-differentiable) are refused with a :class:`~fxpipe.errors.ConfigError`.
+For a delay D, SGD steps ``w -= lr (a v + b g)``, ``a = m^D``, ``b = (1 - m^D) / (1 - m)``, and Adam
+uses ``a mt + b g``, ``a = b1^D``, ``b = 1 - b1^D``: each gradient acts as undelayed momentum's.
 """
 from __future__ import annotations
 
@@ -66,7 +51,7 @@ def _refuse(opt: torch.optim.Optimizer, required: dict[str, Any]) -> None:
 @torch.no_grad()
 def _sgd_step(self: torch.optim.SGD, closure: Any = None) -> Any:
     """torch.optim.SGD's step (weight decay, momentum buffer initialised to the first gradient)
-    with the update direction ``a v + b g`` (see the module doc)."""
+    with the update direction ``a v + b g`` (docs/design-notes.md)."""
     loss = None if closure is None else closure()
     D = self._fxpipe_delay  # type: ignore[attr-defined]
     for group in self.param_groups:
@@ -93,7 +78,7 @@ def _sgd_step(self: torch.optim.SGD, closure: Any = None) -> Any:
 @torch.no_grad()
 def _adam_step(self: torch.optim.Optimizer, closure: Any = None) -> Any:
     """torch.optim.Adam / AdamW's step (bias correction, L2 or decoupled weight decay) with the
-    first moment replaced by ``a exp_avg + b g`` in the update (see the module doc)."""
+    first moment replaced by ``a exp_avg + b g`` in the update (docs/design-notes.md)."""
     loss = None if closure is None else closure()
     D = self._fxpipe_delay  # type: ignore[attr-defined]
     decoupled = isinstance(self, torch.optim.AdamW) or any(

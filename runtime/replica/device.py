@@ -1,16 +1,7 @@
-"""One device policy for every rank: ``cuda:LOCAL_RANK`` (or the CPU), and host-to-device copies
-that do not stall the host.
+"""One device policy for every rank, and host-to-device copies that do not stall the host.
 
-Why one place: the trainer (torchrun), ``run_distributed`` (spawned ranks) and the GPU check all
-pick a rank's device; when each picked its own way, ``run_distributed(device="cuda")`` put every
-rank on GPU 0. The rule, as torchrun and torch.distributed's examples use it: the i-th process on
-a machine (``LOCAL_RANK``) drives GPU i. An explicit ``cuda:N`` is honoured (a user pinning one
-process); ``cuda`` without an index means "my local GPU".
-
-Input copies: a minibatch read from a loader lives in pageable host memory, from which a CUDA
-copy is synchronous (the host waits for the copy). Copied from pinned (page-locked) memory with
-``non_blocking=True`` it is queued on the stream and the host goes on (torch's "pin_memory"
-guidance); the caching host allocator keeps the pinned block until the copy is done.
+The i-th process on a machine (``LOCAL_RANK``) drives GPU i (``cuda:N`` is honoured; no CUDA: the
+CPU); host tensors go to a GPU from pinned memory with ``non_blocking=True``.
 """
 from __future__ import annotations
 
@@ -44,7 +35,7 @@ def rank_device(requested: str | torch.device | None = None, *,
                 env: Mapping[str, str] | None = None,
                 cuda_available: bool | None = None, device_count: int | None = None
                 ) -> torch.device:
-    """The device of this rank (see the module doc): ``None`` -> ``cuda:LOCAL_RANK`` when CUDA
+    """The device of this rank (docs/design-notes.md): ``None`` -> ``cuda:LOCAL_RANK`` when CUDA
     is available, else the CPU; ``"cuda"`` -> ``cuda:LOCAL_RANK``; ``"cuda:N"`` -> GPU N;
     ``"cpu"`` -> the CPU. ``cuda_available`` / ``device_count`` are for tests."""
     avail = torch.cuda.is_available() if cuda_available is None else cuda_available

@@ -1,16 +1,7 @@
-"""The update every stage takes together in a flushing schedule: fp16 unscaling with ONE skip
-decision for the whole pipeline, then the model-wide gradient norm clip.
+"""The update all stages take together under a flushing schedule: fp16 unscaling, then the clip.
 
-Why one module for both: each needs one number from every rank at every update (the found-inf
-flag of :mod:`fxpipe.runtime.replica.loss_scale`, the squared norm of
-:mod:`fxpipe.runtime.replica.clipping`), so the distributed executor sends both in ONE all-reduce of
-two float64 numbers over every rank (:func:`step_hook`), and the reference executor computes the
-same in rank order (:func:`reference_step`). Order of operations, as an eager loop with
-``torch.amp.GradScaler``::
-
-    scaler.unscale_(opt)                      # grads / scale; found_inf if any is inf/NaN
-    clip_grad_norm_(model.parameters(), c)    # on the unscaled gradients
-    scaler.step(opt); scaler.update()         # skipped (and the scale backed off) on inf/NaN
+The found-inf flag and the squared norm travel in ONE all-reduce of two float64 numbers
+(:func:`step_hook`; :func:`reference_step` in rank order): unscale, clip, then step or skip.
 """
 from __future__ import annotations
 

@@ -1,25 +1,7 @@
 """Measured memory of one stage replica: the peak bytes of live tensors while it trains.
 
-The planner predicts what a replica holds at its peak (:mod:`fxpipe.runtime.pricing.memory`:
-state, stashed versions, activations per minibatch in flight). This is the measurement to hold
-it against (issue 26), per rank, over the segments a Trainer runs with ``measure_memory=True``:
-
-- on CUDA, ``torch.cuda.max_memory_allocated`` of the rank's device (reset when measuring
-  starts): what the caching allocator handed out, the number an OOM is about;
-- on the CPU there is no such counter, so :class:`LiveBytes` counts tensor storages itself: a
-  ``TorchDispatchMode`` sees every tensor an operator returns (forward, backward, optimizer
-  step, receive buffers), each storage is counted once however many views share it, and a weak
-  reference takes its bytes off when the storage is freed. What the replica already holds when
-  measuring starts (weights, gradients, optimizer state, stashed versions, receives posted) is
-  found by walking the executor's own objects (:func:`reachable_storages`); the stage's
-  GraphModule is not walked (a replica computes with its own copies: its tensors are the
-  user's model, not the stage's memory).
-
-Only the thread that trains is seen (a dispatch mode is thread-local): tensors a loader thread
-reads are not the stage's. Storages a backend allocates without an operator (none in gloo's
-send and receive: their buffers are ``torch.empty`` here) would be missed, and the counter is
-exact for the rest: ``tests/runtime/test_runtime_live_bytes.py`` holds it against sums by hand.
-The mode costs a Python call per operator, so measuring is an option, off by default.
+``max_memory_allocated`` on CUDA; on the CPU :class:`LiveBytes`, a dispatch mode that counts each
+storage once until freed. What ``measure_memory=True`` holds the planner's prediction against.
 """
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """Dynamic loss scaling for ``precision="fp16"``, with ``torch.amp.GradScaler``'s rules.
 
-Why: float16 keeps 5 exponent bits, so small gradients underflow to zero in a float16 backward.
-Multiplying the loss by a large scale S before the backward lifts every gradient by S; the
-gradients are divided by S (*unscaled*) before clipping and the optimizer step. A scale too
-large overflows: then some gradient is inf/NaN, the step is skipped and S is halved. After
-``growth_interval`` clean steps in a row S is doubled. Exactly GradScaler's arithmetic: the
-inverse scale is ``float32(1 / float64(S))``, each gradient is multiplied by it, and
-``found_inf`` is whether any unscaled gradient is not finite.
-
-**In a pipeline** (only the synchronous, flushing schedules ``1f1b-flush``, ``gpipe``, ``zb-h1``,
-``zb-h2``; see :func:`check_kind`): the last stage seeds each minibatch's backward with S (the
-gradient of ``loss * S``), every stage unscales the mean gradients of its update ``U<i>`` by
-the same S, and the inf check is GLOBAL: every stage and replica contributes whether it found an
-inf/NaN (one all-reduce over every rank of the pipeline, inside the update, with the runtime's
-timeout), so every stage skips the same step and every replica keeps the same scale (each keeps
-its own copy of this state and applies the same decisions). A skipped step still counts as an
-update for the weight versions and the LR scheduler (as an eager loop calling
-``scheduler.step()`` after ``scaler.step(opt)`` does).
-
-**pipedream and 2bw are refused**: their stages apply the gradients of different minibatches at
-different times, so a scale change decided at one stage's update would reach minibatches whose
-backward already ran with the old scale on other stages; doing it right needs the scale to
-travel with every gradient message and per-minibatch skip decisions. Use a flushing schedule or
-``precision="bf16"`` (no loss scaling needed).
+The last stage seeds the backward with S, every stage unscales by S, one global inf/NaN check skips
+the same step everywhere; flushing schedules only (:func:`check_kind`): one scale spans a batch.
 """
 from __future__ import annotations
 
@@ -62,7 +41,7 @@ class ScalerConfig:
 
 
 def check_kind(precision: str, kind: str) -> None:
-    """fp16 loss scaling runs only with the flushing schedules (see the module doc)."""
+    """fp16 loss scaling runs only with the flushing schedules (docs/design-notes.md)."""
     if precision == "fp16" and kind not in SYNCHRONOUS_KINDS:
         raise RuntimeConfigError(
             f"precision='fp16' with schedule {kind!r}: dynamic loss scaling needs one scale and "

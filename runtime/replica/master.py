@@ -1,27 +1,7 @@
 """float32 master weights for low-precision parameters (the Megatron / DeepSpeed / apex rule).
 
-Why: a model whose parameters are bfloat16 (``model.to(torch.bfloat16)``) cannot be trained by
-an optimizer that steps those parameters directly: bfloat16 keeps 8 bits of mantissa, so an
-update smaller than 2^-8 of a weight rounds away (a weight of 1.0 ignores every step below
-0.0039), and the optimizer's state (momentum, Adam's moments) would be bfloat16 too. The rule of
-every large-model trainer is to keep a float32 *master* copy of each low-precision parameter,
-give the optimizer the masters (so its state is float32), step them in float32 and copy them
-down (rounded to nearest) into the low-precision parameters the forwards and backwards use.
-
-fxpipe's semantics with master weights (``master_weights=None``, the default, turns them on
-exactly when some trainable parameter of a stage is float16 or bfloat16; ``True`` asks for them
-(float32 parameters need none and are stepped as they are); ``False`` steps the low-precision
-parameters directly, as an ablation):
-
-* gradients of a low-precision parameter are accumulated over a round's minibatches, summed
-  over replicas (all-reduced) and clipped in float32 (Megatron's
-  ``accumulate_allreduce_grads_in_fp32``): each minibatch's gradient, computed in the
-  parameter's dtype by autograd, is cast to float32 once and added to a float32 sum;
-* the optimizer holds the masters (float32) and the float32 parameters; after its step every
-  master is copied into its parameter. Weight stashing stashes the low-precision copies (what
-  the forwards read); the masters exist once per replica, never per version;
-* a checkpoint saves the masters beside the weights, so a resume continues from the float32
-  values, not from their rounded copies (which would not reproduce the uninterrupted run).
+The optimizer steps float32 masters, copied down into the float16/bfloat16 parameters, whose
+gradients are summed in float32. ``master_weights=None`` (default): on where a stage has one.
 """
 from __future__ import annotations
 
@@ -48,7 +28,7 @@ class MasterWeights:
     """The float32 masters of one stage replica's low-precision trainable parameters.
 
     ``latest``: the replica's newest weights by name; ``trainable``: the names the optimizer
-    steps; ``enabled``: the option (None: automatic, see the module doc)."""
+    steps; ``enabled``: the option (None: automatic, see docs/design-notes.md)."""
 
     def __init__(self, latest: Mapping[str, torch.Tensor], trainable: Sequence[str],
                  enabled: bool | None) -> None:

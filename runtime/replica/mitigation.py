@@ -1,38 +1,7 @@
-"""Mitigations of weight staleness, as options of the asynchronous schedule ``pipedream``.
+"""Mitigations of weight staleness, as options of ``pipedream`` (``"pipedream+predict+dc"``).
 
-PipeDream's 1F1B keeps stage s of a straight pipeline d_s = S - 1 - s of its own updates stale
-(:mod:`fxpipe.runtime.schedules.staleness`): its gradient was computed on weights d_s updates older
-than the ones it is applied to. Four remedies from the literature, each an option spelled after the
-schedule (``schedule="pipedream+predict"``, several joined with ``+``):
-
-* ``lr_scale``: stage s's learning rate times 1 / (1 + d_s) (staleness-aware step sizes, as in
-  asynchronous SGD analyses: a gradient d steps old gets a step d + 1 times smaller).
-* ``predict``: weight prediction for the forward (SpecTrain, PipeMare): minibatch k's forward and
-  backward on stage s use ``W_v + h * (W_v - W_(v-1))``: the version v it reads, extrapolated by
-  the optimizer's last step (its velocity: ``-lr * momentum_buffer`` for SGD, Adam's step for
-  Adam) over the h updates that will happen before its gradient is applied (h from the
-  schedule: d_s in the steady state). The gradient is thus evaluated near the weights it updates.
-* ``dc``: delay-compensated gradients (DC-ASGD, Zheng et al. 2017, its adaptive form DC-ASGD-a):
-  each minibatch's gradient g becomes ``g + lam * g * g * (W_now - W_read)`` (elementwise), the
-  first-order Taylor correction of the gradient from the weights it was computed on to the
-  weights it is applied to, with ``lam = dc_lambda / sqrt(ms + eps)`` and ``ms <- dc_decay * ms +
-  (1 - dc_decay) * g * g`` kept per parameter (so the correction does not depend on the
-  gradients' scale). Applied per minibatch before the replicas' all-reduce, so replicas stay
-  identical.
-* ``momentum``: spike compensation of the optimizer's momentum for a stage d_s updates stale
-  (:mod:`fxpipe.runtime.replica.compensate`; SGD, Adam and AdamW).
-* ``nesterov``: the optimizer in its Nesterov form (SGD with Nesterov momentum, NAdam, Muon's
-  Nesterov step), its momentum raised towards 0.99 with the stage's delay (Ajanthan et al. 2025;
-  :mod:`fxpipe.runtime.replica.nesterov`).
-
-The optimizer factory may take the stage's index and delay: ``optimizer=lambda params, stage,
-delay: torch.optim.SGD(params, lr=0.1 / (1 + delay))`` (keywords ``stage`` and ``delay``; a
-factory taking only ``params`` keeps working), so users can write their own.
-
-Limits (refused with a clear error): ``predict`` and ``dc`` need weight stashing and no vertical
-sync (the forward must read the latest version); per-stage learning rates or momentum corrections
-cannot be applied to a parameter tied across stages of different delays (its copies must stay
-identical); ``momentum`` and ``nesterov`` are two rewrites of one momentum: use one.
+For stage s, d_s = S - 1 - s updates stale: ``lr_scale``, ``predict`` (weight prediction), ``dc``
+(DC-ASGD-a), ``momentum`` (:mod:`.compensate`), ``nesterov`` (:mod:`.nesterov`), joined with ``+``.
 """
 from __future__ import annotations
 
@@ -92,7 +61,7 @@ def bind_optimizer(factory: Callable[..., torch.optim.Optimizer], stage: int, de
 def check_mitigation(mitigation: Mitigation | None, *, kind: str, stashing: bool,
                      vertical_sync: bool, stages: Sequence[StageSpec] = (),
                      delays: Sequence[int] = ()) -> None:
-    """Refuse combinations the mitigations are not defined for (see the module doc)."""
+    """Refuse combinations the mitigations are not defined for (docs/design-notes.md)."""
     if mitigation is None:
         return
     if kind != "pipedream":
@@ -212,7 +181,7 @@ class MitigatedReplica(StageReplica):
 
     @torch.no_grad()
     def _compensate(self, name: str, g: torch.Tensor) -> torch.Tensor:
-        """DC-ASGD-a's correction of one minibatch's gradient of ``name`` (module doc)."""
+        """DC-ASGD-a's correction of one minibatch's gradient of ``name`` (docs/design-notes.md)."""
         m = self.mitigation
         ms = self._ms.get(name)
         ms = self._ms[name] = ((1 - m.dc_decay) * g * g if ms is None

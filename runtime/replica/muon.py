@@ -1,17 +1,7 @@
 """Muon for a stage's hidden matrices and an element-wise optimizer for the rest, as ONE optimizer.
 
-``torch.optim.Muon`` orthogonalises the momentum of 2-D matrices only and refuses anything else;
-embeddings, heads, norms and biases are meant for AdamW (Jordan's Muon post; the Muon docstring in
-torch). A stage replica holds one optimizer (its state dict, checkpoint, LR scheduler, clipping
-and the staleness mitigations see one object), so :class:`MuonWithAdamW` joins the two:
-``torch.optim.Muon`` on the Muon groups and an element-wise optimizer (AdamW by default, NAdam
-under ``pipedream+nesterov``) on the others, stepped one after the other. Their param groups ARE
-this optimizer's groups (the same dicts: an LR scheduler's change reaches both) and their state is
-this optimizer's state (one dict, keyed by parameter), so ``state_dict`` and ``load_state_dict``
-are torch's own, and a run with it equals the two optimizers stepped side by side.
-
-Which tensors go where is the caller's: :func:`fxpipe.runtime.training.param_names.muon_groups`
-decides by name, as ``weight_decay_groups`` does.
+:class:`MuonWithAdamW` steps ``torch.optim.Muon`` and AdamW (or NAdam) whose param groups and state
+ARE its own, so state dicts, LR schedulers and checkpoints are torch's.
 """
 from __future__ import annotations
 
@@ -27,8 +17,9 @@ MUON_KEY = "muon"
 
 class MuonWithAdamW(torch.optim.Optimizer):
     """``torch.optim.Muon(muon_groups, **muon)`` and ``other(other_groups, **rest)`` as one
-    optimizer (module doc). Either list may be empty (a stage holding only biases and norms has
-    no Muon group). ``other`` is any torch optimizer class taking groups and keywords."""
+    optimizer (docs/design-notes.md). Either list may be empty (a stage holding only biases and
+    norms has no Muon group). ``other`` is any torch optimizer class taking groups and
+    keywords."""
 
     def __init__(self, muon_groups: Sequence[dict[str, Any]],
                  other_groups: Sequence[dict[str, Any]], *, muon: dict[str, Any] | None = None,

@@ -1,35 +1,7 @@
 """Delay-matched Nesterov momentum for stale stages (``schedule="pipedream+nesterov"``).
 
-Ajanthan et al., "Nesterov Method for Asynchronous Pipeline Parallel Optimization" (ICML 2025,
-arXiv 2505.01099), train PipeDream's asynchronous 1F1B with Nesterov's accelerated gradient whose
-look-ahead is made for the delay, and report it beating the synchronous baseline on decoder-only
-LMs up to 1B parameters. The authors' published code (AsyncPP, built on PipeDream) runs it as
-NAdamW with weight stashing, the momentum coefficient raised with the stage's delay
-(``--adaptive_momentum``):
-
-    beta_s = beta + d_s (beta_max - beta) / S      d_s: stage s's delay in its own updates,
-                                                   S: the pipeline's stages, beta_max = 0.99
-
-Why it helps: Nesterov's step evaluates the gradient at a point ahead along the momentum, and a
-stale stage's gradient was evaluated d_s updates behind; with the momentum closer to 1 the update
-direction turns slowly, so the gradient from d_s updates ago still points where the look-ahead
-goes, and the stage that is staler gets the longer memory.
-
-In fxpipe's terms the user's optimizer becomes its Nesterov form with ``beta_s`` (lr, weight
-decay, eps and the param groups kept):
-
-    SGD(momentum=m)              -> SGD(momentum=beta_s, nesterov=True)      (beta from m)
-    Adam / AdamW(betas=(b1, b2)) -> NAdam(betas=(beta_s, b2)), AdamW's decay decoupled
-    Muon(momentum=m)             -> Muon(momentum=beta_s, nesterov=True)
-    MuonWithAdamW                -> both parts as above (its AdamW part as NAdam)
-
-A momentum already at or above ``beta_max`` is kept: the authors' published script runs every
-stage at 0.99 (``--momentum 0.99``, the adaptive rule commented out), which is this mitigation
-with the optimizer's momentum set to 0.99. Their loop is PipeDream's with weight stashing (the
-backward recomputes on the stashed version, the step applies to the newest), as fxpipe's
-``pipedream`` is. The last stage (no delay) keeps its coefficient but takes the Nesterov form
-too. Options the forms are not defined for (SGD's
-dampening, amsgrad, maximize) are refused with a :class:`~fxpipe.errors.ConfigError`.
+The optimizer becomes its Nesterov form (SGD, NAdam, Muon) with momentum ``beta + d_s (0.99 - beta)
+/ S`` for stage s's delay d_s of S stages (Ajanthan et al., ICML 2025); 0.99 and above is kept.
 """
 from __future__ import annotations
 
@@ -102,7 +74,8 @@ def _muon_groups(groups: list[dict[str, Any]], delay: int, depth: int,
 def nesterov_form(opt: torch.optim.Optimizer, delay: int, depth: int,
                   top: float = BETA_MAX) -> torch.optim.Optimizer:
     """A new optimizer over ``opt``'s groups: its Nesterov form with the delay-matched momentum
-    (module doc). ``opt`` must be fresh (no state yet): the replica calls this as it builds it."""
+    (docs/design-notes.md). ``opt`` must be fresh (no state yet): the replica calls this as it
+    builds it."""
     if any(opt.state.values()):
         raise ConfigError("pipedream+nesterov on an optimizer that has stepped",
                           "a bug: the mitigation applies as the replica builds its optimizer")

@@ -1,23 +1,7 @@
-"""Mixed precision for the stages' forwards: ``precision="bf16"`` runs every stage forward (and
-the loss, and the recomputed forwards of activation recomputation) under
-``torch.autocast(device_type, dtype=torch.bfloat16)``, exactly what an eager loop writes as::
+"""Mixed precision for the stages' forwards: ``precision="bf16"`` or ``"fp16"`` autocast.
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = loss_fn(model(x), y)
-    loss.backward()
-
-Weights, gradients and the optimizer stay in float32 (autocast casts copies per op), so the
-"master weights" are the parameters themselves (a model whose parameters are themselves low
-precision gets float32 masters: :mod:`fxpipe.runtime.replica.master`). Values crossing a stage
-boundary keep the dtype autocast gave them (a bfloat16 activation is sent as bfloat16, half the
-bytes): the wire plan is made under the same autocast
-(:func:`fxpipe.runtime.execution.wire.make_wire_plan`), so receivers post buffers of the right
-dtype. The backward needs no context (autograd replays each op's dtype).
-
-``"fp16"`` runs the same forwards under float16 autocast (CPU float16 autocast exists in torch
-2.13, so it is tested here) and adds dynamic loss scaling (:mod:`fxpipe.runtime.replica.loss_scale`:
-``torch.amp.GradScaler``'s rules, one scale and one skip decision for every stage), which only
-the flushing schedules support.
+Forwards, the loss and recomputed forwards run under ``torch.autocast``; weights, gradients and the
+optimizer keep their dtype (:mod:`.master`); ``"fp16"`` adds :mod:`.loss_scale`.
 """
 from __future__ import annotations
 

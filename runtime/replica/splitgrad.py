@@ -1,23 +1,7 @@
 """A stage's backward in two parts: input gradients now (B), weight gradients later (W).
 
-Why: in a pipeline only the input gradients are on the critical path (the previous stage waits
-for them); the weight gradients are needed only at the next update. Zero-bubble schedules (Qi et
-al., "Zero Bubble Pipeline Parallelism", ICLR 2024) run B as soon as possible and W in what
-would otherwise be idle time.
-
-How, without computing anything twice: the autograd graph of a stage splits into the part every
-input gradient flows through (the *input closure*: from the outputs down to the inputs) and, for
-each weight, a branch that leaves that part at some nodes (the *frontier*: a linear layer's
-``MmBackward`` feeds both ``dX = dY W^T`` and ``dW = X^T dY``). B asks autograd for the input
-gradients only, and pre-hooks on the frontier nodes record the gradient that arrives there. W then
-starts from those recorded gradients (``GradientEdge``s) and walks only the weight branches. A
-frontier node that lies below another one would receive its gradient twice in W, so during W its
-pre-hook replaces whatever arrives with the recorded value. The idea is torch.distributed
-.pipelining's (``stage_backward_input`` / ``stage_backward_weight``); this is our own code over our
-own stash, tested to give exactly the fused backward's gradients.
-
-A stage with no differentiable input (the input stage: model inputs get no gradient) has an
-empty input closure: B computes nothing and W is the whole backward.
+B asks autograd for the input gradients and records the gradients reaching the weight branches; W
+walks only those branches from the records: nothing twice, the fused backward's gradients exactly.
 """
 from __future__ import annotations
 

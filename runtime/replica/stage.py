@@ -1,16 +1,7 @@
 """One stage replica's computation: forward, backward and update of a StageSpec, no transport.
 
-Both executors (the single-process reference and the distributed one) drive the same
-:class:`StageReplica`, so they do the same floating-point operations in the same order and their
-results can be compared tightly; they differ only in how tensors travel and how the replicas'
-gradients are summed.
-
-The update half (gradient sums to optimizer steps, and the gradient semantics of an update ``U``)
-lives in :mod:`fxpipe.runtime.replica.stage_update`; the facts about the whole list of stages
-(checks, tied parameters, binding a batch to the model's inputs) in
-:mod:`fxpipe.runtime.replica.stage_set`; helpers around one GraphModule call in
-:mod:`fxpipe.runtime.replica.stage_call`. Their public names are re-exported here, where the rest of
-the runtime imports them from.
+Both executors drive the same :class:`StageReplica`: the same floating-point operations in the
+same order. Re-exports the names of :mod:`.stage_update`, :mod:`.stage_set`, :mod:`.stage_call`.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Helpers around one call of a stage's GraphModule: which inputs get gradients, which must be
-cloned before a call may write into them, the RNG state a recomputed forward replays, and the
-train/eval modes of an evaluation.
+"""Helpers around one call of a stage's GraphModule: pure functions the replica composes.
 
-Kept apart from :class:`fxpipe.runtime.replica.stage.StageReplica` because they are pure functions
-of a stage (or a module) with one job each, tested through the replica; the replica composes them.
+Which inputs get gradients, which must be cloned before a call may write into them, the RNG state a
+recomputed forward replays, and the train/eval modes of an evaluation.
 """
 from __future__ import annotations
 

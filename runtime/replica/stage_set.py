@@ -1,10 +1,7 @@
-"""Facts about a pipeline's whole list of stages, before any replica exists.
+"""Facts about a pipeline's whole list of stages, needed without building any replica.
 
-What the runtime checks and derives from the StageSpecs as a set, kept apart from one replica's
-computation (:mod:`fxpipe.runtime.replica.stage`) because the executors, the worker, the schedule
-checks and the Trainer need them without building replicas: whether the stages can run at all
-(:func:`check_stages`), which Parameters several stages share (tied weights, whose gradients
-must be summed across those stages), and how a user's batch binds to the model's inputs.
+Whether the stages can run (:func:`check_stages`), which Parameters several stages share (tied
+weights, gradients summed across them) and how a batch binds to the model's inputs.
 """
 from __future__ import annotations
 

@@ -1,30 +1,7 @@
 """The update half of a stage replica: from its gradient sums to one optimizer step.
 
-Gradient semantics of an update ``U``: each replica sums the parameter gradients of the minibatches
-it ran since its previous update and counts them; the replicas of the stage add up both (an
-all-reduce of one flat buffer, or the same sums in buckets launched during the last backward of
-the round: :mod:`fxpipe.runtime.execution.buckets`) and the update uses sum / count, the mean
-gradient over the minibatches of the group (= plain SGD for one replica updating after every
-minibatch).
-
-A parameter without a gradient is not stepped, as ``torch.optim`` skips ``grad=None`` (so weight
-decay or momentum does not move a parameter whose output was ``.detach()``ed): in an update it
-gets None when no replica of its stage produced a gradient for it since the previous update; if
-some did, the missing ones count as zeros (DDP's rule). So that the replicas agree without another
-collective, the flat buffer of the executors (``flags=True``) carries one presence flag per
-trainable parameter between the sums and the count, summed with them by the same all-reduce (a
-flag > 0: some replica had a gradient); a tied parameter's flag travels in its segment, so the
-rule holds across the tie. The flags never touch the sums, so where every parameter has a
-gradient the results are those of the layout without flags, bit for bit.
-
-Why the update path avoids copies: on a one-stage run the gradient memory is touched by the
-backward and by the optimizer anyway; every extra pass (concatenating, dividing into a new tensor,
-cloning) costs as much again, and every fresh allocation of a large tensor pays page faults. So
-a gradient sum is accumulated in place once the replica owns it, a lone replica without tied
-weights hands its sums straight to the optimizer (:meth:`StageReplica.apply_local_update`), and
-the flat path divides views of the summed buffer in place. The floating-point operations (one
-addition per minibatch in order, one division by the count) are exactly those of the copying
-version, so results are bit-identical.
+``U`` steps with sum / count over the replicas' minibatches since the last update; a parameter no
+replica gave a gradient is not stepped (a presence flag per parameter rides in the flat buffer).
 """
 from __future__ import annotations
 
@@ -54,7 +31,7 @@ class UpdateMixin:
     def local_gradient(self, flags: bool = False) -> torch.Tensor:
         """Flat buffer [sum of gradients of every trainable parameter..., minibatch count]; with
         ``flags``, one presence flag per trainable parameter (1: it has a gradient sum this
-        round, 0: none, its part is zeros) between the sums and the count (see the module doc:
+        round, 0: none, its part is zeros) between the sums and the count (see docs/design-notes.md:
         what lets summed replicas tell "no gradient anywhere" from "a zero gradient")."""
         names = self.stash.trainable
         dtype, device = self._tail()

@@ -1,32 +1,7 @@
-"""Weight stashing (PipeDream): per stage replica, the latest weights plus older versions still
-needed by minibatches in flight.
+"""Weight stashing (PipeDream): per stage replica, the latest weights plus older versions in use.
 
-Why versions at all: under the pipedream schedule a stage updates its weights between the forward
-and the backward of a minibatch. The gradient is only a valid gradient if the backward uses the
-weights the forward used, so those must be kept ("stashed") until that backward is done, while the
-optimizer keeps updating the latest weights.
-
-How it stays cheap: a version is just a ``dict[name, Tensor]`` passed to
-``torch.func.functional_call`` (or the leaner :func:`swapped_call`), so minibatches that read the
-same version share one dict (nothing is copied while no update happens). At an update, if the
-current version is still needed (a minibatch in flight read it, or a planned future forward will),
-the stash clones the trainable tensors, points the optimizer at the clones and steps those; the old
-dict keeps referencing the untouched old tensors, which the in-flight autograd graphs saved. If
-nobody needs the current version, the update is done in place and no memory is added.
-``bytes_held`` counts unique storages.
-
-Why a free list: under pipedream the input stage copies on every update in steady state, while
-each backward drops the oldest version; allocating the copy anew each time costs page faults on
-a tensor as large as the stage's weights. So the trainable tensors of a dropped version are kept
-(at most one version's worth, keyed by shape, stride, dtype and device) and the next copy-on-write
-writes into them. Spares are only reused by that copy; an update that needs no copy frees them,
-so steady memory stays that of the versions held (``spare_bytes`` reports them separately).
-
-Low-precision parameters get float32 master copies that the optimizer steps (:mod:`.master`):
-the versions stashed are the low-precision copies the forwards read; the masters exist once.
-
-``stashing=False`` (an ablation only): the backward uses the latest weights; the owner recomputes
-the forward with them (see :mod:`fxpipe.runtime.replica.stage`), so no old version is ever kept.
+A version is a dict of tensors the minibatches reading it share; an update copies the weights first
+(into a dropped version's spares) only while the current version is still needed, else in place.
 """
 from __future__ import annotations
 
@@ -78,7 +53,7 @@ class WeightStash:
         self._inflight: dict[int, int] = {}  # minibatch -> version its forward read
         self._reads: Counter[int] = Counter(planned_reads or {})
         # a dropped version's own tensors, by parameter name, for the next copy-on-write (see
-        # the module doc): a parameter's versions all share its shape, dtype and device
+        # docs/design-notes.md): a parameter's versions all share its shape, dtype and device
         self._spare: dict[str, torch.Tensor] = {}
         self.peak_bytes = self.bytes_held()
         self._peak_versions = 0  # most old versions held at once (see update)

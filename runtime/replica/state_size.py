@@ -1,16 +1,7 @@
 """Bytes a replica keeps per byte of its parameters, as the run keeps them: the planner's ``opt``.
 
-The planner prices a stage's state as ``P (2 + opt)``: its weights, one gradient of the same
-size, and ``opt`` more bytes per parameter byte. That is SGD with momentum's 1 for a float32
-model, but a bfloat16 model trained with AdamW under fxpipe's default master weights
-(:mod:`.master`) keeps, per parameter, the bf16 weight (2 bytes), a float32 gradient (4: low
-precision gradients are accumulated, reduced and clipped in float32), the float32 master (4) and
-AdamW's two float32 moments (8): 18 bytes, 9 per parameter byte, ``opt = 7``.
-
-:func:`state_factor` measures the optimizer's own state on tiny stand-ins of the parameters
-(same dtypes and number of dimensions, so a factory that groups by shape or name accepts them;
-masters float32 where the run would make them), stepped once; it works for parameters on the
-meta device too, since only their dtypes and ranks are read.
+:func:`state_factor` measures ``opt`` of ``P (2 + opt)`` on tiny stand-ins of the parameters;
+:func:`step_temporaries` what one optimizer step allocates and frees again.
 """
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""What every stage replica does beyond plain forward/backward/update, given once to an executor:
-gradient clipping (:mod:`fxpipe.runtime.replica.clipping`), precision
-(:mod:`fxpipe.runtime.replica.precision`), float32 master weights
-(:mod:`fxpipe.runtime.replica.master`), fp16 loss scaling (:mod:`fxpipe.runtime.replica.loss_scale`)
-and activation recomputation per stage (:class:`fxpipe.runtime.replica.stage.StageReplica`).
+"""What every stage replica does beyond plain forward/backward/update, given once to an executor.
 
-Both executors take the same :class:`StepOptions`, so the reference stays the oracle of the
-distributed runtime with any of them on.
+Clipping, precision, master weights, fp16 loss scaling and recomputation: both executors take the
+same :class:`StepOptions`, so the reference stays the distributed runtime's oracle.
 """
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """A target that carries what its loss is scaled by: how a cut minibatch trains as a whole.
 
-A microbatch of a cut minibatch scales its loss so that the update's mean of the microbatches'
-gradients is the whole minibatch's (``training.loss_split``); an evaluated minibatch scales its
-loss by what it counts for in a mean over the data. The scale rides with the target to the
-stage that computes the loss, where :class:`WeightedLoss` applies it, so no executor needs to
-know about cuts.
+The scale rides with the target to the loss's stage, where :class:`WeightedLoss` applies it, so no
+executor needs to know about cuts.
 """
 from __future__ import annotations
 

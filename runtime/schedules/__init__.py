@@ -1,8 +1,7 @@
-"""fxpipe.runtime.schedules: what every rank does, as data. No torch.
+"""fxpipe.runtime.schedules: what every rank does, as data (pure Python, no torch).
 
-The action IR and its checks (``schedule``), the generators of every schedule kind (``kinds``,
-``zerobubble``, ``placement``, ``placed_orders``, ``localsgd``), what a user may ask for
-(``spec``), what the schedule implies (``staleness``, ``simulate``) and the one global message
-order that keeps NCCL safe (``commplan``, ``hosted_plan``). Imports only the runtime's shared
-leaves (``errors``, ``timeline``) and the compiler phases' plain data.
+The action IR (``schedule``, ``order``); the kinds' generators (``kinds``, ``zerobubble``,
+``placement``, ``placed_orders``, ``localsgd``), a stretch in windows (``stream``) and what
+``schedule=`` accepts (``spec``); what a schedule implies (``staleness``, ``simulate``); the
+message order and its proofs (``commplan``, ``hosted_plan``, ``ncclcheck``, ``proofs``).
 """

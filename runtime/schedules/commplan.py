@@ -1,31 +1,7 @@
 """The order of every rank's point-to-point messages, as data (NCCL's rules: :mod:`.ncclcheck`).
 
-Why this exists: NCCL ignores tags. A rank's sends and receives run on a CUDA stream in the order
-they were issued (one stream per rank pair by default; with an eagerly initialised process group
-ONE stream for all of the rank's point-to-point traffic), a send does not complete before its
-receive has started, and the i-th send from A to B is paired with the i-th receive at B from A
-whatever their tags. A rank that posts a gradient receive ahead of an activation send its peer is
-waiting for (what pre-posting receives used to do) therefore deadlocks on a GPU, while gloo,
-which matches by tag, runs it fine.
-
-The rule, correct by construction: all ranks agree on ONE global order of all messages (a
-message sits at its sending action's place in a timed execution order, see
-:class:`StretchPlanner`, then the message's sort key), and every rank issues its own sends and
-receives in that order. A send is issued right after its action's compute; the receives before
-it (in the order) are issued first, and after each send every receive up to the rank's next send
-is issued at once. Why this cannot deadlock, even with one stream per rank: the first unfinished
-message in the global order is at the head of both its ends' streams, both ends have issued it
-(the sender computed its action, whose inputs are earlier messages; the receiver issues receives
-in order before it waits on any), so it completes; by induction all do.
-
-Posting and progress (issue 27): a transfer starts only once both ends have posted it (gloo
-waits for the receiver's "ready" before it sends the data; NCCL pairs the two), so WHERE a
-receive sits in the order decides whether its transfer overlaps the receiver's compute. The
-order follows the schedule's timing, so each receive is posted before the actions that run while
-its data is produced and sent, and a stretch's windows (:mod:`.stream`) continue one order: a
-message sent in a window may be waited for in a later one.
-
-Pure Python (no torch): the executor, the tests and the checker build the same plan.
+NCCL pairs messages by issue order, not tag, so every rank issues its sends and receives in ONE
+global order (:class:`StretchPlanner`), channel by channel (:class:`Issuer`), which cannot deadlock.
 """
 from __future__ import annotations
 
@@ -122,7 +98,7 @@ def action_messages(links: Sequence[StageLinks], owner: Owner, me: Rank, a: Acti
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's messages: ``recvs[i]`` / ``sends[i]`` of its action i, and ``ops``: all of
-    them in the global order (see the module doc), the order the rank issues them in, channel
+    them in the global order (docs/design-notes.md), the order the rank issues them in, channel
     by channel. ``times[j]``: when op j's sending action starts in the plan's timing, and
     ``starts[i]`` when the rank's action i does (the :class:`Issuer` posts a receive once the
     rank is within ``lead`` of its time); empty: no timing (every receive as early as the
@@ -239,7 +215,7 @@ def comm_plans(links: Sequence[StageLinks], sched: Any, index: Mapping[str, int]
 
 
 class Issuer:
-    """Issues one rank's messages in its plan's order, channel by channel (see the module doc).
+    """Issues one rank's messages in its plan's order, channel by channel (docs/design-notes.md).
 
     Call :meth:`at` before each action i (the rank's clock moves to its start,
     ``RankPlan.starts[i]``), :meth:`send` for each send of an action right after its compute (in ``RankPlan.sends[i]``

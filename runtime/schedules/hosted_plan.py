@@ -1,20 +1,7 @@
 """The message order of processes hosting several stages, as data (the placed kinds' commplan).
 
-Why: NCCL pairs a process pair's messages by ORDER on one stream, so each process must issue its
-sends and receives in one global order (see :mod:`fxpipe.runtime.schedules.commplan`). With one rank
-per process that order is the ranks'; a process hosting several ranks that let each rank issue in
-its own order would interleave them arbitrarily: e.g. interleaved on 2 processes, process 0's
-stage 2 pre-posts its receive of F0 from stage 1 ahead of stage 0's send of F0 to stage 1, and
-under one stream per process that receive blocks the send it waits for.
-
-So the same rule one level up: the global order is :func:`~fxpipe.runtime.schedules.placement.
-process_order` (a topological order of every process's merged list); a message's position is
-that of its sending step, then (receiver, direction, minibatch, value), which both ends compute
-alike; each process issues all its remote sends and receives (of every hosted rank) in that
-order, receives as early as the order allows. Messages between two stages of one process are
-not in it (they go through the mailbox). :func:`placed_plan_logs` produces the host calls this
-rule makes, so :func:`~fxpipe.runtime.schedules.ncclcheck.check_logs` can prove a placed schedule
-NCCL-safe without running it. Pure Python.
+Each process issues its hosted ranks' remote messages in one global order: the sending step's place
+in :func:`~.placement.process_order`, then (receiver, direction, minibatch, value).
 """
 from __future__ import annotations
 
@@ -34,7 +21,8 @@ def rank_plans(placed: PlacedSchedule, links: Sequence[StageLinks], index: Mappi
 
 
 def process_ops(placed: PlacedSchedule, plans: Mapping[Rank, RankPlan], p: int) -> tuple[Op, ...]:
-    """Process p's remote messages, every hosted rank's, in the global order (module doc)."""
+    """Process p's remote messages, every hosted rank's, in the global order
+    (docs/design-notes.md)."""
     where = {r: q for q, h in enumerate(placed.hosts) for r in h}
     pos: dict[tuple[Rank, str, int], int] = {}
     for n, (q, i) in enumerate(process_order(placed)):

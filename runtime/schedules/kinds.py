@@ -1,10 +1,7 @@
-"""The schedule kinds: ``make_schedule`` and the generators behind it.
+"""The schedule kinds: ``make_schedule`` and the generators behind it. Pure Python.
 
-Each kind (``SCHEDULE_KINDS``) is a rule that turns a replica vector and a number of minibatches
-into per-rank action lists (:mod:`fxpipe.runtime.schedules.schedule` defines the actions and
-checks them): PipeDream's asynchronous 1F1B with an update after every backward round, 2BW's
-double-buffered updates, the flushing kinds (1F1B-flush, GPipe) and the zero-bubble kinds, whose
-W placement comes from :mod:`fxpipe.runtime.schedules.zerobubble`. Pure Python, like the IR.
+Turns a kind, a replica vector and a number of minibatches into validated per-rank action lists:
+PipeDream's 1F1B, 2BW, 1F1B-flush, GPipe, and zero-bubble kinds (W placed by :mod:`.zerobubble`).
 """
 from __future__ import annotations
 

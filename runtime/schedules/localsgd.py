@@ -1,25 +1,7 @@
 """LocalSGD across stage-interleaved pipeline replicas, as a schedule (pure Python, no torch).
 
-Randomized PipeDream's alternative to asynchrony (Ilin & Richtarik, arXiv 2606.03498): instead of
-one pipeline whose stages run on stale weights, run R replicas of the WHOLE pipeline. Each replica
-trains one minibatch at a time (forward through every stage, backward, update: no weight is ever
-stale within a replica, so no stash is needed), the replicas train independently on their own
-minibatches, and every ``average_every`` (H) updates the replicas' weights are averaged. Their
-price is not staleness but divergence: between averages a replica has not seen up to
-(R - 1) x (H - 1) updates the others made.
-
-Why "stage-interleaved": with R = S replicas on S workers, replica j's stage s runs on worker
-(s + j) mod S, so at any moment every worker computes for some replica and there is no pipeline
-bubble (each worker holds one stage of every replica: the whole model, which is what LocalSGD
-costs in memory).
-
-As data it is an ordinary :class:`~fxpipe.runtime.schedules.schedule.Schedule` on ranks (stage,
-replica): minibatch k goes to replica k % R of every stage, each rank runs ``F k, B k, U i`` for its
-minibatches in order. Unlike every other kind, a ``U`` here is LOCAL (the replica steps with its
-own gradient; see :class:`fxpipe.runtime.execution.localsgd_executor.LocalSGDExecutor`) and every
-H-th ``U`` of a stage also averages the replicas' weights. A replica with one minibatch fewer (the
-segment is not a multiple of R) gets a trailing empty ``U`` so all replicas count updates alike;
-the executor skips its optimizer step.
+R replicas of the WHOLE pipeline train their own minibatches (k to replica k % R) with LOCAL
+updates, no stale weights, and average their weights every ``average_every`` updates and at the end.
 """
 from __future__ import annotations
 
@@ -44,7 +26,7 @@ class LocalSGDSchedule(Schedule):
 def make_localsgd_schedule(num_stages: int, replicas: int, num_minibatches: int, *,
                            average_every: int = DEFAULT_AVERAGE_EVERY) -> LocalSGDSchedule:
     """R = ``replicas`` copies of an S-stage pipeline, each running one minibatch at a time,
-    averaging every ``average_every`` updates (see the module doc)."""
+    averaging every ``average_every`` updates (docs/design-notes.md)."""
     for name, v in (("num_stages", num_stages), ("replicas", replicas),
                     ("average_every", average_every)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -1,14 +1,7 @@
 """NCCL's rules as a checker: replay every rank's host calls and prove the messages meet in order.
 
-Why a replay: NCCL ignores tags, runs a rank's operations on a stream in the order they were
-issued and completes a send only once its receive runs, so an order gloo runs happily (it matches
-by tag) can deadlock or silently swap tensors on a GPU. :func:`check_logs` replays recorded (or
-planned) host calls under the strictest of these rules (one stream per rank and channel: a
-channel is a process group of its own, and the runtime sends activations and gradients on one
-each) and proves that the sends of each ordered rank pair meet the receives of the other in
-order with equal tags, shapes and dtypes, and that nothing waits forever. :func:`plan_logs` produces the calls
-:mod:`fxpipe.runtime.schedules.commplan`'s plan makes for a schedule, or for the windows of a
-stretch, without running anything. Pure Python (no torch).
+:func:`check_logs` replays recorded or planned (:func:`plan_logs`) calls in issue order, a stream
+per rank and channel, and proves sends meet receives of equal tag, shape and dtype, none hanging.
 """
 from __future__ import annotations
 
@@ -73,7 +66,7 @@ def _pair_ops(logs: Mapping[int, Sequence[Event]]) -> dict[tuple[int, Any, int],
 
 
 def check_logs(logs: Mapping[int, Sequence[Event]]) -> int:
-    """Replay every rank's log under NCCL's rules (see the module doc); return the number of
+    """Replay every rank's log under NCCL's rules (docs/design-notes.md); return the number of
     point-to-point operations checked, or raise :class:`CommOrderError` saying which pair does
     not match or where every rank is stuck."""
     match = _pair_ops(logs)

@@ -1,21 +1,7 @@
 """Executing per-rank action lists against their data dependencies, a window at a time.
 
-Why a walker and not one function: a schedule of a whole stretch of training (an epoch of an
-asynchronous kind, which never drains in between) arrives in windows
-(:mod:`fxpipe.runtime.schedules.stream`), and every window must be executable on its own, given
-what earlier windows did: no rank may wait, at the end of a window, for an action that only a
-later window brings (a rank that finished its window goes on to the trainer's control exchange,
-which the stuck rank never reaches). :class:`OrderWalker` keeps what has run across
-:meth:`~OrderWalker.extend` calls; :func:`fxpipe.runtime.schedules.schedule.execution_order` is
-the one-window case.
-
-The dependencies (PipeDream's): F(k) on stage s needs F(k) on stage s-1; B(k) needs B(k) on stage
-s+1 (on the last stage its own F(k)); W(k) its own B(k); U<i> every replica of its stage at U<i>
-(and tied stages: together, or ``delay`` rounds apart). The order is greedy: each rank in turn
-runs until it blocks, which is also what the reference executor follows. Memory stays bounded
-over a long stretch: a finished action is remembered only until its consumers have run.
-
-Pure Python (no torch).
+F(k) needs F(k) upstream, B(k) needs B(k) downstream (last stage: its F(k)), W(k) its B(k), U<i> its
+stage's replicas (and tied stages) at U<i>. :class:`OrderWalker` runs each rank until it blocks.
 """
 from __future__ import annotations
 
@@ -39,7 +25,7 @@ class DeadlockError(ScheduleError):
 
 
 class OrderWalker:
-    """Runs every rank's actions in order against the dependencies (see the module doc).
+    """Runs every rank's actions in order against the dependencies (docs/design-notes.md).
 
     ``replicas``: per stage. ``sync``/``delay``: stages sharing tied weights; with ``delay`` 0
     their U<i> happen together (one all-reduce); with ``delay`` d > 0, U<i> of one of them needs

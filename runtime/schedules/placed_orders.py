@@ -1,10 +1,7 @@
-"""The per-batch orders of the placed kinds (see :mod:`fxpipe.runtime.schedules.placement`):
-Megatron-LM's interleaved order, and a greedy list scheduler over processes that host several
-stages.
+"""The per-batch orders of the placed kinds (:mod:`.placement`), one merged list per process.
 
-Kept apart from placement.py so each stays short: these are pure generators of one batch's
-(rank, action) steps per process, tested through the literal tables of
-tests/runtime/test_placement.py. Pure Python.
+:func:`megatron_order`: Megatron-LM's interleaved warm-up, 1F1B, cool-down. :func:`greedy_orders`:
+list scheduling over processes (oldest ready B, else deepest ready F, else a W that delays nothing).
 """
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ Step = tuple[Rank, Action]  # one entry of a process's merged list
 
 def megatron_order(p: int, P: int, v: int, mbs: Sequence[int]) -> list[Step]:
     """Process p's F/B order for one batch ``mbs`` (len a multiple of P) under Megatron-LM's
-    interleaved schedule with v chunks (see the module doc): warm-up, 1F1B, cool-down."""
+    interleaved schedule with v chunks (docs/design-notes.md): warm-up, 1F1B, cool-down."""
     m = len(mbs)
     total = m * v
     if m == P:  # Megatron: with as many microbatches as processes, all forwards first
@@ -47,7 +44,7 @@ def greedy_orders(hosts: Sequence[Sequence[Rank]], num_stages: int, mbs: Sequenc
                   limit: int, split: bool,
                   costs: Sequence[tuple[float, float, float]] | None = None,
                   comm: Sequence[float] | None = None) -> list[list[Step]]:
-    """Every process's order for one batch by list scheduling (see the module doc): ``limit``
+    """Every process's order for one batch by list scheduling (docs/design-notes.md): ``limit``
     minibatches admitted per process (F done on its first stage, that stage's W, or fused B,
     not: the last work of a minibatch on the process, the backward running down the stages;
     each holds at most one activation per hosted stage), ``costs[s]`` = (F,

@@ -1,31 +1,7 @@
 """Schedules whose processes host SEVERAL stages: interleaved 1F1B and ZB-V, as data.
 
-Every other kind runs one rank ``(stage, replica)`` per process. Two synchronous kinds instead
-split the model into more stages than there are processes and place several on each:
-
-* ``interleaved-1f1b`` (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
-  Clusters Using Megatron-LM", SC 2021): ``v`` chunks per process, stage s on process s % P
-  (round robin). With S = v * P stages the order is Megatron-LM's
-  (``forward_backward_pipelining_with_interleaving``): process p runs ``(P - p - 1) * 2 +
-  (v - 1) * P`` warm-up forwards, then one forward / one backward, then the cool-down
-  backwards; the k-th forward of a batch is chunk ``(k mod Pv) // P`` of microbatch
-  ``(k // Pv) * P + k mod P`` (the backwards walk the chunks in reverse). The bubble is
-  ``1 / v`` of 1F1B's. When S is not a multiple of P (a 3-stage model on 2 processes) the same
-  round-robin placement runs a greedy order (below) with fused backwards.
-* ``zb-v`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 2 chunks per process in
-  a V, process p hosting stage p and stage 2P - 1 - p, so the first and the last stage share a
-  process; every backward is split into B (input gradients) and W (weight gradients), and a
-  greedy list scheduler over PROCESSES orders them: a free process runs the oldest ready B,
-  else the deepest ready F (a new minibatch only while fewer than P are admitted), else a W
-  that delays nothing (a W goes where its process would otherwise idle). With F = B = W the
-  bubble is only the last process's start-up.
-
-Both are synchronous: one update per stage at the end of every batch, every W before it, weight
-versions those of ``1f1b-flush`` (a forward reads the version of the batch), so the semantics
-are minibatch SGD's. :class:`PlacedSchedule` holds the per-rank lists (an ordinary
-:class:`Schedule`, which the reference executor runs as it is), the placement and, per process,
-ONE merged ordered list of (rank, action) that the distributed runtime walks. Messages between
-two stages of one process are local: available as soon as their producer ran. Pure Python.
+``interleaved-1f1b`` puts stage s on process s % P, ``zb-v`` stages p and 2P - 1 - p on process p;
+both synchronous, as 1f1b-flush. :class:`PlacedSchedule`: per-rank lists plus each process's list.
 """
 from __future__ import annotations
 

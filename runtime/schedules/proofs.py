@@ -1,35 +1,7 @@
 """When a sent tensor may go: the received message that proves a send complete (pure data).
 
-A send is posted without blocking and its tensor must live until the transfer is done. NCCL says
-when (``is_completed``), gloo does not: its send's ``is_completed()`` stays False until
-``wait()`` is called, and waiting on a send the peer has not yet received may block, and a wait
-that times out breaks every connection of the group. So the runtime kept every sent tensor
-until the stretch's final flush: under an asynchronous schedule streamed over an epoch
-(:mod:`.stream`) that is every activation and gradient the rank sent in the epoch (measured on
-VGG-mini: its first stage held 0.5 MiB per minibatch trained, 12 finished minibatches' outputs
-at the peak of a 16-minibatch run).
-
-The schedule knows when a send is done. The peer waits for message ``m`` just before its action
-that consumes it (the forward of ``m``'s minibatch for an activation, its backward for a
-gradient) and posts that action's and every later action's sends after it. So once this rank
-has received ANY message the peer sent from that action on, the peer had ``m``, and ``m``'s
-wait returns at once: :class:`SendProofs` names, per message this rank receives, the sends it
-proves complete, a window of a stretch at a time (the consuming action or the proof may come in
-a later window; a send with no proof before the stretch ends is waited for by the final flush,
-as before).
-
-The peer need not be the one who tells. Any message whose sending action comes after the peer's
-consuming action in the window's happens-before order (program order on each rank, and each
-message's send before its receive) proves ``m`` just as well: the chain of receipts from the
-peer's wait to this rank's says the transfer was over. That matters for a value sent to a stage
-that never sends back to its producer (a Hugging Face model's attention mask and rotary tables,
-made on the first stage and read by every later one, until each stage made them itself,
-:mod:`fxpipe.passes.made_here`; still any value made from the inputs that cannot be made again,
-through dropout or an in-place write): with the peer's own messages only, its every copy was
-held until the stretch's end (measured: a 4-stage Llama's first stage grew by 0.34 MB per
-minibatch over a 64-minibatch stretch; planned for Llama-70B on 64 GPUs, 75 GB).
-So the proof is the first message this rank receives in the window from an action that follows
-the consumption, the peer's own first message after it where none does.
+The peer waits for ``m`` just before the action consuming it, so a message received from any later
+action (happens-before) proves ``m`` done: :class:`SendProofs` names the sends each receipt frees.
 """
 from __future__ import annotations
 
@@ -50,7 +22,7 @@ class _Open:
 
 
 class SendProofs:
-    """Per received message, the sends of ``me`` it proves complete (see the module doc)."""
+    """Per received message, the sends of ``me`` it proves complete (docs/design-notes.md)."""
 
     def __init__(self, links: Sequence[StageLinks], owner: Owner, me: Rank,
                  index: Mapping[str, int], grad_ok: Callable[[str, int], bool]) -> None:

@@ -1,28 +1,7 @@
-"""Pipeline schedules as data: per-rank action lists that an executor only carries out.
+"""Pipeline schedules as data: per-rank action lists that an executor only carries out. No torch.
 
-A pipeline has S stages; stage s is replicated ``replicas[s]`` times and a *rank* is the pair
-``(stage, replica)``. Minibatch k (a microbatch, for the batched kinds) goes to replica
-``k % replicas[s]`` of stage s: a deterministic round robin, so every rank can compute who sends it
-activations and who gets its gradients without talking to anyone.
-
-Notation (PipeDream's figures): ``F3`` = forward of minibatch 3, ``B3`` = its backward, ``U2`` =
-the rank's update number 2 (0-based; it produces weight version 3). Updates are ALWAYS explicit
-``U`` actions, in every kind, so the executor never has to know the kind: pipedream puts one after
-every backward round, the batched kinds one per batch. The replicas of a stage perform their
-``U<i>`` together (an all-reduce of the gradients accumulated since ``U<i-1>``), which is why
-every replica of a stage has the same number of updates, some possibly with zero local gradients.
-
-``W3`` (zero-bubble kinds only) is the weight-gradient half of minibatch 3's backward: on a rank
-whose list has W actions, ``B3`` computes only the input gradients (what the previous stage waits
-for) and ``W3``, later, the weight gradients (filling what would be idle time). A rank either
-splits every backward or none.
-
-Weight versions: version v = the weights after v updates of that rank. ``Action.version`` on F is
-the version the forward reads; on B and W the version the backward must use (the same one, read
-from the stash: PipeDream's weight stashing); on U the version it produces.
-
-Only pure Python here: no torch, no processes, so the schedule can be tested, printed and
-simulated on any machine.
+A rank ``(stage, replica)`` runs ``F3``, ``B3``, ``W3`` (minibatch 3's weight gradients) and ``U2``
+(update 2); version v, the weights after v updates, is what F reads, B and W reuse and U makes.
 """
 from __future__ import annotations
 

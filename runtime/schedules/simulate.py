@@ -1,9 +1,7 @@
-"""Event simulation of a :class:`Schedule`: when each action starts and ends.
+"""Event simulation of a :class:`Schedule`: when each action starts and ends. Pure Python, no torch.
 
-Every rank executes its list in order; an action starts when its rank is free and its data
-dependency has arrived (``execution_order`` gives the dependencies and a topological order, so
-one pass computes exact times). Used to compare schedules, to check the planner's
-time-per-minibatch, and to draw the paper-style grids. Pure Python, no torch.
+An action starts once its rank is free and its inputs have arrived. Used to compare schedules, to
+check the planner's time per minibatch and to draw paper-style grids (:func:`format_grid`).
 """
 from __future__ import annotations
 

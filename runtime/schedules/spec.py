@@ -1,14 +1,7 @@
 """What ``Trainer(schedule=...)`` accepts: a kind, optionally with staleness mitigations, or auto.
 
-    "pipedream"                     PipeDream's asynchronous 1F1B with weight stashing
-    "pipedream+predict+lr_scale"    the same with mitigations (fxpipe.runtime.replica.mitigation)
-    "pipedream+nesterov"            delay-matched Nesterov momentum (replica.nesterov)
-    "1f1b-flush", "gpipe", "2bw"    the other kinds (fxpipe.runtime.schedules.schedule)
-    "interleaved-1f1b", "zb-v"      several stages per process (fxpipe.runtime.schedules.placement;
-                                    the Trainer runs them with executor="reference")
-    "auto"                          chosen per run (fxpipe.runtime.training.auto)
-
-Kept apart from the trainer so the spelling is parsed, validated and printed in one place.
+A kind (:mod:`.schedule`, :mod:`.placement`), ``"pipedream+predict+lr_scale"`` (mitigations:
+:mod:`fxpipe.runtime.replica.mitigation`) or ``"auto"``: parsed, validated and printed in one place.
 """
 from __future__ import annotations
 

@@ -1,37 +1,7 @@
 """How stale are the weights a gradient was computed on when it is applied? Per stage, per schedule.
 
-Derived from the schedule as data (pure Python, no torch), in two units:
-
-* **own**: in the stage's own updates. An update ``U<u>`` of stage s turns version u into u + 1;
-  each gradient in it was computed on the stage's version v (``Action.version`` of its forward:
-  with weight stashing the backward uses the same one), and its delay is ``u - v``. PipeDream's
-  1F1B puts stage s of a straight S-stage pipeline S - 1 - s updates behind; flushing schedules
-  0; 2BW 1; vertical sync S - 1 on every stage.
-* **global**: in global block-update counts, the convention of Randomized PipeDream (Ilin &
-  Richtarik, "Demystifying Pipeline Parallelism: First Theory for PipeDream", arXiv 2606.03498),
-  whose abstraction is block SGD: every stage's update is one global iteration, and a gradient
-  applied at global iteration t was computed at an iterate ``x^(t - tau)``. Here: time the
-  schedule with unit forwards and backwards (the convention of PipeDream's figures and
-  :func:`~fxpipe.runtime.schedules.simulate.format_grid`; updates take no time), number the stages'
-  updates in time order (replicas of a stage update together: one global update), and for an
-  update at time T count the updates strictly between the iterate its gradient read and T. A
-  gradient reads every stage's weights (upstream ones through its input activations, downstream
-  ones through its output gradients); the read of stage t's version v at time r is "the iterate
-  after the updates at times <= r" if v is still current at r, else "the iterate just before
-  version v + 1 of stage t appeared". tau is the largest such count over the reads. For steady-
-  state 1F1B with S stages this gives S^2 - ceil(S/2) at the input stage (S^2 - S/2 for even S:
-  14 at S = 4, 60 at S = 8), the paper's worst case. Synchronous schedules are not 0 in this
-  convention: stage s updates after the S - 1 - s later stages applied their gradients of the
-  same batch (block-sequential application of exact gradients).
-
-Reported figures are the worst case over the steady state: the updates of a long schedule whose
-minibatches lie in its middle half (the pipeline's fill has a transient: at S = 4 one update of
-stage 0 sees 16 global updates, where the steady state sees 14). ``stashing=False`` has the same
-figures as pipedream: its backward recomputes with the latest weights, but the gradient still
-depends on the older ones through the activations the forward sent on (it is inconsistent as well as
-stale). LocalSGD (:mod:`fxpipe.runtime.schedules.localsgd`) is counted within each replica (own 0,
-global block-sequential like a flush) plus ``divergence``: the most updates of the other replicas of
-the stage since the last average, which this replica has not seen, (R - 1)(H - 1).
+Worst steady-state delay, in the stage's own updates (``u - v``: ``U<u>`` applies a gradient read on
+version v) and in Randomized PipeDream's global block-update counts. Pure Python, from the schedule.
 """
 from __future__ import annotations
 
@@ -54,7 +24,7 @@ VARIANTS = ("1f1b-flush", "gpipe", "2bw", "pipedream", "pipedream+vsync", LOCALS
 
 @dataclass(frozen=True)
 class StageStaleness:
-    """Worst-case delay of one stage's updates (see the module doc for the units)."""
+    """Worst-case delay of one stage's updates (see docs/design-notes.md for the units)."""
 
     stage: int
     own: int
@@ -83,7 +53,7 @@ class Staleness:
 
 
 def schedule_staleness(sched: Schedule) -> Staleness:
-    """The per-stage worst-case delays of ``sched`` (see the module doc)."""
+    """The per-stage worst-case delays of ``sched`` (docs/design-notes.md)."""
     S = sched.num_stages
     local = isinstance(sched, LocalSGDSchedule)
     tl = simulate(sched, [1.0] * S, [1.0] * S)
@@ -117,7 +87,7 @@ def schedule_staleness(sched: Schedule) -> Staleness:
         return bisect.bisect_right(times[m], t)
 
     def iterate(m: int, t: int, k: int) -> int:
-        """Global count of the iterate minibatch k read from stage t (see the module doc)."""
+        """Global count of the iterate minibatch k read from stage t (docs/design-notes.md)."""
         r, v = fwd[(t, k)]
         nxt = upd.get((t, v, m))  # the update producing version v + 1 of stage t
         return before(m, nxt) if nxt is not None and nxt <= r else upto(m, r)

@@ -1,36 +1,7 @@
-"""The schedule of a continuous stretch of training, generated a window at a time (issue 27).
+"""The schedule of a continuous stretch of training, generated a window at a time.
 
-Why: PipeDream's asynchronous 1F1B never drains. A trainer still reads its loader in segments
-(memory, checkpoints, progress), and until issue 27 each segment was a complete schedule: the
-pipeline filled and drained at every segment boundary, which changed what trained (the first
-forwards after a boundary read fresh weights) and cost a fill and a drain each time. Here the
-schedule of a whole stretch (an epoch, or up to a checkpoint, an evaluation or a re-plan: the
-boundaries that need a drained pipeline) is ONE schedule, ``make_schedule(kind, replicas, N)``
-exactly, handed out as windows. Window w brings the minibatches ``[start, stop)``: on each rank,
-the stretch's actions through its last forward of a minibatch < ``stop``, minus whatever would
-wait for a later window; that waits for the next one. Backwards of minibatches forwarded earlier
-run in it, and some of its own minibatches finish in later windows. The last window (``final``)
-drains.
-
-Why "minus whatever would wait": a rank that finished its window goes on to the trainer's
-control exchange, so no rank may wait, inside a window, for a message or an update partner that
-only a later window brings. Usually nothing does (1F1B's windows shrink along the pipeline, and
-windows of multiples of :attr:`ScheduleStream.period` give a stage's replicas the same updates),
-but not always: with replicas [1, 3, 1] stage 1 keeps more minibatches in flight than stage 0,
-so stage 0's backward of one of them waits for stage 1's next window, and with it the forward
-behind it on stage 0. So the stream walks every window's actions against the dependencies
-(:class:`~fxpipe.runtime.schedules.order.OrderWalker`, with the tied stages' update rule) and
-keeps what could not run for the next window; a forward that waits keeps its minibatch's data
-with the rank until then.
-
-``Window.ahead``: the actions that follow on each rank if the stretch goes on (a lookahead of
-:attr:`ScheduleStream.lookahead` minibatches), for what must be known before it runs: the weight
-versions later forwards will read (a stash must not drop them, :mod:`fxpipe.runtime.replica.stash`)
-and the update that applies each minibatch's gradient (weight prediction's horizon). Versions
-and minibatch numbers count from the stretch's start.
-
-Only the asynchronous kinds stream (``STREAM_KINDS``); a flushing kind already drains at every
-batch, so a segment of whole batches is a complete schedule of its own. Pure Python.
+An asynchronous kind never drains, so a stretch is ONE ``make_schedule(kind, replicas, N)`` cut into
+windows, none holding an action that waits for a later one; the ``final`` window drains.
 """
 from __future__ import annotations
 
@@ -52,7 +23,7 @@ STREAM_KINDS = ("pipedream", "2bw")
 
 @dataclass(frozen=True)
 class Window(Schedule):
-    """One window of a stretch (see the module doc): a :class:`Schedule` whose
+    """One window of a stretch (docs/design-notes.md): a :class:`Schedule` whose
     ``num_minibatches`` is the window's ``stop`` and whose actions are this window's only:
     the new minibatches are ``[start, stop)``, and a forward of one of them may wait for a
     later window (it is in that window's actions)."""
@@ -133,7 +104,7 @@ class _RankStream:
 
 
 class ScheduleStream:
-    """Windows of the stretch ``make_schedule(kind, replicas, N)`` (see the module doc);
+    """Windows of the stretch ``make_schedule(kind, replicas, N)`` (docs/design-notes.md);
     ``N`` is known only when the final window is asked for."""
 
     def __init__(self, kind: str, replicas: list[int] | tuple[int, ...], *,
@@ -179,7 +150,7 @@ class ScheduleStream:
         """The next window: ``n`` new minibatches; ``final`` ends the stretch (its length is
         then known) and drains it. Each rank's actions are those of the stretch's schedule up
         to its first forward of a minibatch >= the window's ``stop`` that can run without a
-        later window; the rest waits for the next one (see the module doc)."""
+        later window; the rest waits for the next one (docs/design-notes.md)."""
         if self.finished:
             raise ConfigError("the stretch has ended (its final window was made)",
                               "start a new ScheduleStream")

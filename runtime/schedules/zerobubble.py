@@ -1,23 +1,7 @@
 """Zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), as data.
 
-Each backward is split into B (input gradients: on the critical path, the previous stage waits
-for them) and W (weight gradients: needed only at the batch's update). A greedy list scheduler
-orders every rank's actions for one batch by simulating the pipeline under given per-stage
-costs (unit costs by default, profiled ones when the planner has them):
-
-* a rank that is free runs, in this priority, the oldest ready B, else the next F if its memory
-  allows one more minibatch in flight, else the oldest pending W if it ends before any B or F
-  of this rank can start (those are the critical path), else waits;
-* "in flight" counts minibatches from F to W (their activations are held until W): at most
-  ``limits[s]`` on a replica of stage s. With 1F1B's windows (``zb-h1``) memory is 1F1B's and
-  the W's fill the drain; with twice the window less one (``zb-h2``) the F's also fill the
-  start-up, and with F = B = W the bubble is gone;
-* every W of a batch comes before its update, so the semantics are minibatch SGD's exactly (the
-  updates and weight versions are those of ``1f1b-flush``).
-
-The paper's hand-made ZB-H1/ZB-H2 figures are instances of these rules; the simulator
-(:mod:`fxpipe.runtime.schedules.simulate`) shows the bubble that remains on unbalanced stages. Pure
-Python.
+Backwards split into B and W; a greedy list scheduler runs the oldest ready B, else an F within
+``limits``, else a W that delays no B or F. Every W precedes the update, as in ``1f1b-flush``.
 """
 from __future__ import annotations
 
@@ -48,7 +32,7 @@ def batch_orders(replicas: Sequence[int], minibatches: Sequence[int], limit: Seq
                  costs: Costs | None = None, comm: Sequence[float] | None = None
                  ) -> dict[Rank, list[Action]]:
     """The F/B/W actions of one batch (``minibatches``, in order) for every rank, in the order
-    the greedy list scheduler runs them (see the module doc); versions are stamped later.
+    the greedy list scheduler runs them (docs/design-notes.md); versions are stamped later.
     ``comm[s]``: seconds a message takes across the cut into stage s (activations forward,
     gradients back; ``comm[0]`` unused), so a W is not put where a message will arrive."""
     S = len(replicas)

@@ -1,68 +1,8 @@
-"""``schedule="auto"``: the schedule (and mitigation) with the best predicted time to a target.
+"""``schedule="auto"``: pick the schedule with the least predicted time to a target loss.
 
-    predicted time to a loss level = (minibatches to reach it) x (seconds per minibatch)
-
-* **Seconds per minibatch** of each candidate: the plan simulator
-  (:mod:`fxpipe.runtime.pricing.plansim`) runs the candidate's schedule on the plan's cluster and
-  costs (mitigations cost what their schedule costs: their extra element-wise work is not modelled).
-  Without a plan (a Trainer built from bare stages) a unit-cost simulation (forward 1, backward 2,
-  no network) stands in.
-* **Minibatches to the level**: a pilot. With ``where="pipeline"`` the candidates train in turn
-  on the job's own pipeline and the winner continues from its pilot's end (:mod:`.auto_pipeline`);
-  the rest of this paragraph is the pilot on copies (``where="copies"``, the default).
-  Every candidate trains a copy of the user's own model,
-  from the same weights, on the same first minibatches (the baseline ``1f1b-flush`` the first
-  ``pilot``, default 200, at most ``max_fraction`` = 1/2 of the run's minibatches; every other
-  candidate as many as fit in flush's simulated seconds, :func:`pilot_lengths`, at most
-  :data:`STRETCH` times flush's and the same fraction of the run; from as many epochs of the
-  loader as that takes: the loader must be re-iterable, and give the same minibatches each
-  time; an iterator such as a generator gets no pilot, auto trains flush on it), on the
-  reference executor (the distributed runtime's
-  single-process oracle; CPU, in this process; the trainer's per-update LR scheduler stepped as
-  in training), reading them again for each candidate a training segment at a time
-  (:mod:`~fxpipe.runtime.training.auto_data`). The training losses are smoothed (trailing
-  mean over ``pilot // 8`` minibatches); the level is where the synchronous baseline
-  (``1f1b-flush``) ends the pilot; a candidate's count is the first minibatch whose smoothed
-  loss reaches the level within its pilot of equal seconds (:func:`equal_time`: with equal
-  minibatches, a faster candidate a little less efficient per update could never be chosen).
-  One that does not reach it is not chosen: extrapolating its
-  progress (an earlier rule) picked stale schedules that were fast early and then stalled short
-  of the target (bench/ablation: 4 of 24 rows, one seed).
-* **The choice**: the smallest predicted time, except that an asynchronous candidate must beat
-  the best synchronous one (``1f1b-flush``, ``gpipe``, ``zb-h1``, ``zb-h2``) by ``margin``
-  (default 5%): a pilot sees the start of training only, and staleness costs more later
-  (measured in benchmarks/statistical-efficiency.md), so a near tie goes to the
-  schedule without staleness.
-
-Why half the run: bench/ablation replays this rule on every row with pilots of 30 to 100
-updates of a 200-update run. A quarter of the run (the earlier default) let through
-asynchronous picks that stalled later, on 4 of 27 rows of held-out seeds; half the run on none
-of seeds 0-5. benchmarks/statistical-efficiency.md also gives the result on seeds 6-8, run
-after this was fixed.
-
-Cost: each trained candidate's pilot minibatches (:func:`pilot_lengths`) in steps of the whole
-model in one process (gpipe
-and the zero-bubble kinds reuse flush's curve: the same minibatch-SGD updates), split over the
-ranks: each trains its share (:mod:`fxpipe.runtime.training.auto_resolve`). A pilot that sees half
-the run costs more than the run (each step is the whole model on one CPU process), so it pays only
-in a long job: before it starts it is priced (:func:`price`, :func:`budget`), first from the
-plan's profile and, where that lets it through, from a few timed steps (:func:`probe`), and a
-pilot predicted to cost more than ``max_cost`` (default a quarter) of the run's predicted
-training time is not run, and auto picks the synchronous baseline, as it does with
-``auto_options={"pilot": 0}`` and for a run with fewer than ``min_pilot`` minibatches; so it
-does where the pilot's copies of the model would not fit in a rank's memory, priced before
-anything is read or copied (:mod:`~fxpipe.runtime.training.auto_memory`). A single
-stage has nothing stale: auto trains it with pipedream (an update after every minibatch, no
-flush) without a pilot. Opt out altogether with an explicit schedule. LocalSGD is not a
-candidate: the distributed executor does not run it.
-
-Samples per update: every candidate, and the schedule auto trains, updates once per minibatch
-of the user's loader; a microbatched kind cuts each minibatch into sum(replicas) microbatches
-(:func:`~fxpipe.runtime.training.auto_pilot.split_for`) unless the user gave ``microbatches``. Its
-seconds per minibatch are then estimated as the simulator's seconds per whole-minibatch
-microbatch (costs proportional to the batch; per-message latency and small-kernel overheads
-are not scaled down).
-"""
+Predicted time = (minibatches to the pilot's loss level, :mod:`.auto_pilot`) x (seconds per
+minibatch from the plan simulator, or unit costs without a plan). gpipe and the zero-bubble
+kinds reuse flush's curve; an asynchronous pick must beat the best synchronous one by ``margin``."""
 from __future__ import annotations
 
 import math
@@ -117,7 +57,7 @@ process (:mod:`.auto_pilot`), or the job's own pipeline, the winner continuing f
 
 @dataclass(frozen=True)
 class AutoOptions:
-    """How ``auto`` decides (see the module doc). ``max_cost``: the most the pilot may cost, as
+    """How ``auto`` decides (docs/design-notes.md). ``max_cost``: the most the pilot may cost, as
     a fraction of the run's predicted training time (``None``: no limit); ``plan``/``profile``:
     the compiled model's (``CompiledModel.trainer`` passes them); ``report``: called with the
     :class:`Decision`. Memory (:mod:`~fxpipe.runtime.training.auto_memory`): the pilot's copies
@@ -277,7 +217,7 @@ def decide(curves: Mapping[str, Sequence[float]], periods: Mapping[str, float], 
 
 def periods(candidates: Sequence[str], replicas: Sequence[int], *, plan: Any = None,
             profile: Any = None, microbatches: int | None = None) -> tuple[dict[str, float], str]:
-    """Seconds per minibatch of each candidate (see the module doc), and where they came from."""
+    """Seconds per minibatch of each candidate (docs/design-notes.md), and where they came from."""
     kinds = {c: parse_schedule(c).kind for c in candidates}
     out: dict[str, float] = {}
     if plan is not None:
@@ -315,7 +255,7 @@ def share_of(candidates: Sequence[str], index: int, world: int) -> list[str]:
 def merge(parts: Sequence[tuple[Mapping[str, list[float]], Mapping[str, str]]],
           candidates: Sequence[str]) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Every rank's (curves, notes) put together in the candidates' order; gpipe and the
-    zero-bubble kinds get flush's curve (the same updates, see the module doc)."""
+    zero-bubble kinds get flush's curve (the same updates, see docs/design-notes.md)."""
     got = {k: v for curves, _ in parts for k, v in curves.items()}
     notes = {k: v for _, ns in parts for k, v in ns.items()}
     curves = {}

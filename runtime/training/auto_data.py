@@ -1,22 +1,8 @@
-"""The pilot's minibatches as a stream (``schedule="auto"``, :mod:`.auto_pilot`): read from the
-loader again for every candidate, a training segment at a time, so that deciding holds no more
-minibatches than training does.
+"""The pilot's minibatches as a stream, re-read from the loader for every candidate.
 
-Why a stream: the pilot reads up to 200 minibatches (half the run at most), and training holds one
-segment of them at a time (``Trainer.segment``, :mod:`.trainer_schedule`). Holding the whole pilot
-in memory for all candidates made the decision step dearer than the training it decides about; a
-minibatch of images or long sequences is not small. The price is reading the pilot's minibatches
-once per candidate a rank trains (two or three), against the run's thousands of minibatches.
-
-What a candidate sees is what one pass over the loader gives, as before: the first ``minibatches``
-of epoch 0, then of epoch 1 and so on when the epoch is shorter (a re-iterable loader), each epoch
-seeded by :class:`~.data.PartStream` as training seeds it. Reading is kept out of the candidates'
-random numbers: the global RNG the loader draws from (a shuffling ``DataLoader``) is swapped in
-around every read and out again, so the loader sees one uninterrupted stream per pass and a
-candidate's dropout sees its own, exactly as when the whole pilot was read before training. Every
-pass must give the same minibatches: a plain loader's are fingerprinted (``PartStream.digest``)
-at every chunk and compared with the first complete pass's.
-"""
+Read a training segment at a time, so deciding holds no more minibatches than training does.
+Each pass is seeded as training seeds its epochs (:class:`~.data.PartStream`), keeps the
+loader's RNG apart from the candidates', and must give an earlier pass's fingerprints."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Sequence
@@ -51,7 +37,7 @@ def reread_error(got: int, before: int, where: str = "") -> RuntimeConfigError:
 class PilotData:
     """The first ``minibatches`` of a loader, or minibatches held in a list (:meth:`held`: the
     callers that already have them), read in chunks of at most ``chunk`` (None: one chunk).
-    ``seed``: the trainer's, which seeds each epoch's order (see the module doc)."""
+    ``seed``: the trainer's, which seeds each epoch's order (docs/design-notes.md)."""
 
     def __init__(self, loader: Iterable[Any] | None, minibatches: int, *,
                  chunk: int | None = None, seed: int = 0,
@@ -139,7 +125,7 @@ class PilotData:
             self._complete(marks, got)
 
     def _parts(self, marks: list[str | None], streams: list[PartStream]) -> Iterator[Batch]:
-        """The pass's minibatches over as many epochs as it takes (see the module doc); an
+        """The pass's minibatches over as many epochs as it takes (docs/design-notes.md); an
         epoch's fingerprint goes to ``marks`` when it ends inside a chunk."""
         n = 0
         for epoch in range(max(self.minibatches, 1)):

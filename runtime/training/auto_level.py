@@ -1,7 +1,8 @@
-"""The yardstick of ``schedule="auto"``'s pilot (pure numbers, :mod:`.auto` decides with it):
-the loss level a candidate must reach (where the baseline's smoothed pilot curve ends), the
-minibatches each candidate pilots (as many as fit in the baseline's seconds: equal seconds, not
-equal minibatches), and when a pilot may stop early without changing the choice."""
+"""The yardstick of ``schedule="auto"``'s pilot: pure numbers that :mod:`.auto` decides with.
+
+The loss level a candidate must reach (where the baseline's smoothed pilot curve ends), the
+minibatches each candidate pilots (equal seconds, not equal minibatches), and when a pilot may
+stop early without changing the choice."""
 from __future__ import annotations
 
 import math

@@ -1,30 +1,8 @@
-"""``schedule="auto"`` looks again later (``auto_options={"where": "pipeline", "look_again": k}``).
+"""A second look after ``schedule="auto"`` picks an asynchronous schedule on the pipeline.
 
-A pilot sees the start of training, and staleness can cost more later: an asynchronous winner
-that was ahead after the pilot may stall short of where the synchronous schedule would go
-(bench/ablation: a quarter-run pilot let such picks through on 4 of 27 rows of held-out seeds).
-So where auto picked an asynchronous schedule on the job's pipeline, it races it against
-``1f1b-flush`` once more, from where the run has got to, after ``k`` times the winner's pilot
-has been trained beyond the pilot (default 2):
-
-1. the pipeline drains (as at a checkpoint) and each rank saves its replicas' state;
-2. ``1f1b-flush`` is adopted, loads that state (weights, buffers, the optimizer's momenta and
-   moments, the LR scheduler's position; flush's own hyperparameters: :func:`carry_into`) and
-   trains the next ``P`` minibatches (P = flush's pilot) as ``fit`` would; its end state is
-   saved;
-3. the winner is adopted again, loads the state of step 1 and trains the same minibatches for
-   the same simulated seconds (:func:`~.auto.pilot_lengths`), stopping early where that cannot
-   change the choice (:func:`~.auto.can_stop`);
-4. :func:`~.auto.decide` on the two curves (a near tie goes to flush): the winner keeps going
-   from the end of its own race; otherwise flush is adopted again, loads its saved end state and
-   ``fit`` continues from flush's end. Nothing of the loser's race reaches the run.
-
-Its cost is the loser's race: flush's ``P`` minibatches where the winner keeps going. It is
-priced with the pilot (:func:`plan_look`): where the pilot's losers and this race together
-would cost more than ``max_cost`` of the run's predicted training time, or the first epoch has
-no room for it, there is no second look (the decision says so). Only on the pipeline: the pilot
-on copies has no run to continue from.
-"""
+Once the pick has trained ``look_again`` times its pilot more, it races ``1f1b-flush`` again from
+the same drained state (:func:`carry_into`); :func:`~.auto.decide` keeps it or falls back to flush.
+Why: a pilot sees the start of training only, and staleness can cost more later."""
 from __future__ import annotations
 
 import functools
@@ -112,7 +90,7 @@ def carry_into(trainer: Any, path: Path) -> None:
 def look_again(trainer: Any, loader: Any, epoch: int, pos: int, opts: AutoOptions
                ) -> tuple[int, list[float]]:
     """Race the running asynchronous schedule against flush from epoch position ``pos`` (see
-    the module doc); returns where ``fit`` continues and the epoch's accumulators there, and
+    docs/design-notes.md); returns where ``fit`` continues and the epoch's accumulators there, and
     records the outcome on ``trainer.auto_decision``. Every rank runs it."""
     d: Decision = trainer.auto_decision
     winner = trainer.schedule_name

@@ -1,44 +1,8 @@
-"""What ``schedule="auto"``'s pilot costs in memory, priced before it reads or copies anything.
+"""What ``schedule="auto"``'s pilot on copies costs in memory, priced before it copies anything.
 
-Why: the pilot trains every candidate on a copy of the whole model in this process (reference
-executor, CPU), on every rank of a torchrun job, including ranks whose own stage is a small part
-of the model. A copy has the model's weights and buffers once per stage replica, its gradients
-and its optimizer state; an asynchronous candidate adds stashed weight versions. On a large model
-that is more than the rank's whole training needs, so a pilot that does not fit must not start:
-the trainer's side (:mod:`fxpipe.runtime.training.auto_resolve`) then takes the synchronous
-schedule and says why.
-
-The estimate (:func:`copy_bytes`, per candidate; a rank trains its share one candidate at a time,
-so its peak is the largest, :func:`rank_estimate`):
-
-* weights and buffers of every stage replica (each replica owns its copy,
-  :class:`~fxpipe.runtime.replica.stash.WeightStash`); the stages' own modules are shared with
-  the pilot, not copied, where they live on the CPU (:func:`~.auto_pilot.shared_copy`);
-* per trainable byte, :data:`GRADIENT_COPIES` gradient buffers and the optimizer's state
-  (:func:`optimizer_state_factor`, measured on a tiny stand-in of the stage's parameters:
-  1 for SGD with momentum, 2 for Adam);
-* pipedream kinds: the weight versions stage s keeps for its d_s minibatches in flight and a
-  spare version for copy-on-write (d_s + 1 versions where d_s > 0); ``predict`` a further
-  2 + d_s (the last update's delta, the copy it is taken from, predicted weights per minibatch
-  in flight), ``dc`` one (its mean square);
-* the activations of one minibatch from the compiled profile, times the minibatches in flight
-  (the number of stages for pipedream, one for the microbatched kinds); none without a profile.
-
-The pilot's minibatches are not in it: it holds at most a training segment of them
-(:class:`~.auto_data.PilotData`), as training does.
-
-Two limits (``AutoOptions``): the copies must fit in what the rank has, ``memory_margin`` (a
-quarter) left free (:func:`available_bytes`: what the host has, psutil's ``available`` or else
-``MemAvailable`` of ``/proc/meminfo``, capped by the cgroup's limit, shared among the ranks on
-this host, ``LOCAL_WORLD_SIZE``); and they may add at most ``max_memory`` (a fifth) to what the
-rank's training holds (:func:`training_bytes`), as the pilot's time may be at most ``max_cost``
-of the training's. Why the second: a rank has the memory its job was given, and a decision step
-that needs more than the training it decides about is what a user sizing a job cannot foresee.
-A copy of the whole model is about as large as training it, so the second limit skips the pilot
-of a model whose weights are a large part of a rank's memory (tens of millions of parameters on
-a CPU rank), and lets through a small model's, whose copies are lost in the Python process
-around it.
-"""
+A candidate's copy (:func:`copy_bytes`): each replica's weights, gradients, optimizer state and
+stashed versions, plus activations in flight. No pilot where it would leave less than
+``memory_margin`` free (:func:`available_bytes`) or add more than ``max_memory`` to training."""
 from __future__ import annotations
 
 import logging
@@ -106,7 +70,7 @@ def activation_bytes(profile: Any) -> float:
 
 def copy_bytes(candidate: str, sizes: Sequence[tuple[int, int, bool]], replicas: Sequence[int],
                state_factor: float, activations: float = 0.0) -> int:
-    """Bytes one pilot candidate's copy holds at its peak (see the module doc)."""
+    """Bytes one pilot candidate's copy holds at its peak (docs/design-notes.md)."""
     spec = parse_schedule(candidate)
     async_ = spec.kind == "pipedream"
     delays = own_delays("pipedream", list(replicas)) if async_ else [0] * len(sizes)
@@ -200,7 +164,7 @@ def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
 
 
 def host_available() -> int | None:
-    """Bytes the host can still give this process (see the module doc); None where neither
+    """Bytes the host can still give this process (docs/design-notes.md); None where neither
     psutil nor ``/proc/meminfo`` says."""
     try:
         import psutil  # type: ignore[import-not-found]

@@ -1,14 +1,8 @@
-"""The measuring half of ``schedule="auto"`` (the rule: :mod:`fxpipe.runtime.training.auto`): the
-pilot, which trains each candidate on copies of the user's stages with the reference executor, the
-probe that times a few whole-model steps before a pilot is risked, and the budget that prices
-the pilot against the run (:func:`fxpipe.runtime.training.auto.price` applies it).
+"""The measuring half of ``schedule="auto"``: pilot, probe and budget (the rule: :mod:`.auto`).
 
-Every candidate sees the same samples per update: pipedream updates after each minibatch, and a
-microbatched kind (flush, gpipe, the zero-bubble kinds, 2bw) cuts each minibatch into
-:func:`split_for` microbatches unless the user gave ``microbatches`` (the trainer then trains
-exactly so: :mod:`fxpipe.runtime.training.trainer_cut`, the same cut). Its curve is the mean loss of each
-minibatch's microbatches, one value per minibatch like pipedream's.
-"""
+The pilot trains each candidate on CPU copies of the stages (reference executor); a microbatched
+kind cuts each minibatch into :func:`split_for` microbatches, one update and one loss per
+minibatch, as pipedream has. The probe times whole-model steps so the budget can price a pilot."""
 from __future__ import annotations
 
 import copy
@@ -90,7 +84,7 @@ def pilot(stages: Sequence[Any], replicas: Sequence[int], loss_fn: Callable[...,
     ``lr_scheduler``: the trainer's per-update scheduler factory, stepped after every update
     of each stage as in training (a warm-up changes what staleness costs, so a pilot at the
     base rate would measure another run). Microbatched kinds cut each minibatch
-    into :func:`split_for` microbatches (see the module doc): every curve has one loss per
+    into :func:`split_for` microbatches (docs/design-notes.md): every curve has one loss per
     minibatch. A minibatch too small to cut (an epoch's short last one: a pilot may span
     epochs, where training would end a segment with it) is left out of every candidate's
     pilot, so the curves stay aligned; a minibatch that cannot be cut at all (no batch-sized

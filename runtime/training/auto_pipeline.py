@@ -1,41 +1,8 @@
 """``schedule="auto"`` decided on the job's own pipeline (``auto_options={"where": "pipeline"}``).
 
-The pilot of :mod:`fxpipe.runtime.training.auto_pilot` trains every candidate on CPU copies of the
-whole model in each rank's process: memory and time a large model or a GPU job does not have,
-and numbers from another device. Here the candidates train in turn where the run happens, on
-the trainer's own executor, ranks and devices:
-
-1. every trained candidate (``1f1b-flush`` first: it sets the loss level) is adopted
-   (:meth:`~.trainer_schedule.ScheduleMixin.adopt`: each rank's replicas made again from the
-   stages' initial weights, a fresh optimizer and LR scheduler), and trains the run's first
-   minibatches as training would (the same segments, cut and seeds; it drains at the end of
-   its pilot): flush ``P`` of them, every other candidate as many as fit in flush's simulated
-   seconds (:func:`~.auto.pilot_lengths`), so all are judged on equal time; a candidate
-   after flush stops early where that cannot change the choice (:func:`~.auto.can_stop`: it
-   has reached flush's level, or its seconds already exceed the best predicted time so far);
-2. its per-minibatch training losses are gathered on every rank (only the output stage has
-   them), and its seconds on the pipeline are measured;
-3. each rank writes the end state of its own replicas (weights, buffers, masters, optimizer,
-   LR scheduler, loss scaler: what a checkpoint holds) to a private temporary folder, for
-   ``1f1b-flush`` (the synchronous fallback) and for the best asynchronous candidate so far,
-   so no rank ever holds a copy of a stage it does not train, nor a second copy in memory;
-4. :func:`~.auto.decide` makes the choice from the curves as before (the same rule, the
-   simulator's seconds per minibatch); the winner is adopted again, loads its saved end state,
-   and ``fit`` continues from minibatch ``P`` of the first epoch: the pilot's minibatches are
-   not trained twice.
-
-Each candidate holds its own training memory while it pilots, so one that would hold more
-weight copies than flush (:func:`extra_copies`: pipedream's stashed versions, 2bw's second
-version, weight prediction's copies) by more than ``max_memory`` (default 20%) of what the rank
-has peaked at after flush's pilot (:func:`process_peak_bytes`) is not piloted, on every rank
-alike: on a 50M-parameter MLP, ``pipedream+predict+momentum`` held 1.6x flush's peak on the input
-stage (benchmarks/auto-memory.md).
-
-A synchronous winner other than flush (gpipe, the zero-bubble kinds: the same minibatch-SGD
-updates) continues from flush's end state. The pilot's own cost (every candidate's pilot on
-the pipeline, the winner's included) is measured and reported with the decision
-(:attr:`~.auto.Decision.pilot_seconds`).
-"""
+Each candidate is adopted in turn and trains the run's first minibatches as ``fit`` would, for
+equal simulated seconds; each rank saves its replicas' end states, the winner reloads its own,
+and ``fit`` goes on from there: no CPU copies, the run's own executor, ranks and devices."""
 from __future__ import annotations
 
 import functools
@@ -224,7 +191,7 @@ def _too_big(trainer: Any, c: str, peak: int | None, max_memory: float) -> str:
 
 def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
                       cap: int | None = None) -> tuple[Decision, list[float]]:
-    """The decision (see the module doc; ``fit`` continues at its ``continued`` minibatch of
+    """The decision (see docs/design-notes.md; ``fit`` continues at its ``continued`` minibatch of
     the first epoch) and the epoch's accumulators there. Every rank runs it; the candidates'
     order is the options'. ``1f1b-flush`` pilots ``P`` minibatches, every other candidate as
     many as fit in flush's seconds (:func:`~.auto.pilot_lengths`), at most ``cap``."""

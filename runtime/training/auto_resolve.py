@@ -1,6 +1,7 @@
-"""``schedule="auto"`` on the trainer's side: price the pilot, stream its minibatches, split it
-over the ranks, agree on one decision and adopt it (the rule itself:
-:mod:`fxpipe.runtime.training.auto`)."""
+"""``schedule="auto"`` on the trainer's side: from the loader to one adopted decision.
+
+Prices the pilot in time and memory, streams its minibatches, splits the candidates over the
+ranks, agrees on one decision and adopts it (the rule itself: :mod:`.auto`)."""
 from __future__ import annotations
 
 import logging

@@ -1,20 +1,8 @@
 """Pipeline checkpoints: one file per stage, a manifest per checkpoint, atomic writes.
 
-Layout: ``DIR/e{epoch:04d}-m{minibatch:07d}/stage{s}.pt`` (written by replica 0 of stage s) and
-``.../manifest.json`` (written by global rank 0 once every stage file exists: it lists each
-stage's file, size and SHA-256 and the training position). The position ``(epoch, minibatch)``
-is the NEXT minibatch to train: a checkpoint taken at the end of epoch 2 is ``(3, 0)``.
-
-Why this shape:
-* each process writes only its own stage, so nothing has to be gathered to save;
-* every file is written to a temporary name, fsynced, then renamed (atomic on POSIX), so a crash
-  leaves either the old state or the new one, never a torn file; older checkpoints are deleted
-  (all but the newest :data:`KEEP` by default) after a newer manifest is complete;
-* a checkpoint without a manifest, or whose files do not match it, is incomplete: resume falls
-  back to the newest one that every stage finished.
-
-Loading uses ``torch.load(weights_only=True)``: a checkpoint is data, never code.
-"""
+``DIR/e{epoch:04d}-m{minibatch:07d}/stage{s}.pt`` and ``manifest.json``, written by rank 0 once
+every stage's file exists; the position is the NEXT minibatch to train. Each process writes only
+its own stage, resume skips incomplete checkpoints, and loading is ``weights_only``."""
 from __future__ import annotations
 
 import hashlib

@@ -1,28 +1,8 @@
-"""Feeding a pipeline: each rank takes only the part of a minibatch it needs.
+"""Feeding a pipeline: every rank iterates the SAME loader and keeps only the part it needs.
 
-Why: in a pipeline only the ranks of stages that read model inputs need the inputs, and only the
-output stage needs the targets. Every rank runs the same script, so the simplest contract is that
-every rank that needs data iterates the SAME deterministic loader and keeps its part:
-
-* any iterable of ``(inputs, target)`` works (a ``torch.utils.data.DataLoader`` included) as long
-  as it yields the same minibatches in the same order on every rank for a given epoch. The
-  trainer seeds torch's global RNG with ``(seed, epoch)`` right before ``iter(loader)`` and calls
-  ``set_epoch(epoch)`` on the loader or its sampler when they have one, so a ``DataLoader`` with
-  ``shuffle=True`` and no private generator is deterministic across ranks and across restarts;
-* a loader with an ``iter_parts(epoch, need_inputs, need_targets, start)`` method (such as
-  :class:`ShardedDataset`) yields only what a rank asked for, and can skip to a position without
-  materialising the skipped minibatches: the output stage then never loads images, the input
-  stage never loads labels, and ranks of middle stages read nothing at all.
-
-Pairing: minibatch k's inputs (read by an input-stage rank) and its targets (read by an
-output-stage rank) meet only if both ranks read the SAME minibatch k, which is why the pipeline,
-not the loader, decides who trains on what (minibatch k goes to replica k % r of every stage).
-A loader that shards by rank itself (``DistributedSampler``, as for data parallelism) would pair
-one shard's inputs with another shard's labels and train on garbage without any error, so
-:func:`check_loader` refuses it. As a cheap guard against any other rank-dependent loader, a
-plain loader's minibatches are fingerprinted (:class:`PartStream`) on every rank that reads
-them and the trainer compares the fingerprints of each segment before training on it.
-"""
+Minibatch k's inputs and targets meet only if all ranks read the same minibatch k, so a loader
+that shards by rank (``DistributedSampler``) is refused and plain loaders are fingerprinted
+(:class:`PartStream`); ``iter_parts`` loaders (:class:`ShardedDataset`) read only a rank's part."""
 from __future__ import annotations
 
 import hashlib
@@ -61,7 +41,7 @@ _SHARDING_HINT = ("fxpipe pairs minibatch k's inputs and targets across stages i
 
 
 def check_loader(loader: Any) -> None:
-    """Refuse a loader that gives each rank a different share of the data (see the module doc):
+    """Refuse a loader that gives each rank a different share of the data (docs/design-notes.md):
     a ``DistributedSampler``, or any sampler with ``num_replicas > 1``, on the loader or its
     batch sampler (one replica is a plain sampler: allowed)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
@@ -228,7 +208,7 @@ def batch_size_of(inputs: Any) -> int:
 
 class ShardedDataset:
     """A deterministic minibatch loader over indexable inputs and targets that reads only the
-    part a rank needs (see the module doc).
+    part a rank needs (docs/design-notes.md).
 
     ``inputs`` / ``targets``: tensors (or tuples of tensors for several model inputs) indexed by
     sample on dim 0, or callables ``f(indices: LongTensor) -> batch`` that load just those

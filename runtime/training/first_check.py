@@ -1,13 +1,8 @@
 """What the loader's first minibatch must pass before any training step.
 
-The model runs on the minibatch's inputs (eval mode, no gradients) and ``loss_fn`` on its
-output and target, to one number. A mistake then ends here, on the ranks that compute the
-loss, in an error that names it: the model's own failure next to how the loader's inputs differ
-from the example the model was compiled with, the loss's own exception with what fxpipe passed
-it (``loss_fn(output, target)``, in that order), a loss that returns one value per sample.
-Without this check the same mistakes surface mid-pipeline as raw torch errors, or as a loss
-that "does not split".
-"""
+The model runs on its inputs (eval mode, no gradients) and ``loss_fn`` on the output and target,
+to one number; a mistake ends here in an error that names it, not mid-pipeline as a raw torch
+error or as a loss that "does not split"."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence

@@ -1,36 +1,8 @@
 """Losses that split exactly: the update of a cut minibatch is the gradient of its whole loss.
 
-Why: cutting a minibatch into microbatches and averaging their gradients is exact only for a
-per-sample mean over equal pieces. A ``reduction="sum"`` loss would move the weights by 1/k of
-plain PyTorch's step, a mean over an uneven cut (5 -> 3 + 2) and a token mean over labels
-``!= -100`` (Hugging Face's causal-LM rule) would weigh the pieces wrongly, and a loss over the
-whole minibatch (in-batch negatives) cannot be cut at all. So fxpipe finds out which reduction a
-loss has, once, on the first minibatch (:func:`probe`), where it runs the model on the whole
-minibatch and on two uneven parts (eval mode, no gradients):
-
-    mean      L = (n_A L_A + n_B L_B) / N      (samples per part)
-    sum       L = L_A + L_B
-    token     L = (t_A L_A + t_B L_B) / T      (labels != -100 per part, optionally shifted
-                                                by one position as a causal LM does)
-    weighted  L = (w_A L_A + w_B L_B) / W      (w: the part's summed per-sample weights, which
-                                                the target decides: cross entropy with
-                                                ``weight=`` per class)
-
-A weighted mean's weights are not visible to fxpipe, but its gradient shows them: at any output
-``o``, the whole loss's gradient on part A's slice is ``w_A / W`` times part A's own loss's
-gradient, so ``w_A / W`` is the ratio of the two (:func:`shares`, on a fixed pseudo-random
-output of the probed shape, from the targets alone).
-
-To tell a token mean from a mean when the minibatch has no padding, the check runs again with
-part of one sample's labels set to -100. The first rule that holds (to float tolerance) is the
-loss's; none holding is refused before training (:class:`LossSplitError`). Each microbatch ``i``
-of an update of ``g`` microbatches then scales its loss by ``c_i = g u_i / U`` (``u``: its
-samples or valid labels, ``U`` their sum over the update; ``c_i = g`` for a sum), so the mean of
-the g gradients that the update takes is the whole minibatch's gradient, and the mean of the
-scaled losses is the whole minibatch's loss. The scale rides with the target
-(:class:`Weighted`) to the last stage, where :class:`WeightedLoss` applies it: no executor
-changes, the same numbers on every executor.
-"""
+:func:`probe` finds the loss's reduction on the first minibatch (mean, sum, token mean over labels
+!= -100, or weighted mean; none: :class:`LossSplitError`). Microbatch i of an update of g then
+scales its loss by ``c_i = g u_i / U`` (u: its samples or valid labels; ``c_i = g`` for a sum)."""
 from __future__ import annotations
 
 import itertools
@@ -97,7 +69,7 @@ def units(rule: LossRule, part: Batch, size: int) -> float:
 def shares(rule: LossRule, loss_fn: Callable[..., Any], whole: Any, targets: Sequence[Any],
            sizes: Sequence[int]) -> list[float]:
     """A weighted mean's ``w_i / W`` for the parts of one minibatch (their ``targets``, of
-    ``sizes`` samples, cut from the ``whole`` target; see the module doc), from the loss's
+    ``sizes`` samples, cut from the ``whole`` target; see docs/design-notes.md), from the loss's
     gradients at a fixed pseudo-random output of ``rule.out_shape`` (its batch dimension made
     ``sum(sizes)``). A part whose own loss has no gradient there counts for nothing."""
     shape = list(rule.out_shape)
@@ -121,7 +93,7 @@ def shares(rule: LossRule, loss_fn: Callable[..., Any], whole: Any, targets: Seq
 def weights(rule: LossRule, pieces: Sequence[Batch], sizes: Sequence[int],
             whole: Batch | None = None, loss_fn: Callable[..., Any] | None = None
             ) -> list[float]:
-    """``c_i`` of each piece of ONE update (see the module doc); a weighted mean needs the
+    """``c_i`` of each piece of ONE update (docs/design-notes.md); a weighted mean needs the
     ``whole`` minibatch the pieces were cut from and the user's ``loss_fn``."""
     g = len(pieces)
     if rule.kind == "sum":
@@ -202,7 +174,7 @@ def probe(run: Callable[[Any], Any], loss_fn: Callable[..., Any], part: Batch,
           inputs_dims: dict[str, int | None], target_dims: dict[str, int | None] | None
           ) -> tuple[CutSpec, LossRule]:
     """The target's batch dimensions (unless given) and the loss's rule, from one minibatch
-    (see the module doc). ``run(inputs)``: the whole model's output, in eval mode without
+    (docs/design-notes.md). ``run(inputs)``: the whole model's output, in eval mode without
     gradients."""
     inputs, target = part
     pseudo = CutSpec(inputs_dims, {})

@@ -1,13 +1,8 @@
 """Refuse, before any process starts, a schedule whose memory the plan does not fit.
 
-The planner fits a plan to ``Cluster(memory=...)`` by the memory of the schedule it was made for
-(``plan.memory_rule``; PipeDream's by default); the schedule the Trainer is asked to run may hold
-more (``gpipe`` keeps every microbatch of an update, ``zb-h2``
-holds inputs until W, ``2bw`` a shadow version on the last stage) or less. Priced here with
-:func:`fxpipe.runtime.pricing.memory.schedule_memory` on the schedule's own simulated action
-lists, so an out-of-memory run is an error naming the stage and the bytes, not a crash an hour
-into a job.
-"""
+A plan is fitted to ``Cluster(memory=...)`` for one schedule; the one the Trainer runs may hold
+more (``gpipe``, ``zb-h2``, ``2bw``). Priced on its own simulated actions, so an out-of-memory
+run is an error naming the stage and the bytes, and auto drops candidates that do not fit."""
 from __future__ import annotations
 
 import logging

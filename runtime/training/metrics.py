@@ -1,27 +1,8 @@
-"""Metrics a user can read after the run: a JSON-lines log (``Trainer(metrics_path=...)``) and,
-when the ``tensorboard`` package is installed, a TensorBoard writer (``tensorboard_dir=``).
+"""Metrics a user reads after the run: JSON lines (``metrics_path=``) and TensorBoard.
 
-One JSON object per line, written by rank 0 only (every rank computes the same numbers; the
-path may be given on rank 0 alone: the numbers ride on the exchange of the segment's loss that
-every rank makes anyway)::
-
-    {"kind": "train", "epoch": 1, "step": 40, "minibatches": 160, "loss": 2.31,
-     "lr": 0.00029, "samples_per_s": 812.5, "time_s": 0.79, "busy_s": [0.61, 0.58]}
-    {"kind": "eval", "epoch": 1, "step": 40, "eval_loss": 2.20}
-
-``step``: optimizer updates of stage 0 so far (this fit, counting from the resumed position);
-``loss``: mean training loss of the minibatches since the previous record; ``lr``: stage 0's
-first parameter group's learning rate after the last update; ``samples_per_s``: samples of
-those minibatches over the wall time of their segments; ``busy_s``: per stage, seconds its
-replicas spent in forward, backward and optimizer steps since the previous record (mean over a
-stage's replicas): ``1 - busy_s / time_s`` is the stage's idle share (pipeline bubbles and
-waiting). ``peak_tensor_bytes`` (``Trainer(measure_memory=True)``): per stage, the largest peak of
-live tensor bytes among its replicas since training began (:mod:`fxpipe.runtime.replica.
-live_bytes`). Why records fall at segment ends (every ``metrics_every`` updates at the earliest):
-that is where the ranks exchange the segment's losses; pick ``segment=`` to log more often (an
-asynchronous schedule does not drain at segment ends, so a shorter segment costs only the
-exchange; its minibatches still in flight are counted in the next record).
-"""
+Rank 0 writes a record at a segment end, every ``metrics_every`` updates at the earliest, where
+the ranks exchange the segment's losses anyway: ``train`` (step, loss, lr, samples_per_s, time_s,
+busy_s per stage; ``1 - busy_s / time_s`` is a stage's idle share) and ``eval`` records."""
 from __future__ import annotations
 
 import json

@@ -1,15 +1,8 @@
 """Cutting a loader minibatch into microbatches along its batch dimensions, and only those.
 
-Why: when the trainer cuts a minibatch (``schedule="auto"`` picking a microbatched schedule, or
-``split=``), the cut must be invisible: every tensor is cut along the dimension in which its
-samples are independent, and a tensor without one goes whole to every microbatch. The model
-inputs' dimensions come from the graph (:mod:`fxpipe.tracing.batchdims`, tested at compile on
-the example); the target's, which the model never sees, from the loss
-(:mod:`.loss_split`); the user can state both (``batch_dims=``, as
-``torch.distributed.pipelining``'s ``TensorChunkSpec``). A :class:`CutSpec` holds the result
-by tensor path (:func:`fxpipe.tracing.batchdims.tensor_leaves`), so ranks that hold only a
-minibatch's inputs or only its targets cut alike.
-"""
+The cut must be invisible: each tensor is cut along its batch dimension (from the graph for
+inputs, from the loss for the target, or ``batch_dims=``); a tensor without one goes whole.
+A :class:`CutSpec` keys them by tensor path, so ranks holding only inputs or targets cut alike."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

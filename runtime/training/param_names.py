@@ -1,18 +1,8 @@
-"""Named parameters for the optimizer factory: parameter groups as nanoGPT and the Hugging Face
-Trainer make them (no weight decay on biases and normalisation weights).
+"""Named parameters for the optimizer factory, to build groups as for the unsplit model.
 
-Each stage replica builds its own optimizer over the stage's trainable tensors. A factory that
-takes a ``names`` keyword also receives, in the same order, each tensor's name IN THE MODEL
-(``model.named_parameters()``'s, when the trainer comes from ``CompiledModel.trainer``), so it
-can build groups exactly as it would for the unsplit model::
-
-    def adamw(params, names):
-        return torch.optim.AdamW(fxpipe.runtime.weight_decay_groups(params, names, 0.1), lr=3e-4)
-
-A tied parameter (GPT's ``wte.weight`` = ``lm_head.weight``) has one name on every stage holding
-a copy (the model's first name for it), so every copy lands in the same group and the copies take
-the same steps.
-"""
+A factory with a ``names`` keyword gets each tensor's name in the model, so groups can follow
+nanoGPT and the Hugging Face Trainer (no weight decay on biases and norms:
+:func:`weight_decay_groups`); a tied parameter has one name on every stage holding it."""
 from __future__ import annotations
 
 import inspect

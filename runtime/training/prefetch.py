@@ -1,15 +1,8 @@
-"""Reading the loader ahead of the training, in a background thread with a bounded queue
-(``Trainer(prefetch=N)``): while a segment trains, up to N minibatches of the next are fetched
-and collated, so a loader doing real work (tokenising, decoding, collating in the main process)
-overlaps the compute instead of stalling the pipeline between segments.
+"""Reading the loader ahead in a background thread with a bounded queue (``prefetch=N``).
 
-Determinism: the first item is fetched in the caller's thread (a shuffling DataLoader draws its
-epoch order from torch's global RNG on its first item, right after the trainer seeded it, on
-every rank alike). Later items must not draw from torch's GLOBAL generator (the training thread
-uses it too, e.g. for dropout, so the interleaving would differ between runs): give random
-transforms their own ``torch.Generator``, or keep ``prefetch=0`` (the default). Memory stays
-bounded: at most N items wait in the queue (plus one being made).
-"""
+While a segment trains, up to N minibatches of the next are fetched, so the loader's work overlaps
+compute. The first item is fetched in the caller's thread; later ones must not draw from torch's
+global RNG, which training uses too (give random transforms their own ``torch.Generator``)."""
 from __future__ import annotations
 
 import queue
@@ -22,7 +15,7 @@ _END = object()
 
 
 class Prefetcher:
-    """An iterator over ``inner`` that keeps up to ``depth`` items ready (see the module doc)."""
+    """An iterator over ``inner`` that keeps up to ``depth`` items ready (docs/design-notes.md)."""
 
     def __init__(self, inner: Iterator[Any], depth: int) -> None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
@@ -32,7 +25,7 @@ class Prefetcher:
         self._stop = threading.Event()
         self._first: list[Any] = []
         try:
-            self._first.append(next(inner))  # in the caller's thread: see the module doc
+            self._first.append(next(inner))  # in the caller's thread: see docs/design-notes.md
         except StopIteration:
             self._q.put(_END)
             self._thread: threading.Thread | None = None

@@ -1,9 +1,7 @@
-"""Ready-made pieces of a language-model recipe (nanoGPT, the Hugging Face Trainer): AdamW with
-parameter groups by name (or Muon on the hidden matrices with AdamW on the rest), and a
-per-update linear warm-up followed by a cosine decay. Picklable classes (not closures), so they
-travel to spawned ranks; ``fxpipe train`` builds them from its flags (``--optimizer adamw
---weight-decay 0.1 --warmup 20 --schedule-lr cosine``).
-"""
+"""Ready-made pieces of a language-model recipe, as picklable classes for spawned ranks.
+
+SGD, AdamW with parameter groups by name, or Muon on the hidden matrices with AdamW on the rest,
+and a per-update linear warm-up then cosine decay; ``fxpipe train`` builds them from its flags."""
 from __future__ import annotations
 
 import math

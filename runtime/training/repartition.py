@@ -1,28 +1,8 @@
 """Resume a checkpoint under another plan of the same model: re-partition its state by name.
 
-A checkpoint holds one file per stage of the plan that wrote it (:mod:`.checkpoint`), keyed by
-the stage GraphModules' parameter and buffer names. Those names are the traced model's own
-(``split_graph`` copies every parameter into the stages under its original name), so they do
-not depend on where the cuts are: a stage of ANOTHER plan finds each of its tensors in whichever
-old stage held it, whatever the old stage count, replica counts or world size.
-
-What moves, per new stage:
-* weights and buffers, by name (a tied weight, held under several names, by any of them);
-* optimizer state per parameter (momentum, Adam moments, step), by name: the stage file records
-  the name of each optimizer index (``optimizer_names``); each new parameter group takes the
-  hyperparameters (``lr`` as the LR scheduler left it, ...) of the old group its parameters were
-  in, and they must agree;
-* LR-scheduler state: the counters of the old stages the new stage's parameters come from (they
-  must agree, as they do whenever every stage updates once per batch), with per-group lists
-  (``base_lrs``, ``_last_lr``) mapped group by group;
-* float32 master weights (low-precision parameters, :mod:`.master`), by name, and the fp16 loss
-  scaler's state (one for every stage);
-* the data position, history and partial epoch sums live in the manifest and need no mapping.
-
-What cannot resume raises :class:`~.checkpoint.CheckpointError`: a different model (names or
-shapes that do not match), or a checkpoint written before stage files recorded their optimizer
-names (such a checkpoint resumes only under the plan that wrote it).
-"""
+Stage files are keyed by the traced model's own parameter and buffer names, which do not depend
+on the cuts, so each new stage finds weights, buffers, optimizer and LR-scheduler state and
+masters in whichever old stage held them; a different model raises ``CheckpointError``."""
 from __future__ import annotations
 
 import copy

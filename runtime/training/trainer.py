@@ -1,58 +1,8 @@
 """The user-facing training loop: ``Trainer.fit(loader, epochs, eval_loader, resume)``.
 
-    # train.py, launched by: torchrun --nproc-per-node 4 train.py
-    compiled = fxpipe.compile(model, fxpipe.Cluster.from_env(), example_inputs=(x,), loss_fn=...)
-    trainer = compiled.trainer(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-                               checkpoint_dir="ckpt/", checkpoint_every=100)
-    history = trainer.fit(loader, epochs=3, eval_loader=val_loader, resume=True)
-    state = trainer.state_dict()        # every rank calls it; rank 0 gets the whole model
-
-Every rank runs the same script; rank i is the i-th (stage, replica) in stage-major,
-replica-minor order (ranks past the plan's size are idle and return at once). Only ranks of
-stages that read model inputs keep inputs, only the output stage keeps targets (see
-:mod:`fxpipe.runtime.training.data` for the loader contract: every rank iterates the SAME loader;
-sharding samplers are refused, and plain loaders are checked by fingerprint every segment).
-
-**Segments and checkpoints.** Training reads its loader in *segments* of ``segment`` minibatches
-(default: ``checkpoint_every``, else :data:`DEFAULT_SEGMENT`, the first ones of an epoch ramping
-up), so only one segment's minibatches are in memory at a time, however long the epoch. A flushing
-schedule drains at every batch anyway: each segment is a complete schedule. An asynchronous one
-(``pipedream`` and its variants, ``2bw``) runs continuously across segments: they are windows of
-one schedule per *stretch* (:mod:`fxpipe.runtime.schedules.stream`), minibatches stay in flight
-over their boundaries, and what trains does not depend on ``segment``. The pipeline drains only
-where a boundary needs it: an epoch's end (as PipeDream's runtime drains per epoch), a checkpoint
-and a switch of plans. So a checkpoint is a consistent cut: no minibatch is half-trained and no
-stashed weight version is needed afterwards. Resuming from a checkpoint at position k replays
-exactly the segments an uninterrupted run with the same settings performs after k, so it reaches
-bit-identical parameters. Dropout is reproducible too: the global RNG of each rank is reseeded
-from ``(seed, epoch, position, rank)`` wherever a stretch starts (every segment of a flushing
-kind), so no RNG state needs saving.
-
-**LR schedulers** (``lr_scheduler=lambda opt: ...``) get each stage replica's own optimizer and by
-default step right after every optimizer step of that stage (``lr_scheduler_interval="step"``,
-as torch and Hugging Face users expect of a warm-up); ``"epoch"`` steps them once per epoch.
-Under pipedream a stage with r replicas updates once per r minibatches, so a schedule counted in
-updates advances r times slower on it; the flushing kinds update every stage once per batch.
-
-**Modes.** ``fit`` trains in the modes the modules are in, as a plain PyTorch loop does: it never
-calls ``train()``, so a module the user put in ``eval()`` (a frozen BatchNorm, a dropout turned
-off) stays so while training, and a model meant to train in train mode must be in it
-(``model.train()`` or ``compiled.train()``, as before a plain loop; a Hugging Face
-``from_pretrained`` model starts in eval mode). Evaluation runs in eval mode and gives every
-module back the mode it had.
-
-**State.** Trained weights stay where they were trained: at the end of ``fit`` each rank writes
-its own stage's weights into its stage's modules (the user's Parameters when compiled in the
-same process) and nothing is gathered. :meth:`Trainer.state_dict` gathers on request;
-checkpoints are written per stage (:func:`fxpipe.runtime.training.checkpoint.load_model_state`
-re-assembles one).
-
-**Layout.** This module is the loop (construction, data exchange, ``fit``, evaluation); its
-mixins hold the rest: :mod:`.trainer_schedule` (the schedule and the segments of an epoch),
-:mod:`.trainer_checkpoint` (save and resume), :mod:`.trainer_results` (write-back, gathering,
-timelines, metrics); :mod:`.trainer_backends` carries segments out on the executors;
-:mod:`.trainer_switch` re-plans in place (``replan="auto"``).
-"""
+Every rank runs the same script and loader (:mod:`.data`), read in segments; ``fit`` trains in
+the modes the user's modules are in and leaves trained weights on their ranks. This module is
+the loop; :mod:`.trainer_schedule` and the other ``trainer_*`` modules hold the rest."""
 from __future__ import annotations
 
 import logging
@@ -107,7 +57,7 @@ LR_INTERVALS = ("step", "epoch")
 
 
 class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
-    """Trains the stages of a plan with a PipeDream schedule (see the module doc).
+    """Trains the stages of a plan with a PipeDream schedule (docs/design-notes.md).
 
     ``stages``/``replicas``: the CompiledModel's ``stage_specs`` and ``plan.replicas``.
     ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica; a factory that

@@ -1,12 +1,8 @@
 """The Trainer's checkpoints: save a consistent cut per stage, resume from the newest complete one.
 
-A checkpoint is taken only at a segment end where the pipeline is drained (an asynchronous
-stretch ends there, :mod:`.trainer_schedule`): each stage's replica 0 writes
-its stage's weights, float32 master weights, buffers, optimizer, LR-scheduler and loss-scaler
-state (:mod:`fxpipe.runtime.training.checkpoint`: one file per stage, atomic), then rank 0 writes
-the manifest once every stage's file exists. A mixin of
-:class:`~fxpipe.runtime.training.trainer.Trainer`, kept apart so the training loop reads on its own.
-"""
+A mixin of :class:`~.trainer.Trainer`. Taken only where the pipeline is drained: replica 0 of each
+stage writes its stage (:mod:`.checkpoint`), then rank 0 the manifest. A checkpoint of another
+plan resumes through :class:`~.repartition.Repartition`."""
 from __future__ import annotations
 
 import logging

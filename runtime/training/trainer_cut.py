@@ -1,15 +1,8 @@
 """How the Trainer reads and cuts a loader minibatch, and the block that tells the user.
 
-A mixin of :class:`~fxpipe.runtime.training.trainer.Trainer`. When the trainer itself cuts
-minibatches into microbatches (``schedule="auto"`` on 2+ stages, or ``split=``), it must train
-exactly what plain PyTorch trains with one optimizer step per loader minibatch. Before the first
-segment (and before auto's pilot, which trains the same cut) the ranks that compute the loss run
-:func:`.loss_split.probe` on the first minibatch: the inputs' batch dimensions (from the graph,
-:mod:`fxpipe.tracing.batchdims`, or ``batch_dims=``), the target's, and the loss's reduction;
-the verdict (or the refusal) is shared with every rank, so all cut alike or all stop with the
-same error. BatchNorm in train mode sees each microbatch's statistics, not the minibatch's:
-warned once, and a cut that leaves it one sample is refused.
-"""
+A mixin of :class:`~.trainer.Trainer`. The ranks computing the loss check the first minibatch
+(:mod:`.first_check`) and, where minibatches are cut (``auto`` on 2+ workers, or ``split=``), find
+its batch dimensions and loss rule (:func:`.loss_split.probe`); all ranks cut or stop alike."""
 from __future__ import annotations
 
 import contextlib

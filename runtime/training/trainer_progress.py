@@ -1,8 +1,6 @@
-"""A progress display for one epoch: tqdm (a dependency), else log lines.
+"""A progress display for one epoch: a tqdm bar, else a log line every few seconds.
 
-Why the fallback: an environment without tqdm still trains (a line every 5 s), and ranks other
-than 0 must stay quiet
-(every rank runs the same script, so N bars would interleave on one terminal).
+Only rank 0 shows it: every rank runs the same script, so N bars would interleave on one terminal.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Where a Trainer's results go: its weights written back into the stages, the whole model
-gathered on request (:meth:`ResultsMixin.state_dict`), and the recorded timelines.
+"""Where a Trainer's results go: weights back into the stages, the model gathered on request.
 
-A mixin of :class:`~fxpipe.runtime.training.trainer.Trainer`, kept apart so the training loop reads
-on its own. Trained weights stay where they were trained (nothing is gathered unless asked for).
-"""
+A mixin of :class:`~.trainer.Trainer`: write-back, :meth:`ResultsMixin.state_dict`, the recorded
+timelines, measured memory and metrics records. Nothing is gathered unless asked for."""
 from __future__ import annotations
 
 from typing import Any, Mapping

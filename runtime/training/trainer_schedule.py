@@ -1,18 +1,8 @@
 """Which schedule a Trainer runs, and how an epoch is cut into segments of it.
 
-A mixin of :class:`~fxpipe.runtime.training.trainer.Trainer`, kept apart so the training loop reads
-on its own: the segment lengths, the schedule of each segment, the check that tied weights update
-with one cadence on every stage that holds them (a clear error before any process group, not a
-hang), and :meth:`adopt`, the switch to the schedule ``schedule="auto"`` chose.
-
-Segments and the pipeline (issue 27): a flushing kind drains at every batch anyway, so each
-segment (whole batches) is one complete, validated schedule. An asynchronous kind
-(``pipedream``, with its mitigations and vertical sync, ``2bw``) never drains inside a *stretch*:
-its segments are windows of one schedule (:mod:`fxpipe.runtime.schedules.stream`) and minibatches
-stay in flight across their boundaries, so what trains does not depend on ``segment``. A stretch
-ends, and the pipeline drains, only where a boundary needs it: the end of an epoch (as PipeDream's
-own runtime drains per epoch), a checkpoint, and a switch of plans (``replan="auto"``).
-"""
+A mixin of :class:`~.trainer.Trainer`: segment lengths, each segment's schedule, a check that tied
+weights update with one cadence, and :meth:`adopt` (auto's pick). An asynchronous kind's segments
+are windows of one stretch, drained only at an epoch's end, a checkpoint or a switch of plans."""
 from __future__ import annotations
 
 import logging

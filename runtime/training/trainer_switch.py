@@ -1,48 +1,8 @@
-"""Re-plan a running job in place (issue 13, item 1): ``compiled.trainer(replan="auto")``.
+"""Re-plan a running job in place: ``compiled.trainer(replan="auto")``.
 
-After the first ``replan_after`` segments of :meth:`Trainer.fit`, at a segment boundary, every
-rank measures its stage, the ranks agree on one proposal
-(:func:`measured_stage_times` below, :mod:`..pricing.replan`: the profile rescaled stage by stage to
-the measurements, re-solved for the SAME number of workers) and, when the proposal is predicted
-faster by more than ``replan_threshold``, the trainer drains the pipeline (an asynchronous
-stretch's minibatches in flight finish) and switches to it without restarting a process:
-
-1. the stages of the new plan are split from the compiled model's traced graph (codegen);
-2. every stage's state (weights, buffers, optimizer and LR-scheduler state) is written as a
-   checkpoint of the OLD plan into a transfer folder (``<checkpoint_dir>/.replan-...``, or a
-   temporary folder on rank 0's machine without a checkpoint dir: one machine only);
-3. a Trainer for the new plan is built on the same processes (new stage replicas, new
-   replica/tied/clipping groups, a new control group; the default process group stays), and
-   each new stage replica loads its state by name (:class:`.repartition.Repartition`, the
-   machinery that resumes a checkpoint under another plan);
-4. the running trainer takes over the new one's plan-dependent parts (its history, metrics and
-   position stay) and the data stream is reopened at the boundary for the new stage roles.
-
-So the run after the switch is, by construction, a resume of that boundary under the new plan;
-the tests check it equals one. Only the flushing schedules (``1f1b-flush``, ``gpipe``) are
-supported: their training is the same computation under every plan, and at a boundary no
-stashed weight version is alive. Pipedream's and 2BW's depends on the plan (weight delays).
-
-After a switch the new plan is measured in turn (``replan_after`` segments after its first, a
-warm-up) and re-planned from its own stages, until a decision keeps the plan or ``replan_max``
-decisions (default 3) are made: one factor per stage cannot tell which nodes of a stage the
-profile got wrong, and the next plan's different cuts narrow it down.
-
-Do no harm (issue 27): when a segment measures slower than one worker doing every stage's
-work (``Trainer.harm``; rank 0's verdict decides for all), :meth:`Replanner.fall_back` switches
-the same way to a one-worker plan: rank 0 trains on alone in its process (reference executor),
-the other ranks become idle and return from ``fit``; no decision follows.
-
-Logged (and kept in :attr:`Replanner.records`): old and new plan, predicted gain, and the
-measured time per minibatch before and after (the gain measured once ``replan_after`` segments
-of the new plan have run).
-
-The proposal itself (:func:`propose_replan`, also usable by hand) is a COLLECTIVE under the
-distributed executor (every rank calls it, between segments: after ``fit`` or from an
-``on_checkpoint`` hook): each rank measures its own stage replica from its timelines
-(``timeline=True``) and the ranks exchange the numbers, so every rank gets the same proposal. By
-hand, checkpoint and resume under the proposed plan (:mod:`.repartition`).
-"""
+At a segment boundary the ranks agree on a plan re-solved from their measured stage times
+(:func:`propose_replan`); one predicted faster by more than ``replan_threshold`` takes over after
+a drain, the state moved by name, no process restarted (flushing schedules only)."""
 from __future__ import annotations
 
 import gc
@@ -381,7 +341,7 @@ def measured_stage_times(trainer: Any, skip: int = 0) -> list[StageTimes]:
 
 def propose_replan(trainer: Any, cluster: Cluster | None = None,
                    threshold: float = 0.05) -> Proposal:
-    """Re-plan a compiled model's trainer from its measurements (see the module doc)."""
+    """Re-plan a compiled model's trainer from its measurements (docs/design-notes.md)."""
     plan, profile = trainer.auto_options.plan, trainer.auto_options.profile
     if plan is None or profile is None:
         raise RuntimeConfigError("re-planning needs the plan and profile the stages came from",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,15 +23,15 @@ def _port() -> int:
 
 
 def _run(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run and always reap (torchrun kills its workers when it is killed)."""
+    """Run and always reap: on a timeout its whole process group (torchrun and its ranks)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=ROOT)
+                            env=env, cwd=ROOT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
