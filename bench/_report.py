@@ -1,9 +1,10 @@
 """Write a benchmark's results as its own page, ``benchmarks/<name>.md``, one page per section.
 
-Each page is owned whole by the script that writes it, so re-running one benchmark replaces only
+Each page is owned by the script that writes it, so re-running one benchmark replaces only
 its own page and the others (measured by other commands, possibly on other days) stay as they
-were. BENCHMARKS.md at the repository root is the index: one line per page with its headline
-numbers, kept by hand (tests/bench/test_benchmark_pages.py checks that every page is linked).
+were; a page's hand-written notes (its last section, :data:`NOTES`) survive the rewrite.
+BENCHMARKS.md at the repository root is the table of pages: one row per page with its command,
+headline and date, kept by hand (tests/bench/test_benchmark_pages.py checks it).
 
 The markdown a script hands over is what it used to put between its markers in BENCHMARKS.md:
 a heading, the command that produced it, the results. Two things change on the way to the page:
@@ -56,14 +57,32 @@ def as_page(markdown: str) -> str:
     return "\n".join(out) + "\n"
 
 
+NOTES = "## Notes (by hand)"
+"""A page's last section, written by hand (what a run showed, why a figure moved): kept when
+the script writes the page again."""
+
+
+def notes_of(text: str) -> str:
+    """The hand-written notes at the end of a page (from :data:`NOTES` on), or ""."""
+    i = text.find(f"\n{NOTES}\n")
+    return text[i + 1:] if i >= 0 else ""
+
+
 def write_section(name: str, markdown: str, folder: Path | None = None) -> None:
     """Write the page ``folder/<name>.md`` (``folder``: benchmarks/) atomically, replacing only
-    that page: the text goes to a temporary file beside it, renamed over the page once whole."""
+    that page: the text goes to a temporary file beside it, renamed over the page once whole.
+    The page's hand-written notes (:data:`NOTES` to the end) stay at its end, as written; notes
+    at the end of ``markdown`` (a page rewritten from itself) replace them."""
     path = page_path(name, folder)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
+    given = notes_of(markdown)
+    notes = given or (notes_of(path.read_text()) if path.exists() else "")
+    page = as_page(markdown[:len(markdown) - len(given)] if given else markdown)
+    if notes:
+        page = page.rstrip() + "\n\n" + notes.rstrip() + "\n"
     try:
-        tmp.write_text(as_page(markdown))
+        tmp.write_text(page)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -1,5 +1,5 @@
-"""BENCHMARKS.md indexes benchmarks/: every page linked, every link a page, every quoted headline
-copied from its page; bench._report writes one page, atomically, and nothing else."""
+"""BENCHMARKS.md is a table of benchmarks/: one row per page, every link a page, every quoted
+headline copied from its page; bench._report writes one page, atomically, keeping its notes."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 INDEX = ROOT / "BENCHMARKS.md"
 PAGES = ROOT / "benchmarks"
 LINK = re.compile(r"\]\((benchmarks/[^)#\s]*)(#[^)\s]*)?\)")
-ENTRY = re.compile(r"^- \[[^\]]+\]\((benchmarks/[^)#\s]+\.md)\)")
+ENTRY = re.compile(r"^\| \[[^\]]+\]\((benchmarks/[^)#\s]+\.md)\) \|")
+DATE = re.compile(r"\| (\d{4}-\d{2}-\d{2}) \|$")
 
 
 def test_every_page_is_linked_from_the_index() -> None:
@@ -30,7 +31,7 @@ def test_every_index_link_exists() -> None:
         assert (ROOT / m.group(1)).exists(), m.group(0)
 
 
-def test_each_page_has_one_line_whose_quoted_headlines_are_in_it() -> None:
+def test_each_page_has_one_row_whose_quoted_headlines_are_in_it() -> None:
     entries = [ENTRY.match(line) for line in INDEX.read_text().splitlines()]
     entries = [(m.group(1), m.string) for m in entries if m]
     assert sorted(page for page, _ in entries) == sorted(f"benchmarks/{p.name}"
@@ -41,6 +42,15 @@ def test_each_page_has_one_line_whose_quoted_headlines_are_in_it() -> None:
         assert quoted, f"no quoted headline for {page}"
         for q in quoted:
             assert q in text, f"{page} does not say {q!r}"
+        assert line.count(" | ") == 3 and DATE.search(line), f"not page | command | headline | date: {line}"
+
+
+def test_each_rows_command_is_a_module_here() -> None:
+    modules = re.findall(r"`python -m ([\w.]+)", INDEX.read_text())
+    assert len(modules) >= len(list(PAGES.glob("*.md")))
+    for module in modules:
+        path = ROOT.joinpath(*module.split("."))
+        assert path.with_suffix(".py").exists() or (path / "__main__.py").exists(), module
 
 
 def test_pages_are_pages() -> None:
@@ -85,6 +95,25 @@ def test_write_section_writes_only_its_page_atomically(tmp_path: Path, monkeypat
     assert (folder / "speed.md").read_text() == "# Speed\n\nsecond run\n"
     assert (folder / "other.md").read_text() == other
     assert sorted(p.name for p in folder.iterdir()) == ["other.md", "speed.md"]  # no temp left
+
+
+def test_a_rewritten_page_keeps_its_notes(tmp_path: Path) -> None:
+    _report.write_section("speed", "## Speed\n\nold figure\n", tmp_path)
+    page = tmp_path / "speed.md"
+    page.write_text(page.read_text() + "\n## Notes (by hand)\n\nthe link was shared\n")
+    _report.write_section("speed", "## Speed\n\nnew figure\n", tmp_path)
+    assert page.read_text() == ("# Speed\n\nnew figure\n\n"
+                                "## Notes (by hand)\n\nthe link was shared\n")
+    _report.write_section("speed", "## Speed\n\nthird\n\n## Notes (by hand)\n\nnew notes\n",
+                          tmp_path)  # notes the script hands over replace the old ones
+    assert page.read_text().endswith("## Notes (by hand)\n\nnew notes\n")
+    assert page.read_text().count("## Notes (by hand)") == 1
+
+
+def test_every_page_ends_with_its_notes() -> None:
+    for page in PAGES.glob("*.md"):
+        notes = _report.notes_of(page.read_text())
+        assert notes.startswith(_report.NOTES) and notes.strip() != _report.NOTES, page.name
 
 
 def test_a_failed_write_leaves_the_old_page(tmp_path: Path, monkeypatch) -> None:
