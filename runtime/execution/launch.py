@@ -71,18 +71,58 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
                           timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device,
                           faults=faults, record_comm=record_comm, log_level=log_level)
     sched = schedule.with_vertical_sync() if vertical_sync else schedule
-    check_schedule(stages, replicas, sched, len(batches))
-    world = len(sched.ranks)
+    job = RankJob(list(stages), list(replicas), sched, loss_fn, optimizer_factory, list(batches),
+                  stashing=stashing, faults=dict(faults or {}), record_comm=record_comm)
+    return run_rank_jobs([job], timeout_s=timeout_s, device=device, master_addr=master_addr,
+                         port=port, join_timeout_s=join_timeout_s, log_level=log_level)[0]
+
+
+@dataclass
+class RankJob:
+    """One run of a rank schedule (one process per rank) for :func:`run_rank_jobs`."""
+
+    stages: list[StageSpec]
+    replicas: list[int]
+    schedule: Schedule  # with vertical sync applied where wanted
+    loss_fn: LossFn
+    optimizer_factory: OptimizerFactory
+    batches: list[Batch]
+    stashing: bool = True
+    faults: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """Tests: rank index -> ("die" | "hang", action index)."""
+    record_comm: bool = False
+    options: StepOptions = DEFAULT
+
+
+def run_rank_jobs(jobs: Sequence[RankJob], *, timeout_s: float = 60.0, device: str = "cpu",
+                  master_addr: str = "127.0.0.1", port: int | None = None,
+                  join_timeout_s: float | None = None,
+                  log_level: int = logging.WARNING) -> list[RunResult]:
+    """Run ``jobs`` one after another in one world of spawned processes, as many as the widest
+    job has ranks (a smaller job's spare ranks sit it out); each job's :class:`RunResult` as
+    :func:`run_distributed` returns it. Why one world: starting a process and importing torch
+    costs seconds, a small run a fraction of one. Raises :class:`WorkerFailedError` naming
+    every failed rank."""
+    jobs = list(jobs)
+    if not jobs:
+        raise RuntimeConfigError("no jobs to run", "pass at least one RankJob")
+    for j in jobs:
+        check_schedule(j.stages, j.replicas, j.schedule, len(j.batches))
+    world = max(len(j.schedule.ranks) for j in jobs)
     warn_if_oversubscribed(world, device, threads=1)  # a spawned rank computes on one thread
-    wire = make_wire_plan(stages, [b[0] for b in batches])
     with tempfile.TemporaryDirectory(prefix="fxpipe-run-") as outdir:
-        cfg = WorkerConfig(list(stages), sched.kind, tuple(sched.replicas), sched.num_minibatches,
-                           dict(sched.actions), loss_fn, optimizer_factory, list(batches), wire,
-                           outdir, port or free_port(master_addr), master_addr, timeout_s,
-                           stashing, device, dict(faults or {}), log_level,
-                           record_comm=record_comm, windows=tuple(sched.windows))
+        port = port or free_port(master_addr)
+        cfgs = [WorkerConfig(j.stages, j.schedule.kind, tuple(j.schedule.replicas),
+                             j.schedule.num_minibatches, dict(j.schedule.actions), j.loss_fn,
+                             j.optimizer_factory, j.batches,
+                             make_wire_plan(j.stages, [b[0] for b in j.batches],
+                                            precision=j.options.precision),
+                             outdir, port, master_addr, timeout_s, j.stashing, device,
+                             j.faults, log_level, record_comm=j.record_comm,
+                             windows=tuple(j.schedule.windows), options=j.options)
+                for j in jobs]
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=worker_main, args=(i, cfg), name=f"fxpipe-rank{i}",
+        procs = [ctx.Process(target=worker_main, args=(i, cfgs), name=f"fxpipe-rank{i}",
                              daemon=True) for i in range(world)]
         run_children(procs, timeout_s, join_timeout_s)
         codes = {i: p.exitcode for i, p in enumerate(procs)}
@@ -95,14 +135,19 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
             raise WorkerFailedError("distributed run failed:\n" + "\n".join(lines),
                                     "the first failing rank's message names the peer that died "
                                     "or hung", codes, errors)
-        results: list[dict[str, Any]] = [torch.load(out / f"rank{i}.pt", weights_only=False)
-                                         for i in range(world)]
+        return [_rank_result(j, [torch.load(out / f"job{n}-rank{i}.pt", weights_only=False)
+                                 for i in range(len(j.schedule.ranks))])
+                for n, j in enumerate(jobs)]
+
+
+def _rank_result(job: RankJob, results: list[dict[str, Any]]) -> RunResult:
+    sched = job.schedule
     losses: dict[int, float] = {}
     for r in results:
         losses.update(r["losses"])
     rp = {rank: results[i]["params"] for i, rank in enumerate(sched.ranks)}
     return RunResult([losses[k] for k in range(sched.num_minibatches)],
-                     [rp[(s, 0)] for s in range(len(stages))], rp,
+                     [rp[(s, 0)] for s in range(len(job.stages))], rp,
                      {rank: results[i]["peak_bytes"] for i, rank in enumerate(sched.ranks)},
                      {i: r.get("timeline", []) for i, r in enumerate(results)},
                      {i: r.get("background", []) for i, r in enumerate(results)},

@@ -31,7 +31,8 @@ from fxpipe.tracing import trace
 
 from ..schedules.kinds import make_schedule
 from ..timeline import TimelineEvent, minibatch_window, wait_breakdown
-from .launch import run_distributed
+from .contract import RunResult
+from .launch import RankJob, run_rank_jobs
 from .overhead_local import (BATCH, LAYERS, WIDTH, FanProbe, eager_step, fan_cut, probe_loss,
                              probe_model, probe_optimizer, replica_per_tensor,
                              stash_per_tensor)
@@ -43,6 +44,7 @@ __all__ = ["ProbeRound", "combine", "combine_value", "derive", "derive_value", "
 log = logging.getLogger(__name__)
 
 MINIBATCHES = 160  # the middle half is measured
+PER_TENSOR_BATCHES = 120  # replica and plain steps paired, once, for the cost per tensor
 ROUNDS = 3  # of the whole probe; each quantity is the median over them (combine)
 FAN = 3  # values more across the fan probe's cut (value_s)
 CACHE_FILE = "overheads.json"
@@ -63,23 +65,19 @@ def host_seconds(timeline: dict[int, list[TimelineEvent]], lo: int, hi: int) -> 
     return out
 
 
-def _run_fan(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
-    """Per stage of :class:`~.overhead_local.FanProbe` (``FAN`` values more across its cut) on
-    two ranks, the seconds per minibatch it ran (:func:`host_seconds`; its weights and cut are
-    the probe's, so its stash's copy is the two-rank :func:`_run`'s)."""
+def _fan_job(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> RankJob:
+    """:class:`~.overhead_local.FanProbe` (``FAN`` values more across its cut) on two ranks;
+    its weights and cut are the probe's, so its stash's copy is the two-rank job's."""
     traced = trace(FanProbe(FAN), (batches[0][0],))
     specs = split_graph(traced.gm, fan_cut(traced.gm))
-    sched = make_schedule("pipedream", [1, 1], len(batches))
-    res = run_distributed(specs, [1, 1], sched, probe_loss, probe_optimizer, batches,
-                          timeout_s=60.0)
-    return host_seconds(res.timeline, len(batches) // 4, 3 * len(batches) // 4)
+    return RankJob(specs, [1, 1], make_schedule("pipedream", [1, 1], len(batches)), probe_loss,
+                   probe_optimizer, batches)
 
 
-def _run(stages: int, batches: list[tuple[torch.Tensor, torch.Tensor]]
-         ) -> tuple[list[float], list[float]]:
-    """Per stage of the probe on ``stages`` ranks, the seconds per minibatch it ran
-    (:func:`host_seconds`), and the stash's copy in them where it stashed (priced per model,
-    from the profile's ``stash_copy_s``; taken out of the action's cost)."""
+def _probe_job(stages: int, batches: list[tuple[torch.Tensor, torch.Tensor]]
+               ) -> tuple[RankJob, list[float]]:
+    """The probe on ``stages`` ranks, and the stash's copy in each stage where it stashes
+    (priced per model, from the profile's ``stash_copy_s``; taken out of the action's cost)."""
     traced = trace(probe_model(), (batches[0][0],))
     # estimated, not measured: only the cut (the halves are alike) and the stash's copy are read
     estimate_graph(traced.gm, traced.flat_inputs, "cpu")
@@ -90,11 +88,14 @@ def _run(stages: int, batches: list[tuple[torch.Tensor, torch.Tensor]]
                              plan.replicas, [st.in_flight for st in plan.stages],
                              plan.memory_rule,
                              Overheads(stash_copy_s=profile.meta.get("stash_copy_s", 0.0)))
-    sched = make_schedule("pipedream", [1] * stages, len(batches))
-    res = run_distributed(specs, [1] * stages, sched, probe_loss, probe_optimizer, batches,
-                          timeout_s=60.0)
-    ran = host_seconds(res.timeline, len(batches) // 4, 3 * len(batches) // 4)
-    return ran, copies
+    job = RankJob(specs, [1] * stages, make_schedule("pipedream", [1] * stages, len(batches)),
+                  probe_loss, probe_optimizer, batches)
+    return job, copies
+
+
+def _measured(res: RunResult, minibatches: int) -> list[float]:
+    """Per rank of a probe run, seconds per minibatch over its middle half (host_seconds)."""
+    return host_seconds(res.timeline, minibatches // 4, 3 * minibatches // 4)
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,9 @@ def combine_value(rounds: Sequence[ProbeRound]) -> float | None:
 
 
 def measure_overheads(minibatches: int = MINIBATCHES, rounds: int = ROUNDS) -> Overheads:
-    """Run the probe ``rounds`` times (each: one rank, two ranks, the plain step and the
-    replica's steps in this process), derive the overheads of each round and keep their medians
+    """Run the probe ``rounds`` times (each: one rank, two ranks and the fan on two ranks, all
+    rounds in one world of two spawned ranks; then the plain steps in this process, and once
+    the replica's steps), derive the overheads of each round and keep their medians
     (:func:`combine`; see docs/design-notes.md); ``stash_copy_s`` is left 0 (the profile measures
     it, per model)."""
     g = torch.Generator().manual_seed(1)
@@ -161,18 +163,23 @@ def measure_overheads(minibatches: int = MINIBATCHES, rounds: int = ROUNDS) -> O
                for _ in range(minibatches)]
     t0 = time.perf_counter()
     keep_freed_memory()  # the plain steps run as the profile times them, and the ranks run
-    got: list[ProbeRound] = []
     with torch.random.fork_rng(devices=[]):
-        for _ in range(rounds):
-            (one,), (one_copy,) = _run(1, batches)
-            two, copies = _run(2, batches)
-            fan = _run_fan(batches)
+        (one_job, one_copy), (two_job, copies) = _probe_job(1, batches), _probe_job(2, batches)
+        fan_job = _fan_job(batches)
+        # every round's runs in one world of two ranks: a process's start costs seconds
+        runs = run_rank_jobs([one_job, two_job, fan_job] * rounds, timeout_s=60.0)
+        # in this process, once: the median of many interleaved pairs (no launch to disturb)
+        per_tensor = replica_per_tensor(batches[:PER_TENSOR_BATCHES])
+        got: list[ProbeRound] = []
+        for n in range(rounds):
+            one, two, fan = (_measured(r, minibatches) for r in runs[3 * n:3 * n + 3])
             two, fan = ([t - c for t, c in zip(ts, copies)] for ts in (two, fan))
             # the yardstick: the same steps as plain PyTorch runs them (what the profile's
             # whole-step calibration holds the node times to), measured here, not the probe's
             # profile, whose own error would land in the overheads
-            got.append(ProbeRound(one - one_copy, tuple(two), eager_step(probe_model(), batches),
-                                  replica_per_tensor(batches[:80]), tuple(fan),
+            got.append(ProbeRound(one[0] - one_copy[0], tuple(two),
+                                  eager_step(probe_model(), batches),
+                                  per_tensor, tuple(fan),
                                   eager_step(FanProbe(FAN), batches)))
     action, per_tensor, message = combine(got)
     # a tied all-reduce is posted and waited for like a send and a receive: two messages
@@ -254,6 +261,8 @@ def machine_overheads(refresh: bool = False) -> Overheads:
             return Overheads.from_dict(cached[key])
         except Exception as e:  # noqa: BLE001 - a hand-edited cache: measure again
             log.warning("ignoring the cached overheads in %s (%s)", path, e)
+    log.info("measuring the runtime's overheads on this machine, once (cached in %s; "
+             "FXPIPE_OVERHEADS=off skips it)", path)
     try:
         ov = measure_in_subprocess()
     except Exception as e:  # noqa: BLE001 - a probe that cannot run must not stop a compile

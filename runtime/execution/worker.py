@@ -1,7 +1,7 @@
 """What a spawned rank runs: join the process group, carry out one or more runs, report back.
 
-``run_distributed`` (``launch``) hands each child a :class:`WorkerConfig` for :func:`worker_main`;
-tests running several jobs in one world call :func:`init_rank` once and :func:`run_rank` per job.
+``launch`` hands each child one :class:`WorkerConfig` per run for :func:`worker_main`, which
+joins the world once and carries the runs out one after another (:func:`run_rank` each).
 """
 from __future__ import annotations
 
@@ -126,21 +126,26 @@ def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:
     return ex.run(cfg.batches)
 
 
-def worker_main(index: int, cfg: WorkerConfig) -> None:
-    """Entry point of rank ``index``: run, save the result, or log the error and exit non-zero.
+def worker_main(index: int, cfgs: list[WorkerConfig]) -> None:
+    """Entry point of process ``index``: join a world as large as the largest run, carry out
+    every run of ``cfgs`` in turn (``job<n>-rank<index>.pt`` each, none where the run has no
+    rank ``index``), or log the error and exit non-zero.
 
     Exits with ``os._exit`` on failure so that a broken process group cannot hang the exit.
     """
     torch.set_num_threads(1)
-    logging.basicConfig(level=cfg.log_level,
+    first = cfgs[0]
+    logging.basicConfig(level=first.log_level,
                         format=f"%(asctime)s [rank {index}] %(name)s %(levelname)s: %(message)s")
-    me = cfg.schedule().ranks[index]
-    out = Path(cfg.outdir)
+    widest = max((c.schedule() for c in cfgs), key=lambda sc: len(sc.ranks))
+    me = widest.ranks[index]
+    out = Path(first.outdir)
     try:
-        t0 = init_rank(index, cfg)
-        result = run_rank(index, cfg, t0)
-        assert result is not None  # the world is exactly the schedule's ranks
-        torch.save(result.__dict__, out / f"rank{index}.pt")
+        t0 = init_rank(index, first, world_size=len(widest.ranks))
+        for n, cfg in enumerate(cfgs):
+            result = run_rank(index, cfg, t0)
+            if result is not None:
+                torch.save(result.__dict__, out / f"job{n}-rank{index}.pt")
         dist.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 - every failure must end the process non-zero
         fail(out, index, me, err)
