@@ -414,8 +414,8 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     ``overheads``: what the runtime pays per stage beyond the nodes' times (its calls, its
     messages, the stash's copy; :mod:`fxpipe.costmodel.overheads`), priced into the plan:
     ``"auto"`` (default, or ``$FXPIPE_OVERHEADS``): on this machine's CPU, measured once by a
-    probe on one rank and two and cached (:mod:`fxpipe.runtime.execution.overhead_probe`, about
-    45 s the first time); for an estimated device or a model on CUDA only the stash's copy (the
+    probe on one rank and two and cached (:mod:`fxpipe.runtime.execution.overhead_probe`, some
+    seconds the first time); for an estimated device or a model on CUDA only the stash's copy (the
     calls and messages there are not measured); ``"measure"``: probe again; ``"off"``: none
     (the nodes' times alone, the cost model before them); or an :class:`Overheads`.
 

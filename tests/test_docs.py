@@ -68,6 +68,9 @@ CHEAP: dict[str, tuple[str | None, str]] = {
               "README's); here its last step, the plan, runs"),
     ".venv/bin/python -m pytest -q -p no:cacheprovider": (
         None, "the whole suite, which includes this test: .ci/run runs it"),
+    '.venv/bin/python -m pytest -q -p no:cacheprovider -m "not multiprocess and not slow"': (
+        None, "most of the suite (~3 minutes), which includes this test: .ci/run runs the whole "
+              "suite"),
     ".venv/bin/python -m pytest -q -p no:cacheprovider tests/test_readme.py tests/test_docs.py": (
         None, "this test itself"),
     ".venv/bin/fxpipe plan vgg16 --size full --device V100 --workers 8 --bandwidth 10Gbps": (
@@ -124,9 +127,9 @@ FILES = {("README.md", "# train.py: the same script on every rank (torchrun star
 # (page, first line) of a python block that only compiles -> why it cannot run alone
 FRAGMENTS: dict[tuple[str, str], str] = {
     ("huggingface.md", "# train.py, launched by: torchrun --nproc-per-node 4 train.py"):
-        "uses the reader's config and loader; tests/runtime/test_recipe_dist.py trains this "
-        "recipe (a Llama, no schedule named, -100 padding) on 2 torchrun ranks against plain "
-        "PyTorch",
+        "uses the reader's config and loader; tests/runtime/training/test_recipe_dist.py trains "
+        "this recipe (a Llama, no schedule named, -100 padding) on 2 torchrun ranks against "
+        "plain PyTorch",
     ("training.md", "# train.py, launched by: torchrun --nproc-per-node 4 train.py   (or "
                     "--nnodes N ... across machines)"):
         "a sketch over the reader's model and loaders; the README's train.py is the complete "
@@ -269,6 +272,7 @@ def run(command: str, work: Path) -> subprocess.CompletedProcess[str]:
     return _RESULTS[command]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("command", sorted(RUNS, key=lambda c: (RUNS[c][0][1].where, RUNS[c][0][2])),
                          ids=lambda c: f"{RUNS[c][0][1].where}[{RUNS[c][0][2]}]")
 def test_command(command: str, tmp_path: Path) -> None:
@@ -303,6 +307,7 @@ def test_exceptions_are_current() -> None:
 PYTHON = [b for b in ALL_BLOCKS if b.lang in ("python", "py")]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.where)
 def test_python_block(block: Block, tmp_path: Path) -> None:
     compile(block.text, block.where, "exec")
@@ -403,6 +408,7 @@ def test_module_names_resolve(page: Path) -> None:
 OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("sub", ["plan", "simulate", "train"])
 def test_cli_reference_is_complete(sub: str, tmp_path: Path) -> None:
     text = (ROOT / "docs" / "cli.md").read_text()

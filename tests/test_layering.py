@@ -182,6 +182,7 @@ def test_the_runtime_has_five_packages_and_its_shared_leaves() -> None:
                                                            "timeline.py"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("package", TORCH_FREE)
 def test_torch_free_packages_do_not_import_torch_at_run_time(package: str) -> None:
     """What an import really runs (parent packages' ``__init__`` included), in a fresh process."""

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+pytestmark = [pytest.mark.multiprocess]
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 README = (ROOT / "README.md").read_text()

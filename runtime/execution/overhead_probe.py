@@ -137,8 +137,7 @@ def derive(r: ProbeRound) -> tuple[float, float, float]:
 def combine(rounds: Sequence[ProbeRound]) -> tuple[float, float, float]:
     """The median over ``rounds`` of each of :func:`derive`'s quantities. Why: each is a small
     difference of runs of a few milliseconds per minibatch, and one disturbed launch moves it by
-    its whole size (on the project's 2-core machine, quiet, single probes gave 0.09 to 0.23 ms
-    per action); the median of three ignores one such launch."""
+    its whole size; the median of three ignores one such launch."""
     if not rounds:
         raise ValueError("no probe rounds")
     got = [derive(r) for r in rounds]

@@ -34,9 +34,9 @@ GPT's last stage, benchmarks/memory-check.md)."""
 
 def memory_rule(kind: str, microbatches: int | None = None, split: int = 1) -> MemoryRule:
     """The planner's memory rule for plans trained with ``kind``: what a replica holds besides
-    its state as a function of its window and replicas (tests/runtime/test_runtime_schedule_
-    memory.py holds it against the generated schedules' own action lists: exact for every kind
-    but ``zb-h2``, an upper bound there). ``microbatches``: m per update (None: the runtime's
+    its state as a function of its window and replicas (tests/runtime/pricing/
+    test_runtime_schedule_memory.py holds it against the generated schedules' own action
+    lists: exact for every kind but ``zb-h2``, an upper bound there). ``microbatches``: m per update (None: the runtime's
     default, the workers); ``split``: each loader minibatch cut into that many."""
     if kind not in SHAPES:
         raise ConfigError(f"no memory rule for schedule {kind!r}",

@@ -326,7 +326,7 @@ class StageReplica(UpdateMixin):
         as is (no copy); unless it is known to share its memory with nothing (``own``), the
         second allocates the sum once; later ones add in place (the same additions, in the same
         order, as ``sum = sum + g``: a peak of one weight less when the first is owned,
-        measured in tests/runtime/test_runtime_memory_dist.py). A gradient of a parameter with a
+        measured in tests/runtime/replica/test_runtime_memory_dist.py). A gradient of a parameter with a
         float32 master is summed in float32 (:mod:`.master`): the first one is cast (a copy)."""
         cur = self._grad_sum.get(name)
         if cur is None:

@@ -20,7 +20,7 @@ def limits(kind: str, windows: Sequence[int]) -> tuple[int, ...]:
     ``zb-h1`` (the same activation memory as 1F1B), and for ``zb-h2`` twice the input stage's
     window less one on every stage, the least with which the simulated bubble of a balanced
     pipeline is only the last stage's start-up (makespan ``3m + S - 1`` with F = B = W = 1, for
-    S = 2, 3, 4, 8 and m = S, 2S, 4S: tests/runtime/test_runtime_zerobubble.py)."""
+    S = 2, 3, 4, 8 and m = S, 2S, 4S: tests/runtime/schedules/test_runtime_zerobubble.py)."""
     if kind == "zb-h1":
         return tuple(windows)
     if kind == "zb-h2":

@@ -14,6 +14,8 @@ import fxpipe
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.passes import partition
 
+pytestmark = [pytest.mark.slow]
+
 transformers = pytest.importorskip("transformers")
 
 

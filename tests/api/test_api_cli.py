@@ -89,6 +89,7 @@ def test_bad_input_is_one_clear_line(argv: list[str], needle: str, capsys: pytes
     assert "Traceback" not in err
 
 
+@pytest.mark.multiprocess
 def test_console_script_installed() -> None:
     exe = Path(sys.executable).parent / "fxpipe"
     r = subprocess.run([str(exe), "plan", "nosuchmodel", "--workers", "2"], capture_output=True,

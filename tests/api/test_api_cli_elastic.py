@@ -2,7 +2,7 @@
 
 The elastic restart itself (torchrun's agent, a host killed, the survivors re-planning) is
 exercised on emulated hosts by bench/elastic.py; a re-partitioned resume under torchrun by
-tests/runtime/test_runtime_repartition.py."""
+tests/runtime/training/test_runtime_repartition.py."""
 from __future__ import annotations
 
 import argparse

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from test_api_cli_fp16 import _run
+
+pytestmark = [pytest.mark.multiprocess]
 
 
 def test_fxpipe_train_prints_measured_against_predicted_memory() -> None:

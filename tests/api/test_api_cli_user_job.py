@@ -96,6 +96,7 @@ def eager(job: dict, optimizer: str = "adamw") -> tuple[dict[str, torch.Tensor],
     return model.state_dict(), evals
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_fxpipe_train_user_job_equals_the_recipe_in_plain_torch(tmp_path: Path,
                                                                  optimizer: str) -> None:

@@ -67,6 +67,7 @@ def test_hf_spec_makes_the_batches_its_head_trains_on(spec: str, inputs: dict, l
     assert out.loss is not None and out.loss.dim() == 0  # the head computes its own loss
 
 
+@pytest.mark.slow
 def test_plan_hf_model_on_the_meta_device_from_the_shell(tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]
                                                          ) -> None:
@@ -82,6 +83,7 @@ def test_plan_hf_model_on_the_meta_device_from_the_shell(tmp_path: Path,
     assert svg.read_text().lstrip().startswith(("<?xml", "<svg"))
 
 
+@pytest.mark.slow
 def test_a_meta_model_plans_but_cannot_run_train_or_export(tmp_path: Path) -> None:
     spec = models.resolve(LLAMA, meta=True, batch_size=2, seq_len=8)
     assert all(p.device.type == "meta" for p in spec.model.parameters())
@@ -98,6 +100,7 @@ def test_a_meta_model_plans_but_cannot_run_train_or_export(tmp_path: Path) -> No
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_tracer_choice_is_the_users_and_reported() -> None:
     spec = models.get("gpt")
     auto = fxpipe.compile(spec.model, 2, example_inputs=spec.example_inputs, repeats=1)
@@ -115,6 +118,7 @@ def test_tracer_choice_is_the_users_and_reported() -> None:
         fxpipe.compile(spec.model, 2, example_inputs=spec.example_inputs, tracer="fx")
 
 
+@pytest.mark.slow
 def test_a_model_computing_its_own_loss_is_marked_for_the_memory_walk() -> None:
     """An HF model given labels trains on its own loss: the profile says so, and the walk then
     prices no loss outside the graph on the last stage (runtime/pricing/memory_walk.py); a
@@ -135,6 +139,7 @@ def test_a_model_computing_its_own_loss_is_marked_for_the_memory_walk() -> None:
     assert stage_bytes(own.plan, plain, "1f1b-flush", [2, 1])[-1].backward > last.backward
 
 
+@pytest.mark.slow
 def test_large_graphs_are_drawn_one_box_per_module() -> None:
     spec = models.resolve(LLAMA, batch_size=2, seq_len=8)
     compiled = fxpipe.compile(spec.model, fxpipe.Cluster(workers=2, device="V100"),
@@ -154,6 +159,7 @@ def test_large_graphs_are_drawn_one_box_per_module() -> None:
     assert "ops" in source and "model.layers.0" in source
 
 
+@pytest.mark.multiprocess
 def test_train_hf_model_from_the_shell() -> None:
     """A Hugging Face model trained through a 2-stage pipeline from the shell. ``--stages 2``:
     planned for 1f1b-flush (the schedule named), this tiny model simulates faster as data
@@ -170,6 +176,7 @@ def test_train_hf_model_from_the_shell() -> None:
     assert "epoch 1: loss 4." in res.stdout  # ln(64) = 4.16: a fresh 64-token LM
 
 
+@pytest.mark.slow
 def test_an_exported_graph_takes_any_batch_and_refuses_other_lengths_with_a_hint() -> None:
     """torch.export leaves the batch dimension free (tracing.batchdims found it), so a pipeline
     can cut minibatches; another sequence length is refused, saying what fxpipe fixed."""
@@ -188,6 +195,7 @@ def test_an_exported_graph_takes_any_batch_and_refuses_other_lengths_with_a_hint
         compiled(input_ids=ids, labels=ids)
 
 
+@pytest.mark.multiprocess
 def test_train_hf_model_from_the_shell_without_a_schedule_equals_plain(tmp_path: Path) -> None:
     """`fxpipe train hf:... --nproc 2` names no schedule: auto trains 1f1b-flush with each
     minibatch cut in 2, and the weights equal plain PyTorch SGD on the same batches."""

@@ -31,6 +31,7 @@ def _plan(bandwidth: object, **kw: object) -> fxpipe.Plan:
     return fxpipe.compile(body_and_tail(), cluster, example_inputs=(X,), **kw).plan
 
 
+@pytest.mark.slow
 def test_communication_bound_replicates_the_body_and_isolates_the_tail() -> None:
     plan = _plan("10Gbps", schedule="pipedream")  # PipeDream's schedule, priced by its planner
     assert plan.replicas == [7, 1]
@@ -39,6 +40,7 @@ def test_communication_bound_replicates_the_body_and_isolates_the_tail() -> None
     assert plan.noam == 2  # ceil(8 workers / 7 input replicas)
 
 
+@pytest.mark.slow
 def test_the_default_prices_the_same_split_as_the_default_trainer_runs_it() -> None:
     """The default plan is priced as the default trainer trains (1F1B with a flush, each
     minibatch cut into one microbatch per worker): the same split, its bubble included, so a
@@ -49,12 +51,14 @@ def test_the_default_prices_the_same_split_as_the_default_trainer_runs_it() -> N
     assert plan.one_worker_time > plan.data_parallel_time > plan.time_per_minibatch
 
 
+@pytest.mark.slow
 def test_negligible_communication_is_data_parallel_and_says_so() -> None:
     plan = _plan(1e15)
     assert plan.replicas == [8] and plan.is_data_parallel
     assert "plain data parallelism" in plan.summary()
 
 
+@pytest.mark.slow
 def test_straight_is_one_worker_per_stage() -> None:
     plan = _plan("10Gbps", straight=True)
     assert set(plan.replicas) == {1} and plan.workers_used == len(plan.stages) >= 2
@@ -62,10 +66,12 @@ def test_straight_is_one_worker_per_stage() -> None:
     assert plan.replicas == [1] * 8
 
 
+@pytest.mark.slow
 def test_forced_stage_count() -> None:
     assert len(_plan("10Gbps", stages=3).stages) == 3
 
 
+@pytest.mark.slow
 def test_plan_round_trips_and_is_tied_to_its_model(tmp_path: Path) -> None:
     compiled = fxpipe.compile(body_and_tail(), fxpipe.Cluster(workers=8, device="V100"),
                               example_inputs=(X,))

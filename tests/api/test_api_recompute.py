@@ -4,6 +4,7 @@ numbers of training without recomputation (reference executor, bit for bit; drop
 BatchNorm included, so the recomputed forward must redraw the same masks)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -52,6 +53,7 @@ def test_compile_plans_with_recompute_and_the_trainer_uses_the_flags() -> None:
     assert _train(every, recompute=False)[0] == ()  # ...unless the user says otherwise
 
 
+@pytest.mark.slow
 def test_training_with_the_plans_flags_equals_training_without() -> None:
     """One split for every run (measured costs could move a cut between compiles, and under
     pipedream the split decides the weight staleness): the plain plan, and the same partition
@@ -81,7 +83,8 @@ def test_cli_plan_and_simulate_show_the_flags(tmp_path, capsys) -> None:
     """`fxpipe plan` and `fxpipe simulate` on a profile where only recomputation fits 400 B by
     the planner's rule: without --recompute auto, one clear line naming the option. With it, at
     1900 B, the plan recomputes stage 0: the cap is held against its walked peak
-    (fxpipe/peak_fit.py; the walk by hand in tests/runtime/test_runtime_memory_walk.py), 1856 B
+    (fxpipe/peak_fit.py; the walk by hand in
+    tests/runtime/pricing/test_runtime_memory_walk.py), 1856 B
     (its state 16, its input per set, the recomputed set 310 with the working set 310, three
     gradients of 300 B posted ahead, one activation sent), where the plain plan's is 2146 B; and
     both commands print the recompute column. l1 holds 4 B of weights, so a gradient flows back

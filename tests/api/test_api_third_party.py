@@ -23,6 +23,8 @@ from fxpipe.codegen import run_stages  # noqa: E402
 
 from third_party import CASES, Case  # noqa: E402
 
+pytestmark = [pytest.mark.slow]
+
 hf_logging.set_verbosity_error()
 LR, MICRO, STEPS = 0.1, 2, 4
 

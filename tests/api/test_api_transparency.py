@@ -43,6 +43,7 @@ def _check_transparent(model: torch.nn.Module, inputs: tuple, loss_of, stages: i
     return compiled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", STAGES)
 @pytest.mark.parametrize("name", models.names(include_test_models=True))
 def test_zoo_model_transparent(name: str, stages: int) -> None:
@@ -73,6 +74,7 @@ def _hf_bert():
     return model, (ids,), lambda out: out.last_hidden_state.pow(2).mean() + out.pooler_output.sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", STAGES)
 @pytest.mark.parametrize("make", [_hf_gpt2, _hf_bert], ids=["gpt2", "bert"])
 def test_hugging_face_transparent(make, stages: int) -> None:
@@ -81,6 +83,7 @@ def test_hugging_face_transparent(make, stages: int) -> None:
     assert compiled.traced.method == "export"
 
 
+@pytest.mark.slow
 def test_tied_embeddings_split_across_stages_stay_tied() -> None:
     spec = models.get("gpt", size="mini")
     model = spec.model.eval()

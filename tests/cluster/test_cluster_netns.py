@@ -68,6 +68,7 @@ def test_parse_units() -> None:
         parse_rate("fast")
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_connectivity_pinning_and_shaping(prefix: str) -> None:
     with EmulatedCluster(2, bandwidth=RATE, latency="0.5ms", cpus=[0, 1], prefix=prefix) as c:
@@ -91,6 +92,7 @@ def test_connectivity_pinning_and_shaping(prefix: str) -> None:
         assert after["rx_bytes"] - before["rx_bytes"] >= 2 * nbytes
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_rtt_matches_latency(prefix: str) -> None:
     with EmulatedCluster(2, bandwidth=RATE, latency="0.5ms", prefix=prefix) as c:
@@ -101,6 +103,7 @@ def test_rtt_matches_latency(prefix: str) -> None:
         assert 0.9 * r["configured_rtt"] <= r["median"] <= 1.5 * r["configured_rtt"] + 3e-4, r
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_failed_body_leaves_nothing(prefix: str) -> None:
     links = _links()
@@ -116,6 +119,7 @@ def test_failed_body_leaves_nothing(prefix: str) -> None:
     _assert_nothing_left(prefix, links, pids)
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_hanging_child_leaves_nothing(prefix: str) -> None:
     links = _links()
@@ -139,6 +143,7 @@ os.kill(os.getpid(), signal.SIGKILL)   # crash: no teardown runs
 """
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_cleanup_removes_crashed_run(prefix: str) -> None:
     links = _links()
@@ -164,6 +169,7 @@ with EmulatedCluster(2, prefix=sys.argv[1]) as c:
 """
 
 
+@pytest.mark.multiprocess
 @needs_netns
 def test_sigterm_tears_down(prefix: str) -> None:
     links = _links()

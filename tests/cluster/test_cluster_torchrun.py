@@ -16,6 +16,8 @@ if str(ROOT) not in sys.path:
 from tools.cluster import (EmulatedCluster, can_create_namespaces, read_output,  # noqa: E402
                            torchrun_across, wait_all)
 
+pytestmark = [pytest.mark.multiprocess]
+
 _OK, _WHY = can_create_namespaces()
 
 SCRIPT = """

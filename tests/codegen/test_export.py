@@ -53,6 +53,7 @@ def _case(tmp: Path, name: str, gm: fx.GraphModule, args: tuple, kwargs: dict | 
     return case
 
 
+@pytest.mark.multiprocess
 def test_round_trip_in_fresh_process(tmp_path: Path) -> None:
     cnn = ResCNN().eval()
     x = torch.randn(2, 3, 8, 8)

@@ -104,6 +104,7 @@ def _hf_lm(name: str) -> nn.Module:
     return getattr(transformers, name)(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "MixtralForCausalLM"])
 def test_hugging_face_graphs_keep_what_eager_keeps(name: str) -> None:
     """torch.export's aten graph decomposes some modules differently from eager (measured:

@@ -13,6 +13,8 @@ import torch
 
 import gpu_check as g
 
+pytestmark = [pytest.mark.multiprocess]
+
 GPUS = g.gpus()
 NO_CUDA = "torch.cuda.is_available() is false: the NCCL check needs 2-4 CUDA GPUs"
 

@@ -235,12 +235,14 @@ def instances(draw):
 TIE = 1e-9
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_solver_with_recompute_matches_brute_force(inst) -> None:
     check_against_brute_force(inst)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances(), st.sampled_from([None, 1, 2, 5]), st.sampled_from([1, 2, 4]))
 def test_recompute_under_a_flushing_schedule_matches_brute_force(inst, mb, split) -> None:
@@ -249,6 +251,7 @@ def test_recompute_under_a_flushing_schedule_matches_brute_force(inst, mb, split
     check_against_brute_force(inst, (mb, split))
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances(), st.sampled_from([None, 1, 2, 5]), st.sampled_from([1, 2]))
 def test_recompute_under_zero_bubble_matches_brute_force(inst, mb, split) -> None:

@@ -94,6 +94,7 @@ def test_ties_within_the_tolerance_go_to_fewer_stages() -> None:
     assert solve(*args, tie_tolerance=1e-11).replicas == (1, 1)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, **SETTINGS)
 @given(instances())
 def test_minimum_memory_is_the_least_cap_some_plan_fits(inst) -> None:

@@ -87,6 +87,7 @@ def instances(draw):
     return C, P, A, cb, net, cap, opt, stages, straight
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
 def test_solver_matches_brute_force(inst) -> None:
@@ -134,6 +135,7 @@ RULES = {  # the shapes the runtime maps these schedules to (runtime/pricing/mem
 }
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances(), st.sampled_from(sorted(RULES)), st.sampled_from([None, 1, 2, 3, 7]))
 def test_solver_under_a_schedule_memory_rule_matches_brute_force(inst, schedule, m) -> None:
@@ -172,6 +174,7 @@ def shared_parameters(draw, n: int, P: list[float]):
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), instances(), st.sampled_from(["pipedream", *sorted(RULES)]),
        st.sampled_from([None, 2]))

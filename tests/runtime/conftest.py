@@ -3,14 +3,26 @@ NCCL checker (issue 27): a job's ranks each write one log per stretch of trainin
 evaluation) into the folder ``FXPIPE_COMM_LOG_DIR`` names (see
 ``fxpipe.runtime.execution.trainer_backends.COMM_LOG_ENV``); after the test, the logs of each
 stretch, every rank's together, are replayed by ``check_logs``. (The spawned-world jobs of
-``rt_spawn`` check their own logs.)"""
+``rt_spawn`` check their own logs.)
+
+The tests live in one folder per runtime package (schedules/, pricing/, replica/, execution/,
+training/); the helpers (``rt_*.py``, ``stale_oracles.py``) and the ``*_job.py`` scripts stay in
+this folder. Tests import both, and each other, by bare module name: this folder and every package
+folder go on ``sys.path`` here (``rt_procs.PATHS``; a job's ``PYTHONPATH`` holds the same)."""
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
+
+for _folder in [Path(__file__).parent,
+                *(Path(__file__).parent / p
+                  for p in ("schedules", "pricing", "replica", "execution", "training"))]:
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 from fxpipe.runtime.execution.trainer_backends import COMM_LOG_ENV
 from fxpipe.runtime.schedules.ncclcheck import check_logs

@@ -1,4 +1,4 @@
-"""The default trainer on 2 torchrun ranks, for tests/runtime/test_recipe_dist.py.
+"""The default trainer on 2 torchrun ranks, for tests/runtime/training/test_recipe_dist.py.
 
     torchrun --nproc-per-node 2 recipe_job.py OUT_DIR CASE [CASE ...]
 

@@ -67,11 +67,14 @@ _T = "tests/passes/"
 _LITERAL, _BRUTE = _T + "test_cost_model_literal.py", _T + "test_solver_bruteforce.py"
 _RC = _T + "test_recompute.py"  # the recompute model and search (brute force, seeded caps)
 _WITNESS = _T + "test_feasibility_witness.py"  # exact bounds and witnesses of the checks (fast)
-_RUNTIME = ["tests/runtime/test_runtime_stale_oracles.py", "tests/runtime/test_runtime_reference.py",
-            "tests/runtime/test_runtime_tied.py", "tests/runtime/test_runtime_staleness.py"]
-_R = "tests/runtime/"
-_ZB = _R + "test_runtime_zerobubble.py"
-_OVERLAP = _R + "test_runtime_overlap.py"
+_SC, _PR, _RE, _EX, _TR = (f"tests/runtime/{p}/" for p in (
+    "schedules", "pricing", "replica", "execution", "training"))
+_RUNTIME = [_EX + "test_runtime_stale_oracles.py",
+            _EX + "test_runtime_reference.py",
+            _RE + "test_runtime_tied.py",
+            _EX + "test_runtime_staleness.py"]
+_ZB = _SC + "test_runtime_zerobubble.py"
+_OVERLAP = _EX + "test_runtime_overlap.py"
 # The tests that spawn process groups (tens of seconds of start-up each) are left out of the
 # runtime selections: the same cases run in-process against the reference executor there.
 def _deselect(path: str, *tests: str) -> list[str]:
@@ -79,11 +82,11 @@ def _deselect(path: str, *tests: str) -> list[str]:
 
 
 _NO_PROCESSES = ["--deselect", _ZB + "::test_distributed_equals_reference_and_minibatch_sgd",
-                 "--deselect", _R + "test_runtime_schedules.py::test_distributed_equals_reference"]
-_PLACED = [_R + "test_placement.py", _R + "test_placed_checks.py", _R + "test_hosted_plan.py",
-           _R + "test_placed_timing.py", _R + "test_placed_greedy.py", _R + "test_placed_sim.py",
-           _R + "test_runtime_trainer_placed.py", _R + "test_runtime_placed.py",
-           *_deselect(_R + "test_runtime_placed.py",
+                 "--deselect", _EX + "test_runtime_schedules.py::test_distributed_equals_reference"]
+_PLACED = [_SC + "test_placement.py", _SC + "test_placed_checks.py", _SC + "test_hosted_plan.py",
+           _SC + "test_placed_timing.py", _SC + "test_placed_greedy.py", _PR + "test_placed_sim.py",
+           _TR + "test_runtime_trainer_placed.py", _EX + "test_runtime_placed.py",
+           *_deselect(_EX + "test_runtime_placed.py",
                       "test_distributed_equals_reference_and_minibatch_sgd",
                       "test_run_distributed_runs_a_placed_schedule_and_a_dead_process_is_named")]
 # module -> the tests that exercise it, cheapest and most specific first (-x: order is speed)
@@ -104,12 +107,12 @@ SUITES: dict[str, list[str]] = {
     "passes/reference_dp.py": [_T + "test_solver_vs_pipedream_dp.py", _LITERAL,
                                _T + "test_partition_update.py"],
     # test_runtime_schedules.py is all process groups (its module fixture spawns every case)
-    "runtime/schedules/schedule.py": ["tests/runtime/test_schedule.py", _ZB, *_RUNTIME, *_NO_PROCESSES],
-    "runtime/schedules/kinds.py": ["tests/runtime/test_schedule.py", _ZB, *_RUNTIME, *_NO_PROCESSES],
-    "runtime/schedules/zerobubble.py": [_ZB, "tests/runtime/test_schedule.py",
-                              _R + "test_runtime_reference.py", *_NO_PROCESSES],
-    "runtime/replica/stash.py": ["tests/runtime/test_runtime_stash.py", *_RUNTIME,
-                         _R + "test_runtime_master_weights.py"],
+    "runtime/schedules/schedule.py": [_SC + "test_schedule.py", _ZB, *_RUNTIME, *_NO_PROCESSES],
+    "runtime/schedules/kinds.py": [_SC + "test_schedule.py", _ZB, *_RUNTIME, *_NO_PROCESSES],
+    "runtime/schedules/zerobubble.py": [_ZB, _SC + "test_schedule.py",
+                              _EX + "test_runtime_reference.py", *_NO_PROCESSES],
+    "runtime/replica/stash.py": [_RE + "test_runtime_stash.py", *_RUNTIME,
+                         _RE + "test_runtime_master_weights.py"],
     # placement as data (interleaved-1f1b, zb-v): the literal tables, the simulator, the NCCL
     # order checker and the reference executor; the spawned worlds of test_runtime_placed.py
     # are left out
