@@ -6,10 +6,8 @@ Actions, minibatch owners and message shapes are known ahead; compute is the ref
 from __future__ import annotations
 
 import logging
-import os
-import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -39,6 +37,10 @@ from .wire import WirePlan
 
 log = logging.getLogger(__name__)
 
+ActionHook = Callable[[int, Action], None]
+"""Called in a rank before each of its actions, with the action's index and the action (a
+run's ``hooks``; tests make a rank die or hang at an action with one)."""
+
 
 @dataclass
 class RankResult:
@@ -62,7 +64,7 @@ class RankExecutor(UpdateMixin):
     def __init__(self, stages: Sequence[StageSpec], schedule: Schedule, me: Rank,
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  comm: Comm, *, stashing: bool = True, device: torch.device | None = None,
-                 fault: tuple[str, int] | None = None, recorder: Recorder | None = None,
+                 before_action: ActionHook | None = None, recorder: Recorder | None = None,
                  overlap_allreduce: bool = True,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, mitigation: Mitigation | None = None,
                  delay: int = 0, options: StepOptions = DEFAULT) -> None:
@@ -91,7 +93,7 @@ class RankExecutor(UpdateMixin):
         self.wire = wire
         self.comm = comm
         self.device = device or torch.device("cpu")
-        self.fault = fault
+        self.before_action = before_action
         self._inbox: dict[Msg, _Pending] = {}  # receives posted, not yet waited for
         self._data: dict[int, Batch] = {}  # minibatches this rank forwards, not yet forwarded
         self._planner: StretchPlanner | None = None  # set while a stretch runs
@@ -265,8 +267,8 @@ class RankExecutor(UpdateMixin):
             self.prepost_tied(actions[u_next])
         meter = self.meter
         for i, a in enumerate(actions):
-            if self.fault is not None and i == self.fault[1]:
-                _inject(self.fault[0], self.comm.who, a)
+            if self.before_action is not None:
+                self.before_action(i, a)
             if meter is not None:
                 meter.at("comm")
             issuer.at(i)  # the receives due by now (commplan.Issuer)
@@ -379,10 +381,3 @@ class RankExecutor(UpdateMixin):
         self.rec.events.clear()
         return events
 
-
-def _inject(kind: str, who: str, a: Action) -> None:
-    """Fault injection for tests: die hard (no cleanup, like a crash) or hang at action ``a``."""
-    log.warning("%s: injected fault %r before %s", who, kind, a)
-    if kind == "die":
-        os._exit(17)
-    time.sleep(3600)

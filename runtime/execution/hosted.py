@@ -24,7 +24,7 @@ from ..timeline import Recorder
 from .buckets import last_backwards
 from .comm import Comm, _Pending
 from .contract import Batch
-from .executor import RankExecutor, RankResult, _inject
+from .executor import ActionHook, RankExecutor, RankResult
 from .wire import WirePlan
 
 log = logging.getLogger(__name__)
@@ -140,11 +140,11 @@ class ProcessExecutor:
                  loss_fn: LossFn, optimizer_factory: OptimizerFactory, wire: WirePlan,
                  rank_of: dict[Rank, int], timeout_s: float, t0: float, *,
                  groups: dict[Any, Any] | None = None, device: torch.device | None = None,
-                 options: StepOptions = DEFAULT, fault: tuple[str, int] | None = None,
+                 options: StepOptions = DEFAULT, before_action: ActionHook | None = None,
                  record_comm: bool = False) -> None:
         self.placed = placed
         self.log: list[tuple] | None = [] if record_comm else None
-        self.fault = fault  # tests: ("die" | "hang", index in the merged list)
+        self.before_action = before_action  # called with (index in the merged list, action)
         self.index = index
         self.hosts = placed.hosts[index]
         self.mailbox: dict[MailKey, torch.Tensor] = {}
@@ -185,8 +185,8 @@ class ProcessExecutor:
         pos = {r: 0 for r in self.hosts}
         for step, (r, a) in enumerate(self.placed.order[self.index]):
             ex, i = self.executors[r], pos[r]
-            if self.fault is not None and step == self.fault[1]:
-                _inject(self.fault[0], ex.comm.who, a)
+            if self.before_action is not None:
+                self.before_action(step, a)
             pos[r] += 1
             self._step(ex, a, i, plans[r], batches, losses[r])
             for m in plans[r].sends[i]:

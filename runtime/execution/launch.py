@@ -28,6 +28,7 @@ from ..schedules.schedule import Schedule
 from .comm import make_groups, synchronized_start
 from .contract import Batch, RunResult, check_schedule
 from .cores import warn_if_oversubscribed
+from .executor import ActionHook
 from .hosted import ProcessExecutor, check_hostable
 from .ports import free_port
 from .wire import WirePlan, make_wire_plan
@@ -43,7 +44,7 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
                     vertical_sync: bool = False, timeout_s: float = 60.0, device: str = "cpu",
                     master_addr: str = "127.0.0.1", port: int | None = None,
                     join_timeout_s: float | None = None,
-                    faults: dict[int, tuple[str, int]] | None = None,
+                    hooks: dict[int, ActionHook] | None = None,
                     log_level: int = logging.WARNING, record_comm: bool = False) -> RunResult:
     """Train ``stages`` on ``batches`` with one process per rank; same result type (and, to
     rounding, same numbers) as :class:`ReferenceExecutor`.
@@ -51,8 +52,10 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
     ``loss_fn`` and ``optimizer_factory`` must be picklable (module-level functions,
     ``functools.partial``). ``timeout_s`` bounds every wait of every rank. ``join_timeout_s``
     bounds the whole run (None: no bound, except that once a rank failed the others get
-    ``timeout_s`` + 2 s to notice before they are terminated). ``faults`` (tests): rank index ->
-    ("die" | "hang", action index). Raises :class:`WorkerFailedError` if any rank failed.
+    ``timeout_s`` + 2 s to notice before they are terminated). ``hooks``: rank index -> a
+    picklable callable, run in that rank before each of its actions as ``hook(index, action)``
+    (what the tests inject faults with: a rank that dies or hangs at an action). Raises
+    :class:`WorkerFailedError` if any rank failed.
     ``device``: "cpu" (gloo), or "cuda" (NCCL; rank i on GPU i, see fxpipe.runtime.replica.device).
     ``record_comm``: return every rank's communication log in ``RunResult.comm_logs`` (for
     :func:`fxpipe.runtime.schedules.ncclcheck.check_logs`).
@@ -69,10 +72,10 @@ def run_distributed(stages: Sequence[StageSpec], replicas: Sequence[int],
                                      f"{list(schedule.schedule.replicas)}")
         return run_placed(stages, schedule, loss_fn, optimizer_factory, batches,
                           timeout_s=timeout_s, join_timeout_s=join_timeout_s, device=device,
-                          faults=faults, record_comm=record_comm, log_level=log_level)
+                          hooks=hooks, record_comm=record_comm, log_level=log_level)
     sched = schedule.with_vertical_sync() if vertical_sync else schedule
     job = RankJob(list(stages), list(replicas), sched, loss_fn, optimizer_factory, list(batches),
-                  stashing=stashing, faults=dict(faults or {}), record_comm=record_comm)
+                  stashing=stashing, hooks=dict(hooks or {}), record_comm=record_comm)
     return run_rank_jobs([job], timeout_s=timeout_s, device=device, master_addr=master_addr,
                          port=port, join_timeout_s=join_timeout_s, log_level=log_level)[0]
 
@@ -88,8 +91,8 @@ class RankJob:
     optimizer_factory: OptimizerFactory
     batches: list[Batch]
     stashing: bool = True
-    faults: dict[int, tuple[str, int]] = field(default_factory=dict)
-    """Tests: rank index -> ("die" | "hang", action index)."""
+    hooks: dict[int, ActionHook] = field(default_factory=dict)
+    """Rank index -> a callable run before each of its actions (see :func:`run_distributed`)."""
     record_comm: bool = False
     options: StepOptions = DEFAULT
 
@@ -118,7 +121,7 @@ def run_rank_jobs(jobs: Sequence[RankJob], *, timeout_s: float = 60.0, device: s
                              make_wire_plan(j.stages, [b[0] for b in j.batches],
                                             precision=j.options.precision),
                              outdir, port, master_addr, timeout_s, j.stashing, device,
-                             j.faults, log_level, record_comm=j.record_comm,
+                             j.hooks, log_level, record_comm=j.record_comm,
                              windows=tuple(j.schedule.windows), options=j.options)
                 for j in jobs]
         ctx = mp.get_context("spawn")
@@ -200,8 +203,8 @@ class PlacedJob:
     batches: list[Batch]
     options: StepOptions = DEFAULT
     wire: WirePlan | None = field(default=None)
-    faults: dict[int, tuple[str, int]] = field(default_factory=dict)
-    """Tests: process index -> ("die" | "hang", index in its merged list)."""
+    hooks: dict[int, ActionHook] = field(default_factory=dict)
+    """Process index -> a callable run before each step of its merged list."""
     record_comm: bool = False  # keep every process's host calls (ncclcheck.check_logs)
 
 
@@ -231,7 +234,7 @@ def _worker(index: int, jobs: list[PlacedJob], outdir: str, port: int, timeout_s
             ex = ProcessExecutor(job.stages, job.placed, index, job.loss_fn,
                                  job.optimizer_factory, job.wire, rank_of, timeout_s, t0,
                                  groups=groups, options=job.options,
-                                 fault=job.faults.get(index), record_comm=job.record_comm)
+                                 before_action=job.hooks.get(index), record_comm=job.record_comm)
             res = ex.run(job.batches)
             torch.save({r: v.__dict__ for r, v in res.items()}, out / f"job{n}-p{index}.pt")
         dist.destroy_process_group()
@@ -299,18 +302,19 @@ def run_placed(stages: Sequence[StageSpec], placed: PlacedSchedule, loss_fn: Los
                optimizer_factory: OptimizerFactory, batches: Sequence[Batch], *,
                timeout_s: float = 60.0, join_timeout_s: float | None = None,
                device: str = "cpu", options: StepOptions = DEFAULT,
-               faults: dict[int, tuple[str, int]] | None = None, record_comm: bool = False,
+               hooks: dict[int, ActionHook] | None = None, record_comm: bool = False,
                log_level: int = logging.WARNING) -> RunResult:
     """Train ``stages`` on ``batches`` under ``placed`` with one gloo process per process of the
     placement; same result type (and, to rounding, numbers) as the reference executor running
     ``placed.schedule``. ``timeout_s`` bounds every wait; a process that dies or hangs makes
     the others fail with a :class:`~fxpipe.runtime.errors.PeerError` naming it, and this call
-    raise :class:`WorkerFailedError` (``faults``, tests: process -> ("die" | "hang", step)).
+    raise :class:`WorkerFailedError` (``hooks``: process index -> a callable run before each
+    step of its merged list, as ``hook(step, action)``).
     ``record_comm``: every process's host calls in ``RunResult.comm_logs`` (by process), for
     :func:`fxpipe.runtime.schedules.ncclcheck.check_logs`."""
     check_hostable(stages, placed, device, options)
     return run_placed_jobs([PlacedJob(list(stages), placed, loss_fn, optimizer_factory,
-                                      list(batches), options, faults=dict(faults or {}),
+                                      list(batches), options, hooks=dict(hooks or {}),
                                       record_comm=record_comm)],
                            timeout_s=timeout_s,
                            join_timeout_s=join_timeout_s, log_level=log_level)[0]

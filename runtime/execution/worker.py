@@ -30,7 +30,7 @@ from ..timeline import Recorder
 from .buckets import DEFAULT_BUCKET_BYTES
 from .comm import Comm, make_groups, rank_name, synchronized_start
 from .contract import Batch
-from .executor import RankExecutor, RankResult
+from .executor import ActionHook, RankExecutor, RankResult
 from .wire import WirePlan
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class WorkerConfig:
     timeout_s: float = 60.0
     stashing: bool = True
     device: str = "cpu"
-    faults: dict[int, tuple[str, int]] = field(default_factory=dict)
+    hooks: dict[int, ActionHook] = field(default_factory=dict)
     log_level: int = logging.WARNING
     overlap_allreduce: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -120,7 +120,7 @@ def run_rank(index: int, cfg: WorkerConfig, t0: float) -> RankResult | None:
     comm = Comm(me, rank_of, len(cfg.wire.values), cfg.timeout_s, device, groups, recorder=rec,
                 record=cfg.record_comm)
     ex = RankExecutor(cfg.stages, sched, me, cfg.loss_fn, cfg.optimizer_factory, cfg.wire,
-                      comm, stashing=cfg.stashing, device=device, fault=cfg.faults.get(index),
+                      comm, stashing=cfg.stashing, device=device, before_action=cfg.hooks.get(index),
                       recorder=rec, overlap_allreduce=cfg.overlap_allreduce,
                       bucket_bytes=cfg.bucket_bytes, options=cfg.options)
     return ex.run(cfg.batches)

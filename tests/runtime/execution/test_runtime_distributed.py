@@ -16,6 +16,7 @@ from fxpipe.runtime.execution.launch import run_distributed
 from fxpipe.runtime.execution.reference import ReferenceExecutor
 from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.timeline import busy_fraction, write_chrome_trace
+from rt_faults import Die, Hang
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -68,7 +69,7 @@ def test_killed_rank_makes_the_others_fail_naming_it(caplog: pytest.LogCaptureFi
     caplog.set_level(logging.WARNING, logger="fxpipe.runtime.execution.cores")
     with pytest.raises(WorkerFailedError) as info:
         run_distributed(split(tiny_mlp(), [1, 3]), [1, 1, 1], sched, loss_fn, sgd, batches(8),
-                        timeout_s=5, join_timeout_s=120, faults={1: ("die", 3)})
+                        timeout_s=5, join_timeout_s=120, hooks={1: Die(3)})
     err = info.value
     # the survivors exit by themselves (a positive code; the launcher's terminate after
     # join_timeout_s would show as a negative signal number), each naming the dead rank
@@ -84,7 +85,7 @@ def test_hung_rank_times_out_naming_it() -> None:
     sched = make_schedule("pipedream", [1, 1], 4)
     with pytest.raises(WorkerFailedError) as info:
         run_distributed(split(tiny_mlp(), [2]), [1, 1], sched, loss_fn, sgd, batches(4),
-                        timeout_s=2, join_timeout_s=120, faults={1: ("hang", 1)})
+                        timeout_s=2, join_timeout_s=120, hooks={1: Hang(1)})
     err = info.value
     assert err.exitcodes[0] == 1
     assert "stage 1 replica 0 (rank 1)" in err.errors[0] and "timeout 2 s" in err.errors[0]

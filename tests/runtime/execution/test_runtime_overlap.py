@@ -24,6 +24,7 @@ from fxpipe.runtime.execution.reference import ReferenceExecutor
 from fxpipe.runtime.execution.contract import RunResult
 from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.replica.stage import StageReplica
+from rt_faults import Hang
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 TINY = 96  # bytes: stage 0 of the width-16 MLP (2 linear layers) then has 4 buckets
@@ -337,7 +338,7 @@ def test_hung_replica_fails_the_bucket_wait_naming_the_group() -> None:
     sched = make_schedule("pipedream", [2], 4)
     with pytest.raises(WorkerFailedError) as info:
         run_distributed(split(wide_mlp(), []), [2], sched, loss_fn, sgd, batches(4),
-                        timeout_s=2, join_timeout_s=120, faults={1: ("hang", 1)})
+                        timeout_s=2, join_timeout_s=120, hooks={1: Hang(1)})
     msg = info.value.errors[0]
     assert "bucket 0 of U0 among 2 replicas of stage 0" in msg, msg
     assert "stage 0 replica 1 (rank 1)" in msg and "timeout 2 s" in msg, msg

@@ -24,6 +24,7 @@ from fxpipe.runtime.execution.reference import ReferenceExecutor
 from fxpipe.runtime.schedules.schedule import Action, Schedule, ScheduleError
 from fxpipe.runtime.schedules.kinds import make_schedule
 from fxpipe.runtime.replica.step_options import StepOptions
+from rt_faults import Die
 
 TIGHT = dict(rtol=1e-6, atol=1e-7)
 
@@ -189,7 +190,7 @@ def test_run_distributed_runs_a_placed_schedule_and_a_dead_process_is_named() ->
         run_distributed(stages, [2] * 4, placed, loss_fn, sgd, data)
     with pytest.raises(WorkerFailedError) as info:
         run_distributed(split(make(), cuts), [1] * 4, placed, loss_fn, sgd, data, timeout_s=4.0,
-                        join_timeout_s=90.0, faults={1: ("die", 4)})
+                        join_timeout_s=90.0, hooks={1: Die(4)})
     assert info.value.exitcodes[1] == 17 and info.value.exitcodes[0] == 1
     assert "process 0: stage" in info.value.errors[0]
     assert "(rank 1)" in info.value.errors[0] and "failed (timeout 4 s)" in info.value.errors[0]
