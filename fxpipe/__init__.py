@@ -1,7 +1,7 @@
 """fxpipe: automatic PipeDream-style pipeline parallelism for unmodified PyTorch models.
 
 A lazy facade (PEP 562; every ``import fxpipe.<phase>`` runs it). ``api`` holds ``compile``
-(``peak_fit``: its memory fit); ``cli``, ``cli_args``, ``cli_simulate``, ``cli_train`` and
+(measuring, then planning with ``runtime.pricing.choose``); ``cli``, ``cli_args``, ``cli_simulate``, ``cli_train`` and
 ``cli_elastic`` are the command; ``errors``, ``units``, ``jsonio``, ``host_memory`` shared leaves.
 """
 from __future__ import annotations

@@ -20,8 +20,10 @@ from fxpipe.codegen import (StageSpec, draw_overview, draw_plan, export_stages, 
 from fxpipe.codegen.visualize import module_span
 from fxpipe.costmodel import Cluster, Profile, estimate_graph, get_device, profile_graph, to_profile
 from fxpipe.costmodel.overheads import Overheads, with_overheads
-from fxpipe.errors import ConfigError, InfeasiblePlanError, PlanFormatError
-from fxpipe.passes import Plan, partition
+from fxpipe.errors import ConfigError, PlanFormatError
+from fxpipe.passes import Plan
+# planning is runtime.pricing's (torch-free); its entry points stay importable from here
+from fxpipe.runtime.pricing.choose import CHOOSERS, choose_fitted_plan, choose_plan  # noqa: F401
 from fxpipe.tracing import TracedGraph, trace
 from fxpipe.tracing.trace import on_meta
 
@@ -484,98 +486,6 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     log.info("compiled %s into %d stage(s), replicas %s (traced with %s)", type(model).__name__,
              len(specs), plan.replicas, traced.method)
     return CompiledModel(model, traced, profile, plan, specs, loss_fn, cluster)
-
-
-CHOOSERS = ("auto", "planner", "simulation")
-
-
-
-def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
-                stages: int | None = None, straight: bool = False,
-                choose: str = "auto", schedule: str = "auto",
-                recompute: str = "never", microbatches: int | None = None,
-                optimizer_state_factor: float = 1.0) -> Plan:
-    """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds), priced as
-    PipeDream's schedule runs (no flush). ``simulation``: the planner's candidates, each
-    event-simulated with ``schedule``, the fastest kept (``fxpipe.runtime.pricing.plan_choice``;
-    seconds at 16 workers): it sees the 1F1B start-up, a flushing schedule's bubble and replicas
-    waiting for each other, which the analytic bottleneck does not; the plan's time and its data
-    parallelism's are then the simulated ones under ``schedule`` (``plan.time_source``), and
-    data parallelism is among the candidates, so the plan is never slower than it. ``auto``
-    (default): the planner for ``pipedream``, the simulation for every other schedule
-    (``"auto"``, the default, is priced as the default trainer trains: see :func:`compile`).
-    Under ``auto`` a pipedream optimum is chosen by simulation too where the planner's
-    objective does not price it (:func:`fxpipe.runtime.pricing.plan_choice.unpriced_by_planner`):
-    it puts a shared parameter (tied embeddings) on two stages, whose gradient sum crosses the
-    link at every update (on a slow link that can make the pipeline slower than one worker: GPT
-    at 20 Mbit/s in ``benchmarks/pipeline-cluster.md``), or its simulation under pipedream is
-    more than 5% slower than the planner says (round trips longer than PipeDream's window,
-    replicas waiting for each other).
-    ``schedule``'s memory is what the plans are fitted with (``microbatches`` per update);
-    ``optimizer_state_factor``: state bytes per parameter byte beyond weights and gradients
-    (``runtime.replica.state_size``)."""
-    if choose not in CHOOSERS:
-        raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
-    from fxpipe.passes.memory_rule import PIPEDREAM
-    from fxpipe.runtime.pricing.memory import SHAPES, memory_rule
-    from fxpipe.runtime.schedules.spec import priced_kind
-
-    schedule = priced_kind(schedule)
-    # the placed kinds (several stages per process) keep PipeDream's rule for their candidates
-    rule = memory_rule(schedule, microbatches) if schedule in SHAPES else PIPEDREAM
-    if choose == "planner" or (choose == "auto" and schedule == "pipedream"):
-        plan = partition(profile, cluster, sync=sync, stages=stages, straight=straight,
-                         recompute=recompute, memory_rule=rule,
-                         optimizer_state_factor=optimizer_state_factor)
-        if choose == "planner":
-            return plan
-        from fxpipe.runtime.pricing.plan_choice import unpriced_by_planner
-
-        why = unpriced_by_planner(plan, profile)
-        if why is None:
-            return plan
-        log.info("the planner's optimum %s: %s; choosing by simulation", plan.replicas, why)
-    from fxpipe.runtime.pricing.plan_choice import choose_by_simulation, priced_by_simulation
-
-    try:
-        choice = choose_by_simulation(profile, cluster, sync=sync, stages=stages,
-                                      straight=straight, schedules=(schedule,),
-                                      recompute=recompute, memory_rule=rule,
-                                      microbatches=microbatches,
-                                      optimizer_state_factor=optimizer_state_factor)
-    except InfeasiblePlanError as err:
-        if choose != "auto" or schedule != "pipedream":
-            raise
-        # e.g. stages forced and every such plan has tied stages with unequal replica counts
-        log.warning("no candidate simulates under pipedream (%s); keeping the planner's plan, "
-                    "which a flushing schedule trains", err)
-        return plan
-    log.info("%s", choice.summary())
-    return priced_by_simulation(choice, profile, cluster, sync=sync, microbatches=microbatches)
-
-
-def choose_fitted_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
-                       stages: int | None = None, straight: bool = False,
-                       choose: str = "auto", schedule: str = "auto",
-                       recompute: str = "never", microbatches: int | None = None,
-                       optimizer_state_factor: float = 1.0,
-                       temporaries: tuple[float, float] = (0.0, 0.0)) -> Plan:
-    """:func:`choose_plan`, with the cluster's memory cap held against each stage's peak walked
-    through ``schedule`` (:func:`fxpipe.peak_fit.fit_peaks`: planned again for lower caps where
-    a stage peaks over it), the walked peaks recorded on the plan: what ``compile``, ``fxpipe
-    plan`` and ``fxpipe simulate`` plan with. ``temporaries``: the optimizer step's
-    ``(per_byte, per_largest)`` (:func:`fxpipe.runtime.replica.state_size.temporaries_for`;
-    none where no optimizer is known)."""
-    from fxpipe.peak_fit import fit_peaks
-    from fxpipe.runtime.schedules.spec import priced_kind
-
-    schedule = priced_kind(schedule)
-    return fit_peaks(
-        lambda c: choose_plan(profile, c, sync=sync, stages=stages, straight=straight,
-                              choose=choose, schedule=schedule, recompute=recompute,
-                              microbatches=microbatches,
-                              optimizer_state_factor=optimizer_state_factor),
-        profile, cluster, schedule, microbatches, temporaries)
 
 
 def load(directory: str | os.PathLike[str]) -> tuple[Plan | None, list[StageSpec]]:

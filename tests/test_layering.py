@@ -224,6 +224,13 @@ GOOD = {
      "fxpipe.runtime.schedules.kinds imports fxpipe.runtime.replica.stage: runtime.schedules"),
     ("runtime/replica/clip.py", "def f():\n    from fxpipe.runtime.pricing import sim\n",
      "fxpipe.runtime.replica.clip imports fxpipe.runtime.pricing.sim: runtime.replica may"),
+    # planning (runtime.pricing: a Profile in, a Plan out) measures nothing and runs nothing
+    ("runtime/pricing/choose.py", "from fxpipe.runtime.execution.overhead_probe import m\n",
+     "fxpipe.runtime.pricing.choose imports fxpipe.runtime.execution: runtime.pricing may"),
+    ("runtime/pricing/choose.py", "def f():\n    from ..replica.state_size import state_factor\n",
+     "fxpipe.runtime.pricing.choose imports fxpipe.runtime.replica"),
+    ("runtime/pricing/choose.py", "import torch\n",
+     "fxpipe.runtime.pricing.choose imports torch: fxpipe.runtime.pricing is torch-free"),
     ("runtime/execution/launch.py", "from fxpipe.runtime.training.trainer import T\n",
      "fxpipe.runtime.execution.launch imports fxpipe.runtime.training.trainer"),
     ("runtime/timeline2.py", "", None),

@@ -30,8 +30,8 @@ def check_schedule_memory(plan: Any, profile: Any, schedule: str, microbatches: 
     :class:`RuntimeConfigError` where a stage needs more than the plan's cluster memory.
     ``split``: microbatches each loader minibatch is cut into (each holds its share of the
     profiled minibatch's activations). Under a cap, what is held against it is what the
-    planner fitted (``fxpipe.peak_fit``): the larger of the schedule's rule and its peak walked
-    through the actions (:func:`~fxpipe.runtime.pricing.memory_walk.walk_memory`, the
+    planner fitted (``fxpipe.runtime.pricing.peak_fit``): the larger of the schedule's rule and
+    its peak walked through the actions (:func:`~fxpipe.runtime.pricing.memory_walk.walk_memory`, the
     optimizer step's ``temporaries`` included)."""
     spec = parse_schedule(schedule)
     if spec.kind == AUTO or spec.kind in PLACED_KINDS:
@@ -103,7 +103,8 @@ def walked_peaks(plan: Any, profile: Any, trainer: Any) -> tuple[Any, ...] | Non
     (:func:`fxpipe.runtime.pricing.memory_walk.walk_memory`), its optimizer's step temporaries
     measured on stand-ins of the stages' parameters, on the path torch takes on the rank's
     device; None where it is not walked: no profile, or a kind without a memory rule (``auto``,
-    whose pick may change, the placed kinds), as ``fxpipe.peak_fit`` does not walk them."""
+    whose pick may change, the placed kinds), as ``fxpipe.runtime.pricing.peak_fit`` does not
+    walk them."""
     if profile is None or trainer.kind not in SHAPES:  # e.g. auto, the placed kinds
         return None
     from ..replica.state_size import temporaries_for

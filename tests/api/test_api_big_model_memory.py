@@ -54,7 +54,7 @@ def test_meta_llama_plan_is_the_rule_by_hand() -> None:
 
     assert least("auto") < least("never")
     # compile holds the cap against each stage's peak walked through the schedule (the rule's
-    # memory plus buffers, working sets and AdamW's temporaries, fxpipe.peak_fit): a cap between
+    # memory plus buffers, working sets and AdamW's temporaries, runtime/pricing/peak_fit.py): a cap between
     # the recomputing plan's peak and the plain one's, so only recomputation fits
     always = fxpipe.compile(model, fxpipe.Cluster(workers=4, device="H100"),
                             **{**kw, "recompute": "always"})

@@ -83,7 +83,7 @@ def test_cli_plan_and_simulate_show_the_flags(tmp_path, capsys) -> None:
     """`fxpipe plan` and `fxpipe simulate` on a profile where only recomputation fits 400 B by
     the planner's rule: without --recompute auto, one clear line naming the option. With it, at
     1900 B, the plan recomputes stage 0: the cap is held against its walked peak
-    (fxpipe/peak_fit.py; the walk by hand in
+    (runtime/pricing/peak_fit.py; the walk by hand in
     tests/runtime/pricing/test_runtime_memory_walk.py), 1856 B
     (its state 16, its input per set, the recomputed set 310 with the working set 310, three
     gradients of 300 B posted ahead, one activation sent), where the plain plan's is 2146 B; and

@@ -165,7 +165,7 @@ def test_a_cap_between_the_rules_plans_for_the_flushing_schedule() -> None:
         assert fs.memory_bytes == sp.state_bytes + min(v, 2) * sp.activation_bytes
         assert sp.memory_bytes == sp.state_bytes + (v - 1) * sp.parameter_bytes \
             + v * sp.activation_bytes
-    # the cap is held against each plan's peak walked through its schedule (fxpipe.peak_fit)
+    # the cap is held against each plan's peak walked through its schedule (runtime/pricing/peak_fit.py)
     flush_peak = max(sp.peak_bytes or 0.0 for sp in flush.plan.stages)
     cap = (flush_peak + max(sp.peak_bytes or 0.0 for sp in probe.plan.stages)) / 2
     assert max(sp.memory_bytes for sp in flush.plan.stages) <= flush_peak < cap

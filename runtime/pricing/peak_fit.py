@@ -1,6 +1,6 @@
 """The memory cap held against the peak a run reaches, not only the rule between actions.
 
-:func:`fit_peaks` walks the chosen plan through its schedule (``runtime/pricing/memory_walk.py``)
+:func:`fit_peaks` walks the chosen plan through its schedule (:mod:`.memory_walk`)
 and, where a stage peaks over ``Cluster(memory=...)``, plans again for lower caps, keeping the
 fastest plan whose walked peaks (``StagePlan.peak_bytes``) fit; the plan keeps the user's cap.
 """
@@ -16,6 +16,9 @@ from fxpipe.errors import InfeasiblePlanError
 from fxpipe.passes.plan import Plan
 from fxpipe.units import format_bytes
 
+from .memory import SHAPES
+from .memory_walk import walk_memory
+
 log = logging.getLogger(__name__)
 
 ROUNDS = 6
@@ -26,9 +29,6 @@ def with_peaks(plan: Plan, profile: Profile, schedule: str, microbatches: int | 
                temporaries: tuple[float, float]) -> Plan:
     """``plan`` with each stage's walked peak under ``schedule`` (unchanged where the schedule
     is not walked: the placed kinds, ``auto``)."""
-    from fxpipe.runtime.pricing.memory import SHAPES
-    from fxpipe.runtime.pricing.memory_walk import walk_memory
-
     if schedule not in SHAPES:
         return plan
     peaks = walk_memory(plan, profile, schedule, microbatches=microbatches,

@@ -1,4 +1,4 @@
-"""fxpipe/peak_fit.py: the cap held against the walked peak. A hand-made chain whose rule fits a
+"""runtime/pricing/peak_fit.py: the cap held against the walked peak. A hand-made chain whose rule fits a
 cap its walked peak does not: re-planned for a lower cap until every peak fits, the user's cap
 kept on the plan, and a clear error naming the stage where no lower cap helps."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.errors import InfeasiblePlanError
 from fxpipe.passes import partition
 from fxpipe.passes.plan import Plan
-from fxpipe.peak_fit import fit_peaks, with_peaks
+from fxpipe.runtime.pricing.peak_fit import fit_peaks, with_peaks
 from fxpipe.runtime.pricing.memory import memory_rule
 from fxpipe.runtime.pricing.memory_walk import walk_memory
 
