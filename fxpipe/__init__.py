@@ -21,6 +21,9 @@ _LAZY = {
     "Overheads": "fxpipe.costmodel.overheads",
     "Plan": "fxpipe.passes.plan", "partition": "fxpipe.passes.partition",
     "trace": "fxpipe.tracing",
+    **{name: "fxpipe.runtime.training.config" for name in (
+        "CheckpointConfig", "DataConfig", "LrSchedulerConfig", "MetricsConfig", "PrecisionConfig",
+        "ReplanConfig", "RunConfig", "ScheduleConfig")},
 }
 
 __all__ = sorted([*_LAZY, "ConfigError", "CostingError", "FxpipeError", "InfeasiblePlanError",
@@ -33,6 +36,9 @@ if TYPE_CHECKING:
     from fxpipe.costmodel.profile import Profile
     from fxpipe.passes.partition import partition
     from fxpipe.passes.plan import Plan
+    from fxpipe.runtime.training.config import (CheckpointConfig, DataConfig, LrSchedulerConfig,
+                                                MetricsConfig, PrecisionConfig, ReplanConfig,
+                                                RunConfig, ScheduleConfig)
     from fxpipe.tracing import trace
 
 

@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -27,9 +27,16 @@ from fxpipe.runtime.pricing.choose import CHOOSERS, choose_fitted_plan, choose_p
 from fxpipe.tracing import TracedGraph, trace
 from fxpipe.tracing.trace import on_meta
 
+if TYPE_CHECKING:
+    from fxpipe.runtime.training.config import (CheckpointConfig, DataConfig, LrSchedulerConfig,
+                                                MetricsConfig, PrecisionConfig, ReplanConfig,
+                                                RunConfig, ScheduleConfig)
+    from fxpipe.runtime.training.trainer import Trainer
+
 log = logging.getLogger("fxpipe")
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerArg = Callable[..., torch.optim.Optimizer] | torch.optim.Optimizer | None
 
 
 def model_fingerprint(gm: torch.fx.GraphModule) -> str:
@@ -194,17 +201,35 @@ class CompiledModel:
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # --- training ------------------------------------------------------------------------------
-    def trainer(self, **kwargs: Any) -> Any:
-        """A pipeline trainer for this plan: ``trainer(optimizer=lambda ps: SGD(ps, lr=0.05),
-        checkpoint_dir="ckpt/").fit(loader, epochs=3)``; see
-        :class:`fxpipe.runtime.training.trainer.Trainer` for every option. The schedule defaults to
-        ``"auto"`` (a pilot on the first minibatches and this plan's simulated throughput pick
+    def trainer(self, optimizer: OptimizerArg = None, *, loss_fn: LossFn | None = None,
+                schedule: ScheduleConfig | str | None = None, data: DataConfig | None = None,
+                checkpoint: CheckpointConfig | None = None,
+                precision: PrecisionConfig | str | None = None,
+                metrics: MetricsConfig | None = None, run: RunConfig | None = None,
+                lr_scheduler: LrSchedulerConfig | Callable[..., Any] | None = None,
+                replan: ReplanConfig | str | None = None, **aliases: Any) -> Trainer:
+        """A pipeline trainer for this plan: ``trainer(lambda ps: SGD(ps, lr=0.05),
+        checkpoint=fxpipe.CheckpointConfig(dir="ckpt/")).fit(loader, epochs=3)``. Its options
+        come in sections (:mod:`fxpipe.runtime.training.config`, every one exported by
+        ``fxpipe``): ``schedule``, ``data``, ``checkpoint``, ``precision``, ``metrics``, ``run``,
+        ``lr_scheduler``, ``replan``; ``aliases``: the flat keywords of earlier releases
+        (``checkpoint_dir=``, ``executor=`` ...), kept for one release. The schedule defaults
+        to ``"auto"`` (a pilot on the first minibatches and this plan's simulated throughput pick
         it, see :mod:`fxpipe.runtime.training.auto`; :meth:`summary` then says what and why); pass
         ``schedule="pipedream"`` (or another) to skip the pilot. ``recompute`` defaults to the
-        plan's per-stage flags (``plan.recompute``), whose memory the plan was priced with."""
+        plan's per-stage flags (``plan.recompute``), whose memory the plan was priced with.
+        ``loss_fn``: the one given to :func:`compile` unless given here."""
+        from fxpipe.runtime.training.config import flat_options
         from fxpipe.runtime.training.trainer import make_trainer
 
         self._needs_values("train")
+        kwargs = flat_options({"schedule": schedule, "data": data, "checkpoint": checkpoint,
+                               "precision": precision, "metrics": metrics, "run": run,
+                               "lr_scheduler": lr_scheduler, "replan": replan}, aliases)
+        if optimizer is not None:
+            kwargs["optimizer"] = optimizer
+        if loss_fn is not None:
+            kwargs["loss_fn"] = loss_fn
         if kwargs.get("recompute") is None and any(self.plan.recompute):
             kwargs["recompute"] = self.plan.recompute
         return make_trainer(self, **kwargs)

@@ -368,19 +368,22 @@ def run_worker(args: argparse.Namespace) -> int:
               f"{compiled.summary()}\n{costs_line(compiled.profile, cluster)} (--device), "
               f"links of {args.bandwidth} (--bandwidth)", flush=True)
     train, evaluate = _loaders(args, spec)
-    trainer = compiled.trainer(**_recipe(args, compiled, train, spec.model),  # plan's recompute
-                           schedule=args.schedule, vertical_sync=args.vertical_sync,
-                           auto_options=auto_options(args),
-                           checkpoint_dir=args.checkpoint_dir,
-                           overwrite_checkpoints=args.overwrite_checkpoints,
-                           checkpoint_every=args.checkpoint_every, timeout_s=args.timeout,
-                           seed=args.seed, progress=not args.no_progress,
-                           clip_grad_norm=args.clip, precision=args.precision,
-                           recompute=True if args.recompute else None,
-                           microbatches=args.microbatches, segment=args.segment,
-                           noam=args.noam, prefetch=args.prefetch, metrics_path=args.metrics,
-                           metrics_every=args.metrics_every,
-                           measure_memory=args.measure_memory)
+    from fxpipe.runtime.training.config import (CheckpointConfig, DataConfig, MetricsConfig,
+                                                PrecisionConfig, RunConfig, ScheduleConfig)
+
+    trainer = compiled.trainer(
+        **_recipe(args, compiled, train, spec.model),  # the optimizer and its LR schedule
+        schedule=ScheduleConfig(kind=args.schedule, vertical_sync=args.vertical_sync,
+                                microbatches=args.microbatches, segment=args.segment,
+                                noam=args.noam, auto=auto_options(args)),
+        checkpoint=CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
+                                    overwrite=args.overwrite_checkpoints),
+        precision=PrecisionConfig(mode=args.precision, clip_grad_norm=args.clip,  # recompute:
+                                  recompute=True if args.recompute else None),  # or the plan's
+        metrics=MetricsConfig(path=args.metrics, every=args.metrics_every,
+                              progress=not args.no_progress, measure_memory=args.measure_memory),
+        data=DataConfig(seed=args.seed, prefetch=args.prefetch),
+        run=RunConfig(timeout_s=args.timeout))
     resume = args.resume
     if args.elastic:
         from fxpipe.cli_elastic import elastic_resume

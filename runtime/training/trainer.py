@@ -33,6 +33,8 @@ from .auto_look import look_again
 from .auto_resolve import resolve as resolve_auto
 from . import checkpoint as ckpt
 from .checkpoint import KEEP, check_directory
+from .config import (CheckpointConfig, DataConfig, LrSchedulerConfig, MetricsConfig,
+                     PrecisionConfig, RunConfig, ScheduleConfig, flat_options)
 from .data import PartStream
 from .first_check import check_loss_fn
 from .memory_fit import check_schedule_memory, fitting_candidates
@@ -58,6 +60,10 @@ LR_INTERVALS = ("step", "epoch")
 
 class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
     """Trains the stages of a plan with a PipeDream schedule (docs/design-notes.md).
+
+    Options come in sections (:mod:`.config`: ``schedule``, ``data``, ``checkpoint``,
+    ``precision``, ``metrics``, ``run``, ``lr_scheduler``); below, each is named by the flat
+    option it sets, which earlier releases took as a keyword (still taken, for one release).
 
     ``stages``/``replicas``: the CompiledModel's ``stage_specs`` and ``plan.replicas``.
     ``optimizer``: ``params -> torch.optim.Optimizer`` (one per stage replica; a factory that
@@ -114,30 +120,51 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
 
     def __init__(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
                  optimizer: OptimizerFactory, *,
-                 lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-                 lr_scheduler_interval: str = "step",
-                 schedule: str = "pipedream", vertical_sync: bool = False,
-                 microbatches: int | None = None, checkpoint_dir: str | None = None,
-                 checkpoint_every: int | None = None, keep_checkpoints: int | None = KEEP,
-                 overwrite_checkpoints: bool = False,
-                 segment: int | None = None, executor: str = "distributed",
-                 timeout_s: float = 60.0, data_timeout_s: float = 600.0, seed: int = 0,
-                 device: str | None = None, progress: bool = True, stashing: bool = True,
-                 on_checkpoint: Callable[[int, int], None] | None = None,
-                 timeline: bool = False,
-                 fingerprint: str | None = None,
-                 state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None,
-                 auto_options: AutoOptions | Mapping[str, Any] | None = None,
-                 clip_grad_norm: float | None = None, precision: str = "fp32",
-                 recompute: bool | Sequence[bool] | None = None,
-                 metrics_path: str | None = None, metrics_every: int = 1,
-                 tensorboard_dir: str | None = None, prefetch: int = 0,
-                 master_weights: bool | None = None,
-                 loss_scaler: Mapping[str, Any] | None = None,
-                 replan: Replanner | None = None, split: int | None = None,
-                 batch_dims: Any = None, input_batch_dims: BatchDims | None = None,
-                 on_recipe: Callable[[str], None] | None = None,
-                 noam: int | str | None = None, measure_memory: bool = False) -> None:
+                 schedule: ScheduleConfig | str | None = None, data: DataConfig | None = None,
+                 checkpoint: CheckpointConfig | None = None,
+                 precision: PrecisionConfig | str | None = None,
+                 metrics: MetricsConfig | None = None, run: RunConfig | None = None,
+                 lr_scheduler: LrSchedulerConfig | Callable[[torch.optim.Optimizer], Any]
+                 | None = None,
+                 replan: Replanner | None = None, **aliases: Any) -> None:
+        """The sections (:mod:`.config`) configure it; ``aliases``: the flat keywords of
+        earlier releases (``checkpoint_dir=``, ``executor=`` ...), kept for one release."""
+        options = flat_options({"schedule": schedule, "data": data, "checkpoint": checkpoint,
+                                "precision": precision, "metrics": metrics, "run": run,
+                                "lr_scheduler": lr_scheduler}, aliases)
+        bad = sorted(k for k in options if k.startswith("replan"))
+        if bad:
+            raise RuntimeConfigError(f"{', '.join(bad)} on a bare Trainer",
+                                     "re-planning needs the compiled model: "
+                                     "compiled.trainer(replan=fxpipe.ReplanConfig())")
+        self._setup(stages, replicas, loss_fn, optimizer, replan=replan, **options)
+
+    def _setup(self, stages: Sequence[StageSpec], replicas: Sequence[int], loss_fn: LossFn,
+               optimizer: OptimizerFactory, *,
+               lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+               lr_scheduler_interval: str = "step",
+               schedule: str = "pipedream", vertical_sync: bool = False,
+               microbatches: int | None = None, checkpoint_dir: str | None = None,
+               checkpoint_every: int | None = None, keep_checkpoints: int | None = KEEP,
+               overwrite_checkpoints: bool = False,
+               segment: int | None = None, executor: str = "distributed",
+               timeout_s: float = 60.0, data_timeout_s: float = 600.0, seed: int = 0,
+               device: str | None = None, progress: bool = True, stashing: bool = True,
+               on_checkpoint: Callable[[int, int], None] | None = None,
+               timeline: bool = False,
+               fingerprint: str | None = None,
+               state_keys: Mapping[str, tuple[int, str] | torch.Tensor] | None = None,
+               auto_options: AutoOptions | Mapping[str, Any] | None = None,
+               clip_grad_norm: float | None = None, precision: str = "fp32",
+               recompute: bool | Sequence[bool] | None = None,
+               metrics_path: str | None = None, metrics_every: int = 1,
+               tensorboard_dir: str | None = None, prefetch: int = 0,
+               master_weights: bool | None = None,
+               loss_scaler: Mapping[str, Any] | None = None,
+               replan: Replanner | None = None, split: int | None = None,
+               batch_dims: Any = None, input_batch_dims: BatchDims | None = None,
+               on_recipe: Callable[[str], None] | None = None,
+               noam: int | str | None = None, measure_memory: bool = False) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         check_loss_fn(loss_fn)
