@@ -22,8 +22,9 @@ from ..replica.stage import (LossFn, detached_values, model_env, sync_components
                              tied_parameters)
 from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
-from ..schedules.commplan import (Issuer, Msg, RankPlan, StretchPlanner, comm_plans,
-                                  links_of)
+from ..schedules.commplan import (Msg, RankPlan, StretchPlanner, comm_plans, links_of,
+                                  require_posted)
+from ..schedules.program import lower
 from ..schedules.proofs import SendProofs
 from ..schedules.schedule import Action, Rank, Schedule, execution_order, split_ranks
 from ..schedules.spec import Mitigation
@@ -158,6 +159,14 @@ class RankExecutor(UpdateMixin):
         self._inbox[m] = self.comm.post_recv(
             spec, m.peer, self.comm.tag(m.minibatch, m.value, m.direction), m.describe())
 
+    def _post(self, msgs: Sequence[Msg]) -> None:
+        """Post ``msgs`` in order (a program's posts: sends and receives)."""
+        for m in msgs:
+            if m.send:
+                self._post_send(m)
+            else:
+                self._post_recv(m)
+
     def _post_send(self, m: Msg) -> None:
         t = self._out.get(m.name)
         if t is None:
@@ -167,7 +176,7 @@ class RankExecutor(UpdateMixin):
                                          m.describe(), self.wire.spec(m.name, m.minibatch)))
 
     def _received(self, msgs: Sequence[Msg]) -> dict[Msg, torch.Tensor]:
-        self._issuer.require(msgs, self._inbox)
+        require_posted(msgs, self._inbox)
         got = {m: self.comm.wait(self._inbox.pop(m)) for m in msgs}
         if self._proofs is not None:  # the sends these prove received go now (schedules/proofs)
             for m in msgs:
@@ -257,30 +266,31 @@ class RankExecutor(UpdateMixin):
             self._proofs.window(sched.actions, (m for ms in plan.sends for m in ms))
         self._final_b = last_backwards([b.kind for b in actions])
         losses: dict[int, torch.Tensor] = {}
-        issuer = self._issuer = Issuer(plan, self._post_recv, self._post_send)
+        program = lower(plan, actions)  # the posts and waits around each action (program.py)
         if plan.ops:
             with self.rec.span("recv", "post receives"):
-                issuer.start()
+                self._post(program.start)
         updates = iter([i for i, b in enumerate(actions) if b.kind == "U"])
         u_next = next(updates, None)
         if u_next is not None and self.tied:  # ties of two ranks: their parts' receives
             self.prepost_tied(actions[u_next])
         meter = self.meter
-        for i, a in enumerate(actions):
+        for step in program.steps:
+            i, a = step.index, step.action
             if self.before_action is not None:
                 self.before_action(i, a)
             if meter is not None:
                 meter.at("comm")
-            issuer.at(i)  # the receives due by now (commplan.Issuer)
+            self._post(step.before)  # the receives due by now
             if meter is not None:
                 meter.at(a.kind)  # F, B, W or U: what each storage is charged to
-            if a.kind == "F":
-                loss = self.forward(a, self._data.pop(a.minibatch), plan.recvs[i])
+            if a.kind == "F":  # each computing action waits for step.waits as it needs them
+                loss = self.forward(a, self._data.pop(a.minibatch), step.waits)
                 if loss is not None:
                     losses[a.minibatch] = loss
             elif a.kind == "B":
                 u = self._final_b.get(i)
-                self.backward(a, plan.recvs[i], update=None if u is None else actions[u])
+                self.backward(a, step.waits, update=None if u is None else actions[u])
             elif a.kind == "W":
                 u = self._final_b.get(i)
                 self.weight(a, update=None if u is None else actions[u])
@@ -289,16 +299,14 @@ class RankExecutor(UpdateMixin):
                 u_next = next(updates, None)
                 if u_next is not None and self.tied:
                     self.prepost_tied(actions[u_next])
-            if plan.sends[i]:
+            if step.after:
                 if meter is not None:
                     meter.at("comm")
                 self._sent = []
                 with self.rec.span("send", f"post {a}", minibatch=a.minibatch) as span:
-                    for m in plan.sends[i]:
-                        issuer.send(m)
+                    self._post(step.after)
                     span.args["msgs"] = tuple(self._sent)  # (dst, tag): see wait_breakdown
-        issuer.finish()  # receives of this window waited for in the next one
-        assert issuer.done, "every planned message of the window was posted"
+        self._post(program.end)  # receives of this window waited for in the next one
         log_ = None
         if final:
             assert not self._inbox and not self._data, "every message and minibatch was used"
@@ -354,23 +362,22 @@ class RankExecutor(UpdateMixin):
         plan = comm_plans(self.links, sched, index, self._grad_ok, ranks=[self.me])[self.me]
         st, out = self.spec, []
         self._inbox.clear()
-        issuer = self._issuer = Issuer(plan, self._post_recv, self._post_send)
-        issuer.start()
-        for i, a in enumerate(sched.actions[self.me]):
-            issuer.at(i)
-            x, y = parts[a.minibatch]
+        program = lower(plan, sched.actions[self.me])
+        self._post(program.start)
+        for step in program.steps:
+            self._post(step.before)
+            x, y = parts[step.action.minibatch]
             env = model_env(self.stages, x) if MODEL in st.sources else {}
-            got = {m.name: t for m, t in self._received(plan.recvs[i]).items()}
+            got = {m.name: t for m, t in self._received(step.waits).items()}
             ins = [to_device(env[n], self.device) if src == MODEL else got[n]
                    for n, src in zip(st.inputs, st.sources)]
             outs = self.replica.evaluate(ins)
             self._out = dict(zip(st.outputs, outs))
-            for m in plan.sends[i]:
-                issuer.send(m)
+            self._post(step.after)
             if self.me[0] == len(self.stages) - 1:
                 out.append(metric(self._out, to_device(y, self.device)))
-        issuer.finish()
-        assert issuer.done and not self._inbox
+        self._post(program.end)
+        assert not self._inbox
         self.comm.flush()
         self.comm.barrier()
         return out

@@ -12,8 +12,9 @@ from fxpipe.costmodel.profile import Profile
 from fxpipe.passes.made_here import made_here, model_inputs_behind, profile_facts
 from fxpipe.passes.plan import Plan
 
-from ..schedules.commplan import MODEL, Issuer, Msg, RankPlan, StageLinks, comm_plans
+from ..schedules.commplan import MODEL, Msg, RankPlan, StageLinks, comm_plans
 from ..schedules.kinds import make_schedule
+from ..schedules.program import lower
 from ..schedules.proofs import SendProofs
 from ..schedules.schedule import Rank, Schedule, tie_by_messages, tie_delay
 from .core import tied_from_profile
@@ -225,16 +226,20 @@ def walk_rank(sched: Schedule, links: Sequence[StageLinks], sizes: Mapping[str, 
     held: dict[int, float] = {}
     proofs = SendProofs(links, lambda s, k: (s, k % sched.replicas[s]), rank, index, grads)
     proofs.window(sched.actions, (m for ms in plan.sends for m in ms))
-    issuer = Issuer(plan, lambda m: posted.__setitem__(m, sizes.get(m.name, 0.0) * scale),
-                    lambda m: sent.__setitem__(m, sizes.get(m.name, 0.0) * scale))
-    issuer.start()
     split = any(a.kind == "W" for a in sched.actions[rank])
     best, parts = -1.0, {}
-    for i, a in enumerate(sched.actions[rank]):
-        issuer.at(i)
-        for m in plan.recvs[i]:  # waited for now: proves the peer got our earlier sends
+    def post(msgs: Sequence[Msg]) -> None:  # a receive's buffer; a send's until proven received
+        for m in msgs:
+            (sent if m.send else posted)[m] = sizes.get(m.name, 0.0) * scale
+
+    program = lower(plan, sched.actions[rank])  # the rank's program (schedules/program.py)
+    post(program.start)
+    for step in program.steps:
+        post(step.before)
+        for m in step.waits:  # waited for now: proves the peer got our earlier sends
             for p in proofs.proven_by(m):
                 sent.pop(p, None)
+        a = step.action
         working = {"B": terms.backward, "U": terms.update}.get(a.kind, 0.0)
         now = {"base": terms.base, "held": sum(held.values()), "working": working,
                "received": sum(posted.values()) + terms.tie_received,
@@ -242,7 +247,7 @@ def walk_rank(sched: Schedule, links: Sequence[StageLinks], sizes: Mapping[str, 
         total = sum(now.values())
         if total > best:
             best, parts = total, now
-        for m in plan.recvs[i]:  # consumed: an input is the activations' now, a gradient gone
+        for m in step.waits:  # consumed: an input is the activations' now, a gradient gone
             posted.pop(m, None)
         if a.kind == "F":
             held[a.minibatch] = terms.held
@@ -250,8 +255,7 @@ def walk_rank(sched: Schedule, links: Sequence[StageLinks], sizes: Mapping[str, 
             held[a.minibatch] = held.get(a.minibatch, 0.0) + terms.for_w
         elif a.kind in ("B", "W"):
             held.pop(a.minibatch, None)
-        for m in plan.sends[i]:
-            issuer.send(m)
+        post(step.after)
     return best, parts
 
 

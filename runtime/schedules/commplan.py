@@ -214,6 +214,17 @@ def comm_plans(links: Sequence[StageLinks], sched: Any, index: Mapping[str, int]
     return planner.window(sched, execution_order(sched, sync, delay))
 
 
+def require_posted(msgs: Iterable[Msg], posted: Mapping[Msg, Any]) -> None:
+    """Each of ``msgs``, about to be waited for, must be posted already; raises
+    :class:`CommOrderError` naming the first that is not (a receive behind one of the rank's
+    own later sends could never arrive)."""
+    for m in msgs:
+        if m not in posted:
+            raise CommOrderError(f"{m.describe()} from {m.peer} is needed before it may be "
+                                 "posted: the message order is not executable",
+                                 "a bug in the message order: report it")
+
+
 class Issuer:
     """Issues one rank's messages in its plan's order, channel by channel (docs/design-notes.md).
 
@@ -266,11 +277,7 @@ class Issuer:
         """An action is about to wait for ``msgs``: each must be posted already (it is, when
         the order is the global one; a receive behind one of this rank's own later sends could
         never arrive)."""
-        for m in msgs:
-            if m not in posted:
-                raise CommOrderError(f"{m.describe()} from {m.peer} is needed before it may be "
-                                     "posted: the message order is not executable",
-                                     "a bug in the message order: report it")
+        require_posted(msgs, posted)
 
     def send(self, m: Msg) -> None:
         ops, i = self._streams.get(m.direction, []), self._ptr.get(m.direction, 0)

@@ -9,7 +9,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .commplan import CHANNELS, CommOrderError, Issuer, Msg, StageLinks, StretchPlanner
+from .commplan import (CHANNELS, CommOrderError, Msg, StageLinks, StretchPlanner,
+                       require_posted)
+from .program import lower
 from .schedule import Action, Rank, execution_order, split_ranks
 
 # A rank's log is the list of its host calls, as Comm records them:
@@ -173,24 +175,24 @@ def plan_logs(links: Sequence[StageLinks], sched: Any, index: Mapping[str, int],
         for rank in ranks:
             log_, mine = out[gid[rank]], ids[rank]
 
-            def post(m: Msg, log_: list[Event] = log_, mine: dict[Msg, int] = mine) -> None:
-                mine[m] = len(log_)
-                tag = (m.minibatch * nv + m.value) * 2 + m.direction
-                log_.append(("p2p", len(log_), ((m.send, gid[m.peer], tag, (), ""),),
-                             CHANNELS[m.direction]))
+            def post(msgs: Iterable[Msg], log_: list[Event] = log_,
+                     mine: dict[Msg, int] = mine) -> None:
+                for m in msgs:
+                    mine[m] = len(log_)
+                    tag = (m.minibatch * nv + m.value) * 2 + m.direction
+                    log_.append(("p2p", len(log_), ((m.send, gid[m.peer], tag, (), ""),),
+                                 CHANNELS[m.direction]))
 
-            plan = plans[rank]
-            issuer = Issuer(plan, post, post)
-            issuer.start()
-            for i, a in enumerate(w.actions[rank]):
-                issuer.at(i)
-                issuer.require(plan.recvs[i], mine)
-                log_.extend(("wait", mine.pop(m)) for m in plan.recvs[i])
+            program = lower(plans[rank], w.actions[rank])  # the rank's program (program.py)
+            post(program.start)
+            for step in program.steps:
+                post(step.before)
+                require_posted(step.waits, mine)
+                log_.extend(("wait", mine.pop(m)) for m in step.waits)
                 if collectives is not None:
-                    log_.extend(collectives(rank, i, a))
-                for m in plan.sends[i]:
-                    issuer.send(m)
-            issuer.finish()
+                    log_.extend(collectives(rank, step.index, step.action))
+                post(step.after)
+            post(program.end)
     for log_ in out.values():
         log_.append(("flush",))
     return out
