@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence, TYPE_CHECKING
 
 from ..errors import RuntimeConfigError
@@ -88,6 +88,16 @@ class AutoOptions:
     where: str = "copies"
     look_again: float = 2.0
     temporaries: tuple[float, float] = (0.0, 0.0)
+
+    @staticmethod
+    def given(value: AutoOptions | Mapping[str, Any] | None) -> dict[str, Any]:
+        """The options ``value`` sets, as a mapping (of an :class:`AutoOptions`, the fields
+        that differ from their defaults), for merging over what ``compiled.trainer`` fills in."""
+        if isinstance(value, AutoOptions):
+            return {f.name: getattr(value, f.name) for f in fields(value)
+                    if getattr(value, f.name) != (f.default if f.default is not MISSING
+                                                  else f.default_factory())}  # type: ignore[misc]
+        return dict(value or {})
 
     @classmethod
     def make(cls, value: AutoOptions | Mapping[str, Any] | None) -> AutoOptions:

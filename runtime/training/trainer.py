@@ -475,7 +475,7 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
                           kwargs.get("microbatches"), kwargs.get("split"), temporaries)
     report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
     auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
-            "temporaries": temporaries, **dict(kwargs.pop("auto_options", None) or {})}
+            "temporaries": temporaries, **AutoOptions.given(kwargs.pop("auto_options", None))}
     if kwargs["schedule"] == "auto":  # only candidates whose memory the plan fits
         auto["candidates"] = fitting_candidates(
             compiled.plan, compiled.profile, auto.get("candidates", DEFAULT_CANDIDATES),

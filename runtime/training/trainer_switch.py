@@ -25,6 +25,7 @@ from ..execution.trainer_backends import DistributedBackend
 from ..pricing.replan import (Proposal, StageTimes, after_first_update, mean_times, measure,
                               propose)
 from . import checkpoint as ckpt
+from .auto import AutoOptions
 from .data import PartStream
 from .repartition import Repartition, stage_layout
 
@@ -211,7 +212,7 @@ class Replanner:
             kw = dict(self.kwargs)
             if kw.get("recompute") is not None and not isinstance(kw["recompute"], bool):
                 kw["recompute"] = plan.recompute  # per-stage flags: the new plan's
-            auto = {**dict(kw.pop("auto_options", None) or {}), "plan": plan,
+            auto = {**AutoOptions.given(kw.pop("auto_options", None)), "plan": plan,
                     "profile": proposal.profile or self.profile}
             kw.update(metrics_path=None, tensorboard_dir=None, progress=False,
                       replan=None, auto_options=auto)

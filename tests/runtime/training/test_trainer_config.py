@@ -18,6 +18,7 @@ from trainer_job import dataset, stages
 import fxpipe
 from fxpipe.api import CompiledModel
 from fxpipe.runtime.errors import RuntimeConfigError
+from fxpipe.runtime.training.auto import AutoOptions
 from fxpipe.runtime.training.config import FLAT, SECTIONS, flat_options
 from fxpipe.runtime.training.trainer import Trainer
 
@@ -129,3 +130,8 @@ def test_compiled_trainer_takes_sections(tmp_path: Path) -> None:
     assert any((tmp_path / "c").iterdir())
     with pytest.raises(RuntimeConfigError, match="unknown trainer option 'checkpoint_every_'"):
         compiled.trainer(sgd, checkpoint_every_=2)
+    # auto's options as a record: what it sets goes over what compiled.trainer fills in
+    auto = compiled.trainer(sgd, schedule=fxpipe.ScheduleConfig(
+        kind="auto", auto=AutoOptions(max_cost=0.5)), run=fxpipe.RunConfig(executor="reference"),
+        metrics=fxpipe.MetricsConfig(progress=False))
+    assert auto.auto_options.max_cost == 0.5 and auto.auto_options.plan is compiled.plan
