@@ -9,15 +9,19 @@ import numpy as np
 
 from fxpipe.costmodel.profile import Profile
 
-from .made_here import made_here, model_inputs_behind, profile_facts
+from .made_here import inputs_behind_in, per_graph
 
 
-def _last_use(profile: Profile) -> list[int]:
+def _last_use(profile: Profile) -> tuple[int, ...]:
     """Index of the last consumer of each node (its own index when nothing consumes it; the last
     node's for a model output, which the last stage returns). A use of a value made from the
-    inputs alone is a use of the model inputs it is made from (the consumer makes it)."""
-    facts = profile_facts(profile)
-    behind = model_inputs_behind(facts, made_here(facts))
+    inputs alone is a use of the model inputs it is made from (the consumer makes it). Once per
+    graph (:func:`~.made_here.per_graph`)."""
+    return per_graph(profile, "last_use", lambda: tuple(_last_use_of(profile)))
+
+
+def _last_use_of(profile: Profile) -> list[int]:
+    behind = inputs_behind_in(profile)
     index = {n.name: i for i, n in enumerate(profile.nodes)}
     end = len(profile.nodes) - 1
     last = [end if n.is_output else i for i, n in enumerate(profile.nodes)]
@@ -33,8 +37,18 @@ def _last_use(profile: Profile) -> list[int]:
 def cut_bytes(profile: Profile) -> np.ndarray:
     """Bytes live across each of the ``N-1`` cut positions (``out[p-1]`` for position ``p``).
 
-    ``inf`` where a non-sendable value is live. O(N + edges) via difference arrays.
+    ``inf`` where a non-sendable value is live. O(N + edges) via difference arrays; once per
+    graph (read-only).
     """
+    return per_graph(profile, "cut_bytes", lambda: _read_only(_cut_bytes(profile)))
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _cut_bytes(profile: Profile) -> np.ndarray:
     n = len(profile.nodes)
     if n <= 1:
         return np.zeros(0)

@@ -91,6 +91,8 @@ class _Inst:
         self.ar = np.arange(n + 1)
         self._tkey: dict[int, list[float]] = {}
         self._mkey: dict[tuple[int, int], list[float]] = {}
+        self._tkey_np: dict[int, np.ndarray] = {}  # the same keys as arrays (reach_many)
+        self._mkey_np: dict[tuple[int, int], np.ndarray] = {}
         self.rule = rule
         self._coef: dict[tuple[int, int], tuple[float, float]] = {}
         self._recomputed: dict[tuple[int, int], float] = {}  # full sets when recomputing
@@ -197,23 +199,53 @@ class _Inst:
 
     def reach_many(self, r: int, v: int, a: np.ndarray, tau: float,
                    x: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Vectorised :meth:`reach` by exact bisection (log N vector steps)."""
-        def bis(f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-            lo, hi = a.copy(), np.full_like(a, self.n)
-            while True:
-                act = lo < hi
-                if not act.any():
-                    return lo
-                mid = (lo + hi + 1) // 2
-                ok = f(mid) & act
-                lo = np.where(ok, mid, lo)
-                hi = np.where(act & ~ok, mid - 1, hi)
-        et = bis(lambda e: self.time_many(r, a, e, x) <= tau)
+        """Vectorised :meth:`reach`: the prefix-sum guess of :meth:`_search`, corrected with the
+        exact predicate and verified lane by lane (the furthest end passes, the next fails);
+        lanes that do not verify are found by exact bisection (log N vector steps)."""
+        tk = self._tkey_np.get(r)
+        if tk is None:
+            tk = self._tkey_np[r] = self.alpha[r] * self.Cc + self.beta[r] * self.Pc
+        et = self._search_many(tk, tau, a, lambda a_, e: self.time_many(r, a_, e, x) <= tau)
         if self.cap is None:
             return et, et
         cap = self.cap
-        em = bis(lambda e: self.mem_many(r, v, a, e, x) <= cap)
+        mk = self._mkey_np.get((r, v))
+        if mk is None:
+            k, h = self.coef(r, v)
+            mk = self._mkey_np[(r, v)] = (2.0 + self.opt + k) * self.Pc + h * self.Ac
+        em = self._search_many(mk, cap, a, lambda a_, e: self.mem_many(r, v, a_, e, x) <= cap)
         return np.minimum(et, em), et
+
+    def _search_many(self, key: np.ndarray, lim: float, a: np.ndarray,
+                     f: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+        """Per lane, the largest e in [a, n] with e == a or f(a, e) (f monotone true..false):
+        what bisection from [a, n] gives, found from the guess ``key[e] - key[a] <= lim``."""
+        n = self.n
+        e = np.clip(np.searchsorted(key, key[a] + lim, side="right") - 1, a, n)
+        for _ in range(2):  # prefix sums round differently: a step at the boundary
+            nxt = np.minimum(e + 1, n)
+            up = (e < n) & f(a, nxt)
+            down = (e > a) & ~f(a, e)
+            e = np.where(up, nxt, np.where(down, e - 1, e))
+        nxt = np.minimum(e + 1, n)
+        ok = ((e == a) | f(a, e)) & ((e == n) | ~f(a, nxt))
+        if not ok.all():
+            bad = ~ok
+            e = e.copy()
+            e[bad] = self._bisect(a[bad], f)
+        return e
+
+    def _bisect(self, a: np.ndarray, f: Callable[[np.ndarray, np.ndarray], np.ndarray]
+                ) -> np.ndarray:
+        lo, hi = a.copy(), np.full_like(a, self.n)
+        while True:
+            act = lo < hi
+            if not act.any():
+                return lo
+            mid = (lo + hi + 1) // 2
+            ok = f(a, mid) & act
+            lo = np.where(ok, mid, lo)
+            hi = np.where(act & ~ok, mid - 1, hi)
 
     def last_allowed(self, tau: float) -> "_LastAllowed":
         return _LastAllowed(self, tau)

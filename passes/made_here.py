@@ -5,8 +5,8 @@ running-statistics norm), reaching no parameter, on model inputs or made values;
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from fxpipe.costmodel.profile import Profile
 
@@ -98,9 +98,43 @@ def profile_facts(profile: Profile) -> list[NodeFacts]:
             for n in profile.nodes]
 
 
+T = TypeVar("T")
+GRAPHS_KEPT = 4
+"""Graphs whose facts :func:`per_graph` keeps (the newest): a planning run has one or two."""
+_GRAPHS: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+
+def per_graph(profile: Profile, what: str, make: Callable[[], T]) -> T:
+    """``make()``, computed once per graph: kept under ``what`` for the profile's node tuple
+    (immutable, and shared by every copy of the profile that re-prices or rescales it), so a
+    planner trying many candidates does not derive the graph's facts again for each one."""
+    nodes = profile.nodes
+    for key, facts in _GRAPHS:
+        if key is nodes:
+            break
+    else:
+        facts = {}
+        _GRAPHS.append((nodes, facts))
+        del _GRAPHS[:max(len(_GRAPHS) - GRAPHS_KEPT, 0)]
+    if what not in facts:
+        facts[what] = make()
+    return facts[what]
+
+
+def facts_of(profile: Profile) -> tuple[NodeFacts, ...]:
+    """:func:`profile_facts`, once per graph."""
+    return per_graph(profile, "facts", lambda: tuple(profile_facts(profile)))
+
+
 def made_here_in(profile: Profile) -> frozenset[str]:
-    """:func:`made_here` of a profile."""
-    return made_here(profile_facts(profile))
+    """:func:`made_here` of a profile, once per graph."""
+    return per_graph(profile, "made_here", lambda: made_here(facts_of(profile)))
+
+
+def inputs_behind_in(profile: Profile) -> dict[str, frozenset[str]]:
+    """:func:`model_inputs_behind` of a profile's made values, once per graph (do not mutate)."""
+    return per_graph(profile, "behind",
+                     lambda: model_inputs_behind(facts_of(profile), made_here_in(profile)))
 
 
 def model_inputs_behind(nodes: Iterable[NodeFacts], made: frozenset[str]

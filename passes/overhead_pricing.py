@@ -11,7 +11,7 @@ from fxpipe.costmodel.overheads import Overheads
 from fxpipe.costmodel.profile import Profile
 
 from .cuts import all_crossing_values
-from .made_here import made_here, profile_facts
+from .made_here import facts_of, made_here_in
 from .memory_rule import MemoryRule
 
 
@@ -40,8 +40,8 @@ def made_again_s(profile: Profile, bounds: Sequence[int]) -> list[float]:
     """Per stage ``[a, e)``, the forward seconds of the values made from the model's inputs
     alone that it makes again: those placed before ``a`` that it reads, and what they are made
     from (each once)."""
-    facts = profile_facts(profile)
-    made = made_here(facts)
+    facts = facts_of(profile)
+    made = made_here_in(profile)
     index = {n.name: i for i, n in enumerate(profile.nodes)}
     out = []
     for s in range(len(bounds) - 1):

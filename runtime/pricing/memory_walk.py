@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fxpipe.costmodel.profile import Profile
-from fxpipe.passes.made_here import made_here, model_inputs_behind, profile_facts
+from fxpipe.passes.made_here import inputs_behind_in
 from fxpipe.passes.plan import Plan
 
 from ..schedules.commplan import MODEL, Msg, RankPlan, StageLinks, comm_plans
@@ -58,8 +58,7 @@ def stage_links(plan: Plan, profile: Profile) -> tuple[tuple[StageLinks, ...], d
     stage = plan.stage_of()
     nodes = {n.name: n for n in profile.nodes}
     placeholders = {n.name for n in profile.nodes if n.op == "placeholder"}
-    facts = profile_facts(profile)
-    behind = model_inputs_behind(facts, made_here(facts))
+    behind = inputs_behind_in(profile)
     S = len(plan.stages)
     consumers: dict[str, set[int]] = {}
     for n in profile.nodes:

@@ -125,6 +125,47 @@ def test_reach_is_the_furthest_end_under_time_and_memory(inst: _Inst, data) -> N
     assert inst.mem_many(r, v, aa, es).tolist() == [inst.mem(r, v, a, e) for e in es]
 
 
+@settings(max_examples=200, **SETTINGS)
+@given(insts(), st.data())
+def test_reach_many_is_each_lanes_furthest_end(inst: _Inst, data) -> None:
+    """Every start at once (lanes whose guesses are right, off by a step, or far off): each
+    lane's ends as the brute force over [a, n] finds them."""
+    r = data.draw(st.sampled_from(inst.rs))
+    v = data.draw(st.integers(1, 4))
+    tau = taus(inst, data.draw)
+    starts = np.array(data.draw(st.lists(st.integers(0, inst.n), min_size=1, max_size=12)))
+    got_e, got_et = inst.reach_many(r, v, starts, tau)
+    for a, e, et in zip(starts.tolist(), got_e.tolist(), got_et.tolist()):
+        ends = range(a, inst.n + 1)
+        want_t = max(f for f in ends if f == a or inst.time(r, a, f) <= tau)
+        want_m = max(f for f in ends if f == a or inst.cap is None
+                     or inst.mem(r, v, a, f) <= inst.cap)
+        assert (e, et) == (min(want_t, want_m), want_t)
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(st.data())
+def test_search_many_corrects_any_guess(data) -> None:
+    """The vectorised search for a monotone predicate is exact whatever its prefix-sum guess
+    says: right, a step off (corrected), or far off (found by bisection): a key of zeros
+    guesses n for every lane, a steep one guesses the lane's start."""
+    n = data.draw(st.integers(1, 40))
+    inst = make([1.0] * n, [1.0] * n, [1.0] * n, [1.0] * (n - 1), Net(1, 10.0, 10.0, 1,
+                                                                            "allreduce"))
+    starts = np.array(data.draw(st.lists(st.integers(0, n), min_size=1, max_size=10)))
+    limit = {a: data.draw(st.integers(a, n)) for a in set(starts.tolist())}  # f true up to it
+    kind = data.draw(st.sampled_from(["zeros", "steep", "random"]))
+    key = {"zeros": np.zeros(n + 1), "steep": np.arange(n + 1) * 1e9,
+           "random": np.cumsum(data.draw(st.lists(st.floats(0, 5), min_size=n + 1,
+                                                  max_size=n + 1)))}[kind]
+    lim = data.draw(st.floats(0, 10))
+
+    def f(a: np.ndarray, e: np.ndarray) -> np.ndarray:
+        return e <= np.array([limit[x] for x in a.tolist()], dtype=np.int64)
+    got = inst._search_many(key, lim, starts, f)
+    assert got.tolist() == [limit[a] for a in starts.tolist()]
+
+
 @settings(max_examples=150, **SETTINGS)
 @given(st.data())
 def test_last_allowed_cut_and_the_cheapest_rejected_one(data) -> None:
