@@ -142,3 +142,12 @@ def test_a_value_made_from_the_model_inputs_alone_crosses_no_cut() -> None:
     assert cut_bytes(p).tolist() == [7.0, 7.0, 7.0 + 5.0, 7.0 + 3.0]
     assert crossing_values(p, 2) == ("ids",)
     assert all_crossing_values(p, [3, 4]) == {3: ("ids", "emb"), 4: ("ids", "h")}
+
+
+def test_the_cut_bytes_kept_for_a_graph_cannot_be_changed_by_a_caller() -> None:
+    """cut_bytes is computed once per graph and handed to every caller: read-only."""
+    p = residual()
+    got = cut_bytes(p)
+    assert got is cut_bytes(p)
+    with pytest.raises(ValueError, match="read-only"):
+        got[0] = 0.0
