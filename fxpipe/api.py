@@ -226,8 +226,11 @@ class CompiledModel:
         kwargs = flat_options({"schedule": schedule, "data": data, "checkpoint": checkpoint,
                                "precision": precision, "metrics": metrics, "run": run,
                                "lr_scheduler": lr_scheduler, "replan": replan}, aliases)
-        if optimizer is not None:
-            kwargs["optimizer"] = optimizer
+        if optimizer is None:
+            raise ConfigError("no optimizer: compiled.trainer() needs one",
+                              "pass a factory of the parameters' optimizer, e.g. "
+                              "compiled.trainer(lambda ps: torch.optim.SGD(ps, lr=0.1))")
+        kwargs["optimizer"] = optimizer
         if loss_fn is not None:
             kwargs["loss_fn"] = loss_fn
         if kwargs.get("recompute") is None and any(self.plan.recompute):
@@ -262,8 +265,9 @@ class CompiledModel:
         measured = trainer.measured_memory()
         if measured is None:
             raise ConfigError("the trainer has measured no memory",
-                              "make it with compiled.trainer(measure_memory=True) under "
-                              "torchrun and call fit before memory_check")
+                              "make it with compiled.trainer(optimizer, metrics="
+                              "fxpipe.MetricsConfig(measure_memory=True)) under torchrun and "
+                              "call fit before memory_check")
         return check_memory(self.plan, measured, trainer.memory_parts,
                             walked_peaks(self.plan, self.profile, trainer))
 

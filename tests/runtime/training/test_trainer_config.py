@@ -130,6 +130,9 @@ def test_compiled_trainer_takes_sections(tmp_path: Path) -> None:
     assert any((tmp_path / "c").iterdir())
     with pytest.raises(RuntimeConfigError, match="unknown trainer option 'checkpoint_every_'"):
         compiled.trainer(sgd, checkpoint_every_=2)
+    with pytest.raises(fxpipe.ConfigError, match="no optimizer") as info:
+        compiled.trainer(checkpoint=fxpipe.CheckpointConfig(dir=str(tmp_path / "d")))
+    assert "torch.optim.SGD" in str(info.value)
     # auto's options as a record: what it sets goes over what compiled.trainer fills in
     auto = compiled.trainer(sgd, schedule=fxpipe.ScheduleConfig(
         kind="auto", auto=AutoOptions(max_cost=0.5)), run=fxpipe.RunConfig(executor="reference"),
