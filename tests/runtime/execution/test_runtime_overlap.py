@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
-import rt_spawn
 import torch
 from rt_helpers import batches, loss_fn, sgd, split, tiny_mlp
 from rt_spawn import Job, run_jobs
 from rt_tied import TiedLM, ce, sgd_m, token_batches
 
+from fxpipe.runtime.execution import launch
 from fxpipe.runtime.execution.buckets import BucketLayout, GradBuckets, Slot, last_backwards
 from fxpipe.runtime.execution.worker import WorkerConfig
 from fxpipe.runtime.execution.reference import ReferenceExecutor
@@ -262,11 +262,12 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, RunResult]:
-    """Every case in one world; each job's WorkerConfig gets its own overlap option (run_jobs
-    builds the configs in job order)."""
+    """Every case in one world; each job's WorkerConfig gets its own overlap option (the
+    launcher, run_rank_jobs, builds the configs in job order)."""
     opts = [dict(overlap_allreduce=c.overlap, bucket_bytes=TINY) for c in CASES.values()]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rt_spawn, "WorkerConfig", lambda **kw: WorkerConfig(**kw, **opts.pop(0)))
+        mp.setattr(launch, "WorkerConfig",
+                   lambda *a, **kw: WorkerConfig(*a, **kw, **opts.pop(0)))
         got = run_jobs([c.job() for c in CASES.values()])
     assert not opts
     return dict(zip(CASES, got))
