@@ -111,8 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="microbatches per update of the flushing kinds (default: the workers)")
     pl.add_argument("--choose", default="auto", choices=["auto", "planner", "simulation"],
                     help="planner: the analytic optimum (PipeDream's schedule); simulation: "
-                    "simulate the planner's best plan per stage count under --schedule and keep "
-                    "the fastest (slower; sees 1F1B start-up, a flush's bubble and replicas "
+                    "simulate the planner's best plan per stage count, copies of a straight "
+                    "pipeline and local moves from the fastest under --schedule and keep the "
+                    "fastest (slower; sees 1F1B start-up, a flush's bubble and replicas "
                     "waiting for each other); auto (default): planner for pipedream (simulation "
                     "when its plan puts tied parameters on two stages), simulation for the "
                     "other schedules and for auto")

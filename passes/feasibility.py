@@ -91,8 +91,8 @@ class _Inst:
         self.ar = np.arange(n + 1)
         self._tkey: dict[int, list[float]] = {}
         self._mkey: dict[tuple[int, int], list[float]] = {}
-        self._tkey_np: dict[int, np.ndarray] = {}  # the same keys as arrays (reach_many)
-        self._mkey_np: dict[tuple[int, int], np.ndarray] = {}
+        self._tkey_np: dict[tuple[int, bool], np.ndarray] = {}  # keys as arrays (reach_many)
+        self._mkey_np: dict[tuple[int, int, bool], np.ndarray] = {}
         self.rule = rule
         self._coef: dict[tuple[int, int], tuple[float, float]] = {}
         self._recomputed: dict[tuple[int, int], float] = {}  # full sets when recomputing
@@ -202,21 +202,25 @@ class _Inst:
         """Vectorised :meth:`reach`: the prefix-sum guess of :meth:`_search`, corrected with the
         exact predicate and verified lane by lane (the furthest end passes, the next fails);
         lanes that do not verify are found by exact bisection (log N vector steps)."""
-        tk = self._tkey_np.get(r)
-        if tk is None:
-            tk = self._tkey_np[r] = self.alpha[r] * self.Cc + self.beta[r] * self.Pc
+        tk = self._tkey_np.get((r, x))
+        if tk is None:  # a recomputing stage runs its forward twice
+            tk = self._tkey_np[(r, x)] = (self.alpha[r] * (self.Cc + self.Fc) if x
+                                          else self.alpha[r] * self.Cc) + self.beta[r] * self.Pc
         et = self._search_many(tk, tau, a, lambda a_, e: self.time_many(r, a_, e, x) <= tau)
         if self.cap is None:
             return et, et
         cap = self.cap
-        mk = self._mkey_np.get((r, v))
-        if mk is None:
-            k, h = self.coef(r, v)
-            mk = self._mkey_np[(r, v)] = (2.0 + self.opt + k) * self.Pc + h * self.Ac
-        em = self._search_many(mk, cap, a, lambda a_, e: self.mem_many(r, v, a_, e, x) <= cap)
+        k, h = self.coef(r, v)
+        mk = self._mkey_np.get((r, v, x))
+        if mk is None:  # a recomputing stage holds its input and what it must keep, per set
+            mk = self._mkey_np[(r, v, x)] = (
+                (2.0 + self.opt + k) * self.Pc + h * self.Hc + self._recomputed[(r, v)] * self.Ac
+                if x else (2.0 + self.opt + k) * self.Pc + h * self.Ac)
+        lim = cap - h * self.cb[a] if x else cap
+        em = self._search_many(mk, lim, a, lambda a_, e: self.mem_many(r, v, a_, e, x) <= cap)
         return np.minimum(et, em), et
 
-    def _search_many(self, key: np.ndarray, lim: float, a: np.ndarray,
+    def _search_many(self, key: np.ndarray, lim: float | np.ndarray, a: np.ndarray,
                      f: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
         """Per lane, the largest e in [a, n] with e == a or f(a, e) (f monotone true..false):
         what bisection from [a, n] gives, found from the guess ``key[e] - key[a] <= lim``."""

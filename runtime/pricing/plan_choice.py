@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError, InfeasiblePlanError
+from fxpipe.passes.cuts import cut_bytes
 from fxpipe.passes.memory_rule import PIPEDREAM, MemoryRule
 from fxpipe.passes.partition import partition, plan_for
 from fxpipe.passes.plan import Plan
@@ -51,10 +52,12 @@ class SimulatedChoice:
         return min(self.candidates, key=lambda c: c.planner_s)
 
     def summary(self) -> str:
-        lines = ["candidates (planner's best plan per stage count, simulated):"]
+        lines = ["candidates (the planner's optima, copies of a straight pipeline and local "
+                 "moves from the fastest, simulated):"]
         for c in self.candidates:
             mark = (" <- chosen" if c.replicas == tuple(self.plan.replicas)
-                    and c.schedule == self.schedule else "")
+                    and c.schedule == self.schedule
+                    and c.simulated_s == self.simulation.steady_state_period else "")
             lines.append(f"  {'-'.join(map(str, c.replicas)):>24}  {c.schedule:<16} planner "
                          f"{c.planner_s * 1e3:9.3f} ms  simulated {c.simulated_s * 1e3:9.3f} ms"
                          f"{mark}")
@@ -100,6 +103,8 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
         alone = plan_for(profile, cluster, [0], [1], **kw)  # fewer workers may be faster
         if cluster.memory is None or alone.stages[0].memory_bytes <= cluster.memory:
             plans.append(alone)
+    if not straight:
+        plans += _copies(profile, cluster, stages, max_stages, kw, recompute)
     seen: set[tuple] = set()
     sims: list[tuple[Plan, str, PlanSimulation]] = []
     one_per_process = [k for k in schedules if k not in PLACED_KINDS]
@@ -107,8 +112,9 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
         key = (tuple(_starts(profile, p)), tuple(p.replicas))
         if key not in seen:
             seen.add(key)
-            n = minibatches_for(p.replicas, floor=minibatches)
             for k in one_per_process:
+                n = minibatches_for(p.replicas, floor=minibatches,
+                                    microbatches=_per_update(k, microbatches, p.replicas))
                 try:
                     sims.append((p, k, simulate_as_trained(  # the window the Trainer admits
                         p, profile, k, minibatches=n,
@@ -119,18 +125,25 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
     for k in schedules:
         if k in PLACED_KINDS:
             sims.extend(_placed_candidates(profile, cluster, k, stages, kw, recompute,
-                                           minibatches))
+                                           minibatches, microbatches))
     if not sims:
         raise InfeasiblePlanError(f"no plan for the schedules {list(schedules)}",
                                   "the placed kinds need a straight plan of v x workers stages, "
                                   "pipedream equal replica counts on stages sharing a weight; "
                                   "add a kind such as 1f1b-flush")
-    cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period, k)
-                  for p, k, s in sims)
     fastest = min(s.steady_state_period for _, _, s in sims)
     order = {k: i for i, k in enumerate(schedules)}  # ties: fewer stages, then schedule order
     plan, kind, sim = min((c for c in sims if c[2].steady_state_period <= fastest * (1 + TIE)),
                           key=lambda c: (len(c[0].stages), order[c[1]], c[2].steady_state_period))
+    if len(plan.stages) > 1:
+        placed = kind in PLACED_KINDS  # equal replicas, split for the virtual cluster
+        for better in _refined(profile, Cluster.from_dict(dict(plan.cluster)) if placed
+                               else cluster, plan, kind, sim, kw, recompute,
+                               straight or placed, microbatches, minibatches):
+            sims.append(better)
+            plan, kind, sim = better
+    cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period, k)
+                  for p, k, s in sims)
     log.info("chose replicas %s with %s by simulation (%.4g s/minibatch; the planner's optimum "
              "%s: %.4g s simulated)", plan.replicas, kind, sim.steady_state_period,
              best.replicas, sims[0][2].steady_state_period)
@@ -138,21 +151,153 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
 
 
 def _placed_candidates(profile: Profile, cluster: Cluster, kind: str, stages: int | None,
-                       kw: dict, recompute: str, minibatches: int
+                       kw: dict, recompute: str, minibatches: int,
+                       microbatches: int | None = None
                        ) -> list[tuple[Plan, str, PlanSimulation]]:
     """A placed kind's candidate: the planner's straight plan of v x P stages on the virtual
-    cluster of v x workers (P: ``stages``, else every worker), simulated on P processes;
-    none when the model has too few cut points or it does not fit in memory."""
+    cluster of v x workers (P: ``stages``, else every worker), in W / P copies where P divides
+    the W workers, simulated on P processes per copy with ``microbatches`` per update; none
+    when the model has too few cut points or it does not fit in memory."""
     from .placed_sim import stages_per_process, virtual_cluster
 
     v = stages_per_process(kind)
+    P = stages or cluster.workers
+    virtual = virtual_cluster(cluster, v)
     try:
-        p = partition(profile, virtual_cluster(cluster, v), straight=True,
-                      stages=v * (stages or cluster.workers), recompute=recompute, **kw)
+        p = partition(profile, virtual, straight=True, stages=v * P, recompute=recompute, **kw)
     except (InfeasiblePlanError, ConfigError) as err:
         log.info("no %s candidate: %s", kind, err)
         return []
-    return [(p, kind, simulate_plan(p, profile, schedule=kind, minibatches=minibatches))]
+    if cluster.workers % P == 0 and cluster.workers > P:
+        copies = _fitted(profile, virtual, _starts(profile, p), [cluster.workers // P] * (v * P),
+                         kw, recompute, virtual.memory)
+        p = copies if copies is not None else p
+    return [(p, kind, simulate_plan(p, profile, schedule=kind, minibatches=minibatches,
+                                    microbatches=microbatches))]
+
+
+def _copies(profile: Profile, cluster: Cluster, stages: int | None, max_stages: int, kw: dict,
+            recompute: str) -> list[Plan]:
+    """Copies of a straight pipeline: for each stage count S dividing the workers (``stages``
+    only, when given; up to ``max_stages``), the planner's straight S-stage optimum with every
+    stage on W / S workers, the layout pipeline and data parallelism compose to. The analytic
+    objective prices a replicated stage by PipeDream's rule, which under a flushing schedule
+    can rank unequal replica counts above it where the simulation does not."""
+    W = cluster.workers
+    out = []
+    for S in ([stages] if stages is not None else range(2, min(max_stages, W) + 1)):
+        if S < 2 or W % S or S == W:
+            continue
+        try:
+            line = partition(profile, cluster, stages=S, straight=True, recompute=recompute,
+                             diagnose=False, **kw)
+        except InfeasiblePlanError:
+            continue
+        p = _fitted(profile, cluster, _starts(profile, line), [W // S] * S, kw, recompute,
+                    cluster.memory)
+        if p is not None:
+            out.append(p)
+    return out
+
+
+REFINE_ROUNDS = 4  # local moves tried from the chosen candidate, each round the best one
+
+
+def _refined(profile: Profile, cluster: Cluster, plan: Plan, kind: str, sim: PlanSimulation,
+             kw: dict, recompute: str, straight: bool, microbatches: int | None,
+             minibatches: int) -> list[tuple[Plan, str, PlanSimulation]]:
+    """Local moves from the chosen ``plan``, each simulated under ``kind``: a worker moved
+    between adjacent stages (unless ``straight``), and a cut moved to the nearest valley of
+    the bytes crossing on either side (where a block ends its bytes fall to one tensor: a cut
+    inside it often carries two). The analytic objective prices neither a flushing
+    schedule's all-reduce at the batch's end nor the link shared by a stage's replicas, so the
+    simulation arbitrates. Each round simulates every move on a short run and keeps the
+    fastest if its full run is faster; returns the plans kept, in order (none when no move
+    helps)."""
+    cb = cut_bytes(profile)
+    cap = cluster.memory
+    kept: list[tuple[Plan, str, PlanSimulation]] = []
+    best, best_t = plan, sim.steady_state_period
+    seen = {(tuple(_starts(profile, plan)), tuple(plan.replicas))}
+    m = microbatches if kind != "pipedream" else None
+    for _ in range(REFINE_ROUNDS):
+        starts, reps = _starts(profile, best), list(best.replicas)
+        moves = []
+        for i in range(len(reps) - 1):
+            if not straight:
+                for d in (-1, 1):
+                    r2 = reps[:i] + [reps[i] + d, reps[i + 1] - d] + reps[i + 2:]
+                    if min(r2) >= 1:
+                        moves.append((starts, r2))
+            lo = starts[i] + 1
+            hi = starts[i + 2] - 1 if i + 2 < len(starts) else len(profile.nodes) - 1
+            for step in (-1, 1):
+                p = _valley(cb, starts[i + 1], step, lo, hi)
+                if p is not None:
+                    moves.append((starts[:i + 1] + [p] + starts[i + 2:], reps))
+        trials = []
+        for s2, r2 in moves:
+            if (tuple(s2), tuple(r2)) in seen:
+                continue
+            seen.add((tuple(s2), tuple(r2)))
+            p2 = _fitted(profile, cluster, s2, r2, kw, recompute, cap)
+            if p2 is None:
+                continue
+            try:  # screened on a short run: a few batches or rounds past the start-up
+                s = simulate_as_trained(p2, profile, kind, microbatches=m, minibatches=(
+                    minibatches_for(p2.replicas, floor=8 * len(r2),
+                                    microbatches=_per_update(kind, m, p2.replicas))))
+            except InfeasiblePlanError:  # tied stages updating unequally often
+                continue
+            trials.append((s.steady_state_period, p2))
+        if not trials:
+            break
+        p2 = min(trials, key=lambda x: x[0])[1]
+        s = simulate_as_trained(p2, profile, kind, microbatches=m, minibatches=(
+            minibatches_for(p2.replicas, floor=minibatches,
+                            microbatches=_per_update(kind, m, p2.replicas))))
+        if s.steady_state_period >= best_t * (1 - TIE):
+            break
+        best, best_t = p2, s.steady_state_period
+        kept.append((p2, kind, s))
+    return kept
+
+
+def _valley(cb: Any, p: int, step: int, lo: int, hi: int) -> int | None:
+    """The nearest cut position from ``p`` in direction ``step`` (within ``lo..hi``) at the
+    bottom of a valley of the bytes crossing (``cb[q - 1]`` at position q): past the rise or
+    plateau next to ``p``, down the next descent. None when the range ends first."""
+    q = p + step
+    while lo <= q <= hi and cb[q - 1] >= cb[q - 1 - step]:
+        q += step
+    if not lo <= q <= hi:
+        return None
+    while lo <= q + step <= hi and cb[q + step - 1] <= cb[q - 1]:
+        q += step
+    return q
+
+
+def _fitted(profile: Profile, cluster: Cluster, starts: list[int], reps: list[int], kw: dict,
+            recompute: str, cap: float | None) -> Plan | None:
+    """``plan_for`` of a move, recomputing as ``recompute`` allows (every stage under
+    "always", exactly the stages over the cap under "auto"); None when it does not fit or a
+    stage would compute nothing (a view or a flatten alone)."""
+    flags = [True] * len(reps) if recompute == "always" else None
+    p = plan_for(profile, cluster, starts, reps, **kw, recompute=flags)
+    if recompute == "auto" and cap is not None and any(sp.memory_bytes > cap for sp in p.stages):
+        p = plan_for(profile, cluster, starts, reps, **kw,
+                     recompute=[sp.memory_bytes > cap for sp in p.stages])
+    if cap is not None and any(sp.memory_bytes > cap for sp in p.stages):
+        return None
+    if any(sp.compute_s <= 0 for sp in p.stages):  # a worker that only relays
+        return None
+    return p
+
+
+def _per_update(kind: str, microbatches: int | None, replicas: Sequence[int]) -> int | None:
+    """Minibatches per update under ``kind`` (None for pipedream, which updates after each;
+    a batched kind's default is the workers, as ``make_schedule``'s)."""
+    return None if kind == "pipedream" else microbatches or sum(replicas)
 
 
 def _starts(profile: Profile, plan: Plan) -> list[int]:
@@ -204,7 +349,9 @@ def priced_by_simulation(choice: SimulatedChoice, profile: Profile, cluster: Clu
     for workers in (cluster.workers, 1):  # data parallelism on every worker, and one worker
         p = data_parallel_plan(profile, cluster, sync=sync, workers=workers)
         base.append(simulate_plan(p, profile, schedule=kind, microbatches=m,
-                                  minibatches=minibatches_for(p.replicas)).steady_state_period)
+                                  minibatches=minibatches_for(
+                                      p.replicas, microbatches=_per_update(kind, m, p.replicas))
+                                  ).steady_state_period)
     return replace(choice.plan, time_per_minibatch=choice.simulation.steady_state_period,
                    data_parallel_time=base[0], one_worker_time=base[1],
                    time_source=f"simulated {kind}")

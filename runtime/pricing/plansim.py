@@ -34,12 +34,18 @@ __all__ = ["PlanSimulation", "StageCosts", "TiedSync", "cut_bandwidth", "data_pa
 log = logging.getLogger(__name__)
 
 
-def minibatches_for(replicas: list[int], floor: int = 200, cap: int = 2000) -> int:
+def minibatches_for(replicas: list[int], floor: int = 200, cap: int = 2000,
+                    microbatches: int | None = None) -> int:
     """Enough minibatches to measure a plan's steady state: several whole round-robin rounds
     (8 x lcm(replicas)), at least ``floor``, at most ``cap`` (beyond it the steady state is
     measured as the slope of the running maximum, see ``steady_state``). Too few (e.g. 200 for
-    64 replicas: 3 rounds) and start-up dominates the estimate."""
-    return int(min(max(floor, 8 * math.lcm(*replicas)), cap))
+    64 replicas: 3 rounds) and start-up dominates the estimate. A batched schedule of
+    ``microbatches`` per update gets at least 4 whole batches: its steady state is measured
+    over the middle batches, and the second still carries the first's start-up."""
+    n = int(min(max(floor, 8 * math.lcm(*replicas)), cap))
+    if microbatches is not None and n < 4 * microbatches:
+        n = 4 * microbatches
+    return n
 
 
 def simulate_plan(plan: Plan, profile: Profile | None = None, *, schedule: str = "pipedream",

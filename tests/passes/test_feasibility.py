@@ -278,3 +278,60 @@ def test_bad_instances_are_refused() -> None:
     sol = make([1.0], [1.0], [1.0], [], Net(2, 1.0, 1.0)).evaluate([0], [2])
     with pytest.raises(dataclasses.FrozenInstanceError):
         sol.bottleneck = 0.0  # type: ignore[misc]
+
+
+@st.composite
+def recomputing_insts(draw, max_n: int = 6, max_m: int = 3):
+    """Instances whose stages may recompute: a forward time and held bytes per node."""
+    n = draw(st.integers(1, max_n))
+    m = draw(st.integers(1, max_m))
+    net = Net(m, draw(st.sampled_from([10.0, 100.0])), draw(st.sampled_from([10.0, 1e3])),
+              1, "allreduce")
+    a, b, g = coeffs(net)
+    C = draw(st.lists(secs, min_size=n, max_size=n))
+    cap = draw(st.one_of(st.none(), st.integers(0, 600).map(float)))
+    return _Inst(C, draw(st.lists(ints, min_size=n, max_size=n)),
+                 draw(st.lists(ints, min_size=n, max_size=n)),
+                 draw(st.lists(ints, min_size=n - 1, max_size=n - 1)), m, a, b, g, cap,
+                 draw(st.sampled_from([0.0, 1.0])), False, "auto",
+                 [c / 3 for c in C], draw(st.lists(ints, min_size=n, max_size=n)))
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(recomputing_insts(), st.data())
+def test_reach_many_of_recomputing_lanes_is_each_lanes_furthest_end(inst: _Inst, data) -> None:
+    """A recomputing stage (x): one more forward, its input and held bytes per set instead of
+    its activations; every lane's ends as the brute force finds them."""
+    r = data.draw(st.sampled_from(inst.rs))
+    v = data.draw(st.integers(1, 4))
+    tau = data.draw(st.sampled_from([math.inf, 0.0, data.draw(st.floats(0, 20))]))
+    starts = np.array(data.draw(st.lists(st.integers(0, inst.n), min_size=1, max_size=8)))
+    got_e, got_et = inst.reach_many(r, v, starts, tau, x=True)
+    for a, e, et in zip(starts.tolist(), got_e.tolist(), got_et.tolist()):
+        ends = range(a, inst.n + 1)
+        want_t = max(f for f in ends if f == a or inst.time(r, a, f, True) <= tau)
+        want_m = max(f for f in ends if f == a or inst.cap is None
+                     or inst.mem(r, v, a, f, True) <= inst.cap)
+        assert (e, et) == (min(want_t, want_m), want_t)
+
+
+def test_recomputing_lanes_are_found_from_their_own_prefix_sums(monkeypatch) -> None:
+    """The guess for a recomputing lane comes from its own keys (forward twice; input and held
+    bytes, not activations), so no lane of a plain chain falls back to bisection."""
+    rng = np.random.default_rng(0)
+    n = 60
+    net = Net(2, 100.0, 1e3, 1, "allreduce")
+    a, b, g = coeffs(net)
+    C = rng.uniform(0.1, 2.0, n).tolist()
+    P, A, cb, H = (rng.uniform(0, 50, n).tolist(), rng.uniform(0, 80, n).tolist(),
+                   rng.uniform(100, 300, n - 1).tolist(), rng.uniform(0, 10, n).tolist())
+    fell_back = []
+    for cap in (600.0, 2000.0):  # memory binding at the first cap, time at the second
+        inst = _Inst(C, P, A, cb, 2, a, b, g, cap, 1.0, False, "auto", [c / 3 for c in C], H)
+        real = inst._bisect
+        monkeypatch.setattr(inst, "_bisect", lambda lanes, f, real=real: fell_back.append(
+            len(lanes)) or real(lanes, f))
+        for tau in (5.0, 20.0, 60.0):
+            e, et = inst.reach_many(1, 2, np.arange(n + 1), tau, x=True)
+            assert cap == 2000.0 or (e < et).any()  # the cap decides some lanes
+    assert fell_back == []
