@@ -64,7 +64,8 @@ def _adamw(params):
 
 
 def profile_of(name: str, cache: Path | None):
-    """(profile, optimizer state factor) of a model: traced and estimated once (cached)."""
+    """(profile, optimizer state factor, seconds to trace and cost) of a model: traced and
+    estimated once, kept in ``cache`` when given."""
     import json
 
     import transformers
@@ -121,10 +122,9 @@ def _fits(plan, cap: float) -> bool:
     return max(sp.memory_bytes for sp in plan.stages) <= cap
 
 
-def row(profile, blocks, factor: float, cluster, kind: str, mult: int
-        ) -> tuple[dict[str, Priced], float]:
-    """Every method's best P on one (cluster, schedule, microbatches) row, and the seconds
-    fxpipe's planner took for all P (the baselines' splits take microseconds). Under a placed
+def row(profile, blocks, factor: float, cluster, kind: str, mult: int) -> dict[str, Priced]:
+    """Every method's best P on one (cluster, schedule, microbatches) row (fxpipe's planning
+    time is measured apart, in :func:`planning_times`). Under a placed
     kind (several stages per rank) every method splits into v x P virtual stages, priced on
     the virtual cluster the planner uses for it (v x the workers, 1/v of the memory each)."""
     from fxpipe.api import choose_plan
@@ -142,7 +142,6 @@ def row(profile, blocks, factor: float, cluster, kind: str, mult: int
     v = stages_per_process(kind) if placed else 1
     where = virtual_cluster(cluster, v) if placed else cluster
     best: dict[str, Priced] = {}
-    planning = [0.0]
 
     def keep(method: str, t: float | None, P: int, what: str) -> None:
         old = best.get(method)
@@ -195,18 +194,14 @@ def row(profile, blocks, factor: float, cluster, kind: str, mult: int
         keep("auto_partition (PR)", t, P, what)
         t, what = price(parameter_balance(blocks.parameter_bytes, S))
         keep("DeepSpeed parameters", t, P, what)
-        t0 = time.perf_counter()
         try:
             plan = choose_plan(profile, cluster, stages=P, schedule=kind, microbatches=m,
                                optimizer_state_factor=factor, recompute="auto")
         except InfeasiblePlanError:
-            plan = None
-        planning[0] += time.perf_counter() - t0
-        if plan is None:
             keep("fxpipe", None, P, "does not fit")
         else:
             keep("fxpipe", _simulated(plan, profile, kind, m), P, f"replicas {plan.replicas}")
-    return best, planning[0]
+    return best
 
 
 def _layers(blocks, block_starts: list[int]) -> str:
@@ -230,8 +225,7 @@ def _row_job(job: tuple) -> tuple[tuple, dict[str, Priced]]:
     profile, factor, _ = profile_of(name, Path(cache))
     cluster = fxpipe.Cluster(workers=W, bandwidth=net, device="H100", memory=MEMORY,
                              workers_per_machine=min(8, W), intra_bandwidth=NVLINK)
-    got, _ = row(profile, blocks_of(profile), factor, cluster, kind, mult)
-    return job, got
+    return job, row(profile, blocks_of(profile), factor, cluster, kind, mult)
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+import numpy as np
+
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError, InfeasiblePlanError
@@ -220,6 +222,11 @@ def _refined(profile: Profile, cluster: Cluster, plan: Plan, kind: str, sim: Pla
     best, best_t = plan, sim.steady_state_period
     seen = {(tuple(_starts(profile, plan)), tuple(plan.replicas))}
     m = microbatches if kind != "pipedream" else None
+
+    def run(p: Plan, floor: int) -> PlanSimulation:
+        return simulate_as_trained(p, profile, kind, microbatches=m, minibatches=minibatches_for(
+            p.replicas, floor=floor, microbatches=_per_update(kind, m, p.replicas)))
+
     for _ in range(REFINE_ROUNDS):
         starts, reps = _starts(profile, best), list(best.replicas)
         moves = []
@@ -244,18 +251,14 @@ def _refined(profile: Profile, cluster: Cluster, plan: Plan, kind: str, sim: Pla
             if p2 is None:
                 continue
             try:  # screened on a short run: a few batches or rounds past the start-up
-                s = simulate_as_trained(p2, profile, kind, microbatches=m, minibatches=(
-                    minibatches_for(p2.replicas, floor=8 * len(r2),
-                                    microbatches=_per_update(kind, m, p2.replicas))))
+                s = run(p2, 8 * len(r2))
             except InfeasiblePlanError:  # tied stages updating unequally often
                 continue
             trials.append((s.steady_state_period, p2))
         if not trials:
             break
         p2 = min(trials, key=lambda x: x[0])[1]
-        s = simulate_as_trained(p2, profile, kind, microbatches=m, minibatches=(
-            minibatches_for(p2.replicas, floor=minibatches,
-                            microbatches=_per_update(kind, m, p2.replicas))))
+        s = run(p2, minibatches)
         if s.steady_state_period >= best_t * (1 - TIE):
             break
         best, best_t = p2, s.steady_state_period
@@ -263,7 +266,7 @@ def _refined(profile: Profile, cluster: Cluster, plan: Plan, kind: str, sim: Pla
     return kept
 
 
-def _valley(cb: Any, p: int, step: int, lo: int, hi: int) -> int | None:
+def _valley(cb: np.ndarray, p: int, step: int, lo: int, hi: int) -> int | None:
     """The nearest cut position from ``p`` in direction ``step`` (within ``lo..hi``) at the
     bottom of a valley of the bytes crossing (``cb[q - 1]`` at position q): past the rise or
     plateau next to ``p``, down the next descent. None when the range ends first."""
@@ -279,18 +282,25 @@ def _valley(cb: Any, p: int, step: int, lo: int, hi: int) -> int | None:
 
 def _fitted(profile: Profile, cluster: Cluster, starts: list[int], reps: list[int], kw: dict,
             recompute: str, cap: float | None) -> Plan | None:
-    """``plan_for`` of a move, recomputing as ``recompute`` allows (every stage under
-    "always", exactly the stages over the cap under "auto"); None when it does not fit or a
-    stage would compute nothing (a view or a flatten alone)."""
+    """:func:`_with_recompute` of a move; None when it does not fit or a stage would compute
+    nothing (a view or a flatten alone)."""
+    p = _with_recompute(profile, cluster, starts, reps, kw, recompute, cap)
+    if cap is not None and any(sp.memory_bytes > cap for sp in p.stages):
+        return None
+    if any(sp.compute_s <= 0 for sp in p.stages):  # a worker that only relays
+        return None
+    return p
+
+
+def _with_recompute(profile: Profile, cluster: Cluster, starts: list[int], reps: list[int],
+                    kw: dict, recompute: str, cap: float | None) -> Plan:
+    """``plan_for`` of a partition, recomputing as ``recompute`` allows: every stage under
+    "always", exactly the stages over ``cap`` without it under "auto"."""
     flags = [True] * len(reps) if recompute == "always" else None
     p = plan_for(profile, cluster, starts, reps, **kw, recompute=flags)
     if recompute == "auto" and cap is not None and any(sp.memory_bytes > cap for sp in p.stages):
         p = plan_for(profile, cluster, starts, reps, **kw,
                      recompute=[sp.memory_bytes > cap for sp in p.stages])
-    if cap is not None and any(sp.memory_bytes > cap for sp in p.stages):
-        return None
-    if any(sp.compute_s <= 0 for sp in p.stages):  # a worker that only relays
-        return None
     return p
 
 
@@ -320,12 +330,7 @@ def _merge_chain(profile: Profile, cluster: Cluster, plan: Plan, kw: dict,
         for i in range(len(starts) - 1):
             s2 = starts[:i + 1] + starts[i + 2:]
             r2 = reps[:i] + [reps[i] + reps[i + 1]] + reps[i + 2:]
-            p = plan_for(profile, cluster, s2, r2, **kw,
-                         recompute=[True] * len(s2) if recompute == "always" else None)
-            if recompute == "auto" and cap is not None and any(
-                    sp.memory_bytes > cap for sp in p.stages):
-                p = plan_for(profile, cluster, s2, r2, **kw,
-                             recompute=[sp.memory_bytes > cap for sp in p.stages])
+            p = _with_recompute(profile, cluster, s2, r2, kw, recompute, cap)
             if cap is None or all(sp.memory_bytes <= cap for sp in p.stages):
                 options.append((p.time_per_minibatch, i, p, s2))
         if not options:
