@@ -253,14 +253,13 @@ class CompiledModel:
         return calibrate_stages(self.stage_specs, self.plan, self.profile, self.loss_fn,
                                 optimizer, list(batches), schedule=schedule)
 
-    def memory_check(self, trainer: Any) -> tuple[Any, ...]:
+    def memory_check(self, trainer: Trainer) -> tuple[Any, ...]:
         """Predicted against measured memory per stage, after ``trainer`` (made with
         ``measure_memory=True``) has trained a segment: the plan's bytes per replica split into
         its rule's terms next to the largest measured peak of live tensors among the stage's
         replicas (:func:`fxpipe.runtime.pricing.memory.check_memory`; ``memory_table`` prints
         them). Every rank gets every stage's peak; the parts of the peak only for its own."""
         from fxpipe.runtime.pricing.memory import check_memory
-        from fxpipe.runtime.training.memory_fit import walked_peaks
 
         measured = trainer.measured_memory()
         if measured is None:
@@ -269,7 +268,7 @@ class CompiledModel:
                               "fxpipe.MetricsConfig(measure_memory=True)) under torchrun and "
                               "call fit before memory_check")
         return check_memory(self.plan, measured, trainer.memory_parts,
-                            walked_peaks(self.plan, self.profile, trainer))
+                            trainer.walked_peaks(self.plan, self.profile))
 
     def torch_stages(self, rank: int, world_size: int, *, placement: str = "loop",
                      device: Any = None, group: Any = None) -> Any:

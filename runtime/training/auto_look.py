@@ -17,23 +17,24 @@ from .auto import (SYNCHRONOUS, AutoOptions, Decision, Level, can_stop, decide,
                    pilot_lengths, trained)
 from .auto_pilot import split_for
 from .auto_pipeline import load_state, pilot_step, run_pilot, save_state
+from .host import TrainingHost
 
 log = logging.getLogger("fxpipe.runtime.training.auto")
 
 BASELINE = "1f1b-flush"
 
 
-def plan_look(trainer: Any, opts: AutoOptions, decision: Decision, length: int | None,
-              run_minibatches: int | None) -> tuple[int | None, str]:
+def plan_look(opts: AutoOptions, decision: Decision, length: int | None,
+              run_minibatches: int | None, step: int) -> tuple[int | None, str]:
     """(the epoch position at which to look again, or None; a note for the decision). Looks
     only after an asynchronous pick on the pipeline, within the first epoch of a loader with a
-    length, and where the pilot's losers plus one race of flush's pilot cost at most
-    ``max_cost`` of the run (flush's seconds per minibatch, as :func:`~.auto_resolve
-    .price_pipeline` prices the pilot)."""
+    length (at a multiple of ``step``, :func:`~.auto_pipeline.pilot_step`), and where the
+    pilot's losers plus one race of flush's pilot cost at most ``max_cost`` of the run (flush's
+    seconds per minibatch, as :func:`~.auto_resolve.price_pipeline` prices the pilot)."""
     k = opts.look_again
     if not k or decision.where != "pipeline" or decision.schedule in SYNCHRONOUS:
         return None, ""
-    P, step = decision.pilot_minibatches, pilot_step(trainer)
+    P = decision.pilot_minibatches
     at = decision.continued + math.ceil(k * decision.continued / step) * step
     if length is None or at + 2 * P > length:
         return None, (f"no second look: the first epoch has no room for a race of {2 * P} "
@@ -51,7 +52,7 @@ def plan_look(trainer: Any, opts: AutoOptions, decision: Decision, length: int |
     return at, f"looks again at minibatch {at} of the first epoch"
 
 
-def carry_into(trainer: Any, path: Path) -> None:
+def carry_into(trainer: TrainingHost, path: Path) -> None:
     """Load the state the pick saved at ``path`` into flush's freshly adopted replicas: its
     weights, buffers, the optimizer's per-parameter state (momenta, moments) and the LR
     scheduler's position, but flush's own hyperparameters. A mitigation gives the pick another
@@ -87,16 +88,16 @@ def carry_into(trainer: Any, path: Path) -> None:
         trainer.schedulers[rank].base_lrs = b
 
 
-def look_again(trainer: Any, loader: Any, epoch: int, pos: int, opts: AutoOptions
-               ) -> tuple[int, list[float]]:
-    """Race the running asynchronous schedule against flush from epoch position ``pos`` (see
-    docs/design-notes.md); returns where ``fit`` continues and the epoch's accumulators there, and
-    records the outcome on ``trainer.auto_decision``. Every rank runs it."""
-    d: Decision = trainer.auto_decision
+def look_again(trainer: TrainingHost, loader: Any, epoch: int, pos: int, opts: AutoOptions,
+               d: Decision) -> tuple[int, list[float], Decision]:
+    """Race the running asynchronous schedule (picked by decision ``d``) against flush from
+    epoch position ``pos`` (see docs/design-notes.md); returns where ``fit`` continues, the
+    epoch's accumulators there, and ``d`` with the outcome noted. Every rank runs it."""
     winner = trainer.schedule_name
     per = {r.schedule: r.period_s for r in d.rows if r.schedule in (BASELINE, winner)}
     P = d.pilot_minibatches
-    lengths = pilot_lengths([BASELINE, winner], per, P, 2 * P, pilot_step(trainer))
+    lengths = pilot_lengths([BASELINE, winner], per, P, 2 * P,
+                            pilot_step(trainer.replicas, trainer.microbatches))
     trainer.drain(epoch)
     acc = list(trainer._acc)
     split = trainer.split
@@ -129,7 +130,7 @@ def look_again(trainer: Any, loader: Any, epoch: int, pos: int, opts: AutoOption
             f"minibatches, {BASELINE} {rows[BASELINE].time_s:.4g} s); continues at "
             f"minibatch {end[0]}")
     log.info("auto: %s", note)
-    trainer.auto_decision = replace(d, later=d.later + (note,))
+    d = replace(d, later=d.later + (note,))
     if opts.report is not None:
-        opts.report(trainer.auto_decision)
-    return end
+        opts.report(d)
+    return end[0], end[1], d

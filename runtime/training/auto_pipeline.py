@@ -11,7 +11,7 @@ import math
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -24,18 +24,19 @@ from .auto import (SAFE, SYNCHRONOUS, AutoOptions, Decision, Level, Row, can_sto
 from .auto_data import reread_error
 from .auto_pilot import split_for
 from .data import PartStream
+from .host import Exchange, TrainingHost
 
 log = logging.getLogger("fxpipe.runtime.training.auto")
 
 
-def pilot_step(trainer: Any) -> int:
+def pilot_step(replicas: Sequence[int], microbatches: int | None) -> int:
     """The pilot's length must be whole updates and whole pipedream rounds for every candidate:
-    a multiple of this (the segments' group of an ``auto`` trainer)."""
-    g = math.lcm(*trainer.replicas)
-    return math.lcm(g, trainer.microbatches or 1)
+    a multiple of this (the segments' group of an ``auto`` trainer with these ``replicas`` and
+    ``microbatches``)."""
+    return math.lcm(math.lcm(*replicas), microbatches or 1)
 
 
-def run_pilot(trainer: Any, loader: Any, P: int, what: str,
+def run_pilot(trainer: TrainingHost, loader: Any, P: int, what: str,
               stop: Callable[[list[float]], bool] | None = None, *, epoch: int = 0,
               start: int = 0, acc: list[float] | None = None, expect: int = 0
               ) -> tuple[list[float], float, tuple[int, list[float]]]:
@@ -80,7 +81,8 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str,
             del parts
             if n < want:
                 break
-            if stop is not None and not final and stop(_merged(trainer, seen, what)):
+            if stop is not None and not final and stop(_merged(trainer.backend.exchange, seen,
+                                                               what)):
                 break
         # nothing in flight past the pilot (a final segment drained it already); the losses
         # of the minibatches that finish now belong to the curve
@@ -88,16 +90,16 @@ def run_pilot(trainer: Any, loader: Any, P: int, what: str,
     finally:
         it.close()
     seconds = time.perf_counter() - t0
-    curve = _merged(trainer, seen, what)
+    curve = _merged(trainer.backend.exchange, seen, what)
     seconds = max(trainer.backend.exchange(seconds, f"{what} seconds"))
     return curve, seconds, (start + done, list(trainer._acc))
 
 
-def _merged(trainer: Any, seen: dict[int, list[float]], what: str) -> list[float]:
+def _merged(exchange: Exchange, seen: dict[int, list[float]], what: str) -> list[float]:
     """Every rank's losses so far put together (only the output stage has them): one loss per
     minibatch, in order, on every rank."""
     merged: dict[int, list[float]] = {}
-    for part in trainer.backend.exchange(seen, f"{what} losses"):
+    for part in exchange(seen, f"{what} losses"):
         for m, (s, w) in part.items():
             acc = merged.setdefault(m, [0.0, 0.0])
             acc[0] += s
@@ -135,34 +137,39 @@ def process_peak_bytes(device: torch.device) -> int | None:
     return None
 
 
-def candidate_memory(trainer: Any, c: str) -> int:
-    """Bytes this rank's replicas would hold under candidate ``c`` beyond flush's
-    (:func:`extra_copies` x each local stage's weight bytes, at the candidate's own peak of
-    minibatches in flight)."""
+def candidate_memory(c: str, replicas: Sequence[int], microbatches: int | None,
+                     weight_bytes: Mapping[tuple[int, int], int], *, noam: int | None = None,
+                     stashing: bool = True) -> int:
+    """Bytes a rank's replicas would hold under candidate ``c`` beyond flush's: per local
+    replica (``weight_bytes``: (stage, replica) -> bytes of its weights), :func:`extra_copies`
+    times its weight bytes, at the candidate's own peak of minibatches in flight on a pipeline of
+    ``replicas`` (``noam``: the trainer's window for ``c``'s kind)."""
     from ..pricing.sim_measure import peak_in_flight
     from ..schedules.kinds import make_schedule
 
     spec = parse_schedule(c)
-    k = split_for(c, trainer.replicas, trainer.microbatches)
-    sched = make_schedule(spec.kind, trainer.replicas, 4 * sum(trainer.replicas) * max(k, 1),
+    k = split_for(c, replicas, microbatches)
+    sched = make_schedule(spec.kind, list(replicas), 4 * sum(replicas) * max(k, 1),
                           microbatches=None if spec.kind == "pipedream" else
-                          (k if k > 1 else trainer.microbatches), noam=trainer._noam(spec.kind))
-    total = 0
-    for rank, w in trainer.local.items():
-        copies = extra_copies(spec.kind, spec.mitigation, peak_in_flight(sched.actions[rank]),
-                              trainer.stashing)
-        total += copies * sum(t.numel() * t.element_size() for t in w.stash.latest.values())
-    return total
+                          (k if k > 1 else microbatches), noam=noam)
+    return sum(extra_copies(spec.kind, spec.mitigation, peak_in_flight(sched.actions[rank]),
+                            stashing) * n for rank, n in weight_bytes.items())
 
 
-def save_state(trainer: Any, folder: Path, name: str) -> Path:
+def weight_bytes(trainer: TrainingHost) -> dict[tuple[int, int], int]:
+    """(stage, replica) -> bytes of the current weights of each of this rank's replicas."""
+    return {rank: sum(t.numel() * t.element_size() for t in w.stash.latest.values())
+            for rank, w in trainer.local.items()}
+
+
+def save_state(trainer: TrainingHost, folder: Path, name: str) -> Path:
     """This rank's replicas' end state (what a checkpoint holds) in its private folder."""
     path = folder / f"{name.replace('+', '_')}.pt"
     torch.save({rank: trainer._stage_state(rank, 0, 0) for rank in trainer.local}, path)
     return path
 
 
-def load_state(trainer: Any, path: Path) -> None:
+def load_state(trainer: TrainingHost, path: Path) -> None:
     """The end state back into its replicas (its own file, written by :func:`save_state`:
     not memory-mapped, since the optimizer may keep the loaded state tensors as its own)."""
     states = torch.load(path, map_location="cpu", weights_only=False)
@@ -171,15 +178,14 @@ def load_state(trainer: Any, path: Path) -> None:
     del states
 
 
-def _too_big(trainer: Any, c: str, peak: int | None, max_memory: float) -> str:
+def too_big(c: str, need: int, peak: int | None, max_memory: float, exchange: Exchange) -> str:
     """Why candidate ``c`` is not piloted ("" when it may be): on some rank, the weight copies
-    it would hold beyond flush's (:func:`candidate_memory`) exceed ``max_memory`` of what that
-    rank's process has peaked at so far (flush's pilot included). The ranks exchange their
-    figures, so all of them skip alike."""
+    it would hold beyond flush's (``need``, :func:`candidate_memory`) exceed ``max_memory`` of
+    what that rank's process has peaked at so far (``peak``, flush's pilot included). The ranks
+    exchange their figures, so all of them skip alike."""
     from fxpipe.units import format_bytes as fmt
 
-    figures = trainer.backend.exchange((candidate_memory(trainer, c), peak),
-                                       f"auto pilot {c} memory")
+    figures = exchange((need, peak), f"auto pilot {c} memory")
     for i, (need, top) in enumerate(figures):
         if top and need > max_memory * top:
             return (f"not run: it would hold about {fmt(need)} of weight copies beyond "
@@ -189,7 +195,7 @@ def _too_big(trainer: Any, c: str, peak: int | None, max_memory: float) -> str:
     return ""
 
 
-def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
+def pipeline_decision(trainer: TrainingHost, loader: Any, P: int, opts: AutoOptions,
                       cap: int | None = None) -> tuple[Decision, list[float]]:
     """The decision (see docs/design-notes.md; ``fit`` continues at its ``continued`` minibatch of
     the first epoch) and the epoch's accumulators there. Every rank runs it; the candidates'
@@ -200,7 +206,8 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
     order.sort(key=lambda c: c != "1f1b-flush")  # the baseline first: it sets the level
     per, source = periods(opts.candidates, trainer.replicas, plan=opts.plan,
                           profile=opts.profile, microbatches=trainer.microbatches)
-    lengths = pilot_lengths(order, per, P, max(cap or P, P), pilot_step(trainer))
+    lengths = pilot_lengths(order, per, P, max(cap or P, P),
+                            pilot_step(trainer.replicas, trainer.microbatches))
     curves: dict[str, list[float]] = {}
     notes: dict[str, str] = {}
     seconds: dict[str, float] = {}
@@ -217,10 +224,14 @@ def pipeline_decision(trainer: Any, loader: Any, P: int, opts: AutoOptions,
             peak: int | None = None
             for c in order:
                 if c != "1f1b-flush" and opts.max_memory is not None:
-                    too_big = _too_big(trainer, c, peak, opts.max_memory)
-                    if too_big:
-                        notes[c] = too_big
-                        log.warning("auto: %s: %s", c, too_big)
+                    need = candidate_memory(c, trainer.replicas, trainer.microbatches,
+                                            weight_bytes(trainer),
+                                            noam=trainer._noam(parse_schedule(c).kind),
+                                            stashing=trainer.stashing)
+                    refused = too_big(c, need, peak, opts.max_memory, trainer.backend.exchange)
+                    if refused:
+                        notes[c] = refused
+                        log.warning("auto: %s: %s", c, refused)
                         continue
                 try:
                     trainer.adopt(c, split_for(c, trainer.replicas, trainer.microbatches))

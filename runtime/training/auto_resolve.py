@@ -5,8 +5,9 @@ ranks, agrees on one decision and adopts it (the rule itself: :mod:`.auto`)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from ..errors import RuntimeConfigError
@@ -19,6 +20,7 @@ from .auto_memory import (available_bytes, optimizer_state_factor, rank_estimate
                           training_bytes)
 from .auto_look import plan_look
 from .auto_pipeline import pilot_step, pipeline_decision
+from .host import TrainingHost
 from .loss_split import Cut
 
 log = logging.getLogger("fxpipe.runtime.training.auto")
@@ -40,7 +42,19 @@ def pilot_cap(opts: AutoOptions, total: int | None, want: int) -> int:
     return cap if total is None else max(want, min(cap, int(opts.max_fraction * total)))
 
 
-def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decision:
+@dataclass(frozen=True)
+class Resolved:
+    """What :func:`resolve` decided: the adopted ``decision`` (``fit`` starts at its
+    ``continued`` minibatch of the first epoch), the epoch's accumulators there (``acc``: loss
+    and weight, samples and seconds), and the first-epoch position at which to look again
+    (:mod:`.auto_look`; None: no second look)."""
+
+    decision: Decision
+    acc: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)
+    look_at: int | None = None
+
+
+def resolve(trainer: TrainingHost, loader: Any, resume: bool, epochs: int = 1) -> Resolved:
     """Choose the schedule of ``trainer`` (built with ``schedule="auto"``) before its first
     epoch and adopt it. Every rank reads the same pilot minibatches and trains its share of the
     candidates (round robin: with as many ranks as trained candidates, the pilot takes one
@@ -56,7 +70,7 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
     decision = None
     memory = ""
     if resume and trainer.checkpoint_dir is not None:
-        found = _checkpoint_schedule(trainer) if trainer.index == 0 else None
+        found = checkpoint_schedule(trainer.checkpoint_dir) if trainer.index == 0 else None
         found = trainer.backend.broadcast(found, "auto: checkpoint schedule")
         if found is not None:
             decision = Decision(found, "the checkpoint being resumed was trained with it")
@@ -72,14 +86,17 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
         want = pilot_length(opts, total)
         cap = pilot_cap(opts, total, want)
         if on_pipeline:  # within the first epoch, whole updates of every candidate
-            step = pilot_step(trainer)
+            step = pilot_step(trainer.replicas, trainer.microbatches)
             want = min(want, length) if length is not None else want
             want -= want % step
             cap = min(cap, length) if length is not None else cap
             cap = max(want, cap - cap % step)
         if want >= opts.min_pilot:  # priced out by the profile: the pilot's data is not read
-            decision = (price_pipeline(opts, trainer, want, total, cap) if on_pipeline else
-                        price_copies(opts, trainer, want, total, cap))
+            decision = (price_pipeline(opts, trainer.replicas, trainer.microbatches, want, total,
+                                       cap) if on_pipeline else
+                        price_copies(opts, trainer.replicas, trainer.microbatches,
+                                     len(trainer.stages), trainer.backend.world, want, total,
+                                     cap))
         if decision is None and 0 < want < opts.min_pilot:
             decision = Decision("1f1b-flush", f"a pilot may read {want} minibatches of this run "
                                 f"(at most {opts.max_fraction:.0%} of {epochs} x {length}), "
@@ -87,15 +104,14 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
         if decision is None and want >= opts.min_pilot and opts.pilot > 0 and not on_pipeline:
             decision, memory = pilot_memory(trainer, opts)
     if decision is None and on_pipeline and opts.pilot > 0 and want >= opts.min_pilot:
-        decision, trainer._continue_acc = pipeline_decision(trainer, loader,
-                                                            min(opts.pilot, want), opts, cap)
-        trainer._look_at, note = plan_look(trainer, opts, decision, length, total)
+        decision, acc = pipeline_decision(trainer, loader, min(opts.pilot, want), opts, cap)
+        look_at, note = plan_look(opts, decision, length, total,
+                                  pilot_step(trainer.replicas, trainer.microbatches))
         decision = replace(decision, later=(note,)) if note else decision
-        trainer.auto_decision = decision
         log.info("%s", decision.summary())
         if opts.report is not None:
             opts.report(decision)
-        return decision  # adopted, and its pilot's end state loaded
+        return Resolved(decision, tuple(acc), look_at)  # adopted, its pilot's end state loaded
     if decision is None:
         data = PilotData(loader, cap, chunk=trainer.segment, seed=trainer.seed,
                          expects=trainer.model_args)
@@ -121,15 +137,15 @@ def resolve(trainer: Any, loader: Any, resume: bool, epochs: int = 1) -> Decisio
     decision = replace(decision, split=split_for(decision.schedule, trainer.replicas,
                                                  trainer.microbatches))
     trainer.adopt(decision.schedule, decision.split)
-    trainer.auto_decision = decision
     log.info("%s", decision.summary())
     if opts.report is not None:
         opts.report(decision)
-    return decision
+    return Resolved(decision)
 
 
-def price_pipeline(opts: AutoOptions, trainer: Any, pilot_len: int,
-                   run_minibatches: int | None, cap: int | None = None) -> Decision | None:
+def price_pipeline(opts: AutoOptions, replicas: Sequence[int], microbatches: int | None,
+                   pilot_len: int, run_minibatches: int | None, cap: int | None = None
+                   ) -> Decision | None:
     """``1f1b-flush`` when a pilot on the pipeline would cost more than ``opts.max_cost`` of the
     run's predicted training time, else None. Its cost is every trained candidate's pilot
     (:func:`~.auto.pilot_lengths`: ``pilot_len`` minibatches of flush's seconds, at most ``cap``
@@ -139,9 +155,10 @@ def price_pipeline(opts: AutoOptions, trainer: Any, pilot_len: int,
     if not run_minibatches or opts.max_cost is None or pilot_len <= 0:
         return None
     names = trained(opts.candidates)
-    per, source = periods(names, trainer.replicas, plan=opts.plan, profile=opts.profile,
-                          microbatches=trainer.microbatches)
-    lengths = pilot_lengths(names, per, pilot_len, cap or pilot_len, pilot_step(trainer))
+    per, source = periods(names, replicas, plan=opts.plan, profile=opts.profile,
+                          microbatches=microbatches)
+    lengths = pilot_lengths(names, per, pilot_len, cap or pilot_len,
+                            pilot_step(replicas, microbatches))
     each = [lengths[c] * per[c] for c in names]
     cost = sum(each) - min(each)
     run = run_minibatches * per["1f1b-flush"]
@@ -154,20 +171,21 @@ def price_pipeline(opts: AutoOptions, trainer: Any, pilot_len: int,
                     f"max_cost={opts.max_cost:.0%}: {SAFE}")
 
 
-def price_copies(opts: AutoOptions, trainer: Any, pilot_len: int, run_minibatches: int | None,
+def price_copies(opts: AutoOptions, replicas: Sequence[int], microbatches: int | None,
+                 stages: int, world: int, pilot_len: int, run_minibatches: int | None,
                  cap: int) -> Decision | None:
     """:func:`~.auto.price` from the plan's profile, before the pilot's data is read (None
-    without a plan: only a probe prices a pilot then)."""
+    without a plan: only a probe prices a pilot then), for a pipeline of ``stages`` stages with
+    ``replicas`` and ``world`` ranks."""
     if opts.plan is None or not run_minibatches or opts.max_cost is None:
         return None
-    per, _ = periods(opts.candidates, trainer.replicas, plan=opts.plan, profile=opts.profile,
-                     microbatches=trainer.microbatches)
+    per, _ = periods(opts.candidates, replicas, plan=opts.plan, profile=opts.profile,
+                     microbatches=microbatches)
     lengths = pilot_lengths(trained(opts.candidates), per, pilot_len, cap)
-    return price(opts, trainer.replicas, len(trainer.stages), lengths, run_minibatches,
-                 trainer.backend.world, trainer.microbatches, per=per)
+    return price(opts, replicas, stages, lengths, run_minibatches, world, microbatches, per=per)
 
 
-def pilot_memory(trainer: Any, opts: AutoOptions) -> tuple[Decision | None, str]:
+def pilot_memory(trainer: TrainingHost, opts: AutoOptions) -> tuple[Decision | None, str]:
     """(``1f1b-flush`` where some rank's share of the pilot would not fit, else None; a note of
     the figures). Every rank prices its own share (:mod:`.auto_memory`: the largest copy it
     would make) against what it has (less ``opts.memory_margin``) and against what its training
@@ -208,11 +226,13 @@ def pilot_memory(trainer: Any, opts: AutoOptions) -> tuple[Decision | None, str]
     return None, note
 
 
-def _checkpoint_schedule(trainer: Any) -> str | None:
+def checkpoint_schedule(directory: str | Path) -> str | None:
+    """The schedule the latest checkpoint in ``directory`` was trained with (None: no readable
+    checkpoint, or none recorded)."""
     from . import checkpoint as ckpt
 
     try:
-        found = ckpt.find_latest(trainer.checkpoint_dir, None)
+        found = ckpt.find_latest(directory, None)
     except ckpt.CheckpointError:
         return None
     name = found.manifest.get("schedule")

@@ -9,7 +9,9 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError
+from fxpipe.passes.plan import Plan
 from fxpipe.units import format_bytes
 
 from ..errors import RuntimeConfigError
@@ -98,26 +100,19 @@ def fitting_candidates(plan: Any, profile: Any, candidates: Sequence[str],
     return tuple(kept)
 
 
-def walked_peaks(plan: Any, profile: Any, trainer: Any) -> tuple[Any, ...] | None:
-    """Per stage, the peak walked through the schedule ``trainer`` runs
-    (:func:`fxpipe.runtime.pricing.memory_walk.walk_memory`), its optimizer's step temporaries
-    measured on stand-ins of the stages' parameters, on the path torch takes on the rank's
-    device; None where it is not walked: no profile, or a kind without a memory rule (``auto``,
-    whose pick may change, the placed kinds), as ``fxpipe.runtime.pricing.peak_fit`` does not
-    walk them."""
-    if profile is None or trainer.kind not in SHAPES:  # e.g. auto, the placed kinds
+def walked_peaks(plan: Plan, profile: Profile | None, kind: str, microbatches: int | None,
+                 split: int | None, temporaries: tuple[float, float]) -> tuple[Any, ...] | None:
+    """Per stage, the peak walked through schedule ``kind``
+    (:func:`fxpipe.runtime.pricing.memory_walk.walk_memory`) with ``microbatches`` per update,
+    each minibatch cut into ``split`` parts (None or 1: whole) and the optimizer step's
+    ``temporaries``; None where it is not walked: no profile, or a kind without a memory rule
+    (``auto``, whose pick may change, the placed kinds), as
+    ``fxpipe.runtime.pricing.peak_fit`` does not walk them."""
+    if profile is None or kind not in SHAPES:  # e.g. auto, the placed kinds
         return None
-    from ..replica.state_size import temporaries_for
-
-    device = getattr(trainer.backend, "device", None)  # CUDA: torch's foreach step
-    temporaries = temporaries_for((p for st in trainer.stages for p in st.gm.parameters()),
-                                  trainer.optimizer, str(device) if device is not None else None,
-                                  trainer.options.master_weights)
-    split = trainer.split if trainer.split and trainer.split > 1 else None
+    split = split if split and split > 1 else None
     try:
-        return walk_memory(plan, profile, trainer.kind,
-                           microbatches=split or trainer.microbatches,
-                           temporaries=temporaries,
-                           scale=1.0 / split if split else 1.0)
+        return walk_memory(plan, profile, kind, microbatches=split or microbatches,
+                           temporaries=temporaries, scale=1.0 / split if split else 1.0)
     except ConfigError:  # a combination the Trainer refuses with its own message
         return None

@@ -292,7 +292,6 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                   write=self.index == 0 and not self.idle)
         self._busy_seen: dict[tuple[int, int], float] = {}
         self.memory_peaks: dict[tuple[int, int], int] = {}  # measure_memory (trainer_results)
-        self._continue_acc: list[float] = [0.0, 0.0, 0.0, 0.0]  # auto on the pipeline
         self._look_at: int | None = None  # auto on the pipeline: a second look (auto_look)
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise RuntimeConfigError(f"prefetch={prefetch!r}", "use 0 (no reading ahead) or a "
@@ -318,9 +317,10 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         if self.checkpoint_dir is not None and not resume:
             self._claim_checkpoint_dir()  # another run's checkpoints: refused, or cleared
         if self.kind == AUTO:
-            decision = resolve_auto(self, train_loader, resume, epochs)
-            if decision.continued:  # decided on the pipeline: its winner trained the pilot
-                epoch0, pos0, partial = 0, decision.continued, list(self._continue_acc)
+            resolved = resolve_auto(self, train_loader, resume, epochs)
+            self.auto_decision, self._look_at = resolved.decision, resolved.look_at
+            if resolved.decision.continued:  # decided on the pipeline: its winner trained it
+                epoch0, pos0, partial = 0, resolved.decision.continued, list(resolved.acc)
         told = False
         if resume:
             epoch0, pos0, partial = self._resume()
@@ -364,8 +364,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                     if self._look_at is not None and epoch == 0 and pos >= self._look_at:
                         self._look_at = None  # once: race the pick against flush (auto_look)
                         it.close()
-                        done, self._acc = look_again(self, train_loader, epoch, pos,
-                                                     self.auto_options)
+                        done, self._acc, self.auto_decision = look_again(  # set with _look_at
+                            self, train_loader, epoch, pos, self.auto_options, self.auto_decision)
                         bar.update(done - pos, self._acc[0] / max(self._acc[1], 1),
                                    self._acc[2] / max(self._acc[3], 1e-9))
                         pos = done

@@ -8,9 +8,18 @@ from typing import Any, Mapping
 
 import torch
 
+from fxpipe.costmodel import Cluster
+from fxpipe.costmodel.profile import Profile
+from fxpipe.passes.plan import Plan
+
+from ..errors import RuntimeConfigError
 from ..execution.trainer_backends import DistributedBackend
+from ..pricing.replan import Proposal, propose
 from ..replica.stage import StageReplica
+from ..replica.state_size import temporaries_for
 from ..timeline import TimelineEvent
+from .memory_fit import walked_peaks
+from .trainer_switch import measured_stage_times
 
 
 class ResultsMixin:
@@ -25,6 +34,12 @@ class ResultsMixin:
     metrics: Any
     _busy_seen: dict[tuple[int, int], float]
     memory_peaks: dict[tuple[int, int], int]
+    optimizer: Any
+    options: Any
+    kind: str
+    microbatches: int | None
+    split: int
+    auto_options: Any
 
     def _write_back(self) -> None:
         """Copy the trained weights into this process's stage GraphModules (the user's own
@@ -97,6 +112,33 @@ class ResultsMixin:
         self.metrics.segment(epoch=epoch, updates=updates, loss_sum=got[0], losses=got[1],
                              minibatches=n, samples=self._samples, time_s=dt, busy=busy, lr=lr,
                              peak=self.measured_memory())
+
+    def walked_peaks(self, plan: Plan, profile: Profile | None) -> tuple[Any, ...] | None:
+        """Per stage of ``plan``, the peak walked through the schedule this trainer runs
+        (:func:`~.memory_fit.walked_peaks`), its optimizer's step temporaries measured on
+        stand-ins of the stages' parameters on the path torch takes on this rank's device."""
+        device = getattr(self.backend, "device", None)  # CUDA: torch's foreach step
+        temporaries = temporaries_for((p for st in self.stages for p in st.gm.parameters()),
+                                      self.optimizer,
+                                      str(device) if device is not None else None,
+                                      self.options.master_weights)
+        return walked_peaks(plan, profile, self.kind, self.microbatches, self.split,
+                            temporaries)
+
+    def propose_replan(self, cluster: Cluster | None = None,
+                       threshold: float = 0.05) -> Proposal:
+        """A plan re-solved from this trainer's measured stage times
+        (:func:`~.trainer_switch.measured_stage_times`, ``timeline=True``) and the plan and
+        profile its stages came from; what ``replan="auto"`` decides on, usable by hand. A
+        collective: every rank calls it."""
+        plan, profile = self.auto_options.plan, self.auto_options.profile
+        if plan is None or profile is None:
+            raise RuntimeConfigError("re-planning needs the plan and profile the stages came "
+                                     "from", "make the trainer with CompiledModel.trainer(...)")
+        measured = measured_stage_times(self.timelines, [s for s, _ in self.local],
+                                        len(self.stages), self.backend.exchange)
+        return propose(profile, plan, measured, cluster or Cluster.from_dict(dict(plan.cluster)),
+                       threshold=threshold)
 
     @property
     def timelines(self) -> list[tuple[list[TimelineEvent], list[TimelineEvent]]]:

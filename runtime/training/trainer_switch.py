@@ -1,8 +1,8 @@
 """Re-plan a running job in place: ``compiled.trainer(replan="auto")``.
 
 At a segment boundary the ranks agree on a plan re-solved from their measured stage times
-(:func:`propose_replan`); one predicted faster by more than ``replan_threshold`` takes over after
-a drain, the state moved by name, no process restarted (flushing schedules only)."""
+(:func:`measured_stage_times`); one predicted faster by more than ``replan_threshold`` takes
+over after a drain, the state moved by name, no process restarted (flushing schedules only)."""
 from __future__ import annotations
 
 import gc
@@ -27,13 +27,14 @@ from ..pricing.replan import (Proposal, StageTimes, after_first_update, mean_tim
 from . import checkpoint as ckpt
 from .auto import AutoOptions
 from .data import PartStream
+from .host import Exchange, TrainingHost
 from .repartition import Repartition, stage_layout
 
 log = logging.getLogger(__name__)
 
 REPLAN_MODES = ("auto",)
 REPLAN_SCHEDULES = ("1f1b-flush", "gpipe")
-Measure = Callable[[Any], Sequence[StageTimes]]  # trainer -> one StageTimes per stage
+Measure = Callable[[TrainingHost], Sequence[StageTimes]]  # trainer -> one StageTimes per stage
 
 
 @dataclass
@@ -103,7 +104,7 @@ class Replanner:
         self.segment_times: list[tuple[int, float]] = []
         self.fell_back = False  # re-planned onto one worker (fall_back): the last decision
 
-    def bind(self, trainer: Any) -> Replanner:
+    def bind(self, trainer: TrainingHost) -> Replanner:
         """Check the trainer can be re-planned (called when it is built)."""
         if trainer.kind not in REPLAN_SCHEDULES:
             raise RuntimeConfigError(
@@ -118,8 +119,8 @@ class Replanner:
         return self
 
     # ------------------------------------------------------------------ the boundary hook
-    def after_segment(self, trainer: Any, it: PartStream, loader: Iterable[Any], epoch: int,
-                      pos: int, n: int, dt: float) -> PartStream:
+    def after_segment(self, trainer: TrainingHost, it: PartStream, loader: Iterable[Any],
+                      epoch: int, pos: int, n: int, dt: float) -> PartStream:
         """Called by ``fit`` on every rank after each segment; returns the data stream to
         continue with (a new one after a switch, which drains the pipeline first)."""
         self._segments.append(dt / max(n, 1))
@@ -148,7 +149,8 @@ class Replanner:
         if len(self._segments) < self.after + warm:
             return it
         measured = (list(self.measure(trainer)) if self.measure is not None
-                    else measured_stage_times(trainer,
+                    else measured_stage_times(trainer.timelines, [s for s, _ in trainer.local],
+                                              len(trainer.stages), trainer.backend.exchange,
                                               skip=1 if self.after > 1 or warm else 0))
         cluster = Cluster.from_dict(dict(self.plan.cluster))
         proposal = propose(self.profile, self.plan, measured, cluster,
@@ -163,8 +165,8 @@ class Replanner:
             return it
         return self._switch_at(trainer, proposal, it, loader, epoch, pos)
 
-    def fall_back(self, trainer: Any, it: PartStream, loader: Iterable[Any], epoch: int,
-                  pos: int, harm: str, ratio: float) -> PartStream:
+    def fall_back(self, trainer: TrainingHost, it: PartStream, loader: Iterable[Any],
+                  epoch: int, pos: int, harm: str, ratio: float) -> PartStream:
         """Do no harm (issue 27): the segments measured slower than one worker doing every
         stage's work (``Trainer.harm``, rank 0's verdict for every rank), so the job goes on with
         one worker: rank 0 trains the whole model in its process (the reference executor, the
@@ -181,7 +183,7 @@ class Replanner:
         self.fell_back = True
         return self._switch_at(trainer, proposal, it, loader, epoch, pos)
 
-    def _switch_at(self, trainer: Any, proposal: Proposal, it: PartStream,
+    def _switch_at(self, trainer: TrainingHost, proposal: Proposal, it: PartStream,
                    loader: Iterable[Any], epoch: int, pos: int) -> PartStream:
         trainer.drain(epoch)  # an asynchronous stretch's minibatches in flight finish first
         self.switch(trainer, proposal, epoch, pos)
@@ -200,7 +202,7 @@ class Replanner:
         plan = replace(proposal.proposed, model_fingerprint=self.plan.model_fingerprint)
         return replace(plan, staleness=plan_staleness(plan.replicas))
 
-    def switch(self, trainer: Any, proposal: Proposal, epoch: int, pos: int) -> None:
+    def switch(self, trainer: TrainingHost, proposal: Proposal, epoch: int, pos: int) -> None:
         """Carry ``proposal`` out on ``trainer`` at the boundary ``(epoch, pos)`` (see the
         module doc); a collective: every rank calls it."""
         plan = self.new_plan(proposal)
@@ -240,7 +242,7 @@ class Replanner:
                  len(plan.stages))
         self.plan, self.profile = plan, proposal.profile or self.profile
 
-    def _transfer_folder(self, trainer: Any, epoch: int, pos: int) -> tuple[Path, Path]:
+    def _transfer_folder(self, trainer: TrainingHost, epoch: int, pos: int) -> tuple[Path, Path]:
         """Where the boundary's state travels (the folder to delete afterwards, and the one to
         write): under the checkpoint dir (shared by every rank, as checkpoints need), else a
         temporary folder rank 0 makes (ranks on one machine)."""
@@ -252,7 +254,7 @@ class Replanner:
         return root, root / name
 
     @staticmethod
-    def _save(trainer: Any, folder: Path, epoch: int, pos: int) -> ckpt.Found:
+    def _save(trainer: TrainingHost, folder: Path, epoch: int, pos: int) -> ckpt.Found:
         """Every stage's state under the old plan (replica 0 of each stage writes), then the
         manifest with the layout (rank 0): a checkpoint :class:`Repartition` reads."""
         for rank in trainer.local:
@@ -268,7 +270,7 @@ class Replanner:
         return ckpt.check_folder(folder / ckpt.checkpoint_name(epoch, pos), None, verify=False)
 
     @staticmethod
-    def _take_over(trainer: Any, new: Any) -> None:
+    def _take_over(trainer: TrainingHost, new: TrainingHost) -> None:
         """``trainer`` becomes the new plan's trainer; its history, metrics log, progress
         setting and re-planner stay. The old backend leaves its groups (not the default one,
         which the new backend now owns)."""
@@ -315,37 +317,27 @@ def make_replanner(compiled: Any, kwargs: dict[str, Any]) -> Replanner | None:
     return Replanner(compiled, kwargs, mode=mode, **opts)
 
 
-def measured_stage_times(trainer: Any, skip: int = 0) -> list[StageTimes]:
-    """Per stage, the mean over its replicas and over the recorded segments (but the first
-    ``skip``: warm-up) of the measured forward and backward per minibatch and optimizer step per
-    update. The trainer's first segment, when it is measured (``skip=0``), counts only after
-    its first update (:func:`.replan.after_first_update`: the warm-up)."""
+def measured_stage_times(timelines: Sequence[tuple[Sequence[Any], Any]], local: Sequence[int],
+                         stages: int, exchange: Exchange, skip: int = 0) -> list[StageTimes]:
+    """Per stage of ``stages``, the mean over its replicas and over the recorded segments
+    (``timelines``: this rank's, one (events, ...) per segment; but the first ``skip``: warm-up)
+    of the measured forward and backward per minibatch and optimizer step per update; this
+    rank's replicas train the stages in ``local``, and ``exchange`` gathers every rank's. The
+    first segment, when it is measured (``skip=0``), counts only after its first update
+    (:func:`.replan.after_first_update`: the warm-up). A collective: every rank calls it."""
     mine: list[tuple[int, StageTimes]] = []
-    segments = [after_first_update(events) if i == 0 else events
-                for i, (events, _) in enumerate(trainer.timelines) if i >= skip] or [
-        events for events, _ in trainer.timelines[-1:]]
+    segments = [after_first_update(list(events)) if i == 0 else list(events)
+                for i, (events, _) in enumerate(timelines) if i >= skip] or [
+        list(events) for events, _ in timelines[-1:]]
     if segments:
-        per = [measure(events) for events in segments]
-        avg = mean_times(per)
-        mine = [(s, avg) for s, _ in trainer.local]
-    got = trainer.backend.exchange(mine, "re-plan: measured stage times")
+        avg = mean_times([measure(events) for events in segments])
+        mine = [(s, avg) for s in local]
     by_stage: dict[int, list[StageTimes]] = {}
-    for share in got:
+    for share in exchange(mine, "re-plan: measured stage times"):
         for s, t in share or []:
             by_stage.setdefault(s, []).append(t)
-    missing = [s for s in range(len(trainer.stages)) if s not in by_stage]
+    missing = [s for s in range(stages) if s not in by_stage]
     if missing:
         raise RuntimeConfigError(f"no timeline of stages {missing} to re-plan from",
                                  "train with timeline=True (distributed executor) first")
-    return [mean_times(by_stage[s]) for s in range(len(trainer.stages))]
-
-
-def propose_replan(trainer: Any, cluster: Cluster | None = None,
-                   threshold: float = 0.05) -> Proposal:
-    """Re-plan a compiled model's trainer from its measurements (docs/design-notes.md)."""
-    plan, profile = trainer.auto_options.plan, trainer.auto_options.profile
-    if plan is None or profile is None:
-        raise RuntimeConfigError("re-planning needs the plan and profile the stages came from",
-                                 "make the trainer with CompiledModel.trainer(...)")
-    return propose(profile, plan, measured_stage_times(trainer),
-                   cluster or Cluster.from_dict(dict(plan.cluster)), threshold=threshold)
+    return [mean_times(by_stage[s]) for s in range(stages)]

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.runtime.pricing.replan import measure
-from fxpipe.runtime.training.trainer_switch import propose_replan
 
 
 def main() -> int:
@@ -31,7 +30,7 @@ def main() -> int:
                                schedule="1f1b-flush", microbatches=4, timeline=True,
                                progress=False, timeout_s=30)
     trainer.fit(data, epochs=1)
-    got = propose_replan(trainer)
+    got = trainer.propose_replan()
     # the trainer's first segment counts from the end of its first update (warm-up), written
     # here from that definition rather than with the filter the trainer uses
     own = []

@@ -16,7 +16,7 @@ import fxpipe.runtime.training.auto_look as auto_look
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.training.auto import AutoOptions, Decision, Row
 from fxpipe.runtime.training.auto_look import plan_look
-from fxpipe.runtime.training.auto_pipeline import load_state, save_state
+from fxpipe.runtime.training.auto_pipeline import load_state, pilot_step, save_state
 from fxpipe.runtime.training.trainer import Trainer
 
 STAGES = [1, 1, 1]
@@ -95,25 +95,27 @@ def test_a_stalled_pick_falls_back_to_flush_from_its_own_state(
 def test_the_second_look_is_planned_only_where_it_fits_and_pays() -> None:
     """plan_look: after an asynchronous pick on the pipeline only; in the first epoch with room
     for a race of 2P; and priced with the pilot against max_cost."""
-    t = trainer("pipedream")
     rows = (Row("1f1b-flush", 5.0, 9, 45, piloted=24), Row("pipedream", 3.0, 9, 27, piloted=16),
             Row("gpipe", 5.5, 9, 49.5, piloted=21))
     d = Decision("pipedream", "", rows, pilot_minibatches=24, where="pipeline", continued=16)
     opts = AutoOptions(**{**OPTIONS, "max_cost": 0.25})
-    assert plan_look(t, opts, d, 1000, 1000) == (32, "looks again at minibatch 32 of the "
+    step = pilot_step(STAGES, None)
+    assert step == 1  # one replica a stage, a minibatch an update
+    assert plan_look(opts, d, 1000, 1000, 5)[0] == 16 + 20  # whole steps: 16 rounded up to 20
+    assert plan_look(opts, d, 1000, 1000, step) == (32, "looks again at minibatch 32 of the "
                                                      "first epoch")
-    assert plan_look(t, replace(opts, look_again=3.0), d, 1000, 1000)[0] == 64
-    assert plan_look(t, replace(opts, look_again=0), d, 1000, 1000) == (None, "")
-    assert plan_look(t, opts, replace(d, schedule="zb-h1"), 1000, 1000) == (None, "")
-    assert plan_look(t, opts, replace(d, where="copies"), 1000, 1000) == (None, "")
-    at, why = plan_look(t, opts, d, 32 + 47, 1000)
+    assert plan_look(replace(opts, look_again=3.0), d, 1000, 1000, step)[0] == 64
+    assert plan_look(replace(opts, look_again=0), d, 1000, 1000, step) == (None, "")
+    assert plan_look(opts, replace(d, schedule="zb-h1"), 1000, 1000, step) == (None, "")
+    assert plan_look(opts, replace(d, where="copies"), 1000, 1000, step) == (None, "")
+    at, why = plan_look(opts, d, 32 + 47, 1000, step)
     assert at is None and "no room for a race of 48 minibatches after minibatch 32" in why
-    assert plan_look(t, opts, d, None, None)[0] is None  # no length: no room known
+    assert plan_look(opts, d, None, None, step)[0] is None  # no length: no room known
     # by hand: the pilot's losers (flush's 24 x 5 s + pipedream's 16 x 3 s, less the cheaper
     # pipedream's; gpipe reused flush's curve and cost nothing) 120 s, plus a race of flush's
     # 24 x 5 s = 240 s, against a quarter of the run at flush's 5 s per minibatch
-    assert plan_look(t, opts, d, 1000, 192)[0] == 32     # 240 <= 0.25 x 192 x 5 = 240
-    at, why = plan_look(t, opts, d, 1000, 191)
+    assert plan_look(opts, d, 1000, 192, step)[0] == 32     # 240 <= 0.25 x 192 x 5 = 240
+    at, why = plan_look(opts, d, 1000, 191, step)
     assert at is None and "max_cost=25%" in why
 
 

@@ -138,8 +138,13 @@ def test_a_candidate_with_too_many_weight_copies_is_not_piloted(monkeypatch) -> 
                                                           "pipedream+predict")))
     weights = sum(p.numel() * p.element_size() for st in t.stages for p in st.gm.parameters())
     monkeypatch.setattr(auto_pipeline, "process_peak_bytes", lambda device: 10 * weights)
-    pd = auto_pipeline.candidate_memory(t, "pipedream")
-    assert 0 < pd <= 2 * weights < auto_pipeline.candidate_memory(t, "pipedream+predict")
+    def need(c: str) -> int:
+        return auto_pipeline.candidate_memory(c, t.replicas, t.microbatches,
+                                              auto_pipeline.weight_bytes(t),
+                                              noam=t._noam(c.split("+")[0]))
+
+    pd = need("pipedream")
+    assert 0 < pd <= 2 * weights < need("pipedream+predict")
     t.fit(batches(48), epochs=1)
     rows = {r.schedule: r for r in t.auto_decision.rows}
     assert rows["pipedream"].minibatches < float("inf")
