@@ -34,9 +34,9 @@ SEQ = 4096
 MEMORY = "80GB"
 NETWORKS = ("100Gbps", "400Gbps")
 NVLINK = "450GB/s"
-KINDS = ("1f1b-flush", "interleaved-1f1b", "zb-v")
+KINDS = ("1f1b-flush", "interleaved-1f1b", "zb-v", "dualpipev")
 TORCH = {"1f1b-flush": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-         "zb-v": "ScheduleZBVZeroBubble"}
+         "zb-v": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 MULTS = (2, 4, 8)
 KNOBS = range(0, 4)  # torchtitan's input/output weights a user would try
 
@@ -236,6 +236,8 @@ def main() -> None:
                     "64 take hours here: fxpipe's exact search under a memory cap)")
     ap.add_argument("--models", default=None, help="only these models (comma-separated ids: "
                     "gpt2, llama3-8b)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="only these schedules "
+                    "(comma-separated)")
     ap.add_argument("--jobs", type=int, default=2, help="rows simulated at once (processes)")
     args = ap.parse_args()
     import multiprocessing
@@ -252,7 +254,8 @@ def main() -> None:
     names = [n for n in configs() if not args.models or n in args.models.split(",")]
     traced = {name: profile_of(name, cache) for name in names}  # before the pool: once each
     sizes = [int(w) for w in args.workers.split(",")]
-    jobs = [(str(cache), name, kind, W, net, mult) for name in names for kind in KINDS
+    kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    jobs = [(str(cache), name, kind, W, net, mult) for name in names for kind in kinds
             for W in sizes for net in (NETWORKS if W > 8 else NETWORKS[:1])  # one host: NVLink
             for mult in MULTS]
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
@@ -264,7 +267,8 @@ def main() -> None:
 
     command = "`.venv/bin/python -m bench.planner_vs_field`" + (
         f" `--workers {args.workers}`" if args.workers != "8,16" else "") + (
-        f" `--models {args.models}`" if args.models else "")
+        f" `--models {args.models}`" if args.models else "") + (
+        f" `--kinds {args.kinds}`" if kinds != list(KINDS) else "")
     parts = ["## fxpipe's plans against the field's splits (simulated)", "",
              f"{command}: estimated H100 costs, every split priced by fxpipe's event "
              f"simulation of the schedule; the rows took {simulated:.0f} s on this 2-core "
@@ -279,7 +283,7 @@ def main() -> None:
         blocks = blocks_of(profile)
         parts += [f"### {NAMES[name]}", "", f"{blocks.layers} layers, {len(profile.nodes)} graph "
                   f"nodes; traced and costed in {took:.0f} s.", ""]
-        for kind in KINDS:
+        for kind in kinds:
             parts += [f"Schedule `{kind}` (torch's `{TORCH[kind]}`), microbatches per update "
                       "per pipeline copy as a multiple of its ranks:", ""]
             header = False

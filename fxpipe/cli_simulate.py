@@ -15,8 +15,8 @@ from fxpipe.errors import ConfigError
 
 log = logging.getLogger("fxpipe")
 SCHEDULES = ("auto", "pipedream", "1f1b-flush", "gpipe", "2bw", "zb-h1", "zb-h2", "interleaved-1f1b",
-             "zb-v")
-PLACED = ("interleaved-1f1b", "zb-v")  # several stages per process: runtime.schedules.placement
+             "zb-v", "dualpipev")
+PLACED = ("interleaved-1f1b", "zb-v", "dualpipev")  # several stages per process (placement)
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -45,7 +45,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "trains, 1f1b-flush with each minibatch cut into one microbatch per worker)")
     p.add_argument("--chunks", type=int, default=2,
                    help="interleaved-1f1b: stages per worker (the plan gets chunks x workers "
-                   "stages, placed round robin; zb-v always 2, in a V)")
+                   "stages, placed round robin; zb-v and dualpipev always 2, in a V)")
     p.add_argument("--minibatches", type=int, default=200)
     p.add_argument("--noam", default="auto", type=parse_noam,
                    help="minibatches in flight at the input stage of pipedream and 2bw, as "

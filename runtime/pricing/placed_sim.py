@@ -12,7 +12,8 @@ from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError
 from fxpipe.passes.plan import Plan
 
-from ..schedules.placement import INTERLEAVED, PLACED_KINDS, ZBV, make_placed_schedule, timed_placed
+from ..schedules.placement import (INTERLEAVED, PLACED_KINDS, V_KINDS, ZBV, make_placed_schedule,
+                                  timed_placed)
 from ..timeline import busy_between
 from ..timeline import TimelineEvent
 from .core import PlanSimulation, cut_bandwidth, split_backward, stage_costs
@@ -20,10 +21,10 @@ from .sim_measure import peak_in_flight, steady_window
 
 
 def stages_per_process(kind: str, chunks: int = 2) -> int:
-    """v: the stages a process hosts under ``kind`` (zb-v: always 2)."""
+    """v: the stages a process hosts under ``kind`` (zb-v, dualpipev: always 2)."""
     if kind not in PLACED_KINDS:
         raise ConfigError(f"{kind!r} is not a placed kind", f"use one of {PLACED_KINDS}")
-    if kind == ZBV:
+    if kind in V_KINDS:
         return 2
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ConfigError(f"chunks={chunks!r}", "use 1 or more stages per process")
@@ -54,10 +55,10 @@ def simulate_placed_plan(plan: Plan, profile: Profile | None = None, *, schedule
                           "placed kinds replicate the whole pipeline: plan equal replicas per "
                           "stage (e.g. --straight)")
     S, R = len(reps), reps[0]
-    if schedule == ZBV and S % 2:
-        raise ConfigError(f"zb-v with {S} stages", "zb-v needs an even number of stages (2 per "
-                          "process): plan for twice the workers")
-    P = S // 2 if schedule == ZBV else math.ceil(S / v)
+    if schedule in V_KINDS and S % 2:
+        raise ConfigError(f"{schedule} with {S} stages", f"{schedule} needs an even number of "
+                          "stages (2 per process): plan for twice the workers")
+    P = S // 2 if schedule in V_KINDS else math.ceil(S / v)
     m = microbatches if microbatches is not None else 2 * P * R
     if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1:
         raise ConfigError(f"minibatches must be a positive integer, got {minibatches!r}")

@@ -40,6 +40,78 @@ def megatron_order(p: int, P: int, v: int, mbs: Sequence[int]) -> list[Step]:
     return out
 
 
+def dualpipev_order(p: int, P: int, mbs: Sequence[int]) -> list[Step]:
+    """Process p's order for one batch ``mbs`` (at least 2P microbatches) under DualPipeV
+    (DeepSeek's DualPipe folded into a V, as torch's ``ScheduleDualPipeV`` runs it): the process
+    hosts stage p (chunk 0) and stage 2P - 1 - p (chunk 1). Its eight phases: forwards of chunk
+    0; pairs of chunk 0 and chunk 1 forwards; chunk 1's input backward, a pending weight
+    backward and a chunk 1 forward; the steady state pairing chunk 0's forward with chunk 1's
+    full backward and chunk 1's forward with chunk 0's; chunk 1's full backward then chunk 1's
+    forward with chunk 0's backward; both chunks' backwards, input-only from the middle on
+    (zero bubble); pending weight backwards with chunk 0's backwards; the last weight
+    backwards. A full backward is B then W at once; an input backward's W waits in a queue
+    (oldest first). DualPipe overlaps a paired forward and backward on the GPU; here they
+    run one after the other, as torch runs them without an overlap callback."""
+    m = len(mbs)
+    if m < 2 * P:
+        raise ConfigError(f"dualpipev with a batch of {m} microbatches on {P} processes",
+                          f"DualPipeV needs at least as many microbatches per batch as stages "
+                          f"({2 * P})")
+    chunk = ((p, 0), (2 * P - 1 - p, 0))
+    nxt = {(c, kind): 0 for c in (0, 1) for kind in "FB"}
+    pending: list[tuple[int, int]] = []  # (chunk, microbatch) of input backwards awaiting W
+    out: list[Step] = []
+
+    def forward(c: int) -> None:
+        out.append((chunk[c], Action("F", mbs[nxt[(c, "F")]])))
+        nxt[(c, "F")] += 1
+
+    def backward(c: int, full: bool) -> None:
+        k = mbs[nxt[(c, "B")]]
+        nxt[(c, "B")] += 1
+        out.append((chunk[c], Action("B", k)))
+        if full:
+            out.append((chunk[c], Action("W", k)))
+        else:
+            pending.append((c, k))
+
+    def weight() -> None:
+        if pending:
+            c, k = pending.pop(0)
+            out.append((chunk[c], Action("W", k)))
+
+    for _ in range(2 * (P - p - 1)):  # 1: chunk 0's forwards
+        forward(0)
+    for _ in range(p + 1):  # 2: forwards of both chunks
+        forward(0)
+        forward(1)
+    for _ in range(P - p - 1):  # 3: zero bubble on chunk 1
+        backward(1, full=False)
+        weight()
+        forward(1)
+    for i in range(m - 2 * P + p + 1):  # 4: the steady state, forwards paired with backwards
+        forward(0)
+        backward(1, full=True)
+        forward(1)
+        backward(0, full=True)
+    for _ in range(P - p - 1):  # 5
+        backward(1, full=True)
+        forward(1)
+        backward(0, full=True)
+    split = False
+    for i in range(p + 1):  # 6: both chunks' backwards, input-only from the middle on
+        split = split or (i == (p + 1) // 2 and p % 2 == 1)
+        backward(1, full=not split)
+        split = split or (i == (p + 1) // 2 and p % 2 == 0)
+        backward(0, full=not split)
+    for _ in range(P - p - 1):  # 7
+        weight()
+        backward(0, full=not split)
+    for _ in range(p + 1):  # 8: the weight backwards left
+        weight()
+    return out
+
+
 def greedy_orders(hosts: Sequence[Sequence[Rank]], num_stages: int, mbs: Sequence[int],
                   limit: int, split: bool,
                   costs: Sequence[tuple[float, float, float]] | None = None,

@@ -1,7 +1,7 @@
-"""Schedules whose processes host SEVERAL stages: interleaved 1F1B and ZB-V, as data.
+"""Schedules whose processes host SEVERAL stages: interleaved 1F1B, ZB-V and DualPipeV, as data.
 
-``interleaved-1f1b`` puts stage s on process s % P, ``zb-v`` stages p and 2P - 1 - p on process p;
-both synchronous, as 1f1b-flush. :class:`PlacedSchedule`: per-rank lists plus each process's list.
+``interleaved-1f1b`` puts stage s on process s % P, ``zb-v`` and ``dualpipev`` stages p and
+2P - 1 - p on process p; all synchronous, as 1f1b-flush. :class:`PlacedSchedule`: per-rank lists plus each process's list.
 """
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from typing import Sequence
 
 from fxpipe.errors import ConfigError
 
-from .placed_orders import Step, greedy_orders, megatron_order
+from .placed_orders import Step, dualpipev_order, greedy_orders, megatron_order
 from .schedule import Action, DeadlockError, Rank, Schedule, ScheduleError, _with_versions, validate
 
-INTERLEAVED, ZBV = "interleaved-1f1b", "zb-v"
-PLACED_KINDS = (INTERLEAVED, ZBV)
+INTERLEAVED, ZBV, DUALPIPEV = "interleaved-1f1b", "zb-v", "dualpipev"
+PLACED_KINDS = (INTERLEAVED, ZBV, DUALPIPEV)
+V_KINDS = (ZBV, DUALPIPEV)  # two stages per process, in a V
 
 
 @dataclass(frozen=True)
@@ -63,16 +64,16 @@ def _rebuild(sched: tuple, hosts: tuple, order: tuple) -> PlacedSchedule:
 
 def placement(kind: str, num_stages: int, num_processes: int) -> tuple[tuple[Rank, ...], ...]:
     """Which ranks each process hosts: round robin for interleaved (stage s on process s % P),
-    the V for zb-v (process p: stages p and 2P - 1 - p)."""
+    the V for zb-v and dualpipev (process p: stages p and 2P - 1 - p)."""
     S, P = num_stages, num_processes
     if P < 1 or S < P:
         raise ConfigError(f"{S} stages on {P} processes", "give at least one stage per process")
     if kind == INTERLEAVED:
         return tuple(tuple((s, 0) for s in range(p, S, P)) for p in range(P))
-    if kind == ZBV:
+    if kind in V_KINDS:
         if S != 2 * P:
-            raise ConfigError(f"zb-v with {S} stages on {P} processes",
-                              f"zb-v places two stages per process in a V: split the model "
+            raise ConfigError(f"{kind} with {S} stages on {P} processes",
+                              f"{kind} places two stages per process in a V: split the model "
                               f"into {2 * P} stages")
         return tuple(((p, 0), (2 * P - 1 - p, 0)) for p in range(P))
     raise ConfigError(f"{kind!r} is not a placed kind", f"use one of {PLACED_KINDS}")
@@ -88,8 +89,8 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
                          replicas: int = 1) -> PlacedSchedule:
     """Generate and validate ``kind`` (one of PLACED_KINDS) on ``num_processes`` processes.
 
-    ``num_stages`` defaults to ``chunks * num_processes`` (interleaved: ``chunks`` = v; zb-v:
-    always 2). ``microbatches`` (m, per update) defaults to ``num_processes`` times 2 and must be
+    ``num_stages`` defaults to ``chunks * num_processes`` (interleaved: ``chunks`` = v; zb-v and
+    dualpipev: always 2; dualpipev needs at least 2P microbatches in every batch). ``microbatches`` (m, per update) defaults to ``num_processes`` times 2 and must be
     a multiple of P for Megatron's order. ``limit``: minibatches admitted per process at once
     for the greedy orders (default P: under zb-v at most 2P chunk activations, 1F1B's memory
     since a chunk is half a stage; see :func:`greedy_orders`). ``costs``: per stage (F, B, W)
@@ -119,13 +120,13 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
         raise ConfigError(f"{kind!r} is not a placed kind", f"use one of {PLACED_KINDS}")
     if not isinstance(P, int) or P < 1:
         raise ConfigError(f"num_processes={P!r}", "use 1 or more processes")
-    if kind == ZBV and num_stages not in (None, 2 * P):
-        raise ConfigError(f"zb-v with {num_stages} stages on {P} processes",
-                          f"zb-v places two stages per process in a V: split the model into "
+    if kind in V_KINDS and num_stages not in (None, 2 * P):
+        raise ConfigError(f"{kind} with {num_stages} stages on {P} processes",
+                          f"{kind} places two stages per process in a V: split the model into "
                           f"{2 * P} stages")
     if chunks < 1:
         raise ConfigError(f"chunks={chunks}", "use at least 1 chunk per process")
-    S = num_stages if num_stages is not None else (2 if kind == ZBV else chunks) * P
+    S = num_stages if num_stages is not None else (2 if kind in V_KINDS else chunks) * P
     hosts = placement(kind, S, P)
     m = microbatches if microbatches is not None else 2 * P
     n = num_minibatches
@@ -139,11 +140,19 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
         raise ConfigError(f"interleaved-1f1b with a batch of {bad} microbatches on {P} "
                           "processes", f"Megatron's interleaved order needs microbatches per "
                           f"batch (and num_minibatches) to be a multiple of the processes ({P})")
+    if kind == DUALPIPEV and any(len(mbs) < 2 * P for mbs in batches):
+        bad = next(len(mbs) for mbs in batches if len(mbs) < 2 * P)
+        raise ConfigError(f"dualpipev with a batch of {bad} microbatches on {P} processes",
+                          f"DualPipeV needs at least as many microbatches per batch as stages "
+                          f"({2 * P}), the last batch included: microbatches >= {2 * P} and "
+                          "num_minibatches a multiple of them")
     cap = limit if limit is not None else P
     merged: list[list[Step]] = [[] for _ in range(P)]
     for b, mbs in enumerate(batches):
         if megatron:
             parts = [megatron_order(p, P, S // P, mbs) for p in range(P)]
+        elif kind == DUALPIPEV:
+            parts = [dualpipev_order(p, P, mbs) for p in range(P)]
         else:
             parts = greedy_orders(hosts, S, mbs, cap, kind == ZBV, costs, comm)
         for p in range(P):
@@ -371,7 +380,8 @@ def simulate_placed(placed: PlacedSchedule, costs: Sequence[tuple[float, float, 
     return max((t1 for _, t1 in times.values()), default=0.0), busy
 
 
-__all__ = ["INTERLEAVED", "ZBV", "PLACED_KINDS", "PlacedSchedule", "placement", "megatron_order",
+__all__ = ["INTERLEAVED", "ZBV", "DUALPIPEV", "V_KINDS", "PLACED_KINDS", "PlacedSchedule",
+           "placement", "megatron_order",
            "greedy_orders", "make_placed_schedule", "validate_placed", "process_order",
            "timed_placed", "simulate_placed"]
 _ = DeadlockError  # re-exported for callers catching it from here

@@ -63,6 +63,10 @@ CASES = {  # model, cuts, kind, processes, stages, minibatches, per batch[, copi
     "zb-v-4x8": (deep_mlp, [2, 4, 6, 8, 10, 12, 14], "zb-v", 4, 8, 8, 4),
     "zb-v-2x4-replicated": (tiny_mlp, [1, 2, 3], "zb-v", 2, 4, 8, 4, 2),
     "interleaved-3-on-2-replicated": (SkipMLP, [2, 4], "interleaved-1f1b", 2, 3, 8, 4, 2),
+    "dualpipev-2x4": (tiny_mlp, [1, 2, 3], "dualpipev", 2, 4, 8, 4),
+    "dualpipev-two-consumers": (TwoConsumers, [2, 4, 7], "dualpipev", 2, 4, 10, 5),
+    "dualpipev-4x8": (deep_mlp, [2, 4, 6, 8, 10, 12, 14], "dualpipev", 4, 8, 16, 8),
+    "dualpipev-2x4-replicated": (tiny_mlp, [1, 2, 3], "dualpipev", 2, 4, 16, 8, 2),
 }
 
 
@@ -108,12 +112,12 @@ def test_distributed_equals_reference_and_minibatch_sgd(name: str, distributed) 
 
 
 def test_reference_of_a_placed_kind_equals_1f1b_flush() -> None:
-    """Same semantics, other order: interleaved's and zb-v's reference results are 1f1b-flush's
-    on the same stages, to rounding."""
+    """Same semantics, other order: interleaved's, zb-v's and dualpipev's reference results are
+    1f1b-flush's on the same stages, to rounding."""
     data = batches(8)
     flush = make_schedule("1f1b-flush", [1] * 4, 8, microbatches=4)
     want = ReferenceExecutor(split(tiny_mlp(), [1, 2, 3]), [1] * 4, flush, loss_fn, sgd).run(data)
-    for kind in ("interleaved-1f1b", "zb-v"):
+    for kind in ("interleaved-1f1b", "zb-v", "dualpipev"):
         placed = make_placed_schedule(kind, 2, 8, microbatches=4)
         got = ReferenceExecutor(split(tiny_mlp(), [1, 2, 3]), [1] * 4, placed.schedule, loss_fn,
                                 sgd).run(data)

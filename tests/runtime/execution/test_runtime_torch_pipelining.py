@@ -1,6 +1,6 @@
 """fxpipe's automatic split inside torch.distributed.pipelining: torch's own schedules
-(Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble) train fxpipe's stages, skip
-connections carried through the stages in between, tied weights kept one parameter, and land
+(Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ScheduleDualPipeV) train fxpipe's
+stages, skip connections carried through the stages in between, tied weights kept one parameter, and land
 exactly where fxpipe's reference executor does with the same synchronous semantics (1f1b-flush:
 one update per batch of m microbatches, the mean of their gradients)."""
 from __future__ import annotations
@@ -67,6 +67,10 @@ CASES = {
                                       ce, token_batches(2 * M)),
     "zbv-gpt-4stages-2ranks": (None, None, 2, "v", "ScheduleZBVZeroBubble", _gpt_loss,
                                _gpt_batches(2 * M)),
+    "dualpipev-skip-4stages-2ranks": (SkipMLP, [1, 2, 4], 2, "v", "ScheduleDualPipeV", loss_fn,
+                                      batches(2 * M)),
+    "dualpipev-gpt-4stages-2ranks": (None, None, 2, "v", "ScheduleDualPipeV", _gpt_loss,
+                                     _gpt_batches(2 * M)),
 }
 
 

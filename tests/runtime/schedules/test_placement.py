@@ -213,7 +213,7 @@ def _refused(f) -> tuple[str, str | None]:
 def test_every_refusal_names_the_value_and_what_to_do() -> None:
     """Each bad argument of the placement and of the greedy orders, with its exact message and
     hint (a wrong hint is a wrong instruction to the user)."""
-    V, KINDS = "zb-v", "use one of ('interleaved-1f1b', 'zb-v')"
+    V, KINDS = "zb-v", "use one of ('interleaved-1f1b', 'zb-v', 'dualpipev')"
     split = "zb-v places two stages per process in a V: split the model into 4 stages"
     assert _refused(lambda: placement("interleaved-1f1b", 4, 0)) == (
         "4 stages on 0 processes", "give at least one stage per process")
@@ -302,7 +302,7 @@ def test_defaults_and_the_remaining_refusals_exact() -> None:
     empty = make_placed_schedule("zb-v", 2, 0)
     assert empty.schedule.num_minibatches == 0 and all(not o for o in empty.order)
     assert _refused(lambda: make_placed_schedule("zb-h9", 2, 4)) == (
-        "'zb-h9' is not a placed kind", "use one of ('interleaved-1f1b', 'zb-v')")
+        "'zb-h9' is not a placed kind", "use one of ('interleaved-1f1b', 'zb-v', 'dualpipev')")
     assert _refused(lambda: make_placed_schedule("interleaved-1f1b", 2, 6, microbatches=3)) == (
         "interleaved-1f1b with a batch of 3 microbatches on 2 processes",
         "Megatron's interleaved order needs microbatches per batch (and num_minibatches) to be "

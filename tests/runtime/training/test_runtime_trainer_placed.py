@@ -1,4 +1,4 @@
-"""Trainer(schedule="zb-v" | "interleaved-1f1b") on the reference executor: the placed kinds'
+"""Trainer(schedule="zb-v" | "interleaved-1f1b" | "dualpipev") on the reference executor: the placed kinds'
 per-stage lists train exactly like minibatch SGD (plain torch written out here, momentum and an
 LR schedule included); what the Trainer does not run is refused with what to do."""
 from __future__ import annotations
@@ -33,6 +33,7 @@ def plain(model: torch.nn.Module, data, m: int, epochs: int) -> dict[str, torch.
     (tiny_mlp, [1, 2, 3], [1, 1, 1, 1], "interleaved-1f1b"),
     (SkipMLP, [2, 4], [1, 1, 1], "interleaved-1f1b"),
     (tiny_mlp, [1, 2, 3], [2, 2, 2, 2], "zb-v"),
+    (tiny_mlp, [1, 2, 3], [1, 1, 1, 1], "dualpipev"),
 ])
 def test_trainer_with_a_placed_kind_equals_minibatch_sgd(make, cuts, replicas, kind) -> None:
     data = batches(16)
@@ -45,7 +46,7 @@ def test_trainer_with_a_placed_kind_equals_minibatch_sgd(make, cuts, replicas, k
         torch.testing.assert_close(got[name], p, **TIGHT, msg=name)
     sched = trainer._schedule(16)
     assert sched.kind == kind and any(a.kind == "W" for a in sched.actions[(0, 0)]) == \
-        (kind == "zb-v")
+        (kind in ("zb-v", "dualpipev"))
 
 
 def test_trainer_refuses_what_it_does_not_run() -> None:
