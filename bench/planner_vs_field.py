@@ -129,9 +129,8 @@ def row(profile, blocks, factor: float, cluster, kind: str, mult: int) -> dict[s
     the virtual cluster the planner uses for it (v x the workers, 1/v of the memory each)."""
     from fxpipe.api import choose_plan
     from fxpipe.errors import InfeasiblePlanError
-    from fxpipe.passes.memory_rule import PIPEDREAM
     from fxpipe.passes.partition import plan_for
-    from fxpipe.runtime.pricing.memory import memory_rule
+    from fxpipe.runtime.pricing.memory import memory_rule, placed_memory_rule
     from fxpipe.runtime.pricing.placed_sim import (PLACED_KINDS, stages_per_process,
                                                    virtual_cluster)
 
@@ -154,7 +153,8 @@ def row(profile, blocks, factor: float, cluster, kind: str, mult: int) -> dict[s
                and v * P <= len(blocks.starts)]
     for P in degrees:
         S, R, m = v * P, W // P, mult * W  # mult x P microbatches per copy, W / P copies
-        rule = PIPEDREAM if placed else memory_rule(kind, m)  # as choose_plan prices them
+        # as choose_plan prices them: a placed kind by its own order's sets, per pipeline copy
+        rule = placed_memory_rule(kind, P, m // R) if placed else memory_rule(kind, m)
 
         priced: dict[tuple[int, ...], tuple[float | None, str]] = {}
 

@@ -17,9 +17,11 @@ RECOMPUTED = ("one", "held")
 """Full activation sets a recomputing replica holds: one while it recomputes (the backward
 frees it), or as many as its held sets (zero-bubble's B recomputes and W still needs the graph,
 so a recomputed set lives from B until W; the held count bounds the minibatches between them)."""
-HELD = ("window", "window-batch", "batch")
+HELD = ("window", "window-batch", "batch", "listed")
 """Activation sets held: the window v; min(v, ceil(m / r)) (1F1B with a flush: a replica gets
-ceil(m / r) of an update's m microbatches); ceil(m / r) (all of an update's, GPipe)."""
+ceil(m / r) of an update's m microbatches); ceil(m / r) (all of an update's, GPipe); or as
+``listed`` per stage of a straight pipeline of equal replicas, whose stage s has window S - s
+(read off a generated schedule whose orders no window shape describes: the placed kinds)."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,8 @@ class MemoryRule:
     update for the held shapes that count them (None: the cluster's workers, the runtime's
     default m); ``split``: each minibatch cut into that many microbatches; ``limit``: at most
     this many sets per replica whatever the shape (zero-bubble H2's bound; None: no bound);
-    ``recomputed``: a recomputing replica's full sets, one or every held one (:data:`RECOMPUTED`)."""
+    ``recomputed``: a recomputing replica's full sets, one or every held one (:data:`RECOMPUTED`);
+    ``listed``: the sets each stage holds, first stage first, for ``held="listed"``."""
 
     schedule: str = "pipedream"
     versions: str = "window"
@@ -37,6 +40,7 @@ class MemoryRule:
     split: int = 1
     limit: int | None = None
     recomputed: str = "one"
+    listed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.versions not in VERSIONS or self.held not in HELD
@@ -51,6 +55,12 @@ class MemoryRule:
                 raise ConfigError(f"memory rule {name}={x!r}", "use an integer >= 1 or None")
         if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
             raise ConfigError(f"memory rule split={self.split!r}", "use an integer >= 1")
+        object.__setattr__(self, "listed", tuple(self.listed))  # a JSON list reads as a list
+        if (self.held == "listed") != bool(self.listed) or any(
+                isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.listed):
+            raise ConfigError(f"memory rule held={self.held!r} with listed={self.listed!r}",
+                              "held='listed' takes one count >= 0 per stage in listed, and "
+                              "only it")
 
     @property
     def unit(self) -> float:
@@ -66,6 +76,9 @@ class MemoryRule:
     def count(self, v: int, r: int, workers: int) -> int:
         """Sets (minibatches or microbatches) a replica with window ``v`` of a stage with ``r``
         replicas holds at once, on a cluster of ``workers``."""
+        if self.held == "listed":  # stage S - v of the straight pipeline (v beyond: the first)
+            n = self.listed[max(len(self.listed) - v, 0)]
+            return min(n, self.limit) if self.limit is not None else n
         per_replica = math.ceil((self.microbatches or workers) / r)
         n = {"window": v, "window-batch": min(v, per_replica), "batch": per_replica}[self.held]
         return min(n, self.limit) if self.limit is not None else n
@@ -83,6 +96,8 @@ class MemoryRule:
     def label(self) -> str:
         """``1f1b-flush (m=8)``: what plan summaries say the memory is for."""
         extra = [f"m={self.microbatches}"] if self.microbatches else []
+        extra += ([f"sets held per stage {'-'.join(map(str, self.listed))}"] if self.listed
+                  else [])
         extra += [f"split={self.split}"] if self.split > 1 else []
         return self.schedule + (f" ({', '.join(extra)})" if extra else "")
 
@@ -92,6 +107,10 @@ class MemoryRule:
         d = asdict(self)
         if d["recomputed"] == "one":
             del d["recomputed"]
+        if not d["listed"]:
+            del d["listed"]
+        else:
+            d["listed"] = list(d["listed"])
         return d
 
     @classmethod

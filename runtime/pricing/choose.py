@@ -15,7 +15,8 @@ from fxpipe.passes.partition import partition
 from fxpipe.passes.plan import Plan
 
 from ..schedules.spec import priced_kind
-from .memory import SHAPES, memory_rule
+from ..schedules.placement import PLACED_KINDS
+from .memory import SHAPES, memory_rule, placed_memory_rule
 from .peak_fit import fit_peaks
 from .plan_choice import choose_by_simulation, priced_by_simulation, unpriced_by_planner
 
@@ -53,8 +54,11 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     if choose not in CHOOSERS:
         raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
     schedule = priced_kind(schedule)
-    # the placed kinds (several stages per process) keep PipeDream's rule for their candidates
     rule = memory_rule(schedule, microbatches) if schedule in SHAPES else PIPEDREAM
+    if schedule in PLACED_KINDS:  # the kind's own order, on P processes per pipeline copy
+        P = stages or cluster.workers
+        copies = cluster.workers // P if cluster.workers % P == 0 else 1
+        rule = placed_memory_rule(schedule, P, microbatches // copies if microbatches else None)
     if choose == "planner" or (choose == "auto" and schedule == "pipedream"):
         plan = partition(profile, cluster, sync=sync, stages=stages, straight=straight,
                          recompute=recompute, memory_rule=rule,

@@ -46,6 +46,26 @@ def memory_rule(kind: str, microbatches: int | None = None, split: int = 1) -> M
                       split, recomputed="held" if kind in SPLIT_BACKWARD else "one")
 
 
+def placed_memory_rule(kind: str, processes: int, microbatches: int | None = None,
+                       chunks: int = 2) -> MemoryRule:
+    """The planner's memory rule for a placed kind (several stages per process) on a straight
+    pipeline of its v x ``processes`` stages: no stashed versions (they flush, as 1f1b-flush),
+    and each stage's activation sets as many as the kind's own order holds at once
+    (``held="listed"``, read off the generated schedule at ``microbatches`` per update of one
+    pipeline copy, default 2 x ``processes``; until W where the backward is split, whose
+    recomputing stages keep every held set, as the zero-bubble kinds')."""
+    from ..schedules.placement import make_placed_schedule
+    from .sim_measure import peak_in_flight
+
+    m = microbatches if microbatches is not None else 2 * processes
+    placed = make_placed_schedule(kind, processes, 2 * m, chunks=chunks, microbatches=m)
+    sched = placed.schedule
+    listed = tuple(peak_in_flight(sched.actions[(s, 0)]) for s in range(sched.num_stages))
+    split = any(a.kind == "W" for acts in sched.actions.values() for a in acts)
+    return MemoryRule(kind, "none", "listed", m, recomputed="held" if split else "one",
+                      listed=listed)
+
+
 def stashed_versions(kind: str, in_flight: int) -> int:
     """Weight versions a replica keeps besides the live one under ``kind`` (none under the
     kinds that have no rule here: the placed ones)."""

@@ -89,7 +89,7 @@ def dualpipev_order(p: int, P: int, mbs: Sequence[int]) -> list[Step]:
         backward(1, full=False)
         weight()
         forward(1)
-    for i in range(m - 2 * P + p + 1):  # 4: the steady state, forwards paired with backwards
+    for _ in range(m - 2 * P + p + 1):  # 4: the steady state, forwards paired with backwards
         forward(0)
         backward(1, full=True)
         forward(1)
