@@ -13,10 +13,11 @@ from fxpipe.errors import ConfigError, PlanFormatError
 
 VERSIONS = ("window", "one", "none")
 """Stashed weight versions besides the live one: v - 1 (PipeDream), 1 (2BW's shadow), 0."""
-RECOMPUTED = ("one", "held")
+RECOMPUTED = ("one", "held", "listed")
 """Full activation sets a recomputing replica holds: one while it recomputes (the backward
 frees it), or as many as its held sets (zero-bubble's B recomputes and W still needs the graph,
-so a recomputed set lives from B until W; the held count bounds the minibatches between them)."""
+so a recomputed set lives from B until W; the held count bounds the minibatches between them),
+or as ``listed_full`` says per stage (read off an order whose Ws follow their Bs closely)."""
 HELD = ("window", "window-batch", "batch", "listed")
 """Activation sets held: the window v; min(v, ceil(m / r)) (1F1B with a flush: a replica gets
 ceil(m / r) of an update's m microbatches); ceil(m / r) (all of an update's, GPipe); or as
@@ -31,7 +32,8 @@ class MemoryRule:
     default m); ``split``: each minibatch cut into that many microbatches; ``limit``: at most
     this many sets per replica whatever the shape (zero-bubble H2's bound; None: no bound);
     ``recomputed``: a recomputing replica's full sets, one or every held one (:data:`RECOMPUTED`);
-    ``listed``: the sets each stage holds, first stage first, for ``held="listed"``."""
+    ``listed``: the sets each stage holds, first stage first, for ``held="listed"``;
+    ``listed_full``: the full sets each stage keeps recomputing, for ``recomputed="listed"``."""
 
     schedule: str = "pipedream"
     versions: str = "window"
@@ -41,6 +43,7 @@ class MemoryRule:
     limit: int | None = None
     recomputed: str = "one"
     listed: tuple[int, ...] = ()
+    listed_full: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.versions not in VERSIONS or self.held not in HELD
@@ -55,12 +58,14 @@ class MemoryRule:
                 raise ConfigError(f"memory rule {name}={x!r}", "use an integer >= 1 or None")
         if isinstance(self.split, bool) or not isinstance(self.split, int) or self.split < 1:
             raise ConfigError(f"memory rule split={self.split!r}", "use an integer >= 1")
-        object.__setattr__(self, "listed", tuple(self.listed))  # a JSON list reads as a list
-        if (self.held == "listed") != bool(self.listed) or any(
-                isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in self.listed):
-            raise ConfigError(f"memory rule held={self.held!r} with listed={self.listed!r}",
-                              "held='listed' takes one count >= 0 per stage in listed, and "
-                              "only it")
+        for name, shape in (("listed", self.held), ("listed_full", self.recomputed)):
+            xs = tuple(getattr(self, name))
+            object.__setattr__(self, name, xs)  # a JSON list reads as a list
+            if (shape == "listed") != bool(xs) or any(
+                    isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in xs):
+                raise ConfigError(f"memory rule {name}={xs!r} with {shape!r}",
+                                  f"'listed' takes one count >= 0 per stage in {name}, and "
+                                  "only it")
 
     @property
     def unit(self) -> float:
@@ -91,6 +96,8 @@ class MemoryRule:
     def recomputed_sets(self, v: int, r: int, workers: int) -> float:
         """Full activation sets a recomputing replica holds at once, in units of the profiled
         minibatch's (see :data:`RECOMPUTED`)."""
+        if self.recomputed == "listed":
+            return self.listed_full[max(len(self.listed_full) - v, 0)] * self.unit
         return self.unit if self.recomputed == "one" else self.sets(v, r, workers)
 
     def label(self) -> str:
@@ -107,10 +114,11 @@ class MemoryRule:
         d = asdict(self)
         if d["recomputed"] == "one":
             del d["recomputed"]
-        if not d["listed"]:
-            del d["listed"]
-        else:
-            d["listed"] = list(d["listed"])
+        for name in ("listed", "listed_full"):
+            if not d[name]:
+                del d[name]
+            else:
+                d[name] = list(d[name])
         return d
 
     @classmethod

@@ -52,8 +52,10 @@ def placed_memory_rule(kind: str, processes: int, microbatches: int | None = Non
     pipeline of its v x ``processes`` stages: no stashed versions (they flush, as 1f1b-flush),
     and each stage's activation sets as many as the kind's own order holds at once
     (``held="listed"``, read off the generated schedule at ``microbatches`` per update of one
-    pipeline copy, default 2 x ``processes``; until W where the backward is split, whose
-    recomputing stages keep every held set, as the zero-bubble kinds')."""
+    pipeline copy, default 2 x ``processes``; until W where the backward is split). A stage
+    that recomputes keeps a full set from each B that recomputes it until its W: as many as its
+    order has Bs awaiting their W at once, the running B included (``recomputed="listed"``;
+    one where every W follows its B, as without a split)."""
     from ..schedules.placement import make_placed_schedule
     from .sim_measure import peak_in_flight
 
@@ -61,9 +63,23 @@ def placed_memory_rule(kind: str, processes: int, microbatches: int | None = Non
     placed = make_placed_schedule(kind, processes, 2 * m, chunks=chunks, microbatches=m)
     sched = placed.schedule
     listed = tuple(peak_in_flight(sched.actions[(s, 0)]) for s in range(sched.num_stages))
-    split = any(a.kind == "W" for acts in sched.actions.values() for a in acts)
-    return MemoryRule(kind, "none", "listed", m, recomputed="held" if split else "one",
-                      listed=listed)
+    full = tuple(_full_sets(sched.actions[(s, 0)]) for s in range(sched.num_stages))
+    return MemoryRule(kind, "none", "listed", m, recomputed="listed", listed=listed,
+                      listed_full=full)
+
+
+def _full_sets(actions: Sequence[Any]) -> int:
+    """Most recomputed sets a stage's list keeps at once: each B makes one, its W (or the B
+    itself, without a split) frees it."""
+    split = any(a.kind == "W" for a in actions)
+    waiting = peak = 0
+    for a in actions:
+        if a.kind == "B":
+            peak = max(peak, waiting + 1)
+            waiting += 1 if split else 0
+        elif a.kind == "W":
+            waiting -= 1
+    return peak
 
 
 def stashed_versions(kind: str, in_flight: int) -> int:

@@ -27,16 +27,26 @@ def test_count_by_hand() -> None:
 @pytest.mark.parametrize("held, listed", [("listed", ()), ("window", (2, 1)),
                                           ("listed", (2, -1)), ("listed", (2, True))])
 def test_a_malformed_list_is_refused(held: str, listed: tuple) -> None:
-    with pytest.raises(ConfigError, match="held='listed' takes one count >= 0 per stage"):
+    with pytest.raises(ConfigError, match="'listed' takes one count >= 0 per stage in listed"):
         MemoryRule("x", "none", held, listed=listed)
+    with pytest.raises(ConfigError, match="in listed_full"):
+        MemoryRule("x", "none", "window", recomputed="listed")
+
+
+def test_recomputed_sets_by_hand() -> None:
+    rule = MemoryRule("zb-v", "none", "listed", 4, split=2, recomputed="listed",
+                      listed=(2, 2, 2), listed_full=(1, 3, 2))
+    # stage s has window 3 - s; each set is half the profiled minibatch's (split 2)
+    assert [rule.recomputed_sets(v, 1, 3) for v in (3, 2, 1)] == [0.5, 1.5, 1.0]
 
 
 def test_it_round_trips_through_json() -> None:
     import json
 
-    rule = MemoryRule("zb-v", "none", "listed", 4, recomputed="held", listed=(2, 2, 2, 2))
+    rule = MemoryRule("zb-v", "none", "listed", 4, recomputed="listed", listed=(2, 2, 2, 2),
+                      listed_full=(1, 2, 2, 1))
     d = json.loads(json.dumps(rule.to_dict()))
-    assert d["listed"] == [2, 2, 2, 2]
+    assert d["listed"] == [2, 2, 2, 2] and d["listed_full"] == [1, 2, 2, 1]
     assert MemoryRule.from_dict(d) == rule
     assert "listed" not in MemoryRule().to_dict()  # plans without it load as before
     with pytest.raises(PlanFormatError, match="field 'memory_rule'"):

@@ -18,7 +18,18 @@ def test_dualpipev_holds_its_window_by_hand() -> None:
     for P in (1, 2, 4):
         rule = placed_memory_rule("dualpipev", P, 4 * P)
         assert rule.listed == tuple(2 * P - s for s in range(2 * P))
-        assert (rule.versions, rule.recomputed) == ("none", "held")  # split backwards
+        assert (rule.versions, rule.recomputed) == ("none", "listed")
+
+
+def test_recomputed_sets_by_hand() -> None:
+    """DualPipeV on 2 processes, 4 microbatches: in its order (make_placed_schedule("dualpipev",
+    2, 8, microbatches=4).grid()) every stage's W comes before that stage's next B (process 1
+    runs B3@2 B3@1 W3@2 W3@1: stage 2's W3 before any later B of stage 2), so a recomputing
+    stage keeps one full set; interleaved (no split) one, as without a list; zb-v's greedy
+    order defers Ws, so more."""
+    assert placed_memory_rule("dualpipev", 2, 4).listed_full == (1, 1, 1, 1)
+    assert set(placed_memory_rule("interleaved-1f1b", 2, 4).listed_full) == {1}
+    assert max(placed_memory_rule("zb-v", 4, 16).listed_full) > 1
 
 
 def test_zb_v_admits_p_per_process() -> None:
@@ -33,7 +44,7 @@ def test_interleaved_by_hand_on_two_processes() -> None:
     Process 1 (stages 1, 3) warms up with F0@1 F1@1, then F0@3 B0@3 F1@3 B1@3 F2@1 B0@1 F3@1:
     stage 1 holds 3, stage 3 one."""
     rule = placed_memory_rule("interleaved-1f1b", 2, 4)
-    assert rule.listed == (4, 3, 2, 1) and rule.recomputed == "one"
+    assert rule.listed == (4, 3, 2, 1) and rule.listed_full == (1, 1, 1, 1)
 
 
 @pytest.fixture(scope="module")
