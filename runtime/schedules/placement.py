@@ -1,7 +1,8 @@
 """Schedules whose processes host SEVERAL stages: interleaved 1F1B, ZB-V and DualPipeV, as data.
 
 ``interleaved-1f1b`` puts stage s on process s % P, ``zb-v`` and ``dualpipev`` stages p and
-2P - 1 - p on process p; all synchronous, as 1f1b-flush. :class:`PlacedSchedule`: per-rank lists plus each process's list.
+2P - 1 - p on process p; all synchronous, as 1f1b-flush. :class:`PlacedSchedule`: per-rank
+lists plus each process's list.
 """
 from __future__ import annotations
 
@@ -90,8 +91,9 @@ def make_placed_schedule(kind: str, num_processes: int, num_minibatches: int, *,
     """Generate and validate ``kind`` (one of PLACED_KINDS) on ``num_processes`` processes.
 
     ``num_stages`` defaults to ``chunks * num_processes`` (interleaved: ``chunks`` = v; zb-v and
-    dualpipev: always 2; dualpipev needs at least 2P microbatches in every batch). ``microbatches`` (m, per update) defaults to ``num_processes`` times 2 and must be
-    a multiple of P for Megatron's order. ``limit``: minibatches admitted per process at once
+    dualpipev: always 2; dualpipev needs at least 2P microbatches in every batch).
+    ``microbatches`` (m, per update) defaults to ``num_processes`` times 2 and must be a
+    multiple of P for Megatron's order. ``limit``: minibatches admitted per process at once
     for the greedy orders (default P: under zb-v at most 2P chunk activations, 1F1B's memory
     since a chunk is half a stage; see :func:`greedy_orders`). ``costs``: per stage (F, B, W)
     seconds and

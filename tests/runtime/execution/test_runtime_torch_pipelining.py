@@ -1,7 +1,7 @@
 """fxpipe's automatic split inside torch.distributed.pipelining: torch's own schedules
 (Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ScheduleDualPipeV) train fxpipe's
-stages, skip connections carried through the stages in between, tied weights kept one parameter, and land
-exactly where fxpipe's reference executor does with the same synchronous semantics (1f1b-flush:
+stages, skip connections carried through the stages in between, tied weights kept one
+parameter, and land exactly where fxpipe's reference executor does with the same synchronous semantics (1f1b-flush:
 one update per batch of m microbatches, the mean of their gradients)."""
 from __future__ import annotations
 

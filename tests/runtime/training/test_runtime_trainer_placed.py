@@ -1,5 +1,5 @@
-"""Trainer(schedule="zb-v" | "interleaved-1f1b" | "dualpipev") on the reference executor: the placed kinds'
-per-stage lists train exactly like minibatch SGD (plain torch written out here, momentum and an
+"""Trainer(schedule="zb-v" | "interleaved-1f1b" | "dualpipev") on the reference executor: the
+placed kinds' per-stage lists train exactly like minibatch SGD (plain torch written out here, momentum and an
 LR schedule included); what the Trainer does not run is refused with what to do."""
 from __future__ import annotations
 
