@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from ..pricing.replan import StageTimes
 from ..replica.stage import StageReplica
 from ..replica.step_options import StepOptions
 
@@ -70,8 +71,7 @@ class TrainingHost(Protocol):
     harm_ratio: float | None
     _acc: list[float]
 
-    @property
-    def timelines(self) -> list[tuple[list[Any], list[Any]]]: ...
+    def measured_stage_times(self, skip: int = 0) -> list[StageTimes]: ...
 
     def adopt(self, schedule: str, split: int = 1) -> None: ...
 

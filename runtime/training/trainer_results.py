@@ -14,7 +14,7 @@ from fxpipe.passes.plan import Plan
 
 from ..errors import RuntimeConfigError
 from ..execution.trainer_backends import DistributedBackend
-from ..pricing.replan import Proposal, propose
+from ..pricing.replan import Proposal, StageTimes, propose
 from ..replica.stage import StageReplica
 from ..replica.state_size import temporaries_for
 from ..timeline import TimelineEvent
@@ -125,20 +125,24 @@ class ResultsMixin:
         return walked_peaks(plan, profile, self.kind, self.microbatches, self.split,
                             temporaries)
 
+    def measured_stage_times(self, skip: int = 0) -> list[StageTimes]:
+        """Per stage, its measured times from every rank's timelines but the first ``skip``
+        segments (:func:`~.trainer_switch.measured_stage_times`; ``timeline=True``). A
+        collective: every rank calls it."""
+        return measured_stage_times(self.timelines, [s for s, _ in self.local],
+                                    len(self.stages), self.backend.exchange, skip=skip)
+
     def propose_replan(self, cluster: Cluster | None = None,
                        threshold: float = 0.05) -> Proposal:
-        """A plan re-solved from this trainer's measured stage times
-        (:func:`~.trainer_switch.measured_stage_times`, ``timeline=True``) and the plan and
-        profile its stages came from; what ``replan="auto"`` decides on, usable by hand. A
-        collective: every rank calls it."""
+        """A plan re-solved from this trainer's measured stage times (:meth:`measured_stage_times`)
+        and the plan and profile its stages came from; what ``replan="auto"`` decides on, usable
+        by hand. A collective: every rank calls it."""
         plan, profile = self.auto_options.plan, self.auto_options.profile
         if plan is None or profile is None:
             raise RuntimeConfigError("re-planning needs the plan and profile the stages came "
                                      "from", "make the trainer with CompiledModel.trainer(...)")
-        measured = measured_stage_times(self.timelines, [s for s, _ in self.local],
-                                        len(self.stages), self.backend.exchange)
-        return propose(profile, plan, measured, cluster or Cluster.from_dict(dict(plan.cluster)),
-                       threshold=threshold)
+        return propose(profile, plan, self.measured_stage_times(),
+                       cluster or Cluster.from_dict(dict(plan.cluster)), threshold=threshold)
 
     @property
     def timelines(self) -> list[tuple[list[TimelineEvent], list[TimelineEvent]]]:

@@ -149,9 +149,7 @@ class Replanner:
         if len(self._segments) < self.after + warm:
             return it
         measured = (list(self.measure(trainer)) if self.measure is not None
-                    else measured_stage_times(trainer.timelines, [s for s, _ in trainer.local],
-                                              len(trainer.stages), trainer.backend.exchange,
-                                              skip=1 if self.after > 1 or warm else 0))
+                    else trainer.measured_stage_times(skip=1 if self.after > 1 or warm else 0))
         cluster = Cluster.from_dict(dict(self.plan.cluster))
         proposal = propose(self.profile, self.plan, measured, cluster,
                            threshold=self.threshold, sync=self.plan.sync,
