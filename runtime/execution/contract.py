@@ -16,6 +16,7 @@ from fxpipe.codegen.split import StageSpec
 from ..errors import RuntimeConfigError
 from ..replica.stage import (StageReplica, TiedParameter, check_stages, sync_components,
                              tied_parameters)
+from ..schedules.localsgd import LOCALSGD
 from ..schedules.schedule import (Action, Rank, Schedule, execution_order, tie_delay,
                                  uneven_tied_updates, validate)
 from ..timeline import TimelineEvent
@@ -110,6 +111,10 @@ def check_schedule(stages: Sequence[StageSpec], replicas: Sequence[int], sched: 
                                  "pass exactly schedule.num_minibatches batches")
     validate(sched)
     tied = tied_parameters(stages)
+    if tied and sched.kind == LOCALSGD:
+        raise RuntimeConfigError(
+            f"LocalSGD with parameter {tied[0].key!r} tied across stages {list(tied[0].stages)}",
+            "not supported: use a pipeline schedule, or untie the parameter")
     for t in tied:
         counts = uneven_tied_updates(sched, [t.stages])
         if counts:

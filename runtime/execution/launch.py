@@ -122,7 +122,8 @@ def run_rank_jobs(jobs: Sequence[RankJob], *, timeout_s: float = 60.0, device: s
                                             precision=j.options.precision),
                              outdir, port, master_addr, timeout_s, j.stashing, device,
                              j.hooks, log_level, record_comm=j.record_comm,
-                             windows=tuple(j.schedule.windows), options=j.options)
+                             windows=tuple(j.schedule.windows), options=j.options,
+                             average_every=getattr(j.schedule, "average_every", None))
                 for j in jobs]
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=worker_main, args=(i, cfgs), name=f"fxpipe-rank{i}",

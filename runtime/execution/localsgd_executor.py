@@ -5,7 +5,7 @@ replaces weights and floating buffers by the replicas' mean, optimizer state sta
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -25,12 +25,14 @@ class LocalSGDExecutor(ReferenceExecutor):
     (docs/design-notes.md)."""
 
     def __init__(self, stages: Sequence[StageSpec], schedule: LocalSGDSchedule, loss_fn: LossFn,
-                 optimizer_factory: OptimizerFactory) -> None:
+                 optimizer_factory: OptimizerFactory, **options: Any) -> None:
+        """``options``: the reference executor's keywords (``stashing``, ``options``,
+        ``device``); no delays or mitigations (a LocalSGD copy never reads stale weights)."""
         if not isinstance(schedule, LocalSGDSchedule):
             raise RuntimeConfigError(f"LocalSGDExecutor got a {schedule.kind!r} schedule",
                                      "make it with fxpipe.runtime.schedules.localsgd.make_localsgd_schedule")
         super().__init__(stages, list(schedule.replicas), schedule, loss_fn, optimizer_factory,
-                         delays=[0] * len(stages))
+                         delays=[0] * len(stages), **options)
         if self.tied:
             raise RuntimeConfigError(
                 f"LocalSGD with parameters tied across stages ({self.tied[0].key!r})",

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from ..replica.stage import StageReplica
+from ..schedules.localsgd import LOCALSGD, averages_after
 from ..schedules.schedule import Action, Rank, Schedule, tie_by_messages
 from ..timeline import Recorder
 from .buckets import BucketLayout, GradBuckets
@@ -41,7 +42,7 @@ class UpdateMixin:
         """The stage's gradient buckets, or None when its replicas' sum is not overlapped (one
         replica, or ``overlap_allreduce=False``: one flat all-reduce at ``U``)."""
         s, reps = self.me[0], self.schedule.replicas
-        if not self.overlap_allreduce or reps[s] < 2:
+        if not self.overlap_allreduce or reps[s] < 2 or self.schedule.kind == LOCALSGD:
             return None
         if self._buckets is None:
             stash = self.replica.stash
@@ -72,6 +73,9 @@ class UpdateMixin:
         this update, or (delay d > 0) asynchronously, applying round ``i - d`` now."""
         s = self.me[0]
         reps = self.schedule.replicas
+        if self.schedule.kind == LOCALSGD:
+            self._local_sgd_update(a)
+            return
         bk = self.buckets()
         if bk is not None and not bk.active:  # no backward this round: post everything now
             self._round = str(a)
@@ -106,6 +110,48 @@ class UpdateMixin:
             late = self._tied_round(a.minibatch, segs, float(buf[-1]))
         with self.rec.span("optimizer", str(a), update=a.minibatch):
             self.replica.apply_update(buf, late, flags=True)
+
+    def _local_sgd_update(self, a: Action) -> None:
+        """LocalSGD's ``U``: the replica steps alone on its own gradient (a trailing ``U``
+        without a minibatch steps nothing), then, every H-th update and at the schedule's
+        last, the stage's replicas average their weights (:meth:`average_replicas`)."""
+        with self.rec.span("optimizer", str(a), update=a.minibatch):
+            if self.replica.count:
+                self.replica.apply_local_update()
+            else:
+                self.replica.stash.version += 1
+        update = self.replica.stash.version - 1
+        if averages_after(self.schedule, update):  # type: ignore[arg-type]
+            self.average_replicas(f"average after U{a.minibatch}")
+
+    @torch.no_grad()
+    def average_replicas(self, what: str) -> None:
+        """Replace this replica's weights and floating buffers by their mean over the stage's
+        replica group, as the reference's LocalSGD average: one all-reduce per dtype of the
+        float32 masters (rounded down into the weights afterwards) or the weights themselves,
+        and the floating buffers. The optimizer's state stays with its replica."""
+        s = self.me[0]
+        peers = [(s, j) for j in range(self.schedule.replicas[s])]
+        if len(peers) < 2:
+            return
+        stash = self.replica.stash
+        masters = stash.masters.master
+        named = [(n, masters.get(n, t)) for n, t in stash.latest.items()]
+        named += [(n, b) for n, b in self.replica.buffers.items() if b.is_floating_point()]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for _, t in named:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with self.rec.span("allreduce", what, group=str(s)):
+            for ts in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in ts])
+                self.comm.all_reduce(flat, s, peers, what)
+                flat /= len(peers)
+                at = 0
+                for t in ts:
+                    t.copy_(flat[at:at + t.numel()].view_as(t))
+                    at += t.numel()
+        for n in masters:  # the averaged masters, rounded down into the weights
+            stash.latest[n].copy_(masters[n])
 
     def _lone_tied(self, a: Action) -> dict[str, torch.Tensor | None]:
         """A lone replica's tied parameters: their segments alone summed over the tie's holders

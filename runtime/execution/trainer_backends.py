@@ -30,6 +30,7 @@ from ..replica.stage import LossFn, StageReplica, model_env, tie_sets, tied_para
 from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
 from ..replica.weighted import Weighted
+from ..schedules.localsgd import LOCALSGD, LocalSGDSchedule
 from ..schedules.schedule import Rank, Schedule
 from ..schedules.spec import Mitigation
 from ..timeline import Recorder, TimelineEvent
@@ -37,6 +38,7 @@ from .comm import Comm, make_groups, rank_name
 from .contract import Batch
 from .cores import warn_if_oversubscribed
 from .leave import close_at_exit
+from .localsgd_executor import LocalSGDExecutor
 from .reference import ReferenceExecutor
 from .wire import StretchWire, WirePlan, crossing_values
 
@@ -96,9 +98,15 @@ class ReferenceBackend:
         empty = Schedule(kind, self.empty.replicas, 0, self.empty.actions)
         self.ex, self.local = None, {}  # the old replicas go before the new ones are made
         gc.collect()
-        self.ex = ReferenceExecutor(self.stages, self.replicas, empty, self.loss_fn,
-                                    optimizer_factory, stashing=stashing, mitigation=mitigation,
-                                    delays=delays, options=self.options)
+        if kind == LOCALSGD:  # each replica's U steps alone; every H-th averages them
+            self.ex = LocalSGDExecutor(self.stages, LocalSGDSchedule(
+                kind, self.empty.replicas, 0, self.empty.actions), self.loss_fn,
+                optimizer_factory, stashing=stashing, options=self.options)
+        else:
+            self.ex = ReferenceExecutor(self.stages, self.replicas, empty, self.loss_fn,
+                                        optimizer_factory, stashing=stashing,
+                                        mitigation=mitigation, delays=delays,
+                                        options=self.options)
         self.local: dict[Rank, StageReplica] = dict(self.ex.workers)
 
     def run_segment(self, sched: Schedule, parts: list[Batch], wire: WirePlan | None

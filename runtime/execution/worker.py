@@ -25,6 +25,7 @@ from ..replica.device import rank_device
 from ..replica.stage import LossFn, tie_sets, tied_parameters
 from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
+from ..schedules.localsgd import DEFAULT_AVERAGE_EVERY, LOCALSGD, LocalSGDSchedule
 from ..schedules.schedule import Action, Rank, Schedule
 from ..timeline import Recorder
 from .buckets import DEFAULT_BUCKET_BYTES
@@ -62,8 +63,13 @@ class WorkerConfig:
     record_comm: bool = False  # keep every host call of the Comm (for the NCCL checker)
     windows: tuple[int, ...] = ()  # the schedule's in-flight windows (tied delay needs them)
     options: StepOptions = DEFAULT  # clipping, precision, recomputation
+    average_every: int | None = None  # LocalSGD's H (its schedule only)
 
     def schedule(self) -> Schedule:
+        if self.schedule_kind == LOCALSGD:
+            return LocalSGDSchedule(self.schedule_kind, self.replicas, self.num_minibatches,
+                                    self.actions, windows=self.windows,
+                                    average_every=self.average_every or DEFAULT_AVERAGE_EVERY)
         return Schedule(self.schedule_kind, self.replicas, self.num_minibatches, self.actions,
                         windows=self.windows)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..errors import RuntimeConfigError
+from .localsgd import LOCALSGD
 from .placement import PLACED_KINDS
 from .schedule import SCHEDULE_KINDS
 
@@ -81,14 +82,10 @@ def parse_schedule(spec: str) -> ScheduleSpec:
         raise RuntimeConfigError(f"schedule={spec!r} is not a string",
                                  f"use 'auto' or one of {SCHEDULE_KINDS}")
     kind, _, rest = spec.partition("+")
-    if kind == "localsgd":
-        raise RuntimeConfigError("schedule 'localsgd' in the Trainer",
-                                 "LocalSGD runs on the reference executor only: "
-                                 "fxpipe.runtime.execution.localsgd_executor.LocalSGDExecutor with "
-                                 "fxpipe.runtime.schedules.localsgd.make_localsgd_schedule")
-    if kind not in SCHEDULE_KINDS + PLACED_KINDS + (AUTO,):
+    if kind not in SCHEDULE_KINDS + PLACED_KINDS + (AUTO, LOCALSGD):
         raise RuntimeConfigError(f"unknown schedule {spec!r}",
-                                 f"use 'auto', one of {SCHEDULE_KINDS + PLACED_KINDS}, or "
+                                 f"use 'auto', one of "
+                                 f"{SCHEDULE_KINDS + PLACED_KINDS + (LOCALSGD,)}, or "
                                  "'pipedream+<mitigation>'"
                                  f" with mitigations {', '.join(MITIGATIONS)}")
     mitigation = Mitigation.parse(rest) if rest else None

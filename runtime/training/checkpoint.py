@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -118,30 +118,43 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def replica_file(stage: int, replica: int) -> str:
+    """The file of replica ``replica`` > 0's own state (LocalSGD: each replica's optimizer)."""
+    return f"stage{stage}-replica{replica}.pt"
+
+
 def save_stage(directory: str | os.PathLike[str], epoch: int, minibatch: int, stage: int,
-               state: dict[str, Any]) -> Path:
+               state: dict[str, Any], replica: int = 0) -> Path:
     """Write stage ``stage``'s state (weights, buffers, optimizer, ...) of checkpoint
-    ``(epoch, minibatch)`` atomically; returns its path."""
-    path = Path(directory) / checkpoint_name(epoch, minibatch) / f"stage{stage}.pt"
-    atomic_write(path, lambda f: torch.save({"format": FORMAT, "stage": stage, **state}, f))
-    log.info("checkpoint %s: stage %d written", path.parent.name, stage)
+    ``(epoch, minibatch)`` atomically; returns its path. ``replica`` > 0: that replica's own
+    state, beside the stage's (:func:`replica_file`)."""
+    name = f"stage{stage}.pt" if replica == 0 else replica_file(stage, replica)
+    path = Path(directory) / checkpoint_name(epoch, minibatch) / name
+    atomic_write(path, lambda f: torch.save({"format": FORMAT, "stage": stage,
+                                             "replica": replica, **state}, f))
+    log.info("checkpoint %s: %s written", path.parent.name, name)
     return path
 
 
 def write_manifest(directory: str | os.PathLike[str], epoch: int, minibatch: int,
-                   num_stages: int, info: dict[str, Any]) -> Path:
+                   num_stages: int, info: dict[str, Any],
+                   replicas: Sequence[int] = ()) -> Path:
     """Record that every stage of checkpoint ``(epoch, minibatch)`` finished (call after all
-    stage files exist, e.g. after a barrier). ``info``: JSON-able extras (history, plan...)."""
+    stage files exist, e.g. after a barrier). ``info``: JSON-able extras (history, plan...).
+    ``replicas``: per stage, how many replicas saved their own state too (LocalSGD)."""
     folder = Path(directory) / checkpoint_name(epoch, minibatch)
-    stages = {}
-    for s in range(num_stages):
-        f = folder / f"stage{s}.pt"
+
+    def entry(name: str) -> dict[str, Any]:
+        f = folder / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {folder} lacks {f.name}",
                                   "every stage must save before the manifest is written")
-        stages[str(s)] = {"file": f.name, "bytes": f.stat().st_size, "sha256": _sha256(f)}
+        return {"file": f.name, "bytes": f.stat().st_size, "sha256": _sha256(f)}
+    stages = {str(s): entry(f"stage{s}.pt") for s in range(num_stages)}
+    own = {f"{s}.{j}": entry(replica_file(s, j)) for s, r in enumerate(replicas)
+           for j in range(1, r)}
     doc = {"format": FORMAT, "epoch": epoch, "minibatch": minibatch, "num_stages": num_stages,
-           "stages": stages, **info}
+           "stages": stages, **({"replica_files": own} if own else {}), **info}
     path = folder / "manifest.json"
     atomic_write(path, lambda f: f.write(json.dumps(doc, indent=1, sort_keys=True).encode()))
     log.info("checkpoint %s complete", folder.name)
@@ -178,13 +191,15 @@ def check_folder(folder: Path, num_stages: int | None, verify: bool) -> Found:
         raise CheckpointError(f"{folder.name}: format {doc.get('format')} with "
                               f"{doc.get('num_stages')} stages, expected format {FORMAT} with "
                               f"{num_stages}", "it was made for a different pipeline")
-    for s in range(num_stages):
-        entry = doc["stages"].get(str(s)) if isinstance(doc.get("stages"), dict) else None
+    stages = doc["stages"] if isinstance(doc.get("stages"), dict) else {}
+    own = doc.get("replica_files") if isinstance(doc.get("replica_files"), dict) else {}
+    for what, entry in [(f"stage {s}'s file", stages.get(str(s))) for s in range(num_stages)] \
+            + [(f"replica {k}'s file", e) for k, e in own.items()]:
         f = folder / entry["file"] if entry else None
         if f is None or not f.is_file() or f.stat().st_size != entry["bytes"]:
-            raise CheckpointError(f"{folder.name}: stage {s}'s file is missing or truncated")
+            raise CheckpointError(f"{folder.name}: {what} is missing or truncated")
         if verify and _sha256(f) != entry["sha256"]:
-            raise CheckpointError(f"{folder.name}: stage {s}'s file does not match its checksum")
+            raise CheckpointError(f"{folder.name}: {what} does not match its checksum")
     return Found(folder, int(doc["epoch"]), int(doc["minibatch"]), doc)
 
 
@@ -216,9 +231,21 @@ def find_latest(directory: str | os.PathLike[str], num_stages: int | None, *,
                           "train without resume=True to start from scratch")
 
 
+def load_replica(found: Found, stage: int, replica: int) -> dict[str, Any] | None:
+    """Replica ``replica``'s own state of stage ``stage`` (:func:`save_stage` with a
+    replica), or None when the checkpoint has none (it was not trained with LocalSGD)."""
+    entry = (found.manifest.get("replica_files") or {}).get(f"{stage}.{replica}")
+    if entry is None:
+        return None
+    return _load(found.folder / entry["file"], stage)
+
+
 def load_stage(found: Found, stage: int) -> dict[str, Any]:
     """Stage ``stage``'s state from a complete checkpoint (``weights_only=True``)."""
-    path = found.stage_file(stage)
+    return _load(found.stage_file(stage), stage)
+
+
+def _load(path: Path, stage: int) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch raises many types for a bad file

@@ -30,7 +30,8 @@ class ScheduleConfig:
     in flight at the input stage of ``pipedream`` and ``2bw`` (None or "auto": the fewest that
     hide the plan's round trips; "pipedream"; or a number); ``segment``: minibatches per
     stretch of training between the loop's checks; ``vertical_sync``, ``stashing``; ``auto``:
-    the pilot's options when ``kind`` is ``"auto"``."""
+    the pilot's options when ``kind`` is ``"auto"``; ``average_every``: LocalSGD's H (``kind``
+    ``"localsgd"``: the replicas average their weights every H local updates)."""
 
     kind: str | None = None
     microbatches: int | None = None
@@ -40,6 +41,7 @@ class ScheduleConfig:
     vertical_sync: bool = False
     stashing: bool = True
     auto: AutoOptions | Mapping[str, Any] | None = None
+    average_every: int | None = None
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ SECTIONS: dict[str, tuple[type, dict[str, str]]] = {
     "schedule": (ScheduleConfig, {"kind": "schedule", "microbatches": "microbatches",
                                   "split": "split", "noam": "noam", "segment": "segment",
                                   "vertical_sync": "vertical_sync", "stashing": "stashing",
-                                  "auto": "auto_options"}),
+                                  "auto": "auto_options", "average_every": "average_every"}),
     "data": (DataConfig, {"batch_dims": "batch_dims", "input_batch_dims": "input_batch_dims",
                           "prefetch": "prefetch", "seed": "seed"}),
     "checkpoint": (CheckpointConfig, {"dir": "checkpoint_dir", "every": "checkpoint_every",

@@ -24,6 +24,7 @@ from ..replica.stash import OptimizerFactory
 from ..replica.state_size import temporaries_for
 from ..replica.step_options import StepOptions
 from ..replica.weighted import WeightedLoss
+from ..schedules.localsgd import LOCALSGD
 from ..schedules.placement import PLACED_KINDS
 from ..schedules.schedule import Schedule
 from ..schedules.spec import AUTO, parse_schedule
@@ -44,8 +45,8 @@ from .trainer_checkpoint import CheckpointMixin
 from .trainer_cut import CutMixin, check_split
 from .trainer_progress import Progress
 from .trainer_results import ResultsMixin
-from .trainer_schedule import (DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin, check_noam,
-                               check_placed_executor)
+from .trainer_schedule import (DEFAULT_SEGMENT, FIRST_SEGMENT, ScheduleMixin, check_local_sgd,
+                               check_noam, check_placed_executor, local_sgd_replicas)
 from .trainer_switch import Replanner, make_replanner
 
 __all__ = ["DEFAULT_SEGMENT", "FIRST_SEGMENT", "History", "LR_INTERVALS", "Trainer",
@@ -164,7 +165,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                replan: Replanner | None = None, split: int | None = None,
                batch_dims: Any = None, input_batch_dims: BatchDims | None = None,
                on_recipe: Callable[[str], None] | None = None,
-               noam: int | str | None = None, measure_memory: bool = False) -> None:
+               noam: int | str | None = None, measure_memory: bool = False,
+               average_every: int | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         check_loss_fn(loss_fn)
@@ -194,6 +196,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
             check_directory(checkpoint_dir)  # a file, or unwritable: not at the first save
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
+        self.average_every = check_local_sgd(spec.kind, self.replicas, average_every,
+                                             clip_grad_norm, precision, microbatches, split)
         self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
         self.split = check_split(split, spec.kind, microbatches)  # microbatches per minibatch
         self.batch_dims, self.input_batch_dims = batch_dims, input_batch_dims  # trainer_cut
@@ -471,8 +475,12 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
         temporaries = temporaries_for(compiled.traced.gm.parameters(), kwargs.get("optimizer"),
                                       compiled.plan.cluster.get("device"),
                                       kwargs.get("master_weights"))
-    check_schedule_memory(compiled.plan, compiled.profile, kwargs["schedule"],
-                          kwargs.get("microbatches"), kwargs.get("split"), temporaries)
+    replicas = list(compiled.plan.replicas)
+    if parse_schedule(kwargs["schedule"]).kind == LOCALSGD:  # copies of the plan's stages
+        replicas = local_sgd_replicas(len(replicas), compiled.plan.cluster.get("workers"))
+    else:
+        check_schedule_memory(compiled.plan, compiled.profile, kwargs["schedule"],
+                              kwargs.get("microbatches"), kwargs.get("split"), temporaries)
     report = lambda d: setattr(compiled, "auto_decision", d)  # noqa: E731 - shown by summary()
     auto = {"plan": compiled.plan, "profile": compiled.profile, "report": report,
             "temporaries": temporaries, **AutoOptions.given(kwargs.pop("auto_options", None))}
@@ -485,6 +493,6 @@ def make_trainer(compiled: Any, **kwargs: Any) -> Trainer:
         replan.kwargs.update(loss_fn=loss_fn, auto_options=auto)
     kwargs.setdefault("input_batch_dims", compiled.traced.batch_dims)  # tested at compile
     kwargs.setdefault("on_recipe", lambda text: setattr(compiled, "recipe", text))  # summary()
-    return Trainer(compiled.stage_specs, compiled.plan.replicas, loss_fn,
+    return Trainer(compiled.stage_specs, replicas, loss_fn,
                    fingerprint=compiled.plan.model_fingerprint, state_keys=keys,
                    auto_options=auto, replan=replan, **kwargs)

@@ -13,10 +13,16 @@ import torch
 
 from ..errors import RuntimeConfigError
 from ..replica.stage import StageReplica
+from ..schedules.localsgd import LOCALSGD
 from . import checkpoint as ckpt
 from .repartition import Repartition, optimizer_names, stage_layout
 
 log = logging.getLogger("fxpipe.runtime.training.trainer")
+
+REPLICA_KEYS = ("optimizer", "optimizer_names", "lr_scheduler")
+"""What a LocalSGD replica past the first saves of its own: its optimizer's and LR schedule's
+state (a replica without a minibatch in a round steps neither); the replicas' weights and
+buffers are equal at a checkpoint, which follows an average."""
 
 
 class CheckpointMixin:
@@ -58,13 +64,18 @@ class CheckpointMixin:
             if rank[1] == 0:
                 ckpt.save_stage(self.checkpoint_dir, epoch, pos, rank[0],
                                 self._stage_state(rank, epoch, pos))
+            elif self.kind == LOCALSGD:  # replicas share weights here, not optimizer states
+                state = self._stage_state(rank, epoch, pos)
+                ckpt.save_stage(self.checkpoint_dir, epoch, pos, rank[0],
+                                {k: state[k] for k in REPLICA_KEYS}, replica=rank[1])
         self.backend.all_sum([0.0], "checkpoint barrier")  # every stage file exists now
         if self.index == 0:
             info = {"history": self.history, "partial": acc, "replicas": self.replicas,
                     "schedule": self.schedule_name, "segment": self.segment, "seed": self.seed,
                     "split": self.split,
                     "fingerprint": self.fingerprint, "layout": stage_layout(self.stages)}
-            ckpt.write_manifest(self.checkpoint_dir, epoch, pos, len(self.stages), info)
+            ckpt.write_manifest(self.checkpoint_dir, epoch, pos, len(self.stages), info,
+                                replicas=self.replicas if self.kind == LOCALSGD else ())
             if self.keep_checkpoints:
                 ckpt.prune(self.checkpoint_dir, self.keep_checkpoints, len(self.stages))
         self.backend.all_sum([0.0], "checkpoint manifest")
@@ -102,7 +113,10 @@ class CheckpointMixin:
                 and m.get("num_stages") == len(self.stages) and (
                     "layout" in m or m.get("replicas") == self.replicas):
             for rank, w in self.local.items():  # the same stages: each loads its own file
-                self._load_stage(rank, w, ckpt.load_stage(found, rank[0]))
+                state = ckpt.load_stage(found, rank[0])
+                own = ckpt.load_replica(found, *rank) if rank[1] else None
+                self._load_stage(rank, w, state if own is None else {
+                    **state, **{k: own[k] for k in REPLICA_KEYS}})
         else:
             log.info("re-partitioning checkpoint %s: %s stages, replicas %s -> %d stages, "
                      "replicas %s", found.folder.name, m.get("num_stages"), m.get("replicas"),

@@ -21,6 +21,7 @@ from ..execution.trainer_backends import DistributedBackend
 from ..execution.wire import make_wire_plan
 from ..replica.stage_call import modes
 from ..replica.weighted import Weighted
+from ..schedules.localsgd import LOCALSGD
 from ..schedules.spec import AUTO
 from .data import PartStream, take
 from .first_check import check_first
@@ -237,6 +238,12 @@ class CutMixin:
                       "update: one per minibatch on every stage, the whole minibatch's gradient "
                       f"(the loss is {self.loss_rule.describe() if self.loss_rule else '?'}); "
                       "the logged loss is the minibatch's"]
+        elif self.kind == LOCALSGD:
+            r, h = replicas[0], getattr(self, "average_every", None)
+            lines.append(f"no cut: {r} copies of the pipeline take the minibatches in turn, each "
+                         "updating after every minibatch of its own; the copies' weights are "
+                         f"averaged after every {h} of their updates and at the end of each "
+                         "epoch (each keeps its own optimizer state)")
         elif self.kind == "pipedream" and self.microbatches is None:
             if who:
                 lines.append(f"no cut: each minibatch trains whole on one replica of each stage; "

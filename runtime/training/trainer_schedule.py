@@ -18,6 +18,8 @@ from ..errors import RuntimeConfigError
 from ..execution.contract import check_schedule
 from ..replica.stage import StageReplica, tied_parameters
 from ..schedules.kinds import make_schedule
+from ..schedules.localsgd import (DEFAULT_AVERAGE_EVERY, LOCALSGD,
+                                 make_localsgd_schedule)
 from ..schedules.placement import PLACED_KINDS, make_placed_schedule
 from ..schedules.schedule import Schedule, sync_sets, tie_delay
 from ..schedules.spec import AUTO, parse_schedule
@@ -69,6 +71,52 @@ def check_noam(noam: int | str | None, kind: str) -> int | str | None:
     return noam
 
 
+def check_local_sgd(kind: str, replicas: list[int], average_every: int | None,
+                    clip_grad_norm: float | None, precision: str,
+                    microbatches: int | None = None, split: int | None = None) -> int | None:
+    """LocalSGD's H (``average_every``; the default for ``schedule="localsgd"``, None for every
+    other kind, which refuses it), after checking that the plan is R copies of the whole
+    pipeline (the same R >= 2 on every stage) and the recipe is one LocalSGD defines."""
+    if kind != LOCALSGD:
+        if average_every is not None:
+            raise RuntimeConfigError(f"average_every={average_every!r} with schedule {kind!r}",
+                                     "average_every is LocalSGD's: use schedule='localsgd', or "
+                                     "leave it out")
+        return None
+    h = DEFAULT_AVERAGE_EVERY if average_every is None else average_every
+    if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+        raise RuntimeConfigError(f"average_every={h!r}", "use a positive number of local "
+                                 "updates between two averages of the replicas")
+    if len(set(replicas)) != 1 or replicas[0] < 2:
+        raise RuntimeConfigError(f"schedule 'localsgd' with replicas {replicas}",
+                                 "LocalSGD trains R copies of the whole pipeline: give every "
+                                 "stage the same number R >= 2 of replicas, e.g. "
+                                 f"{[2] * len(replicas)}")
+    if microbatches is not None or split not in (None, 1):
+        raise RuntimeConfigError(f"microbatches={microbatches}, split={split} with schedule "
+                                 "'localsgd'", "each LocalSGD copy updates after every "
+                                 "minibatch: leave microbatches and split out")
+    if clip_grad_norm is not None or precision == "fp16":
+        what = ("clip_grad_norm" if clip_grad_norm is not None else "precision='fp16'")
+        raise RuntimeConfigError(f"{what} with schedule 'localsgd'",
+                                 "each copy of the pipeline would need its own global norm or "
+                                 "loss scale, which fxpipe does not compute: train LocalSGD "
+                                 "without them (bf16 is fine), or use another schedule")
+    return h
+
+
+def local_sgd_replicas(stages: int, workers: int | None) -> list[int]:
+    """A compiled plan's LocalSGD: as many copies of its ``stages`` stages as its cluster's
+    ``workers`` hold, one stage of one copy per worker (the plan's own replicas do not apply)."""
+    copies = (workers or 0) // stages
+    if copies < 2:
+        raise RuntimeConfigError(f"schedule 'localsgd' on a plan of {stages} stages for "
+                                 f"{workers} workers", "LocalSGD needs at least 2 copies of "
+                                 f"the pipeline: compile for {2 * stages} or more workers "
+                                 f"(fxpipe.compile(model, {2 * stages}, stages={stages}, ...))")
+    return [copies] * stages
+
+
 def check_placed_executor(kind: str, executor: str) -> None:
     """The Trainer's distributed backend runs one stage per process: a placed kind (several
     per process) trains with the reference executor there (the same numbers)."""
@@ -86,6 +134,7 @@ class ScheduleMixin:
     replicas: list[int]
     microbatches: int | None
     split: int
+    average_every: int | None
     kind: str
     schedule_name: str
     mitigation: Any
@@ -150,11 +199,18 @@ class ScheduleMixin:
         segment, checkpoint_every = self._segment_args
         kinds = ("pipedream", "1f1b-flush") if kind == AUTO else (kind,)
         group = math.lcm(*(math.lcm(*self.replicas) if k == "pipedream"
+                           else self.replicas[0] * self.average_every if k == LOCALSGD
                            else 1 if self.split > 1  # one minibatch, cut into an update
                            else self.microbatches or sum(self.replicas) for k in kinds))
         self._ramp = segment is None and checkpoint_every is None
         self._first = group * math.ceil(FIRST_SEGMENT / group)
         self.segment = segment or checkpoint_every or group * math.ceil(DEFAULT_SEGMENT / group)
+        if kind == LOCALSGD and self.segment % group:
+            raise RuntimeConfigError(f"segment={self.segment} with schedule 'localsgd', "
+                                     f"{self.replicas[0]} replicas, average_every="
+                                     f"{self.average_every}", "a segment ends with an average: "
+                                     f"use a multiple of {group} minibatches (replicas x "
+                                     "average_every), or leave segment and checkpoint_every out")
         if checkpoint_every and checkpoint_every % self.segment:
             raise RuntimeConfigError(f"checkpoint_every={checkpoint_every} is not a multiple of "
                                      f"segment={self.segment}", "checkpoints happen only at "
@@ -242,6 +298,11 @@ class ScheduleMixin:
         sched = self._schedules.get(n)
         if sched is None and self.kind in PLACED_KINDS:
             sched = self._placed(n)
+        elif sched is None and self.kind == LOCALSGD:
+            sched = make_localsgd_schedule(len(self.stages), self.replicas[0], n,
+                                           average_every=self.average_every)
+            check_schedule(self.stages, self.replicas, sched)  # tied weights: refused
+            self._schedules[n] = sched
         elif sched is None:
             sched = make_schedule(self.kind, self.replicas, n, microbatches=self._per_update(),
                                   noam=self._noam())

@@ -8,6 +8,9 @@ minibatches. ``--crash-after N`` kills the process hard (os._exit, like a crash)
 N-th checkpoint completes; rank 0 writes the trained state dict, the history and how often the
 trainer gathered to rank 0 (during fit, then in state_dict()) to OUT.pt at the end.
 ``--rank-data``: each rank gets a loader seeded by its rank (a mistake the trainer must catch).
+``--stages S --replicas R``: S stages (cut evenly), R replicas each; with ``--schedule localsgd``
+R copies averaged every ``--average-every`` H updates, checkpoints every R x H minibatches.
+``--dropout P``: the model's dropout rate.
 ``--pilot N`` (with ``--schedule auto``): a pilot of N minibatches (every rank trains its share of
 the candidates; ``--where pipeline``: the candidates in turn on this job's pipeline, with no copy
 of any stage allowed; ``--look-again K``: auto's second look, ``--samples N``: a longer epoch for
@@ -34,15 +37,20 @@ from fxpipe.runtime.training.recipes import OptimizerRecipe
 from fxpipe.runtime.training.trainer import Trainer
 
 
-def model() -> nn.Module:
+def model(dropout: float = 0.2) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 8), nn.Tanh(),
-                         nn.Linear(8, 2))
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(dropout), nn.Linear(8, 8),
+                         nn.Tanh(), nn.Linear(8, 2))
 
 
-def stages(cut: int = 3) -> list:
-    gm = fx.symbolic_trace(model())
-    return split_graph(gm, {n.name: int(i > cut) for i, n in enumerate(placed_nodes(gm))})
+def stages(cut: int = 3, num_stages: int = 2, dropout: float = 0.2) -> list:
+    """2 stages cut after node ``cut``, or ``num_stages`` (up to 6) cut evenly."""
+    gm = fx.symbolic_trace(model(dropout))
+    nodes = placed_nodes(gm)
+    if num_stages == 2:
+        return split_graph(gm, {n.name: int(i > cut) for i, n in enumerate(nodes)})
+    return split_graph(gm, {n.name: min(max(i - 1, 0) * num_stages // (len(nodes) - 1),
+                                        num_stages - 1) for i, n in enumerate(nodes)})
 
 
 def dataset(samples: int = 28) -> ShardedDataset:
@@ -64,12 +72,16 @@ def warmup(step: int) -> float:
 def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
     optimizer = (OptimizerRecipe("muon", 0.02, weight_decay=0.1) if args.optimizer == "muon"
                  else functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
-    return Trainer(stages(), [1, 1], F.mse_loss, optimizer,
+    local = args.schedule == "localsgd"
+    return Trainer(stages(num_stages=args.stages, dropout=args.dropout),
+                   [args.replicas] * args.stages, F.mse_loss, optimizer,
                    lr_scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR,
                                                   lr_lambda=warmup),
-                   schedule=args.schedule, checkpoint_dir=args.ckpt, checkpoint_every=2,
+                   schedule=args.schedule, checkpoint_dir=args.ckpt,
                    executor=args.executor, timeout_s=30, progress=False,
                    on_checkpoint=on_checkpoint, timeline=args.timeline,
+                   average_every=args.average_every if local else None,
+                   checkpoint_every=args.replicas * args.average_every if local else 2,
                    auto_options=None if args.pilot is None else
                    {"pilot": args.pilot, "min_pilot": 4, "max_fraction": 1.0, "max_cost": None,
                     "where": args.where, "look_again": args.look_again})
@@ -84,6 +96,10 @@ def main() -> int:
     p.add_argument("--executor", default="distributed")
     p.add_argument("--schedule", default="pipedream")
     p.add_argument("--timeline", action="store_true", help="record; save per-segment counts")
+    p.add_argument("--stages", type=int, default=2, help="stages of the pipeline")
+    p.add_argument("--replicas", type=int, default=1, help="replicas of every stage")
+    p.add_argument("--average-every", type=int, default=2, help="LocalSGD's H")
+    p.add_argument("--dropout", type=float, default=0.2, help="the model's dropout rate")
     p.add_argument("--rank-data", action="store_true", help="a loader that differs by rank")
     p.add_argument("--pilot", type=int, default=None, help="auto's pilot length")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"])

@@ -8,6 +8,7 @@ end) the copies' weights are replaced by their mean; momentum buffers stay with 
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from test_runtime_mitigation import data64, model64
 
 from fxpipe.runtime.errors import RuntimeConfigError
 from fxpipe.runtime.schedules.localsgd import make_localsgd_schedule
+from fxpipe.runtime.execution.launch import RankJob, run_rank_jobs
 from fxpipe.runtime.execution.localsgd_executor import LocalSGDExecutor
+from fxpipe.runtime.schedules.ncclcheck import check_logs
 
 LR, MOM = 0.05, 0.9
 
@@ -93,3 +96,33 @@ def test_localsgd_schedule_is_sequential_per_replica_and_refuses_bad_input() -> 
 
         LocalSGDExecutor(split(model64(), [1, 3]), make_schedule("pipedream", [1, 1, 1], 3),
                          F.mse_loss, lambda ps: torch.optim.SGD(ps, lr=LR))
+
+
+@pytest.mark.multiprocess
+def test_localsgd_distributed_equals_reference_and_oracle() -> None:
+    """One process per (stage, replica): 2 and 4 stages with R = 2 (one spawned world of 8),
+    the averages one all-reduce on each stage's replica group; == the reference executor ==
+    the oracle above, and every rank's host calls pass NCCL's rules."""
+    model = model64()
+    cases = [([2], 11, 2), ([1, 2, 3], 10, 3)]  # cuts (2 and 4 stages), minibatches, H
+    jobs, refs = [], []
+    for cuts, n, H in cases:
+        data = data64(n)
+        stages = split(copy.deepcopy(model), cuts)
+        sched = make_localsgd_schedule(len(stages), 2, n, average_every=H)
+        opt = partial(torch.optim.SGD, lr=LR, momentum=MOM)
+        jobs.append(RankJob(stages, [2] * len(stages), sched, F.mse_loss, opt, data,
+                            record_comm=True))
+        ref = LocalSGDExecutor(stages, sched, F.mse_loss, opt).run(data)
+        refs.append((ref, local_sgd(model, data, 2, H)))
+    for (cuts, n, H), got, (ref, (want_losses, want)) in zip(
+            cases, run_rank_jobs(jobs, timeout_s=30.0, join_timeout_s=300.0), refs):
+        assert len(got.comm_logs) == 2 * (len(cuts) + 1)
+        assert check_logs(got.comm_logs) > 0
+        assert got.losses == ref.losses  # same operations in the same order: bit for bit
+        for rank, params in got.replica_params.items():  # one model after the final average
+            for name, t in params.items():
+                assert torch.equal(t, ref.replica_params[rank][name]), (rank, name)
+        torch.testing.assert_close(got.losses, want_losses, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got.merged_params(), {k: v.detach() for k, v in want.items()},
+                                   rtol=1e-10, atol=1e-12)

@@ -215,7 +215,8 @@ def test_auto_without_a_pilot_picks_the_synchronous_schedule(tmp_path: Path) -> 
     ({"schedule": "auto", "auto_options": {"pilots": 3}}, "unknown auto option 'pilots'"),
     ({"schedule": "1f1b-flush+predict"}, "mitigations are options of the asynchronous"),
     ({"schedule": "pipedreamx"}, "unknown schedule 'pipedreamx'"),
-    ({"schedule": "localsgd"}, "(?s)reference executor only.*LocalSGDExecutor"),
+    ({"schedule": "localsgd"}, r"(?s)replicas \[1, 1, 1\].*same number R >= 2"),
+    ({"schedule": "localsgd+predict"}, "mitigations are options of the asynchronous"),
 ])
 def test_bad_schedules_are_refused(kw: dict, match: str) -> None:
     with pytest.raises(RuntimeConfigError, match=match):
