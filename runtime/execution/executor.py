@@ -24,6 +24,7 @@ from ..replica.stash import OptimizerFactory
 from ..replica.step_options import DEFAULT, StepOptions
 from ..schedules.commplan import (Msg, RankPlan, StretchPlanner, comm_plans, links_of,
                                   require_posted)
+from ..schedules.localsgd import LOCALSGD
 from ..schedules.program import lower
 from ..schedules.proofs import SendProofs
 from ..schedules.schedule import Action, Rank, Schedule, execution_order, split_ranks
@@ -34,6 +35,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, GradBuckets, last_backwards
 from .comm import Comm, _Pending
 from .contract import Batch, planned_reads, prepare_window, tied_delay
 from .rank_update import UpdateMixin
+from .sharding import sharded_factory
 from .wire import WirePlan
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,9 @@ class RankExecutor(UpdateMixin):
         self._detached = detached_values(self.stages)
         self._split = False  # this run's B computes input gradients only, W the rest (see run)
         self.meter: PeakMemory | None = None  # measure_memory: told which action runs
+        if (options.shard == "optimizer" and schedule.replicas[me[0]] > 1
+                and schedule.kind != LOCALSGD):  # ZeRO-1 over the stage's replica group
+            optimizer_factory = sharded_factory(optimizer_factory, comm.groups[me[0]])
         self.replica = make_replica(self.spec, optimizer_factory, delay=delay,  # mitigation.py
                                     mitigation=mitigation, depth=len(self.stages),
                                     loss_fn=loss_fn if me[0] == last else None,

@@ -16,25 +16,42 @@ from .master import check_master_weights
 from .precision import check_precision
 
 
+SHARD_OPTIONS = (None, "optimizer")
+"""``shard``: None (every replica holds the whole optimizer state) or ``"optimizer"`` (ZeRO-1,
+:mod:`fxpipe.runtime.execution.sharding`)."""
+
+
+def check_shard(shard: str | None) -> str | None:
+    if shard not in SHARD_OPTIONS:
+        raise RuntimeConfigError(f"shard={shard!r}", "use None (no sharding) or 'optimizer' "
+                                 "(a replicated stage's optimizer state split over its replicas)")
+    return shard
+
+
 @dataclass(frozen=True)
 class StepOptions:
     """``clip_grad_norm``: max gradient norm or None. ``precision``: "fp32", "bf16" or "fp16".
     ``recompute``: the stages that recompute their activations in the backward.
     ``master_weights``: float32 masters for low-precision parameters (None: automatic).
-    ``scaler``: the loss scaler's settings (used with ``precision="fp16"``)."""
+    ``scaler``: the loss scaler's settings (used with ``precision="fp16"``).
+    ``shard``: ``"optimizer"``: a replicated stage's optimizer state split over its replicas
+    (:mod:`fxpipe.runtime.execution.sharding`; the distributed executor's, the reference holds
+    it whole: the same numbers)."""
 
     clip_grad_norm: float | None = None
     precision: str = "fp32"
     recompute: tuple[int, ...] = ()
     master_weights: bool | None = None
     scaler: ScalerConfig = ScalerConfig()
+    shard: str | None = None
 
     @classmethod
     def make(cls, num_stages: int, *, clip_grad_norm: float | None = None,
              precision: str = "fp32",
              recompute: bool | Sequence[bool] | None = None,
              master_weights: bool | None = None,
-             loss_scaler: Mapping[str, Any] | None = None) -> StepOptions:
+             loss_scaler: Mapping[str, Any] | None = None,
+             shard: str | None = None) -> StepOptions:
         """Checked options; ``recompute``: True (every stage), False/None, or one bool per
         stage."""
         if recompute is None or recompute is False:
@@ -48,7 +65,8 @@ class StepOptions:
                                          "pass True, False, or one bool per stage")
             stages = tuple(s for s, f in enumerate(flags) if f)
         return cls(check_max_norm(clip_grad_norm), check_precision(precision), stages,
-                   check_master_weights(master_weights), ScalerConfig.make(loss_scaler))
+                   check_master_weights(master_weights), ScalerConfig.make(loss_scaler),
+                   check_shard(shard))
 
     def scope(self, kind: str) -> str | None:
         """None (no clipping), "global" or "stage" for a schedule kind."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from fxpipe.errors import ConfigError
 
+from .localsgd import LocalSGDSchedule, averages_after
 from .schedule import SYNCHRONOUS_KINDS, Action, Rank, Schedule, execution_order
 
 
@@ -60,8 +61,12 @@ class Clock:
     def __init__(self, replicas: Sequence[int], fwd: Sequence[float], bwd: Sequence[float],
                  comm: Sequence[float], upd: Sequence[float], wfr: Sequence[float], *,
                  split: frozenset[Rank] = frozenset(), sync: Sequence[Sequence[int]] = (),
-                 delay: int = 0) -> None:
+                 delay: int = 0, averages: Callable[[int], bool] | None = None,
+                 avg: Sequence[float] = ()) -> None:
         self.replicas, self.S = tuple(replicas), len(replicas)
+        # LocalSGD: a U steps its replica alone; where ``averages(i)``, the replicas then wait
+        # for each other and average for ``avg[s]`` seconds
+        self.averages, self.avg = averages, avg
         self.fwd, self.bwd, self.comm, self.upd, self.wfr = fwd, bwd, comm, upd, wfr
         self.split, self.delay = split, delay
         self.free = {(s, j): 0.0 for s, r in enumerate(replicas) for j in range(r)}
@@ -81,6 +86,17 @@ class Clock:
     def time(self, rank: Rank, a: Action) -> tuple[float, float]:
         """(start, end) of ``a`` on ``rank``; call in an execution order."""
         s = rank[0]
+        if a.kind == "U" and self.averages is not None:
+            start = self.free[rank]
+            if not self.averages(a.minibatch):
+                self.free[rank] = start + self.upd[s]
+                return start, self.free[rank]
+            key = (s, a.minibatch)
+            if key not in self.collective:  # every replica's local step, then the average
+                self.collective[key] = max(self.free[(s, j)] for j in range(self.replicas[s])
+                                           ) + self.upd[s]
+            self.free[rank] = self.collective[key] + self.avg[s]
+            return start, self.free[rank]
         if a.kind == "U":
             group = self.comp.get(s, (s,)) if self.delay == 0 else (s,)
             key = (group[0], a.minibatch)
@@ -124,7 +140,8 @@ def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[floa
              comm_time: float | Sequence[float] = 0.0,
              update_time: float | Sequence[float] = 0.0, *,
              sync: Sequence[Sequence[int]] = (), delay: int = 0,
-             weight_fraction: float | Sequence[float] = 0.5) -> Timeline:
+             weight_fraction: float | Sequence[float] = 0.5,
+             average_time: float | Sequence[float] = 0.0) -> Timeline:
     """Time ``sched``: per-stage forward/backward seconds per minibatch (a replica handles whole
     minibatches, so these are per replica), ``comm_time`` per cut (s-1 -> s, paid by activations
     and by gradients alike) and ``update_time`` per stage (an update of all replicas together).
@@ -132,7 +149,9 @@ def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[floa
     their updates start together (the tied all-reduce is a barrier), with delay d an update i
     waits for update i-d of the other stages of its set. On a rank that splits its backwards
     (zero-bubble kinds) W takes ``weight_fraction`` of the backward and B the rest (half each:
-    ``dX = dY W^T`` and ``dW = X^T dY`` cost alike)."""
+    ``dX = dY W^T`` and ``dW = X^T dY`` cost alike). A LocalSGD schedule's ``U`` is each
+    replica's own step (``update_time``); where it averages, the stage's replicas wait for each
+    other's step and average for ``average_time`` seconds per stage."""
     S = sched.num_stages
     split = frozenset(rank for rank, acts in sched.actions.items()
                       if any(a.kind == "W" for a in acts))
@@ -141,7 +160,10 @@ def simulate(sched: Schedule, fwd_time: Sequence[float], bwd_time: Sequence[floa
                   _per_stage(comm_time, max(S - 1, 0), "comm_time") if S > 1 else [],
                   _per_stage(update_time, S, "update_time"),
                   _per_stage(weight_fraction, S, "weight_fraction"),
-                  split=split, sync=sync, delay=delay)
+                  split=split, sync=sync, delay=delay,
+                  averages=(lambda i: averages_after(sched, i))  # type: ignore[arg-type]
+                  if isinstance(sched, LocalSGDSchedule) else None,
+                  avg=_per_stage(average_time, S, "average_time"))
     events: dict[Rank, list[Event]] = {rank: [] for rank in sched.ranks}
     for rank, i in execution_order(sched, sync, delay):
         a = sched.actions[rank][i]

@@ -107,12 +107,15 @@ class RunConfig:
     """``executor``: "distributed" (this process is one torchrun rank) or "reference" (every
     rank in this process: the oracle); ``device``: None (``cuda:LOCAL_RANK`` where CUDA is
     available, else the CPU), "cpu", "cuda" or "cuda:N"; ``timeout_s`` bounds every pipeline
-    message and collective, ``data_timeout_s`` a rank's wait while another reads its loader."""
+    message and collective, ``data_timeout_s`` a rank's wait while another reads its loader;
+    ``shard="optimizer"``: each replicated stage's optimizer state split over its replicas
+    (ZeRO-1, torch's ``ZeroRedundancyOptimizer``)."""
 
     executor: str = "distributed"
     device: str | None = None
     timeout_s: float = 60.0
     data_timeout_s: float = 600.0
+    shard: str | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +162,7 @@ SECTIONS: dict[str, tuple[type, dict[str, str]]] = {
                                 "timeline": "timeline", "measure_memory": "measure_memory",
                                 "on_recipe": "on_recipe"}),
     "run": (RunConfig, {"executor": "executor", "device": "device", "timeout_s": "timeout_s",
-                        "data_timeout_s": "data_timeout_s"}),
+                        "data_timeout_s": "data_timeout_s", "shard": "shard"}),
     "lr_scheduler": (LrSchedulerConfig, {"make": "lr_scheduler",
                                          "interval": "lr_scheduler_interval"}),
     "replan": (ReplanConfig, {"mode": "replan", "threshold": "replan_threshold",

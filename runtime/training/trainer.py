@@ -166,7 +166,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                batch_dims: Any = None, input_batch_dims: BatchDims | None = None,
                on_recipe: Callable[[str], None] | None = None,
                noam: int | str | None = None, measure_memory: bool = False,
-               average_every: int | None = None) -> None:
+               average_every: int | None = None, shard: str | None = None) -> None:
         if loss_fn is None:
             raise RuntimeConfigError("no loss function", "pass loss_fn= to fxpipe.compile")
         check_loss_fn(loss_fn)
@@ -210,8 +210,12 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self.options = StepOptions.make(len(self.stages), clip_grad_norm=clip_grad_norm,
                                         precision=precision, recompute=recompute,
                                         master_weights=master_weights,
-                                        loss_scaler=loss_scaler)
+                                        loss_scaler=loss_scaler, shard=shard)
         self.options.check_kind(spec.kind)  # fp16: a flushing schedule, named
+        if shard is not None and spec.kind == LOCALSGD:
+            raise RuntimeConfigError("shard='optimizer' with schedule 'localsgd'",
+                                     "a LocalSGD copy keeps its own optimizer state: train "
+                                     "LocalSGD without shard")
         self._noam_spec = check_noam(noam, spec.kind)  # trainer_schedule
         optimizer = wrap_factory(as_factory(optimizer), self.stages,  # `names=` (param_names)
                                  state_keys)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import RuntimeConfigError
+from ..execution.sharding import is_sharded
 from ..replica.stage import StageReplica
 from ..schedules.localsgd import LOCALSGD
 from . import checkpoint as ckpt
@@ -60,6 +61,9 @@ class CheckpointMixin:
 
     def _checkpoint(self, epoch: int, pos: int, acc: list[float]) -> None:
         assert self.checkpoint_dir is not None
+        for w in self.local.values():  # ZeRO-1: the stage's shards gathered on replica 0
+            if is_sharded(w.stash.optimizer):
+                w.stash.optimizer.consolidate_state_dict(to=0)  # type: ignore[union-attr]
         for rank in self.local:
             if rank[1] == 0:
                 ckpt.save_stage(self.checkpoint_dir, epoch, pos, rank[0],

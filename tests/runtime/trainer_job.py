@@ -10,7 +10,8 @@ trainer gathered to rank 0 (during fit, then in state_dict()) to OUT.pt at the e
 ``--rank-data``: each rank gets a loader seeded by its rank (a mistake the trainer must catch).
 ``--stages S --replicas R``: S stages (cut evenly), R replicas each; with ``--schedule localsgd``
 R copies averaged every ``--average-every`` H updates, checkpoints every R x H minibatches.
-``--dropout P``: the model's dropout rate.
+``--dropout P``: the model's dropout rate. ``--optimizer adamw``: AdamW (lr 0.01, weight decay
+0.1); ``--shard optimizer``: its state sharded over each stage's replicas (ZeRO-1).
 ``--pilot N`` (with ``--schedule auto``): a pilot of N minibatches (every rank trains its share of
 the candidates; ``--where pipeline``: the candidates in turn on this job's pipeline, with no copy
 of any stage allowed; ``--look-again K``: auto's second look, ``--samples N``: a longer epoch for
@@ -71,6 +72,8 @@ def warmup(step: int) -> float:
 
 def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
     optimizer = (OptimizerRecipe("muon", 0.02, weight_decay=0.1) if args.optimizer == "muon"
+                 else functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+                 if args.optimizer == "adamw"
                  else functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
     local = args.schedule == "localsgd"
     return Trainer(stages(num_stages=args.stages, dropout=args.dropout),
@@ -80,7 +83,7 @@ def make_trainer(args: argparse.Namespace, on_checkpoint=None) -> Trainer:
                    schedule=args.schedule, checkpoint_dir=args.ckpt,
                    executor=args.executor, timeout_s=30, progress=False,
                    on_checkpoint=on_checkpoint, timeline=args.timeline,
-                   average_every=args.average_every if local else None,
+                   average_every=args.average_every if local else None, shard=args.shard,
                    checkpoint_every=args.replicas * args.average_every if local else 2,
                    auto_options=None if args.pilot is None else
                    {"pilot": args.pilot, "min_pilot": 4, "max_fraction": 1.0, "max_cost": None,
@@ -102,7 +105,9 @@ def main() -> int:
     p.add_argument("--dropout", type=float, default=0.2, help="the model's dropout rate")
     p.add_argument("--rank-data", action="store_true", help="a loader that differs by rank")
     p.add_argument("--pilot", type=int, default=None, help="auto's pilot length")
-    p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon"])
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "muon", "adamw"])
+    p.add_argument("--shard", default=None, choices=["optimizer"],
+                   help="each replicated stage's optimizer state split over its replicas")
     p.add_argument("--samples", type=int, default=28, help="samples per epoch (4 a minibatch)")
     p.add_argument("--look-again", type=float, default=2.0, help="auto's second look")
     p.add_argument("--no-close", action="store_true",
@@ -148,10 +153,13 @@ def main() -> int:
     in_fit = gathers[0]
     state = trainer.state_dict()  # collective: every rank; rank 0 gets the whole model
     if int(os.environ.get("RANK", "0")) == 0:
+        opt = next(iter(trainer.local.values())).stash.optimizer  # stage 0's first replica
+        held = len(getattr(opt, "optim", opt).state)  # its parameters with optimizer state
         counts = [[sum(e.category == c for e in tl) for c in ("forward", "backward")]
                   for tl, _ in trainer.timelines]
         torch.save({"state": state, "history": history, "timelines": counts,
-                    "gathers": [in_fit, gathers[0] - in_fit], "auto": trainer.auto_decision},
+                    "gathers": [in_fit, gathers[0] - in_fit], "auto": trainer.auto_decision,
+                    "optimizer_states": held},
                    Path(args.out))
     if not args.no_close:
         trainer.close()
