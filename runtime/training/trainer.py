@@ -224,6 +224,13 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self.schedule_name, self.mitigation = spec.name, spec.mitigation
         self.optimizer, self.stashing, self._lr_scheduler = optimizer, stashing, lr_scheduler
         self.auto_options = AutoOptions.make(auto_options)
+        if shard is not None and (replan is not None or (
+                spec.kind == AUTO and self.auto_options.where == "pipeline")):
+            raise RuntimeConfigError(
+                "shard='optimizer' with " + ("re-planning" if replan is not None else
+                                             "auto's pilot on the pipeline (where='pipeline')"),
+                "both carry each replica's whole optimizer state from one pipeline to the next, "
+                "which a shard is not: train sharded without them")
         self._noams: dict[str, int | None] = {}
         self.auto_decision: Decision | None = None  # what schedule="auto" chose, and why
         self._schedules: dict[int, Schedule] = {}

@@ -48,3 +48,10 @@ def test_the_reference_trains_sharded_runs_whole() -> None:
     b = Trainer(split(tiny_mlp(), [2]), [2, 1], F.mse_loss, adamw,
                 schedule="1f1b-flush", executor="reference", progress=False)
     assert a.fit(data, epochs=1)[0]["loss"] == b.fit(data, epochs=1)[0]["loss"]
+
+
+def test_what_carries_whole_optimizer_states_is_refused_with_shards() -> None:
+    with pytest.raises(RuntimeConfigError, match="auto's pilot on the pipeline"):
+        Trainer(split(tiny_mlp(), [2]), [2, 1], F.mse_loss, adamw, shard="optimizer",
+                schedule="auto", auto_options={"where": "pipeline"}, executor="reference",
+                progress=False)
