@@ -243,7 +243,9 @@ class CutMixin:
             lines.append(f"no cut: {r} copies of the pipeline take the minibatches in turn, each "
                          "updating after every minibatch of its own; the copies' weights are "
                          f"averaged after every {h} of their updates and at the end of each "
-                         "epoch (each keeps its own optimizer state)")
+                         "epoch (each keeps its own optimizer state); a plan's figures are for "
+                         f"one pipeline, not for these {r} copies on {r * len(replicas)} "
+                         "workers, which the planner does not price")
         elif self.kind == "pipedream" and self.microbatches is None:
             if who:
                 lines.append(f"no cut: each minibatch trains whole on one replica of each stage; "

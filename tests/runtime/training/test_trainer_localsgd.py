@@ -130,3 +130,4 @@ def test_the_recipe_says_what_localsgd_trains() -> None:
     assert "schedule: localsgd" in text
     assert "3 copies of the pipeline" in text and "after every 5 of their updates" in text
     assert "gradient accumulation" not in text
+    assert "not for these 3 copies on 6 workers" in text
