@@ -36,8 +36,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--schedule", default="auto",
                    help="auto (default: chosen by a pilot and the simulated throughput), "
-                   "pipedream, 1f1b-flush, gpipe, 2bw, or pipedream+MITIGATIONS (lr_scale, "
-                   "predict, dc, momentum, nesterov, joined with +)")
+                   "pipedream, 1f1b-flush, gpipe, 2bw, localsgd (workers // stages copies of "
+                   "the plan's pipeline, averaged every --average-every updates), or "
+                   "pipedream+MITIGATIONS (lr_scale, predict, dc, momentum, nesterov, joined "
+                   "with +)")
+    p.add_argument("--average-every", type=int, default=None, metavar="H",
+                   help="localsgd: local updates between two averages of the copies (default 4)")
+    p.add_argument("--shard", choices=("optimizer",), default=None,
+                   help="split each replicated stage's optimizer state over its replicas "
+                        "(ZeRO-1, torch's ZeroRedundancyOptimizer)")
     p.add_argument("--pilot", type=int, default=None,
                    help="auto: minibatches of 1f1b-flush's pilot, the others the same seconds "
                    "(0: none, pick 1f1b-flush)")
@@ -367,6 +374,11 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"plan: replicas {compiled.plan.replicas}, schedule {args.schedule}\n"
               f"{compiled.summary()}\n{costs_line(compiled.profile, cluster)} (--device), "
               f"links of {args.bandwidth} (--bandwidth)", flush=True)
+        if args.schedule == "localsgd":  # the table prices one pipeline, not the copies
+            S, W = len(compiled.plan.replicas), cluster.workers
+            print(f"localsgd trains {W // S} copies of this {S}-stage pipeline on "
+                  f"{W // S * S} of the {W} workers: the figures above are for one copy",
+                  flush=True)
     train, evaluate = _loaders(args, spec)
     from fxpipe.runtime.training.config import (CheckpointConfig, DataConfig, MetricsConfig,
                                                 PrecisionConfig, RunConfig, ScheduleConfig)
@@ -375,7 +387,8 @@ def run_worker(args: argparse.Namespace) -> int:
         **_recipe(args, compiled, train, spec.model),  # the optimizer and its LR schedule
         schedule=ScheduleConfig(kind=args.schedule, vertical_sync=args.vertical_sync,
                                 microbatches=args.microbatches, segment=args.segment,
-                                noam=args.noam, auto=auto_options(args)),
+                                noam=args.noam, auto=auto_options(args),
+                                average_every=args.average_every),
         checkpoint=CheckpointConfig(dir=args.checkpoint_dir, every=args.checkpoint_every,
                                     overwrite=args.overwrite_checkpoints),
         precision=PrecisionConfig(mode=args.precision, clip_grad_norm=args.clip,  # recompute:
@@ -383,7 +396,7 @@ def run_worker(args: argparse.Namespace) -> int:
         metrics=MetricsConfig(path=args.metrics, every=args.metrics_every,
                               progress=not args.no_progress, measure_memory=args.measure_memory),
         data=DataConfig(seed=args.seed, prefetch=args.prefetch),
-        run=RunConfig(timeout_s=args.timeout))
+        run=RunConfig(timeout_s=args.timeout, shard=args.shard))
     resume = args.resume
     if args.elastic:
         from fxpipe.cli_elastic import elastic_resume

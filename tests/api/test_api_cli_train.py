@@ -84,3 +84,19 @@ def test_train_prices_the_plan_for_the_links_it_is_told() -> None:
     argv = _worker_argv(args)
     assert argv[argv.index("--bandwidth") + 1] == "1Gbps"
     assert p.parse_args(["mlp", "--data", "synthetic"]).bandwidth == "10Gbps"
+
+
+def test_localsgd_and_sharding_options_travel_to_the_workers() -> None:
+    import argparse
+
+    from fxpipe.cli_train import _add_arguments, _worker_argv
+
+    p = argparse.ArgumentParser()
+    _add_arguments(p)
+    args = p.parse_args(["mlp", "--data", "synthetic", "--schedule", "localsgd",
+                         "--average-every", "8", "--shard", "optimizer"])
+    argv = _worker_argv(args)
+    assert argv[argv.index("--average-every") + 1] == "8"
+    assert argv[argv.index("--shard") + 1] == "optimizer"
+    with pytest.raises(SystemExit):
+        p.parse_args(["mlp", "--data", "synthetic", "--shard", "params"])
