@@ -152,8 +152,8 @@ def worker(args: argparse.Namespace) -> None:
                       timeout_s=300, progress=False, seed=args.seed, **cfg)
     history = trainer.fit(Slices(train, EPOCH), epochs=EPOCHS, eval_loader=held)
     if int(os.environ.get("RANK", "0")) == 0:
-        Path(args.result).write_text(json.dumps({"config": args.config, "seed": args.seed,
-                                                 "history": history}))
+        Path(f"{args.result}.rank0").write_text(json.dumps(
+            {"config": args.config, "seed": args.seed, "history": history}))
     trainer.close()
 
 
@@ -176,20 +176,14 @@ def reached(run: dict[str, Any]) -> tuple[float | None, int | None]:
 
 
 def launch(cluster: Any, tmp: Path, config: str, seed: int) -> dict[str, Any]:
-    """One configuration and seed across the emulated hosts (2 ranks per host)."""
-    from tools.cluster import read_output, torchrun_across, wait_all
+    """One configuration and seed across the emulated hosts (2 ranks per host): rank 0's
+    history (:func:`bench.pipeline_cluster.launch`)."""
+    from bench.pipeline_cluster import launch as launch_ranks
 
     tag = f"{config.replace(' ', '').replace('=', '')}-s{seed}-{time.monotonic_ns()}"
-    result = tmp / f"{tag}.json"
-    procs = torchrun_across(cluster, ["-m", "bench.localsgd_cluster", "--bench-worker",
-                                      "--config", config, "--seed", str(seed),
-                                      "--result", str(result)], nproc_per_host=2,
-                            env={"PYTHONPATH": str(ROOT)}, log_dir=tmp / f"{tag}-logs")
-    codes = wait_all(procs, timeout=900)
-    if any(codes):
-        raise SystemExit(f"{tag} failed: {codes}\n" + "\n".join(read_output(p)[-3000:]
-                                                                 for p in procs))
-    return json.loads(result.read_text())
+    return launch_ranks(cluster, tmp, ["--bench-worker", "--config", config, "--seed",
+                                       str(seed)], tag, "bench.localsgd_cluster",
+                        nproc_per_host=2)[0]
 
 
 def measure(rate: int, seeds: list[int], tmp: Path) -> dict[str, list[dict[str, Any]]]:

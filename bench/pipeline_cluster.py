@@ -327,15 +327,16 @@ def make_plans(model: str, rates: Any, tmp: Path) -> dict:
 
 
 def launch(cluster: Any, tmp: Path, worker: list[str], tag: str,
-           module: str = "bench.pipeline_cluster") -> list[dict]:
+           module: str = "bench.pipeline_cluster", nproc_per_host: int = 1) -> list[dict]:
     """One torchrun job across the emulated hosts (``python -m module worker...`` on every
-    rank); each rank's result."""
+    rank, ``nproc_per_host`` ranks a host); the results the ranks wrote to
+    ``<--result>.rank<i>``."""
     from tools.cluster import read_output, torchrun_across, wait_all
 
     result = tmp / tag
     procs = torchrun_across(cluster, ["-m", module, *worker, "--result",
-                                      str(result)], env={"PYTHONPATH": str(ROOT)},
-                            log_dir=tmp / f"{tag}-logs")
+                                      str(result)], nproc_per_host=nproc_per_host,
+                            env={"PYTHONPATH": str(ROOT)}, log_dir=tmp / f"{tag}-logs")
     codes = wait_all(procs, timeout=900)
     if any(codes):
         raise SystemExit(f"{tag} failed: {codes}\n" + "\n".join(read_output(p)[-3000:]

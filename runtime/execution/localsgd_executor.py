@@ -12,7 +12,7 @@ import torch
 from fxpipe.codegen.split import StageSpec
 
 from ..errors import RuntimeConfigError
-from ..replica.stage import LossFn
+from ..replica.stage import LossFn, StageReplica
 from ..replica.stash import OptimizerFactory
 from ..schedules.localsgd import LocalSGDSchedule, averages_after
 from ..schedules.schedule import Rank
@@ -32,11 +32,7 @@ class LocalSGDExecutor(ReferenceExecutor):
             raise RuntimeConfigError(f"LocalSGDExecutor got a {schedule.kind!r} schedule",
                                      "make it with fxpipe.runtime.schedules.localsgd.make_localsgd_schedule")
         super().__init__(stages, list(schedule.replicas), schedule, loss_fn, optimizer_factory,
-                         delays=[0] * len(stages), **options)
-        if self.tied:
-            raise RuntimeConfigError(
-                f"LocalSGD with parameters tied across stages ({self.tied[0].key!r})",
-                "not supported: use a pipeline schedule, or untie the parameter")
+                         delays=[0] * len(stages), **options)  # refuses tied weights
 
     def _update(self, ranks: list[Rank], recs: dict[Rank, Recorder], i: int = 0) -> None:
         """Update ``U<i>`` of every replica of one stage: each alone, then maybe the average
@@ -56,26 +52,13 @@ class LocalSGDExecutor(ReferenceExecutor):
 
     @staticmethod
     @torch.no_grad()
-    def average(workers: Sequence[object]) -> None:
-        """Replace the replicas' latest weights and floating buffers by their mean, in place
-        (the optimizers keep pointing at the same tensors)."""
-        first = workers[0]
-        masters = first.stash.masters.master  # type: ignore[attr-defined]
-        for name in first.stash.latest:  # type: ignore[attr-defined]
-            if name in masters:  # average the float32 masters, then round them down
-                ms = [w.stash.masters.master[name] for w in workers]  # type: ignore[attr-defined]
-                mean = torch.stack([m.detach() for m in ms]).mean(0)
-                for w, m in zip(workers, ms):
-                    m.copy_(mean)
-                    w.stash.latest[name].copy_(mean)  # type: ignore[attr-defined]
-                continue
-            ts = [w.stash.latest[name] for w in workers]  # type: ignore[attr-defined]
+    def average(workers: Sequence[StageReplica]) -> None:
+        """Replace the replicas' latest weights (their masters where kept, then rounded down)
+        and floating buffers by their mean, in place (the optimizers keep pointing at the same
+        tensors)."""
+        for ts in zip(*(w.averaged() for w in workers)):
             mean = torch.stack([t.detach() for t in ts]).mean(0)
             for t in ts:
                 t.copy_(mean)
-        for name, b in first.buffers.items():  # type: ignore[attr-defined]
-            if b.is_floating_point():
-                bs = [w.buffers[name] for w in workers]  # type: ignore[attr-defined]
-                mean = torch.stack(bs).mean(0)
-                for t in bs:
-                    t.copy_(mean)
+        for w in workers:
+            w.stash.masters.copy_down(w.stash.latest)

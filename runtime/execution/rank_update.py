@@ -134,12 +134,8 @@ class UpdateMixin:
         peers = [(s, j) for j in range(self.schedule.replicas[s])]
         if len(peers) < 2:
             return
-        stash = self.replica.stash
-        masters = stash.masters.master
-        named = [(n, masters.get(n, t)) for n, t in stash.latest.items()]
-        named += [(n, b) for n, b in self.replica.buffers.items() if b.is_floating_point()]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for _, t in named:
+        for t in self.replica.averaged():
             by_dtype.setdefault(t.dtype, []).append(t)
         with self.rec.span("allreduce", what, group=str(s)):
             for ts in by_dtype.values():
@@ -150,8 +146,7 @@ class UpdateMixin:
                 for t in ts:
                     t.copy_(flat[at:at + t.numel()].view_as(t))
                     at += t.numel()
-        for n in masters:  # the averaged masters, rounded down into the weights
-            stash.latest[n].copy_(masters[n])
+        self.replica.stash.masters.copy_down(self.replica.stash.latest)
 
     def _lone_tied(self, a: Action) -> dict[str, torch.Tensor | None]:
         """A lone replica's tied parameters: their segments alone summed over the tie's holders

@@ -349,6 +349,14 @@ class StageReplica(UpdateMixin):
         """Minibatches whose backward ran since the last update."""
         return self._count
 
+    def averaged(self) -> list[torch.Tensor]:
+        """What LocalSGD averages over a stage's replicas, in one order on every replica: each
+        weight's float32 master where one is kept (rounded down afterwards with
+        ``stash.masters.copy_down``), else the weight, then the floating-point buffers."""
+        masters = self.stash.masters.master
+        return ([masters.get(n, t) for n, t in self.stash.latest.items()]
+                + [b for b in self.buffers.values() if b.is_floating_point()])
+
     @property
     def grad_sums(self) -> Mapping[str, torch.Tensor]:
         """Gradient sums since the last update by parameter name (absent: no gradient yet)."""

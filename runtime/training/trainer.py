@@ -197,7 +197,8 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
         self.average_every = check_local_sgd(spec.kind, self.replicas, average_every,
-                                             clip_grad_norm, precision, microbatches, split)
+                                             clip_grad_norm, precision, microbatches, split,
+                                             shard)
         self.microbatches, self._segment_args = microbatches, (segment, checkpoint_every)
         self.split = check_split(split, spec.kind, microbatches)  # microbatches per minibatch
         self.batch_dims, self.input_batch_dims = batch_dims, input_batch_dims  # trainer_cut
@@ -212,10 +213,6 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
                                         master_weights=master_weights,
                                         loss_scaler=loss_scaler, shard=shard)
         self.options.check_kind(spec.kind)  # fp16: a flushing schedule, named
-        if shard is not None and spec.kind == LOCALSGD:
-            raise RuntimeConfigError("shard='optimizer' with schedule 'localsgd'",
-                                     "a LocalSGD copy keeps its own optimizer state: train "
-                                     "LocalSGD without shard")
         self._noam_spec = check_noam(noam, spec.kind)  # trainer_schedule
         optimizer = wrap_factory(as_factory(optimizer), self.stages,  # `names=` (param_names)
                                  state_keys)

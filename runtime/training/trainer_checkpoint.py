@@ -48,16 +48,20 @@ class CheckpointMixin:
     # ------------------------------------------------------------------ checkpoints
     def _stage_state(self, rank: tuple[int, int], epoch: int, pos: int) -> dict[str, Any]:
         w = self.local[rank]
-        opt, sch = w.stash.optimizer, self.schedulers.get(rank)
         return {"weights": {n: t.detach().cpu() for n, t in w.stash.latest.items()},
                 "buffers": {n: t.detach().cpu() for n, t in w.buffers.items()},
                 "masters": w.stash.masters.state(),  # float32 masters (runtime/replica/master.py)
                 "loss_scaler": w.scaler.state_dict() if w.scaler is not None else None,
-                "optimizer": opt.state_dict() if opt is not None else None,
+                **self._replica_state(rank), "position": [epoch, pos]}
+
+    def _replica_state(self, rank: tuple[int, int]) -> dict[str, Any]:
+        """The :data:`REPLICA_KEYS` of ``rank``: its optimizer's and LR schedule's state."""
+        w = self.local[rank]
+        opt, sch = w.stash.optimizer, self.schedulers.get(rank)
+        return {"optimizer": opt.state_dict() if opt is not None else None,
                 "optimizer_names": optimizer_names(
                     opt, {**w.stash.latest, **w.stash.masters.master}),
-                "lr_scheduler": sch.state_dict() if sch is not None else None,
-                "position": [epoch, pos]}
+                "lr_scheduler": sch.state_dict() if sch is not None else None}
 
     def _checkpoint(self, epoch: int, pos: int, acc: list[float]) -> None:
         assert self.checkpoint_dir is not None
@@ -69,9 +73,8 @@ class CheckpointMixin:
                 ckpt.save_stage(self.checkpoint_dir, epoch, pos, rank[0],
                                 self._stage_state(rank, epoch, pos))
             elif self.kind == LOCALSGD:  # replicas share weights here, not optimizer states
-                state = self._stage_state(rank, epoch, pos)
                 ckpt.save_stage(self.checkpoint_dir, epoch, pos, rank[0],
-                                {k: state[k] for k in REPLICA_KEYS}, replica=rank[1])
+                                self._replica_state(rank), replica=rank[1])
         self.backend.all_sum([0.0], "checkpoint barrier")  # every stage file exists now
         if self.index == 0:
             info = {"history": self.history, "partial": acc, "replicas": self.replicas,

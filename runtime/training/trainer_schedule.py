@@ -73,7 +73,8 @@ def check_noam(noam: int | str | None, kind: str) -> int | str | None:
 
 def check_local_sgd(kind: str, replicas: list[int], average_every: int | None,
                     clip_grad_norm: float | None, precision: str,
-                    microbatches: int | None = None, split: int | None = None) -> int | None:
+                    microbatches: int | None = None, split: int | None = None,
+                    shard: str | None = None) -> int | None:
     """LocalSGD's H (``average_every``; the default for ``schedule="localsgd"``, None for every
     other kind, which refuses it), after checking that the plan is R copies of the whole
     pipeline (the same R >= 2 on every stage) and the recipe is one LocalSGD defines."""
@@ -102,6 +103,10 @@ def check_local_sgd(kind: str, replicas: list[int], average_every: int | None,
                                  "each copy of the pipeline would need its own global norm or "
                                  "loss scale, which fxpipe does not compute: train LocalSGD "
                                  "without them (bf16 is fine), or use another schedule")
+    if shard is not None:
+        raise RuntimeConfigError(f"shard={shard!r} with schedule 'localsgd'",
+                                 "a LocalSGD copy keeps its own optimizer state: train "
+                                 "LocalSGD without shard")
     return h
 
 
