@@ -83,6 +83,7 @@ def plan_one(name: str, cfg: object, workers: int) -> str:
     lines.append(f"Largest stage: {format_bytes(biggest)} of {MEMORY}; "
                  f"{sum(plan.recompute)} of {len(plan.stages)} stages recompute.")
     lines.append(made_again_line(compiled.profile, plan))
+    lines += sharded_section(compiled, cluster, model, plan)
     for rc in ("never", "auto"):
         try:
             pd = choose_plan(compiled.profile, cluster, schedule="pipedream", recompute=rc,
@@ -93,6 +94,43 @@ def plan_one(name: str, cfg: object, workers: int) -> str:
             got = err.message
         lines.append(f"- Under PipeDream's rule (recompute={rc!r}): {got}.")
     return "\n".join(lines) + "\n"
+
+
+def sharded_section(compiled, cluster, model, plan) -> list[str]:
+    """The same profile planned again with ``shard="auto"`` (each replicated stage may split
+    its optimizer state over its replicas, ZeRO-1), and how that plan differs."""
+    from fxpipe.api import choose_fitted_plan
+    from fxpipe.errors import InfeasiblePlanError
+    from fxpipe.runtime.replica.state_size import state_parts, temporaries_for
+    from fxpipe.units import format_bytes, format_seconds
+
+    factor, split = state_parts(list(model.parameters()), _adamw)
+    t0 = time.perf_counter()
+    try:
+        sh = choose_fitted_plan(compiled.profile, cluster, schedule="1f1b-flush",
+                                recompute="auto", optimizer_state_factor=factor,
+                                sharded_state=split, shard="auto",
+                                temporaries=temporaries_for(model.parameters(), _adamw, "H100"))
+    except InfeasiblePlanError as err:
+        return ["", f"With `shard=\"auto\"`: {err.message}", ""]
+    took = time.perf_counter() - t0
+
+    def gist(p) -> str:
+        biggest = max(sp.peak_bytes or sp.memory_bytes for sp in p.stages)
+        return (f"{len(p.stages)} stages on {p.workers_used} workers, replicas "
+                f"{'-'.join(map(str, p.replicas))}, {sum(p.recompute)} recomputing, largest peak "
+                f"{format_bytes(biggest)}, {format_seconds(p.time_per_minibatch)} per minibatch")
+
+    out = ["", f"#### With `shard=\"auto\"` (planned again from the same profile in {took:.0f} s; "
+           f"of the {factor:g} bytes of state per parameter byte beyond weights and gradients, "
+           f"{split:g} are the optimizer's moments, which a sharded replica keeps 1/r of)", ""]
+    if sh.shard is None:
+        out += [f"The planner keeps the optimizer state whole: {gist(sh)} (sharding makes no "
+                "plan faster here).", ""]
+        return out
+    out += ["```", sh.summary(), "```", "",
+            f"- Sharded: {gist(sh)}.", f"- Unsharded (above): {gist(plan)}.", ""]
+    return out
 
 
 def made_again_line(profile, plan) -> str:

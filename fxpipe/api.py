@@ -217,7 +217,8 @@ class CompiledModel:
         to ``"auto"`` (a pilot on the first minibatches and this plan's simulated throughput pick
         it, see :mod:`fxpipe.runtime.training.auto`; :meth:`summary` then says what and why); pass
         ``schedule="pipedream"`` (or another) to skip the pilot. ``recompute`` defaults to the
-        plan's per-stage flags (``plan.recompute``), whose memory the plan was priced with.
+        plan's per-stage flags (``plan.recompute``), whose memory the plan was priced with, and
+        ``run.shard`` to the plan's (``plan.shard``; ``"never"`` trains it unsharded).
         ``loss_fn``: the one given to :func:`compile` unless given here."""
         from fxpipe.runtime.training.config import flat_options
         from fxpipe.runtime.training.trainer import make_trainer
@@ -235,6 +236,8 @@ class CompiledModel:
             kwargs["loss_fn"] = loss_fn
         if kwargs.get("recompute") is None and any(self.plan.recompute):
             kwargs["recompute"] = self.plan.recompute
+        if kwargs.get("shard") is None and self.plan.shard is not None:
+            kwargs["shard"] = self.plan.shard  # the memory the plan was priced with
         return make_trainer(self, **kwargs)
 
     def calibrate_stages(self, batches: Any, optimizer: Any, *, schedule: str = "pipedream"
@@ -406,7 +409,7 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             recompute: str = "never", schedule: str = "auto",
             microbatches: int | None = None,
             master_weights: bool | None = None,
-            overheads: str | Overheads | None = None) -> CompiledModel:
+            overheads: str | Overheads | None = None, shard: str = "never") -> CompiledModel:
     """Compile ``model`` for ``cluster``: trace, cost, partition, split.
 
     ``example_inputs``: a tuple of positional inputs, a dict of keyword inputs (a Hugging Face
@@ -440,6 +443,11 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
     A stage's state is priced as the run keeps it (``runtime/replica/state_size.py``): weights,
     gradients, ``optimizer``'s state measured on stand-ins, and float32 masters for low-precision
     parameters unless ``master_weights=False`` (pass the Trainer the same).
+    ``shard``: "never" (default: every replica of a stage keeps its whole optimizer state),
+    "optimizer" (each replicated stage splits the optimizer's own state over its replicas,
+    ZeRO-1 on torch's ``ZeroRedundancyOptimizer``: less memory, and a broadcast of the new
+    weights after each step) or "auto" (sharded only where that makes the plan fit or faster);
+    ``plan.shard`` says which, and the trainer shards as the plan was priced.
 
     ``overheads``: what the runtime pays per stage beyond the nodes' times (its calls, its
     messages, the stash's copy; :mod:`fxpipe.costmodel.overheads`), priced into the plan:
@@ -473,15 +481,19 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             f"this model is {fingerprint})", "re-plan with fxpipe.compile(model, cluster, ...)")
 
     def make() -> dict[str, Any]:
-        from fxpipe.runtime.pricing.memory_walk import LOSS_IN_MODEL
-        from fxpipe.runtime.replica.state_size import state_factor, temporaries_for
+        from fxpipe.runtime.pricing.memory_walk import GRADIENT_WIDTH, LOSS_IN_MODEL
+        from fxpipe.runtime.replica.state_size import (gradient_width, state_parts,
+                                                       temporaries_for)
 
         profile = with_runtime_overheads(
             cost_graph(traced, cluster, repeats=repeats, optimizer=optimizer), cluster,
             overheads, on_cuda=any(p.is_cuda for p in traced.gm.parameters()))
         if loss_fn is model_loss:  # its loss is in the graph: no loss outside keeps a copy
             profile = replace(profile, meta={**profile.meta, LOSS_IN_MODEL: True})
-        factor = state_factor(list(traced.gm.parameters()), optimizer, master_weights)
+        width = gradient_width(list(traced.gm.parameters()), master_weights)
+        if width != 1.0:  # gradients summed wider than the weights (float32 for bf16 masters)
+            profile = replace(profile, meta={**profile.meta, GRADIENT_WIDTH: width})
+        factor, split = state_parts(list(traced.gm.parameters()), optimizer, master_weights)
         if plan is not None:  # the user's plan, as saved
             chosen = plan
         else:  # the cap held against each stage's walked peak, the step's temporaries in it
@@ -490,7 +502,8 @@ def compile(model: nn.Module, cluster: Cluster | int | None = None, *,
             chosen = replace(choose_fitted_plan(
                 profile, cluster, sync=sync, stages=stages, straight=straight, choose=choose,
                 recompute=recompute, schedule=schedule, microbatches=microbatches,
-                optimizer_state_factor=factor, temporaries=temporaries),
+                optimizer_state_factor=factor, temporaries=temporaries, shard=shard,
+                sharded_state=split),
                 model_fingerprint=fingerprint)
         return {"profile": profile.to_dict(), "plan": chosen.to_dict()}
 

@@ -12,8 +12,8 @@ import os
 import sys
 from typing import Sequence
 
-from fxpipe.cli_args import (add_model_arguments, add_recompute_argument, costs_line,
-                             load_profile, profile_of, resolve_model)
+from fxpipe.cli_args import (add_model_arguments, add_recompute_argument, add_shard_argument,
+                             costs_line, load_profile, profile_of, resolve_model)
 from fxpipe.errors import ConfigError, FxpipeError
 
 log = logging.getLogger("fxpipe")
@@ -38,7 +38,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = choose_fitted_plan(  # no optimizer is known: no step temporaries
             profile, cluster, sync=args.sync, stages=args.stages, straight=args.straight,
             choose=args.choose, recompute=args.recompute, schedule=args.schedule,
-            microbatches=args.microbatches)
+            microbatches=args.microbatches, shard=args.shard)
         if args.svg:
             draw_overview(plan, args.svg)
             print(f"drew the plan to {args.svg}")
@@ -50,7 +50,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               loss_fn=spec.loss_fn, stages=args.stages, straight=args.straight,
                               sync=args.sync, choose=args.choose, tracer=args.tracer,
                               recompute=args.recompute, schedule=args.schedule,
-                              microbatches=args.microbatches, overheads=args.overheads)
+                              microbatches=args.microbatches, overheads=args.overheads,
+                              shard=args.shard)
         print(f"traced {spec.name} with {compiled.tracer}: {len(compiled.profile.nodes)} nodes "
               "(its inputs and operations, the stages' node counts below)")
         plan, profile = compiled.plan, compiled.profile
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, default=None, help="force the number of stages")
     pl.add_argument("--straight", action="store_true", help="one worker per stage")
     add_recompute_argument(pl)
+    add_shard_argument(pl)
     pl.add_argument("--schedule", default="auto",
                     choices=["auto", "pipedream", "2bw", "1f1b-flush", "gpipe", "zb-h1", "zb-h2"],
                     help="the schedule the plan is priced for, time and memory (auto, the "

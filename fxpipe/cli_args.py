@@ -58,6 +58,13 @@ def add_recompute_argument(p: argparse.ArgumentParser) -> None:
                    "in --memory or faster)")
 
 
+def add_shard_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shard", default="never", choices=["never", "optimizer", "auto"],
+                   help="split a replicated stage's optimizer state over its replicas (ZeRO-1: "
+                   "less memory per worker, a broadcast of the new weights after each step; "
+                   "auto: where it makes the plan fit in --memory or faster)")
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Options of hf: models and of the tracer, shared by plan, simulate and train."""
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (hf: models)")

@@ -40,6 +40,12 @@ class Solution:
     copies: tuple[float, ...] = ()     # bytes of shared parameters stage s keeps a copy of
 
 
+def replica_state(opt: float, sharded: float, r: int) -> float:
+    """Optimizer state per parameter byte one of ``r`` replicas keeps when ``sharded`` bytes
+    of the ``opt`` are split among them (ZeRO-1); ``opt`` itself for r = 1 or nothing split."""
+    return float(opt) - float(sharded) * (1.0 - 1.0 / r)
+
+
 class _Inst:
     """One problem instance: prefix sums and the exact cost expressions."""
 
@@ -49,7 +55,7 @@ class _Inst:
                  memory_cap: float | None, optimizer_state_factor: float, straight: bool,
                  recompute: str = "never", forward: Sequence[float] | None = None,
                  held: Sequence[float] | None = None, rule: MemoryRule = PIPEDREAM,
-                 shared: Sequence[Shared] = ()) -> None:
+                 shared: Sequence[Shared] = (), sharded_state: float = 0.0) -> None:
         n = len(compute)
         if n == 0 or len(parameters) != n or len(activations) != n or len(cut_bytes) != n - 1:
             raise ValueError("compute/parameters/activations need N >= 1 entries and cut_bytes N-1")
@@ -81,6 +87,10 @@ class _Inst:
                                                               else np.zeros(n), dtype=float))])
         self.Fl, self.Hl = self.Fc.tolist(), self.Hc.tolist()
         self.opt = float(optimizer_state_factor)
+        # per r: the optimizer state a replica keeps when ``sharded_state`` bytes per parameter
+        # byte of it are split over the stage's r replicas (ZeRO-1; 0: every replica keeps all)
+        self.optr = [0.0] + [replica_state(self.opt, sharded_state, r)
+                             for r in range(1, workers + 1)]
         self.rs = [1] if straight else list(range(1, workers + 1))
         # cut cost per (r, position); positions 0 and n never cost anything (always allowed).
         self.cutm = cb[None, :] * np.asarray(self.gamma)[:, None]
@@ -125,10 +135,10 @@ class _Inst:
         if self.sh:
             p = p + self.sh.at(a, e)
         if x:
-            return ((2.0 + self.opt) * p + k * p
+            return ((2.0 + self.optr[r]) * p + k * p
                     + h * (self.cbl[a] + (self.Hl[e] - self.Hl[a]))
                     + self._recomputed[(r, v)] * (self.Al[e] - self.Al[a]))
-        return (2.0 + self.opt) * p + k * p + h * (self.Al[e] - self.Al[a])
+        return (2.0 + self.optr[r]) * p + k * p + h * (self.Al[e] - self.Al[a])
 
     def cut(self, r: int, p: int) -> float:
         return self.cbl[p] * self.gamma[r] if 0 < p < self.n else 0.0
@@ -172,7 +182,7 @@ class _Inst:
         mk = self._mkey.get((r, v))
         if mk is None:
             k, h = self.coef(r, v)
-            mk = self._mkey[(r, v)] = ((2.0 + self.opt + k) * self.Pc + h * self.Ac).tolist()
+            mk = self._mkey[(r, v)] = ((2.0 + self.optr[r] + k) * self.Pc + h * self.Ac).tolist()
         em = self._search(mk, self.cap, a, lambda e: self.mem(r, v, a, e) <= self.cap,  # type: ignore[operator]
                           lo)
         return min(et, em), et
@@ -192,10 +202,10 @@ class _Inst:
         if self.sh:
             p = p + self.sh.many(a, e)
         if x:
-            return ((2.0 + self.opt) * p + k * p
+            return ((2.0 + self.optr[r]) * p + k * p
                     + h * (self.cb[a] + (self.Hc[e] - self.Hc[a]))
                     + self._recomputed[(r, v)] * (self.Ac[e] - self.Ac[a]))
-        return (2.0 + self.opt) * p + k * p + h * (self.Ac[e] - self.Ac[a])
+        return (2.0 + self.optr[r]) * p + k * p + h * (self.Ac[e] - self.Ac[a])
 
     def reach_many(self, r: int, v: int, a: np.ndarray, tau: float,
                    x: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -213,9 +223,10 @@ class _Inst:
         k, h = self.coef(r, v)
         mk = self._mkey_np.get((r, v, x))
         if mk is None:  # a recomputing stage holds its input and what it must keep, per set
+            per = 2.0 + self.optr[r] + k
             mk = self._mkey_np[(r, v, x)] = (
-                (2.0 + self.opt + k) * self.Pc + h * self.Hc + self._recomputed[(r, v)] * self.Ac
-                if x else (2.0 + self.opt + k) * self.Pc + h * self.Ac)
+                per * self.Pc + h * self.Hc + self._recomputed[(r, v)] * self.Ac
+                if x else per * self.Pc + h * self.Ac)
         lim = cap - h * self.cb[a] if x else cap
         em = self._search_many(mk, lim, a, lambda a_, e: self.mem_many(r, v, a_, e, x) <= cap)
         return np.minimum(et, em), et

@@ -21,18 +21,26 @@ from .cuts import all_crossing_values, cut_bytes
 from .memory_rule import PIPEDREAM, MemoryRule
 from .overhead_pricing import stage_overheads
 from .plan import Plan, StagePlan
+from .feasibility import replica_state
 from .solver import RECOMPUTE_MODES, Solution, evaluate, minimum_memory, solve
 
 log = logging.getLogger(__name__)
 
 SYNC_MODELS = ("allreduce", "parameter-server")
+SHARD_MODES = ("never", "optimizer", "auto")
+# A sharded replica group (torch's ZeroRedundancyOptimizer) all-reduces the gradients as before
+# (2 (r-1)/r P per replica on a ring) and then broadcasts each replica's share of the new
+# weights to the others ((r-1)/r P more): 1.5 times the unsharded sync.
+SHARD_SYNC = 1.5
 # Plans within this relative distance of the optimum are ties (won by fewer stages, i.e. data
 # parallelism first): profiles are measured to ~1e-3, not to the last bit.
 TIE_TOLERANCE = 1e-9
 
 
-def coefficients(cluster: Cluster, sync: str) -> tuple[list[float], list[float], list[float]]:
-    """Per-r (index r-1) coefficients: stage time ``alpha C + beta P``, cut time ``gamma X``.
+def coefficients(cluster: Cluster, sync: str, shard: bool = False
+                 ) -> tuple[list[float], list[float], list[float]]:
+    """Per-r (index r-1) coefficients: stage time ``alpha C + beta P``, cut time ``gamma X``;
+    ``shard``: replicated stages shard their optimizer state (:data:`SHARD_SYNC` times the sync).
 
     Two-level clusters: a stage's replicas sit in one machine while ``r <= workers_per_machine``
     and all-reduce at ``intra_bandwidth``; beyond that at the inter-machine ``bandwidth``. Cuts
@@ -54,6 +62,8 @@ def coefficients(cluster: Cluster, sync: str) -> tuple[list[float], list[float],
             beta.append(2.0 * (r - 1) / r / bw / r)
         else:  # PipeDream: (C + 4 (r-1)/r P/B) / r
             beta.append(4.0 * (r - 1) / r / bw / r)
+        if shard and r > 1:
+            beta[-1] *= SHARD_SYNC
         gamma.append(2.0 / (cut_bw * r))
     return alpha, beta, gamma
 
@@ -96,10 +106,32 @@ def check_recompute(recompute: object) -> str:
     return str(recompute)
 
 
+def check_shard(shard: object, sync: str, optimizer_state_factor: float,
+                sharded_state: float | None) -> tuple[str, float]:
+    """(the mode, the optimizer state per parameter byte a sharded replica group splits)."""
+    if shard not in SHARD_MODES:
+        raise ConfigError(f"unknown shard={shard!r}",
+                          f"use one of {', '.join(SHARD_MODES)} (optimizer: each replicated "
+                          "stage splits its optimizer state over its replicas, ZeRO-1; auto: "
+                          "only where that makes the plan fit in memory or faster)")
+    if shard != "never" and sync != "allreduce":
+        raise ConfigError(f"shard={shard!r} with sync={sync!r}",
+                          "a sharded replica group all-reduces its gradients: use "
+                          "sync='allreduce'")
+    split = optimizer_state_factor if sharded_state is None else sharded_state
+    if not isinstance(split, (int, float)) or not 0 <= split <= optimizer_state_factor:
+        raise ConfigError(f"sharded_state={sharded_state!r}",
+                          f"the part of optimizer_state_factor ({optimizer_state_factor}) a "
+                          "sharded replica splits: between 0 and it (float32 masters are not "
+                          "split, the optimizer's moments are)")
+    return str(shard), float(split)
+
+
 def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
               stages: int | None = None, straight: bool = False,
               optimizer_state_factor: float = 1.0, recompute: str = "never",
-              memory_rule: MemoryRule = PIPEDREAM, diagnose: bool = True) -> Plan:
+              memory_rule: MemoryRule = PIPEDREAM, diagnose: bool = True,
+              shard: str = "never", sharded_state: float | None = None) -> Plan:
     """Minimum time-per-minibatch plan of ``profile`` on ``cluster`` (exact; see solver.py).
     ``recompute``: activation recomputation per stage, "never", "always" or "auto" (the planner
     decides per stage, recomputing only where it makes the plan fit or faster); a recomputing
@@ -109,15 +141,54 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     under a flushing schedule is found for it. ``diagnose=False``: when nothing fits, raise at
     once, without searching for the least memory that would (the error's figure; a bisection
     of full searches, minutes on a large graph with recomputation): for callers that try
-    several stage counts and skip the ones that do not fit."""
+    several stage counts and skip the ones that do not fit.
+    ``shard``: "never", "optimizer" (every replicated stage splits ``sharded_state`` bytes per
+    parameter byte of its optimizer state over its replicas, ZeRO-1, and pays
+    :data:`SHARD_SYNC` times the sync) or "auto" (the faster of the two plans, the unsharded
+    one on a tie: sharding only ever wins where memory needs it); ``sharded_state`` defaults
+    to the whole ``optimizer_state_factor``. ``plan.shard`` says which was chosen."""
     check_recompute(recompute)
     if not isinstance(memory_rule, MemoryRule):
         raise ConfigError(f"memory_rule must be a MemoryRule, got {memory_rule!r}",
                           "make one with fxpipe.runtime.pricing.memory.memory_rule(kind)")
-    alpha, beta, gamma = coefficients(cluster, sync)
     if not isinstance(optimizer_state_factor, (int, float)) or optimizer_state_factor < 0:
         raise ConfigError(f"optimizer_state_factor must be >= 0, got {optimizer_state_factor!r}",
                           "e.g. 2.0 for Adam (two moments per parameter), 0 for plain SGD")
+    mode, split = check_shard(shard, sync, optimizer_state_factor, sharded_state)
+    kw = dict(sync=sync, stages=stages, straight=straight,
+              optimizer_state_factor=optimizer_state_factor, recompute=recompute,
+              memory_rule=memory_rule)
+    if mode != "auto":
+        return _partition(profile, cluster, diagnose=diagnose,
+                          split=split if mode == "optimizer" else None, **kw)
+    try:
+        whole: Plan | None = _partition(profile, cluster, diagnose=False, split=None, **kw)
+    except InfeasiblePlanError:
+        whole = None
+    if whole is not None and split == 0.0:
+        return whole
+    try:
+        sharded = _partition(profile, cluster, diagnose=diagnose and whole is None, split=split,
+                             **kw)
+    except InfeasiblePlanError:
+        if whole is None:
+            raise
+        return whole
+    if whole is None or (sharded.shard is not None and sharded.time_per_minibatch
+                         < whole.time_per_minibatch * (1.0 - TIE_TOLERANCE)):
+        log.info("sharding the optimizer state: %.4g s/minibatch against %s", 
+                 sharded.time_per_minibatch,
+                 "no plan" if whole is None else f"{whole.time_per_minibatch:.4g} s unsharded")
+        return sharded
+    return whole
+
+
+def _partition(profile: Profile, cluster: Cluster, *, sync: str, stages: int | None,
+               straight: bool, optimizer_state_factor: float, recompute: str,
+               memory_rule: MemoryRule, diagnose: bool, split: float | None) -> Plan:
+    """:func:`partition` with sharding decided: ``split`` bytes per parameter byte of the
+    optimizer state split over each replicated stage's replicas, None: not sharded."""
+    alpha, beta, gamma = coefficients(cluster, sync, shard=split is not None)
     n, m = len(profile.nodes), cluster.workers
     if n == 0:
         raise ConfigError("the profile has no nodes")
@@ -137,7 +208,8 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     acts = [nd.held_bytes for nd in profile.nodes]  # what backward keeps, per minibatch
     args = (compute, params, acts, cb.tolist(), m, alpha, beta, gamma)
     shared = shared_parameters(profile)
-    rc = dict(recompute=recompute, memory_rule=memory_rule, shared=shared,
+    ss = split or 0.0
+    rc = dict(recompute=recompute, memory_rule=memory_rule, shared=shared, sharded_state=ss,
               **_recompute_inputs(profile))
     try:
         sol = solve(*args, memory_cap=cluster.memory, optimizer_state_factor=optimizer_state_factor,
@@ -151,21 +223,24 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
             f"no plan fits in {format_bytes(cluster.memory or 0)} per worker: the smallest-memory "
             f"plan needs {format_bytes(need)} ({need:.0f} bytes) per worker"
             f"{'' if recompute == 'never' else f' with recompute={recompute!r}'}"
+            f"{'' if split is None else ' with the optimizer state sharded'}"
             f"{'' if memory_rule == PIPEDREAM else f' under {memory_rule.label()}'}",
             "use more workers or devices with more memory, a smaller batch, "
             + ("recompute='auto' (activation recomputation), " if recompute == "never" else "")
+            + ("shard='auto' (the optimizer state split over a stage's replicas), "
+               if split is None and optimizer_state_factor > 0 and not straight else "")
             + ("a flushing schedule (schedule='1f1b-flush': no stashed weight versions), "
                if memory_rule.schedule in ("pipedream", "2bw") else "")
             + "or optimizer_state_factor matching your optimizer") from None
-    base = _baselines(profile, args, optimizer_state_factor, memory_rule, shared)
+    base = _baselines(profile, cluster, sync, args, optimizer_state_factor, memory_rule, shared)
     plan = _make_plan(profile, cluster, sync, sol, base, alpha, optimizer_state_factor,
-                      memory_rule)
+                      memory_rule, split)
     if stages is None and not profile.overheads.zero:
         # the overheads are priced on the solver's cuts (overhead_pricing.py): a pipeline pays
         # messages one stage does not, and a replica group an all-reduce one worker does not,
         # so the plan must beat every one-stage plan (on 1..m workers) priced the same way
         single = _one_stage(profile, cluster, sync, args, straight, recompute, alpha,
-                            optimizer_state_factor, memory_rule, base, shared)
+                            optimizer_state_factor, memory_rule, base, shared, split)
         if single is not None and (single.time_per_minibatch
                                    < plan.time_per_minibatch * (1.0 - TIE_TOLERANCE)
                                    or (len(sol.starts) > 1 and single.time_per_minibatch
@@ -180,7 +255,7 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
 def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, straight: bool,
                recompute: str, alpha: list[float], optimizer_state_factor: float,
                memory_rule: MemoryRule, base: tuple[float, float],
-               shared: Sequence[Shared] = ()) -> Plan | None:
+               shared: Sequence[Shared] = (), split: float | None = None) -> Plan | None:
     """The fastest one-stage plan with the runtime's overheads, on any number of the workers
     (data parallelism on all of them, or fewer where their all-reduce costs more than it
     gains, down to one worker; one worker when ``straight``; ties go to more workers),
@@ -191,22 +266,25 @@ def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, strai
         for flag in {"never": (False,), "always": (True,), "auto": (False, True)}[recompute]:
             one = evaluate(*args, [0], [r], recompute=[flag],
                            optimizer_state_factor=optimizer_state_factor,
-                           memory_rule=memory_rule, shared=shared, **_recompute_inputs(profile))
+                           memory_rule=memory_rule, shared=shared, sharded_state=split or 0.0,
+                           **_recompute_inputs(profile))
             if cluster.memory is None or one.memory[0] <= cluster.memory:
                 t = _priced(profile, one, memory_rule)[1]
                 if best is None or t < best[0] * (1.0 - TIE_TOLERANCE):
                     best = (t, _make_plan(profile, cluster, sync, one, base, alpha,
-                                          optimizer_state_factor, memory_rule))
+                                          optimizer_state_factor, memory_rule, split))
                 break
     return None if best is None else best[1]
 
 
-def _baselines(profile: Profile, args: tuple, optimizer_state_factor: float,
-               memory_rule: MemoryRule, shared: Sequence[Shared]) -> tuple[float, float]:
+def _baselines(profile: Profile, cluster: Cluster, sync: str, args: tuple,
+               optimizer_state_factor: float, memory_rule: MemoryRule,
+               shared: Sequence[Shared]) -> tuple[float, float]:
     """What a plan is compared with, priced like it (the runtime's overheads included): data
-    parallelism on every worker, and one worker training alone."""
+    parallelism on every worker, and one worker training alone (neither sharded)."""
     workers = args[4]
-    return tuple(_priced(profile, evaluate(*args, [0], [r],  # type: ignore[return-value]
+    plain = (*args[:5], *coefficients(cluster, sync))
+    return tuple(_priced(profile, evaluate(*plain, [0], [r],  # type: ignore[return-value]
                                            optimizer_state_factor=optimizer_state_factor,
                                            memory_rule=memory_rule, shared=shared),
                          memory_rule)[1] for r in (workers, 1))
@@ -215,15 +293,18 @@ def _baselines(profile: Profile, args: tuple, optimizer_state_factor: float,
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,
              sync: str = "allreduce", optimizer_state_factor: float = 1.0,
              recompute: list[bool] | None = None,
-             memory_rule: MemoryRule = PIPEDREAM) -> Plan:
+             memory_rule: MemoryRule = PIPEDREAM, shard: str = "never",
+             sharded_state: float | None = None) -> Plan:
     """The plan of a GIVEN partition (stage s starts at node ``starts[s]``, ``starts[0] == 0``,
     and runs on ``replicas[s]`` workers, recomputing its activations where ``recompute[s]``),
     costed with the planner's exact expressions: to compare plans the solver did not choose
-    (benchmarks, what-if questions, choosing by simulation)."""
+    (benchmarks, what-if questions, choosing by simulation). ``shard`` as for
+    :func:`partition`; "auto" shards where a stage would not fit the cap unsharded."""
     if recompute is not None and (len(recompute) != len(replicas)
                                   or not all(isinstance(f, bool) for f in recompute)):
         raise ConfigError(f"recompute={recompute!r} for {len(replicas)} stages",
                           "pass one bool per stage, or None (no recomputation)")
+    mode, split = check_shard(shard, sync, optimizer_state_factor, sharded_state)
     n, m = len(profile.nodes), cluster.workers
     ok = (len(starts) == len(replicas) >= 1 and starts[0] == 0
           and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < n
@@ -240,16 +321,28 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
         bad = [profile.names[a] for a in starts[1:] if not np.isfinite(cb[a - 1])]
         raise InfeasiblePlanError(f"cannot cut before {bad[0]!r}: a value that cannot be sent "
                                   "(not a tensor) is live there", "move that stage boundary")
-    alpha, beta, gamma = coefficients(cluster, sync)
-    args = ([nd.compute_s for nd in profile.nodes], [nd.parameter_bytes for nd in profile.nodes],
-            [nd.held_bytes for nd in profile.nodes], cb.tolist(), m, alpha, beta, gamma)
     shared = shared_parameters(profile)
-    sol = evaluate(*args, list(starts), list(replicas),
-                   optimizer_state_factor=optimizer_state_factor, recompute=recompute,
-                   memory_rule=memory_rule, shared=shared, **_recompute_inputs(profile))
+    base_args = ([nd.compute_s for nd in profile.nodes],
+                 [nd.parameter_bytes for nd in profile.nodes],
+                 [nd.held_bytes for nd in profile.nodes], cb.tolist(), m)
+
+    def priced(sharded: bool) -> tuple[Solution, list[float]]:
+        alpha, beta, gamma = coefficients(cluster, sync, shard=sharded)
+        sol = evaluate(*base_args, alpha, beta, gamma, list(starts), list(replicas),
+                       optimizer_state_factor=optimizer_state_factor, recompute=recompute,
+                       memory_rule=memory_rule, shared=shared,
+                       sharded_state=split if sharded else 0.0, **_recompute_inputs(profile))
+        return sol, alpha
+
+    sharded = mode == "optimizer"
+    sol, alpha = priced(sharded)
+    if mode == "auto" and cluster.memory is not None and max(sol.memory) > cluster.memory:
+        sharded = True
+        sol, alpha = priced(True)
     return _make_plan(profile, cluster, sync, sol,
-                      _baselines(profile, args, optimizer_state_factor, memory_rule, shared),
-                      alpha, optimizer_state_factor, memory_rule)
+                      _baselines(profile, cluster, sync, (*base_args, *coefficients(cluster, sync)),
+                                 optimizer_state_factor, memory_rule, shared),
+                      alpha, optimizer_state_factor, memory_rule, split if sharded else None)
 
 
 def _priced(profile: Profile, sol: Solution, rule: MemoryRule) -> tuple[list[float], float]:
@@ -261,7 +354,7 @@ def _priced(profile: Profile, sol: Solution, rule: MemoryRule) -> tuple[list[flo
 
 def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
                base: tuple[float, float], alpha: list[float], optimizer_state_factor: float,
-               memory_rule: MemoryRule) -> Plan:
+               memory_rule: MemoryRule, split: float | None = None) -> Plan:
     names = profile.names
     held = _recompute_inputs(profile)["held"]
     bounds = list(sol.starts) + [len(names)]
@@ -284,7 +377,8 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
             # evaluate() sets one flag and one time per stage, whatever the mode
             recompute=bool(sol.recompute[s]), recompute_s=sol.recompute_times[s],
             state_bytes=(float(sum(nd.parameter_bytes for nd in profile.nodes[a:e]))
-                         + sol.copies[s]) * (2.0 + optimizer_state_factor),
+                         + sol.copies[s])
+                        * (2.0 + replica_state(optimizer_state_factor, split or 0.0, r)),
             copy_bytes=sol.copies[s],
             kept_input_bytes=(sol.cut_bytes[s] + float(sum(held[a:e]))
                               if sol.recompute[s] else None)))
@@ -304,7 +398,9 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
                 shared_parameters=shared,
                 model_fingerprint=profile.meta.get("model_fingerprint"),
                 profile_source=profile.source, workers_used=workers_used,
-                memory_rule=memory_rule)
+                memory_rule=memory_rule,
+                shard="optimizer" if split is not None and workers_used > len(sol.replicas)
+                else None)
     log.info("plan: replicas %s, %.4g s/minibatch (data parallel %.4g s, one worker %.4g s)",
              plan.replicas, plan.time_per_minibatch, base[0], base[1])
     return plan

@@ -107,6 +107,10 @@ class Plan:
     # runtime's overheads, or simulated the same way): what a plan on fewer workers is chosen
     # against (None in plans saved before it was recorded).
     one_worker_time: float | None = None
+    # "optimizer": each replicated stage's optimizer state is split over its replicas (ZeRO-1),
+    # priced in its memory and its sync (see passes.partition); None: every replica keeps all
+    # of it. What the trainer runs by default (its ``shard``).
+    shard: str | None = None
 
     # --- views -------------------------------------------------------------------------
     @property
@@ -193,6 +197,11 @@ class Plan:
         why = self._why()
         if why:
             lines.append(why)
+        if self.shard == "optimizer":
+            lines.append("optimizer state sharded (ZeRO-1): each replica of stage "
+                         + ", ".join(str(s.index) for s in self.stages if s.replicas > 1)
+                         + " keeps 1/r of it (in its memory) and broadcasts its share of the new "
+                         "weights after each step (in its compute)")
         if self.shared_parameters:
             lines.append("parameters shared across stages: " + ", ".join(
                 f"{k} {list(v)}" for k, v in sorted(self.shared_parameters.items()))
@@ -331,7 +340,8 @@ class Plan:
                    window=_get(d, "window", int, origin) if d.get("window") is not None
                    else None,
                    one_worker_time=(_num(d, "one_worker_time", origin)
-                                    if d.get("one_worker_time") is not None else None))
+                                    if d.get("one_worker_time") is not None else None),
+                   shard=_shard(d.get("shard"), origin))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write JSON atomically (temporary file, then rename), so readers never see half a plan."""
@@ -341,6 +351,12 @@ class Plan:
     def load(cls, path: str | os.PathLike[str]) -> Plan:
         d = read_json(path, PlanFormatError, "plan", "pass a file written by Plan.save()")
         return cls.from_dict(d, origin=repr(str(path)))
+
+
+def _shard(raw: Any, where: str) -> str | None:
+    if raw not in (None, "optimizer"):
+        raise PlanFormatError(f"{where}: field 'shard' must be null or \"optimizer\", got {raw!r}")
+    return raw
 
 
 def _staleness(raw: Any, num_stages: int, where: str) -> dict[str, tuple[tuple[int, int], ...]]:

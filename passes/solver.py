@@ -33,10 +33,10 @@ def _instance(compute: Sequence[float], parameters: Sequence[float],
               memory_cap: float | None, optimizer_state_factor: float, straight: bool,
               recompute: str = "never", forward: Sequence[float] | None = None,
               held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM,
-              shared: Sequence[Shared] = ()) -> _Inst:
+              shared: Sequence[Shared] = (), sharded_state: float = 0.0) -> _Inst:
     return _Inst(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
                  memory_cap, optimizer_state_factor, straight, recompute, forward, held,
-                 memory_rule, shared)
+                 memory_rule, shared, sharded_state)
 
 
 def _check(inst: _Inst, tau: float, stages: int | None) -> tuple[list[tuple] | None, float]:
@@ -66,7 +66,7 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
           straight: bool = False, tie_tolerance: float = 0.0, recompute: str = "never",
           forward: Sequence[float] | None = None,
           held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM,
-          shared: Sequence[Shared] = ()) -> Solution:
+          shared: Sequence[Shared] = (), sharded_state: float = 0.0) -> Solution:
     """Minimum-bottleneck partition (see module docstring). ``stages`` forces an exact count;
     ``straight`` forces every ``r = 1``. Plans within ``tie_tolerance`` (relative) of the optimum
     count as ties, won by the fewest stages: measured profiles are nowhere near 1e-9 accurate, so
@@ -82,10 +82,12 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
     ``shared``: parameters used by nodes besides the one that owns them (tied weights, a
     reused layer), ``(owner, bytes, users)`` by node index with the bytes in the owner's
     ``parameters``: a stage holding a user but not the owner keeps a copy of its own, priced in
-    its memory like its own parameters (the stage's ``copies``)."""
+    its memory like its own parameters (the stage's ``copies``). ``sharded_state``: bytes per
+    parameter byte of ``optimizer_state_factor`` that a stage's r replicas split among
+    themselves (ZeRO-1: each keeps 1/r of them); the caller prices the sync it adds in ``beta``."""
     inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
                      memory_cap, optimizer_state_factor, straight, recompute, forward, held,
-                     memory_rule, shared)
+                     memory_rule, shared, sharded_state)
     if stages is not None and not 1 <= stages <= min(inst.n, workers):
         raise InfeasiblePlanError(f"cannot make {stages} stages from {inst.n} nodes and "
                                   f"{workers} workers")
@@ -129,7 +131,7 @@ def solve(compute: Sequence[float], parameters: Sequence[float], activations: Se
         # plan without it, with no more stages, wins
         plain = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
                           gamma, memory_cap, optimizer_state_factor, straight,
-                          memory_rule=memory_rule, shared=shared)
+                          memory_rule=memory_rule, shared=shared, sharded_state=sharded_state)
         alt = (fewest_stages(plain, best.bottleneck) if stages is None
                else check_exact(plain, best.bottleneck, stages)[0])
         checks += 1
@@ -146,13 +148,13 @@ def evaluate(compute: Sequence[float], parameters: Sequence[float], activations:
              replicas: Sequence[int], *, optimizer_state_factor: float = 1.0,
              recompute: Sequence[bool] | None = None, forward: Sequence[float] | None = None,
              held: Sequence[float] | None = None, memory_rule: MemoryRule = PIPEDREAM,
-             shared: Sequence[Shared] = ()) -> Solution:
+             shared: Sequence[Shared] = (), sharded_state: float = 0.0) -> Solution:
     """Costs of a given partition, with the solver's exact expressions (for tests, reports);
     ``recompute``: one flag per stage (then ``forward`` is required, see :func:`solve`)."""
     mode = "auto" if recompute is not None and any(recompute) else "never"
     inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta, gamma,
                      None, optimizer_state_factor, False, mode, forward, held, memory_rule,
-                     shared)
+                     shared, sharded_state)
     return inst.evaluate(list(starts), list(replicas), recompute=recompute)
 
 
@@ -163,7 +165,8 @@ def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
                    straight: bool = False, recompute: str = "never",
                    forward: Sequence[float] | None = None,
                    held: Sequence[float] | None = None,
-                   memory_rule: MemoryRule = PIPEDREAM, shared: Sequence[Shared] = ()) -> float:
+                   memory_rule: MemoryRule = PIPEDREAM, shared: Sequence[Shared] = (),
+                   sharded_state: float = 0.0) -> float:
     """Smallest per-worker memory for which some plan exists (time unconstrained), to the float:
     0 when nothing needs memory, inf when no plan exists at all or only above ``_NO_PLAN``
     bytes. Used to tell users how much memory they need. Bisection on the cap from a bracket
@@ -172,7 +175,7 @@ def minimum_memory(compute: Sequence[float], parameters: Sequence[float],
     def ok(cap: float) -> bool:
         inst = _instance(compute, parameters, activations, cut_bytes, workers, alpha, beta,
                          gamma, cap, optimizer_state_factor, straight, recompute, forward, held,
-                         memory_rule, shared)
+                         memory_rule, shared, sharded_state)
         return _check(inst, math.inf, stages)[0] is not None
 
     if ok(0.0):

@@ -31,7 +31,8 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 stages: int | None = None, straight: bool = False,
                 choose: str = "auto", schedule: str = "auto",
                 recompute: str = "never", microbatches: int | None = None,
-                optimizer_state_factor: float = 1.0) -> Plan:
+                optimizer_state_factor: float = 1.0, shard: str = "never",
+                sharded_state: float | None = None) -> Plan:
     """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds), priced as
     PipeDream's schedule runs (no flush). ``simulation``: the planner's candidates, each
     event-simulated with ``schedule``, the fastest kept (:mod:`.plan_choice`; seconds at 16
@@ -50,7 +51,9 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     than PipeDream's window, replicas waiting for each other).
     ``schedule``'s memory is what the plans are fitted with (``microbatches`` per update);
     ``optimizer_state_factor``: state bytes per parameter byte beyond weights and gradients
-    (``runtime.replica.state_size``)."""
+    (``runtime.replica.state_size``); ``shard`` ("never", "optimizer", "auto") and
+    ``sharded_state``: a replicated stage's optimizer state split over its replicas (ZeRO-1,
+    :func:`fxpipe.passes.partition.partition`)."""
     if choose not in CHOOSERS:
         raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
     schedule = priced_kind(schedule)
@@ -62,7 +65,8 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     if choose == "planner" or (choose == "auto" and schedule == "pipedream"):
         plan = partition(profile, cluster, sync=sync, stages=stages, straight=straight,
                          recompute=recompute, memory_rule=rule,
-                         optimizer_state_factor=optimizer_state_factor)
+                         optimizer_state_factor=optimizer_state_factor, shard=shard,
+                         sharded_state=sharded_state)
         if choose == "planner":
             return plan
         why = unpriced_by_planner(plan, profile)
@@ -74,7 +78,8 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                                       straight=straight, schedules=(schedule,),
                                       recompute=recompute, memory_rule=rule,
                                       microbatches=microbatches,
-                                      optimizer_state_factor=optimizer_state_factor)
+                                      optimizer_state_factor=optimizer_state_factor,
+                                      shard=shard, sharded_state=sharded_state)
     except InfeasiblePlanError as err:
         if choose != "auto" or schedule != "pipedream":
             raise
@@ -91,7 +96,8 @@ def choose_fitted_plan(profile: Profile, cluster: Cluster, *, sync: str = "allre
                        choose: str = "auto", schedule: str = "auto",
                        recompute: str = "never", microbatches: int | None = None,
                        optimizer_state_factor: float = 1.0,
-                       temporaries: tuple[float, float] = (0.0, 0.0)) -> Plan:
+                       temporaries: tuple[float, float] = (0.0, 0.0), shard: str = "never",
+                       sharded_state: float | None = None) -> Plan:
     """:func:`choose_plan`, with the cluster's memory cap held against each stage's peak walked
     through ``schedule`` (:func:`~.peak_fit.fit_peaks`: planned again for lower caps where
     a stage peaks over it), the walked peaks recorded on the plan: what ``compile``, ``fxpipe
@@ -103,5 +109,6 @@ def choose_fitted_plan(profile: Profile, cluster: Cluster, *, sync: str = "allre
         lambda c: choose_plan(profile, c, sync=sync, stages=stages, straight=straight,
                               choose=choose, schedule=schedule, recompute=recompute,
                               microbatches=microbatches,
-                              optimizer_state_factor=optimizer_state_factor),
+                              optimizer_state_factor=optimizer_state_factor, shard=shard,
+                              sharded_state=sharded_state),
         profile, cluster, schedule, microbatches, temporaries)

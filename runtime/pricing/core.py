@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from fxpipe.costmodel.hardware import Cluster
 from fxpipe.costmodel.profile import Profile
 from fxpipe.errors import ConfigError
-from fxpipe.passes.partition import coefficients, shared_parameters
+from fxpipe.passes.partition import SHARD_SYNC, coefficients, shared_parameters
 from fxpipe.passes.plan import Plan
 from fxpipe.units import format_bytes, format_seconds
 
@@ -389,7 +389,8 @@ class PlanSimulation:
 def stage_costs(plan: Plan, profile: Profile | None = None) -> list[StageCosts]:
     """Per-stage simulation costs from the plan (and the profile's forward/backward split)."""
     cluster = Cluster.from_dict(dict(plan.cluster))
-    _, beta, _ = coefficients(cluster, plan.sync)
+    _, beta, _ = coefficients(cluster, plan.sync, shard=plan.shard is not None)
+    ring = SHARD_SYNC if plan.shard is not None else 1.0  # a sharded group's broadcast too
     by_name = {n.name: n for n in profile.nodes} if profile is not None else {}
     out = []
     for sp in plan.stages:
@@ -409,7 +410,8 @@ def stage_costs(plan: Plan, profile: Profile | None = None) -> list[StageCosts]:
         out.append(StageCosts(forward_s=total * frac, backward_s=total * (1.0 - frac) + extra,
                               update_s=r * beta[r - 1] * sp.parameter_bytes if r > 1 else 0.0,
                               parameter_bytes=sp.parameter_bytes, input_bytes=sp.input_bytes,
-                              sync_bytes=2.0 * (r - 1) * sp.parameter_bytes, recompute_s=extra))
+                              sync_bytes=2.0 * ring * (r - 1) * sp.parameter_bytes,
+                              recompute_s=extra))
     return out
 
 

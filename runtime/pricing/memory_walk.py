@@ -124,6 +124,10 @@ def weight_gradient_inputs(plan: Plan, profile: Profile) -> tuple[float, ...]:
 LOSS_IN_MODEL = "loss_in_model"
 """``Profile.meta`` key: the model computes its own loss (a Hugging Face model given labels),
 so what its backward makes is in the graph's working set (set by ``fxpipe.compile``)."""
+GRADIENT_WIDTH = "gradient_bytes_per_parameter_byte"
+"""``Profile.meta`` key: a gradient's bytes per byte of its parameter (2 for bfloat16 weights
+with float32 masters, whose gradients are summed in float32; 1 where absent; set by
+``fxpipe.compile``)."""
 
 
 def loss_bytes(plan: Plan, profile: Profile) -> float:
@@ -159,6 +163,7 @@ def stage_bytes(plan: Plan, profile: Profile, kind: str, in_flight: Sequence[int
     per_byte, per_largest = temporaries
     out = []
     last = len(plan.stages) - 1
+    width = float(profile.meta.get(GRADIENT_WIDTH, 1.0))
     for sp, v, w, L, fw in zip(plan.stages, in_flight, ws, big, for_w):
         held = (kept_inputs(sp) if sp.recompute else sp.activation_bytes) * scale
         recomputed = sp.activation_bytes * scale if sp.recompute else 0.0
@@ -166,10 +171,18 @@ def stage_bytes(plan: Plan, profile: Profile, kind: str, in_flight: Sequence[int
         # in B: the loss's working copy, or where the model computes its own loss (its backward
         # the graph's) the output a recomputing stage makes again beside the one it keeps
         outside = extra if sp.recompute or not profile.meta.get(LOSS_IN_MODEL) else 0.0
+        # a replicated stage's gradient buckets (its replicas' sum overlapped with the
+        # backward, as DDP's): flat buffers of every gradient, kept for the run; at the
+        # update the round's gradient sums (in the state) go and the step reads the buckets
+        bucket = held_parameters(sp) * width if sp.replicas > 1 and kind != "localsgd" else 0.0
+        # a sharded replica steps its share of the parameters (whole tensors: the largest may
+        # be among them)
+        step = per_byte * held_parameters(sp) / (sp.replicas if plan.shard else 1) \
+            + per_largest * L
         out.append(StageBytes(
-            base=state_bytes(sp) + stashed_versions(kind, v) * held_parameters(sp),
+            base=state_bytes(sp) + stashed_versions(kind, v) * held_parameters(sp) + bucket,
             held=held + extra, backward=w * scale + outside + recomputed,
-            update=per_byte * held_parameters(sp) + per_largest * L,
+            update=max(step - bucket, 0.0),
             for_w=fw * scale + recomputed))
     return tuple(out)
 

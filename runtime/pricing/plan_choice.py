@@ -72,7 +72,8 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                          exact_up_to: int = 16, minibatches: int = 200,
                          schedules: Sequence[str] = ("pipedream",),
                          recompute: str = "never", memory_rule: MemoryRule = PIPEDREAM,
-                         microbatches: int | None = None) -> SimulatedChoice:
+                         microbatches: int | None = None, shard: str = "never",
+                         sharded_state: float | None = None) -> SimulatedChoice:
     """The planner's candidates (see docs/design-notes.md; only the ``stages``-stage optimum when
     ``stages`` is given), each simulated with each of ``schedules`` (e.g. the synchronous
     ``1f1b-flush`` and zero-bubble ``zb-h1``/``zb-h2`` next to ``pipedream``: the best plan
@@ -80,7 +81,8 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
     ``plansim.minibatches_for``); returns the fastest (plan, schedule) in steady state.
     ``memory_rule``: the memory every candidate is fitted with (default PipeDream's; e.g.
     ``memory.memory_rule("1f1b-flush")`` when only that schedule will run); ``microbatches``:
-    per update, for the batched kinds (default the workers)."""
+    per update, for the batched kinds (default the workers); ``shard``, ``sharded_state``: as
+    :func:`fxpipe.passes.partition.partition` takes them, for every candidate."""
     if not schedules:
         raise ConfigError("schedules is empty", "give at least one schedule kind to simulate")
     for name, v in (("max_stages", max_stages), ("exact_up_to", exact_up_to),
@@ -88,7 +90,7 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name} must be a positive integer, got {v!r}")
     kw: dict[str, Any] = dict(sync=sync, optimizer_state_factor=optimizer_state_factor,
-                              memory_rule=memory_rule)
+                              memory_rule=memory_rule, shard=shard, sharded_state=sharded_state)
     best = partition(profile, cluster, stages=stages, straight=straight,  # raises if none
                      recompute=recompute, **kw)
     plans = [best]

@@ -148,6 +148,20 @@ def temporaries_for(params: Sequence[torch.Tensor],
     return got[0] * widen, got[1] * widen_largest
 
 
+def gradient_width(params: Sequence[torch.Tensor], master_weights: bool | None = None) -> float:
+    """A gradient's bytes per byte of its parameter over these trainable ``params``, as the run
+    sums them: in float32 for float16/bfloat16 parameters stepped on float32 masters
+    (``master_weights`` None: the runtime's default), else in the parameter's own dtype."""
+    params = [p for p in params if p.requires_grad]
+    own = sum(p.numel() * p.element_size() for p in params)
+    masters = (any(p.dtype in LOW_PRECISION for p in params) if master_weights is None
+               else master_weights)
+    wide = sum(p.numel() * (torch.empty((), dtype=MASTER_DTYPE).element_size()
+                            if masters and p.dtype in LOW_PRECISION else p.element_size())
+               for p in params)
+    return wide / own if own else 1.0
+
+
 def state_factor(params: Sequence[torch.Tensor],
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  master_weights: bool | None = None) -> float:
@@ -155,9 +169,18 @@ def state_factor(params: Sequence[torch.Tensor],
     ``optimizer`` (default: SGD with momentum) and ``master_weights`` (None: float32 masters
     for float16/bfloat16 parameters, the runtime's default; False: none): state bytes beyond
     weights and one same-dtype gradient, per parameter byte, over all of them."""
+    return state_parts(params, optimizer, master_weights)[0]
+
+
+def state_parts(params: Sequence[torch.Tensor],
+                optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+                master_weights: bool | None = None) -> tuple[float, float]:
+    """(:func:`state_factor`, the part of it that is the optimizer's own state): what a
+    sharded replica group splits among its replicas (ZeRO-1 steps each replica's share of the
+    parameters, so the moments are split; the float32 masters and the gradients are not)."""
     params = [p for p in params if p.requires_grad]
     if not params:
-        return 0.0
+        return 0.0, 0.0
     optimizer = optimizer or _default_optimizer
     low = [p for p in params if p.dtype in LOW_PRECISION]
     masters = bool(low) if master_weights is None else master_weights
@@ -168,7 +191,7 @@ def state_factor(params: Sequence[torch.Tensor],
         log.warning("optimizer state not measured (%s); assuming %s bytes per parameter byte",
                     err, FALLBACK_STATE)
         per_byte = FALLBACK_STATE
-    total = own = 0.0
+    total = own = moments = 0.0
     for p, (_, dt) in zip(params, stepped):
         n, size = p.numel(), p.element_size()
         stepped_size = torch.empty((), dtype=dt).element_size()
@@ -176,4 +199,5 @@ def state_factor(params: Sequence[torch.Tensor],
         # weight + gradient (in the stepped dtype) + master (if any) + optimizer state
         total += n * (size + stepped_size + (stepped_size if dt != p.dtype else 0)
                       + per_byte * stepped_size)
-    return total / own - 2.0
+        moments += n * per_byte * stepped_size
+    return total / own - 2.0, moments / own

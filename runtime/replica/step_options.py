@@ -16,16 +16,18 @@ from .master import check_master_weights
 from .precision import check_precision
 
 
-SHARD_OPTIONS = (None, "optimizer")
-"""``shard``: None (every replica holds the whole optimizer state) or ``"optimizer"`` (ZeRO-1,
+SHARD_OPTIONS = (None, "never", "optimizer")
+"""``shard``: None or "never" (every replica holds the whole optimizer state; a compiled
+model's trainer reads None as the plan's choice) or ``"optimizer"`` (ZeRO-1,
 :mod:`fxpipe.runtime.execution.sharding`)."""
 
 
 def check_shard(shard: str | None) -> str | None:
+    """``shard`` as the run keeps it: "optimizer" or None."""
     if shard not in SHARD_OPTIONS:
-        raise RuntimeConfigError(f"shard={shard!r}", "use None (no sharding) or 'optimizer' "
-                                 "(a replicated stage's optimizer state split over its replicas)")
-    return shard
+        raise RuntimeConfigError(f"shard={shard!r}", "use 'optimizer' (a replicated stage's "
+                                 "optimizer state split over its replicas) or 'never'")
+    return None if shard == "never" else shard
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..execution.trainer_backends import (DistributedBackend, IdleBackend, Refer
 from ..replica.stage import LossFn, StageReplica, check_stages
 from ..replica.stash import OptimizerFactory
 from ..replica.state_size import temporaries_for
-from ..replica.step_options import StepOptions
+from ..replica.step_options import StepOptions, check_shard
 from ..replica.weighted import WeightedLoss
 from ..schedules.localsgd import LOCALSGD
 from ..schedules.placement import PLACED_KINDS
@@ -196,6 +196,7 @@ class Trainer(ScheduleMixin, CutMixin, ResultsMixin, CheckpointMixin):
             check_directory(checkpoint_dir)  # a file, or unwritable: not at the first save
         self.stages, self.replicas = list(stages), list(replicas)
         check_stages(self.stages, self.replicas)
+        shard = check_shard(shard)  # "never" is None
         self.average_every = check_local_sgd(spec.kind, self.replicas, average_every,
                                              clip_grad_norm, precision, microbatches, split,
                                              shard)

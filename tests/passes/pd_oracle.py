@@ -20,6 +20,10 @@ cluster of ``workers`` with ``workers_per_machine`` per machine:
   (``SCHEDULE_MEMORY``, written from each schedule's definition): P (2 + opt) + k P + h A with
   k stashed versions and h activation sets held, e.g. 1F1B with a flush every m microbatches
   stashes nothing and holds min(v, ceil(m / r)): a replica gets every r-th of the m.
+- a sharded replica group (ZeRO-1, torch's ZeroRedundancyOptimizer): each of the r replicas
+  keeps 1/r of the ``sharded`` bytes of optimizer state per parameter byte (the rest of
+  ``opt`` whole), and after the gradients' ring all-reduce broadcasts its share of the new
+  weights, (r-1)/r P more per replica: k = 3 in the stage time.
 """
 from __future__ import annotations
 
@@ -61,9 +65,14 @@ class Priced:
     memory: tuple[float, ...]
 
 
-def stage_time(c: float, p: float, r: int, net: Net) -> float:
-    k = 2.0 if net.sync == "allreduce" else 4.0
+def stage_time(c: float, p: float, r: int, net: Net, sharded: bool = False) -> float:
+    k = (3.0 if sharded else 2.0) if net.sync == "allreduce" else 4.0
     return (c + k * (r - 1) / r * p / net.sync_bandwidth(r)) / r
+
+
+def sharded_opt(opt: float, sharded: float | None, r: int) -> float:
+    """Optimizer state per parameter byte one of r replicas keeps (``sharded`` None: all)."""
+    return opt if sharded is None else opt - sharded * (1 - 1 / r)
 
 
 def cut_time(x: float, r: int, net: Net) -> float:
@@ -97,23 +106,26 @@ def schedule_memory(p: float, a: float, v: int, r: int, m: int, opt: float,
 def price(compute: Sequence[float], params: Sequence[float], acts: Sequence[float],
           cuts: Sequence[float], starts: Sequence[int], replicas: Sequence[int], net: Net,
           opt: float = 1.0, schedule: str = "pipedream", m: int | None = None,
-          shared: Sequence[tuple[int, float, Sequence[int]]] = ()) -> Priced:
+          shared: Sequence[tuple[int, float, Sequence[int]]] = (),
+          sharded: float | None = None) -> Priced:
     """``cuts[p - 1]``: bytes live across cut position p (before node p); ``schedule`` and
     ``m`` (microbatches per update, default the cluster's workers): whose memory; ``shared``:
     parameters (owner node, bytes, user nodes) of which a stage with a user and without the
-    owner keeps a copy, in its memory like its own parameters (not in its time)."""
+    owner keeps a copy, in its memory like its own parameters (not in its time); ``sharded``:
+    the optimizer state per parameter byte a sharded replica group splits (None: unsharded)."""
     ends = [*starts[1:], len(compute)]
     st, ct, vs, mem = [], [], [], []
     for s, (a, e, r) in enumerate(zip(starts, ends, replicas)):
         c, p, x = sum(compute[a:e]), sum(params[a:e]), sum(acts[a:e])
         copies = sum(b for o, b, users in shared
                      if not a <= o < e and any(a <= u < e for u in users))
-        st.append(stage_time(c, p, r, net))
+        st.append(stage_time(c, p, r, net, sharded is not None and r > 1))
         p += copies
         ct.append(cut_time(cuts[a - 1], r, net) if s else 0.0)
         vs.append(in_flight(replicas, s))
-        mem.append(memory(p, x, vs[-1], opt) if schedule == "pipedream" else
-                   schedule_memory(p, x, vs[-1], r, m or net.workers, opt, schedule))
+        o = sharded_opt(opt, sharded, r)
+        mem.append(memory(p, x, vs[-1], o) if schedule == "pipedream" else
+                   schedule_memory(p, x, vs[-1], r, m or net.workers, o, schedule))
     return Priced(max(st + ct), tuple(st), tuple(ct), tuple(vs), tuple(mem))
 
 

@@ -185,7 +185,8 @@ def test_memory_refusal_quotes_the_cap_and_the_need() -> None:
     assert ei.value.message == ("no plan fits in 1 GB per worker: the smallest-memory plan needs "
                                 "6 GB (6000000000 bytes) per worker")
     assert ei.value.hint == ("use more workers or devices with more memory, a smaller batch, "
-                             "recompute='auto' (activation recomputation), a flushing "
+                             "recompute='auto' (activation recomputation), shard='auto' (the "
+                             "optimizer state split over a stage's replicas), a flushing "
                              "schedule (schedule='1f1b-flush': no stashed weight versions), or "
                              "optimizer_state_factor matching your optimizer")
 

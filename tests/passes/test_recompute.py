@@ -84,13 +84,15 @@ def test_a_cap_only_recomputation_meets() -> None:
         partition(prof, cl)
     assert ei.value.message.endswith("needs 610 B (610 bytes) per worker")
     assert ei.value.hint == ("use more workers or devices with more memory, a smaller batch, "
-                             "recompute='auto' (activation recomputation), a flushing schedule "
+                             "recompute='auto' (activation recomputation), shard='auto' (the "
+                             "optimizer state split over a stage's replicas), a flushing schedule "
                              "(schedule='1f1b-flush': no stashed weight versions), or "
                              "optimizer_state_factor matching your optimizer")
     with pytest.raises(InfeasiblePlanError) as ei:
         partition(prof, cl, recompute="always")
     assert ei.value.message.endswith(" per worker with recompute='always'")
     assert ei.value.hint == ("use more workers or devices with more memory, a smaller batch, "
+                             "shard='auto' (the optimizer state split over a stage's replicas), "
                              "a flushing schedule (schedule='1f1b-flush': no stashed weight "
                              "versions), or optimizer_state_factor matching your optimizer")
     plan = partition(prof, cl, recompute="auto")

@@ -38,7 +38,7 @@ def coeffs(net: Net) -> tuple[list[float], list[float], list[float]]:
 
 
 def brute(C, P, A, cb, net: Net, cap, opt, stages, straight, schedule="pipedream", m_=None,
-          shared=()):
+          shared=(), sharded=None):
     """Every cut set and replica vector priced by the definitions: (optimum, fewest stages of
     the plans within TIE of it, {(starts, replicas): price} of the feasible plans)."""
     n, m = len(C), net.workers
@@ -54,7 +54,7 @@ def brute(C, P, A, cb, net: Net, cap, opt, stages, straight, schedule="pipedream
             for rv in reps:
                 if sum(rv) > m:
                     continue
-                pr = price(C, P, A, cb, (0, *cuts), rv, net, opt, schedule, m_, shared)
+                pr = price(C, P, A, cb, (0, *cuts), rv, net, opt, schedule, m_, shared, sharded)
                 if cap is None or all(x <= cap for x in pr.memory):
                     feasible[((0, *cuts), rv)] = pr
     if not feasible:
@@ -255,6 +255,39 @@ def test_a_cap_between_the_rules_has_a_plan_only_under_the_flushing_schedule() -
         solve(C, P, A, cb, 2, a, b, g, memory_cap=500.0)
     sol = solve(C, P, A, cb, 2, a, b, g, memory_cap=500.0, memory_rule=flush)
     assert sol.starts == (0, 1) and sol.replicas == (1, 1) and max(sol.memory) <= 500.0
+
+
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(), st.sampled_from(["pipedream", "1f1b-flush"]), st.sampled_from([0.5, 1.0]))
+def test_sharded_optimizer_state_matches_brute_force(inst, schedule, part) -> None:
+    """A replicated stage that splits ``part`` of the optimizer state over its replicas
+    (ZeRO-1: pd_oracle's ``sharded``, each keeps 1/r of it, and a broadcast of the new weights
+    makes the sync 3 (r-1)/r P): the optimum under the cap, its memory and times."""
+    C, P, A, cb, net, cap, opt, stages, straight = inst
+    net = Net(net.workers, net.bandwidth, net.intra_bandwidth, net.workers_per_machine)
+    sharded = part * opt
+    want, want_s, feasible = brute(C, P, A, cb, net, cap, opt, stages, straight, schedule,
+                                   None, (), sharded)
+    a, g = coeffs(net)[0], coeffs(net)[2]
+    b = [x * (1.5 if r > 1 else 1.0) for r, x in enumerate(coeffs(net)[1], start=1)]
+    rule = (MemoryRule("pipedream", "window", "window") if schedule == "pipedream"
+            else RULES[schedule](None))
+    try:
+        sol = solve(C, P, A, cb, net.workers, a, b, g, memory_cap=cap, optimizer_state_factor=opt,
+                    stages=stages, straight=straight, tie_tolerance=TIE, memory_rule=rule,
+                    sharded_state=sharded)
+    except InfeasiblePlanError:
+        assert want == math.inf
+        return
+    assert want < math.inf
+    mine = price(C, P, A, cb, sol.starts, sol.replicas, net, opt, schedule, None, (), sharded)
+    assert (tuple(sol.starts), tuple(sol.replicas)) in feasible
+    assert math.isclose(mine.bottleneck, want, rel_tol=TIE)
+    assert len(sol.replicas) == (stages if stages is not None else want_s)
+    assert sol.memory == mine.memory
+    for got, exp in zip(sol.stage_times, mine.stage_times):
+        assert math.isclose(got, exp, rel_tol=TIE)
 
 
 @st.composite

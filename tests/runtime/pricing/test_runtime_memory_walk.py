@@ -10,7 +10,8 @@ import torch
 from fxpipe.costmodel.profile import Profile, ProfileNode
 from fxpipe.passes.plan import Plan, StagePlan
 from fxpipe.runtime.pricing.memory import check_memory, memory_rule, memory_table
-from fxpipe.runtime.pricing.memory_walk import (LOSS_IN_MODEL, StageBytes, StagePeak,
+from fxpipe.runtime.pricing.memory_walk import (GRADIENT_WIDTH, LOSS_IN_MODEL, StageBytes,
+                                                StagePeak,
                                                 gradient_values, stage_bytes, stage_links,
                                                 tie_buffers, walk_memory, walk_rank)
 from fxpipe.runtime.replica.state_size import step_temporaries, temporaries_for
@@ -159,6 +160,37 @@ def test_stage_terms_from_the_profile() -> None:
     peaks = walk_memory(plan, prof, "1f1b-flush", microbatches=2, temporaries=(1.0, 2.0))
     assert [p.stage for p in peaks] == [0, 1] and all(isinstance(p, StagePeak) for p in peaks)
     assert all(p.peak == sum(p.parts.values()) for p in peaks)
+
+
+def test_a_replicated_stage_keeps_its_buckets_and_a_sharded_one_steps_its_share() -> None:
+    """Stage 0 of the profile above (P = 40 of weights, state 160, AdamW-like temporaries
+    1 P + 2 L = 120) on 2 replicas: its gradient buckets (P in the gradients' dtype) live with
+    the state; at the update the round's gradient sums (P) go before the step, so its working
+    set is 120 - 40. Float32 gradients of bfloat16 weights (GRADIENT_WIDTH 2): buckets of 2 P.
+    Sharded over the 2 (state 120): the step touches half the parameters, 20 + 80 - 40.
+    LocalSGD's replicas sum nothing: no buckets."""
+    from dataclasses import replace
+
+    prof = Profile(nodes=(_node("x", op="placeholder", out=8), _node("a", ("x",), 16, p=40),
+                          _node("b", ("a",), 32), _node("d", ("b",), 8, p=24,
+                                                          is_output=True)))
+    two = replace(_stage(0, ("x", "a"), p=40, a=24, state=160, v=2), replicas=2)
+    plan = replace(_plan("1f1b-flush", (two, _stage(1, ("b", "d"), p=24, a=40, state=96))),
+                   cluster={"workers": 3})
+    t = stage_bytes(plan, prof, "1f1b-flush", [2, 1], temporaries=(1.0, 2.0))[0]
+    assert (t.base, t.update) == (160 + 40, 120 - 40)
+    wide = Profile(nodes=prof.nodes, meta={GRADIENT_WIDTH: 2.0})
+    t = stage_bytes(plan, wide, "1f1b-flush", [2, 1], temporaries=(1.0, 2.0))[0]
+    assert (t.base, t.update) == (160 + 80, 120 - 80)
+    sharded = replace(plan, shard="optimizer", stages=(replace(two, state_bytes=120.0),
+                                                       plan.stages[1]))
+    t = stage_bytes(sharded, prof, "1f1b-flush", [2, 1], temporaries=(1.0, 2.0))[0]
+    assert (t.base, t.update) == (120 + 40, 20 + 80 - 40)
+    t = stage_bytes(plan, prof, "localsgd", [2, 1], temporaries=(1.0, 2.0))[0]
+    assert (t.base, t.update) == (160, 120)
+    # the one-replica stage: no buckets, its whole step
+    assert stage_bytes(sharded, prof, "1f1b-flush", [2, 1],
+                       temporaries=(1.0, 2.0))[1].update == 24 + 48
 
 
 def _tied(stages: int) -> tuple[Profile, Plan, Plan]:

@@ -397,3 +397,23 @@ def test_tied_stages_with_unequal_replicas_are_not_simulated_under_pipedream() -
     with pytest.raises(InfeasiblePlanError, match=r"update unequally often .*\(0, 0\): 50"):
         simulate_plan(plan, prof, minibatches=100)
     assert simulate_plan(plan, prof, schedule="1f1b-flush", minibatches=100).steady_state_period > 0
+
+
+def test_a_sharded_group_syncs_half_as_much_again() -> None:
+    """Data parallelism on 2 workers of 1000 B/s over 2000 parameter bytes (tests/passes/
+    test_shard.py's case): the replicas' ring all-reduce sends 2 (r-1)/r P = 2000 bytes each,
+    2 s per update; sharded (ZeRO-1) each also broadcasts its share of the new weights, 1000
+    bytes more: 3 s, and 6000 bytes on the wire per update instead of 4000."""
+    from fxpipe.passes.partition import plan_for
+    from fxpipe.runtime.pricing.core import stage_costs
+
+    nodes = tuple(ProfileNode(name=f"n{i}", op="call_module", target=f"m{i}", forward_s=1.0,
+                              backward_s=1.0, activation_bytes=0.0, parameter_bytes=1000.0,
+                              inputs=(f"n{i - 1}",) if i else ()) for i in range(2))
+    prof, cl = Profile(nodes=nodes, batch_size=4), Cluster(workers=2, bandwidth=1000.0)
+    whole = plan_for(prof, cl, [0], [2], optimizer_state_factor=2.0)
+    sharded = plan_for(prof, cl, [0], [2], optimizer_state_factor=2.0, shard="optimizer")
+    assert sharded.shard == "optimizer" and whole.shard is None
+    (w,), (s,) = stage_costs(whole, prof), stage_costs(sharded, prof)
+    assert (w.update_s, w.sync_bytes) == (2.0, 4000.0)
+    assert (s.update_s, s.sync_bytes) == (3.0, 6000.0)
