@@ -158,15 +158,13 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     kw = dict(sync=sync, stages=stages, straight=straight,
               optimizer_state_factor=optimizer_state_factor, recompute=recompute,
               memory_rule=memory_rule)
-    if mode != "auto":
+    if mode != "auto" or split == 0.0:  # auto with nothing to split: never
         return _partition(profile, cluster, diagnose=diagnose,
                           split=split if mode == "optimizer" else None, **kw)
     try:
         whole: Plan | None = _partition(profile, cluster, diagnose=False, split=None, **kw)
     except InfeasiblePlanError:
         whole = None
-    if whole is not None and split == 0.0:
-        return whole
     try:
         sharded = _partition(profile, cluster, diagnose=diagnose and whole is None, split=split,
                              **kw)
@@ -176,7 +174,7 @@ def partition(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
         return whole
     if whole is None or (sharded.shard is not None and sharded.time_per_minibatch
                          < whole.time_per_minibatch * (1.0 - TIE_TOLERANCE)):
-        log.info("sharding the optimizer state: %.4g s/minibatch against %s", 
+        log.info("sharding the optimizer state: %.4g s/minibatch against %s",
                  sharded.time_per_minibatch,
                  "no plan" if whole is None else f"{whole.time_per_minibatch:.4g} s unsharded")
         return sharded
