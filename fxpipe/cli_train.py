@@ -42,9 +42,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "with +)")
     p.add_argument("--average-every", type=int, default=None, metavar="H",
                    help="localsgd: local updates between two averages of the copies (default 4)")
-    p.add_argument("--shard", choices=("optimizer",), default=None,
+    p.add_argument("--shard", choices=("never", "optimizer", "auto"), default=None,
                    help="split each replicated stage's optimizer state over its replicas "
-                        "(ZeRO-1, torch's ZeroRedundancyOptimizer)")
+                        "(ZeRO-1, torch's ZeroRedundancyOptimizer): optimizer plans and trains "
+                        "sharded, never neither, auto plans sharded where that makes the plan "
+                        "fit or faster; default: as the plan (--plan) was priced")
     p.add_argument("--pilot", type=int, default=None,
                    help="auto: minibatches of 1f1b-flush's pilot, the others the same seconds "
                    "(0: none, pick 1f1b-flush)")
@@ -367,7 +369,8 @@ def run_worker(args: argparse.Namespace) -> int:
                           example_inputs=spec.example_inputs, loss_fn=spec.loss_fn, plan=plan,
                           stages=args.stages, straight=args.straight, tracer=args.tracer,
                           schedule=plan_schedule(args.schedule),
-                          microbatches=args.microbatches, overheads=args.overheads)
+                          microbatches=args.microbatches, overheads=args.overheads,
+                          shard=args.shard or "never")
     if rank == 0:  # the plan before training: its stages, speedups, and why it is what it is
         from fxpipe.cli_args import costs_line
 
@@ -396,7 +399,8 @@ def run_worker(args: argparse.Namespace) -> int:
         metrics=MetricsConfig(path=args.metrics, every=args.metrics_every,
                               progress=not args.no_progress, measure_memory=args.measure_memory),
         data=DataConfig(seed=args.seed, prefetch=args.prefetch),
-        run=RunConfig(timeout_s=args.timeout, shard=args.shard))
+        run=RunConfig(timeout_s=args.timeout,  # auto, or none given: as the plan was priced
+                      shard=None if args.shard in (None, "auto") else args.shard))
     resume = args.resume
     if args.elastic:
         from fxpipe.cli_elastic import elastic_resume

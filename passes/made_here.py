@@ -5,7 +5,7 @@ running-statistics norm), reaching no parameter, on model inputs or made values;
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from fxpipe.costmodel.profile import Profile
@@ -101,10 +101,10 @@ def profile_facts(profile: Profile) -> list[NodeFacts]:
 T = TypeVar("T")
 GRAPHS_KEPT = 4
 """Graphs whose facts :func:`per_graph` keeps (the newest): a planning run has one or two."""
-_GRAPHS: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+_GRAPHS: list[tuple[tuple[Any, ...], dict[Hashable, Any]]] = []
 
 
-def per_graph(profile: Profile, what: str, make: Callable[[], T]) -> T:
+def per_graph(profile: Profile, what: Hashable, make: Callable[[], T]) -> T:
     """``make()``, computed once per graph: kept under ``what`` for the profile's node tuple
     (immutable, and shared by every copy of the profile that re-prices or rescales it), so a
     planner trying many candidates does not derive the graph's facts again for each one."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,7 @@ from .memory_rule import PIPEDREAM, MemoryRule
 from .overhead_pricing import stage_overheads
 from .plan import Plan, StagePlan
 from .feasibility import replica_state
+from .made_here import per_graph
 from .solver import RECOMPUTE_MODES, Solution, evaluate, minimum_memory, solve
 
 log = logging.getLogger(__name__)
@@ -68,12 +70,40 @@ def coefficients(cluster: Cluster, sync: str, shard: bool = False
     return alpha, beta, gamma
 
 
-def _recompute_inputs(profile: Profile) -> dict[str, list[float]]:
-    """What a recomputing stage repeats (each node's forward) and keeps per in-flight minibatch
-    besides the bytes crossing the cut into it: the model inputs (placeholders) it holds."""
-    return {"forward": [nd.forward_s for nd in profile.nodes],
-            "held": [nd.activation_bytes if nd.op == "placeholder" else 0.0
-                     for nd in profile.nodes]}
+@dataclass(frozen=True)
+class _Graph:
+    """The numbers the solver reads that no candidate changes, made once per graph
+    (:func:`~.made_here.per_graph`): per node its compute, owned parameter bytes and held
+    activation bytes, the bytes crossing each cut, the shared parameters, and what a
+    recomputing stage repeats (each node's forward) and keeps per in-flight minibatch besides
+    the bytes crossing into it (the model inputs it holds)."""
+
+    compute: list[float]
+    params: list[float]
+    acts: list[float]
+    cut_bytes: np.ndarray
+    shared: tuple[Shared, ...]
+    forward: list[float]
+    held: list[float]
+
+    def args(self, workers: int) -> tuple:
+        """The solver's leading arguments, before the coefficients."""
+        return (self.compute, self.params, self.acts, self.cut_bytes.tolist(), workers)
+
+    def recompute_inputs(self) -> dict[str, list[float]]:
+        return {"forward": self.forward, "held": self.held}
+
+
+def _graph(profile: Profile) -> _Graph:
+    def make() -> _Graph:
+        nodes = profile.nodes
+        return _Graph(compute=[nd.compute_s for nd in nodes],
+                      params=[nd.parameter_bytes for nd in nodes],
+                      acts=[nd.held_bytes for nd in nodes], cut_bytes=cut_bytes(profile),
+                      shared=shared_parameters(profile), forward=[nd.forward_s for nd in nodes],
+                      held=[nd.activation_bytes if nd.op == "placeholder" else 0.0
+                            for nd in nodes])
+    return per_graph(profile, "partition", make)
 
 
 def shared_parameters(profile: Profile) -> tuple[Shared, ...]:
@@ -190,7 +220,8 @@ def _partition(profile: Profile, cluster: Cluster, *, sync: str, stages: int | N
     n, m = len(profile.nodes), cluster.workers
     if n == 0:
         raise ConfigError("the profile has no nodes")
-    cb = cut_bytes(profile)
+    g = _graph(profile)
+    cb = g.cut_bytes
     cuttable = int(np.isfinite(cb).sum())
     max_stages = min(m, cuttable + 1)
     if stages is not None:
@@ -200,15 +231,12 @@ def _partition(profile: Profile, cluster: Cluster, *, sync: str, stages: int | N
                 f"({m} workers, {cuttable} places where the graph can be cut)",
                 f"pass stages between 1 and {max_stages}, or None to let fxpipe choose")
     # compute_s = forward + backward + update: in the pipedream (1F1B) schedule every replica
-    # steps after each of its backwards, so the update is stage time like F and B
-    compute = [nd.compute_s for nd in profile.nodes]
-    params = [nd.parameter_bytes for nd in profile.nodes]
-    acts = [nd.held_bytes for nd in profile.nodes]  # what backward keeps, per minibatch
-    args = (compute, params, acts, cb.tolist(), m, alpha, beta, gamma)
-    shared = shared_parameters(profile)
-    ss = split or 0.0
-    rc = dict(recompute=recompute, memory_rule=memory_rule, shared=shared, sharded_state=ss,
-              **_recompute_inputs(profile))
+    # steps after each of its backwards, so the update is stage time like F and B; acts: what
+    # backward keeps, per minibatch
+    args = (*g.args(m), alpha, beta, gamma)
+    shared = g.shared
+    rc = dict(recompute=recompute, memory_rule=memory_rule, shared=shared,
+              sharded_state=split or 0.0, **g.recompute_inputs())
     try:
         sol = solve(*args, memory_cap=cluster.memory, optimizer_state_factor=optimizer_state_factor,
                     stages=stages, straight=straight, tie_tolerance=TIE_TOLERANCE, **rc)
@@ -230,7 +258,7 @@ def _partition(profile: Profile, cluster: Cluster, *, sync: str, stages: int | N
             + ("a flushing schedule (schedule='1f1b-flush': no stashed weight versions), "
                if memory_rule.schedule in ("pipedream", "2bw") else "")
             + "or optimizer_state_factor matching your optimizer") from None
-    base = _baselines(profile, cluster, sync, args, optimizer_state_factor, memory_rule, shared)
+    base = _baselines(profile, cluster, sync, optimizer_state_factor, memory_rule)
     plan = _make_plan(profile, cluster, sync, sol, base, alpha, optimizer_state_factor,
                       memory_rule, split)
     if stages is None and not profile.overheads.zero:
@@ -265,7 +293,7 @@ def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, strai
             one = evaluate(*args, [0], [r], recompute=[flag],
                            optimizer_state_factor=optimizer_state_factor,
                            memory_rule=memory_rule, shared=shared, sharded_state=split or 0.0,
-                           **_recompute_inputs(profile))
+                           **_graph(profile).recompute_inputs())
             if cluster.memory is None or one.memory[0] <= cluster.memory:
                 t = _priced(profile, one, memory_rule)[1]
                 if best is None or t < best[0] * (1.0 - TIE_TOLERANCE):
@@ -275,17 +303,20 @@ def _one_stage(profile: Profile, cluster: Cluster, sync: str, args: tuple, strai
     return None if best is None else best[1]
 
 
-def _baselines(profile: Profile, cluster: Cluster, sync: str, args: tuple,
-               optimizer_state_factor: float, memory_rule: MemoryRule,
-               shared: Sequence[Shared]) -> tuple[float, float]:
+def _baselines(profile: Profile, cluster: Cluster, sync: str, optimizer_state_factor: float,
+               memory_rule: MemoryRule) -> tuple[float, float]:
     """What a plan is compared with, priced like it (the runtime's overheads included): data
-    parallelism on every worker, and one worker training alone (neither sharded)."""
-    workers = args[4]
-    plain = (*args[:5], *coefficients(cluster, sync))
-    return tuple(_priced(profile, evaluate(*plain, [0], [r],  # type: ignore[return-value]
-                                           optimizer_state_factor=optimizer_state_factor,
-                                           memory_rule=memory_rule, shared=shared),
-                         memory_rule)[1] for r in (workers, 1))
+    parallelism on every worker, and one worker training alone (neither sharded); once per
+    graph and setting, as every candidate of a choice shares them."""
+    def make() -> tuple[float, float]:
+        g = _graph(profile)
+        plain = (*g.args(cluster.workers), *coefficients(cluster, sync))
+        return tuple(_priced(profile, evaluate(  # type: ignore[return-value]
+            *plain, [0], [r], optimizer_state_factor=optimizer_state_factor,
+            memory_rule=memory_rule, shared=g.shared), memory_rule)[1]
+            for r in (cluster.workers, 1))
+    return per_graph(profile, ("baselines", cluster, sync, optimizer_state_factor, memory_rule),
+                     make)
 
 
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,
@@ -314,22 +345,19 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
     if sum(replicas) > m:
         raise InfeasiblePlanError(f"replicas {replicas} need {sum(replicas)} workers, the "
                                   f"cluster has {m}", "use fewer replicas or a larger Cluster")
-    cb = cut_bytes(profile)
+    g = _graph(profile)
+    cb = g.cut_bytes
     if not all(np.isfinite(cb[a - 1]) for a in starts[1:]):
         bad = [profile.names[a] for a in starts[1:] if not np.isfinite(cb[a - 1])]
         raise InfeasiblePlanError(f"cannot cut before {bad[0]!r}: a value that cannot be sent "
                                   "(not a tensor) is live there", "move that stage boundary")
-    shared = shared_parameters(profile)
-    base_args = ([nd.compute_s for nd in profile.nodes],
-                 [nd.parameter_bytes for nd in profile.nodes],
-                 [nd.held_bytes for nd in profile.nodes], cb.tolist(), m)
 
     def priced(sharded: bool) -> tuple[Solution, list[float]]:
         alpha, beta, gamma = coefficients(cluster, sync, shard=sharded)
-        sol = evaluate(*base_args, alpha, beta, gamma, list(starts), list(replicas),
+        sol = evaluate(*g.args(m), alpha, beta, gamma, list(starts), list(replicas),
                        optimizer_state_factor=optimizer_state_factor, recompute=recompute,
-                       memory_rule=memory_rule, shared=shared,
-                       sharded_state=split if sharded else 0.0, **_recompute_inputs(profile))
+                       memory_rule=memory_rule, shared=g.shared,
+                       sharded_state=split if sharded else 0.0, **g.recompute_inputs())
         return sol, alpha
 
     sharded = mode == "optimizer"
@@ -338,8 +366,7 @@ def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: li
         sharded = True
         sol, alpha = priced(True)
     return _make_plan(profile, cluster, sync, sol,
-                      _baselines(profile, cluster, sync, (*base_args, *coefficients(cluster, sync)),
-                                 optimizer_state_factor, memory_rule, shared),
+                      _baselines(profile, cluster, sync, optimizer_state_factor, memory_rule),
                       alpha, optimizer_state_factor, memory_rule, split if sharded else None)
 
 
@@ -354,7 +381,7 @@ def _make_plan(profile: Profile, cluster: Cluster, sync: str, sol: Solution,
                base: tuple[float, float], alpha: list[float], optimizer_state_factor: float,
                memory_rule: MemoryRule, split: float | None = None) -> Plan:
     names = profile.names
-    held = _recompute_inputs(profile)["held"]
+    held = _graph(profile).held
     bounds = list(sol.starts) + [len(names)]
     crossing = all_crossing_values(profile, [a for a in sol.starts if a > 0])
     extra, bottleneck = _priced(profile, sol, memory_rule)

@@ -14,6 +14,7 @@ from fxpipe.passes.plan import Plan
 
 from ..schedules.commplan import MODEL, Msg, RankPlan, StageLinks, comm_plans
 from ..schedules.kinds import make_schedule
+from ..schedules.localsgd import LOCALSGD
 from ..schedules.program import lower
 from ..schedules.proofs import SendProofs
 from ..schedules.schedule import Rank, Schedule, tie_by_messages, tie_delay
@@ -174,7 +175,7 @@ def stage_bytes(plan: Plan, profile: Profile, kind: str, in_flight: Sequence[int
         # a replicated stage's gradient buckets (its replicas' sum overlapped with the
         # backward, as DDP's): flat buffers of every gradient, kept for the run; at the
         # update the round's gradient sums (in the state) go and the step reads the buckets
-        bucket = held_parameters(sp) * width if sp.replicas > 1 and kind != "localsgd" else 0.0
+        bucket = held_parameters(sp) * width if sp.replicas > 1 and kind != LOCALSGD else 0.0
         # a sharded replica steps its share of the parameters (whole tensors: the largest may
         # be among them)
         step = per_byte * held_parameters(sp) / (sp.replicas if plan.shard else 1) \

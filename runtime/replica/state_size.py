@@ -117,6 +117,20 @@ def _foreach_everywhere(on: bool) -> Iterator[None]:
         base._get_foreach_kernels_supported_devices = old  # type: ignore
 
 
+def stepped_dtypes(params: Sequence[torch.Tensor],
+                   master_weights: bool | None = None) -> list[torch.dtype]:
+    """The dtype each of ``params`` is stepped (and its gradient summed) in: float32 for a
+    float16/bfloat16 parameter where the run keeps float32 masters (``master_weights``; None:
+    the runtime's default, masters wherever a parameter is in low precision), else its own."""
+    masters = (any(p.dtype in LOW_PRECISION for p in params) if master_weights is None
+               else master_weights)
+    return [MASTER_DTYPE if masters and p.dtype in LOW_PRECISION else p.dtype for p in params]
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def temporaries_for(params: Sequence[torch.Tensor],
                     optimizer: Callable[..., torch.optim.Optimizer] | None,
                     device: str | None = None,
@@ -130,21 +144,17 @@ def temporaries_for(params: Sequence[torch.Tensor],
     on CUDA); none where the factory will not run on stand-ins."""
     params = [p for p in params if p.requires_grad]
     gpu = (device is not None and "cpu" not in device.lower()) or any(p.is_cuda for p in params)
-    masters = (any(p.dtype in LOW_PRECISION for p in params) if master_weights is None
-               else master_weights)
-    stepped = [MASTER_DTYPE if masters and p.dtype in LOW_PRECISION else p.dtype for p in params]
+    stepped = stepped_dtypes(params, master_weights)
     got = step_temporaries(optimizer or _default_optimizer,
                            [(p.dim(), dt) for p, dt in zip(params, stepped)], foreach_default=gpu)
     if got is None:
         return (0.0, 0.0)
     # the fit is per stepped byte; P and L are priced in the parameters' own bytes
     size = sum(p.numel() * p.element_size() for p in params)
-    stepped_size = sum(p.numel() * torch.empty((), dtype=dt).element_size()
-                       for p, dt in zip(params, stepped))
+    stepped_size = sum(p.numel() * _size(dt) for p, dt in zip(params, stepped))
     big = max(range(len(params)), key=lambda i: params[i].numel() * params[i].element_size())
     widen = stepped_size / size if size else 1.0
-    widen_largest = (torch.empty((), dtype=stepped[big]).element_size()
-                     / params[big].element_size())
+    widen_largest = _size(stepped[big]) / params[big].element_size()
     return got[0] * widen, got[1] * widen_largest
 
 
@@ -154,11 +164,8 @@ def gradient_width(params: Sequence[torch.Tensor], master_weights: bool | None =
     (``master_weights`` None: the runtime's default), else in the parameter's own dtype."""
     params = [p for p in params if p.requires_grad]
     own = sum(p.numel() * p.element_size() for p in params)
-    masters = (any(p.dtype in LOW_PRECISION for p in params) if master_weights is None
-               else master_weights)
-    wide = sum(p.numel() * (torch.empty((), dtype=MASTER_DTYPE).element_size()
-                            if masters and p.dtype in LOW_PRECISION else p.element_size())
-               for p in params)
+    wide = sum(p.numel() * _size(dt)
+               for p, dt in zip(params, stepped_dtypes(params, master_weights)))
     return wide / own if own else 1.0
 
 
@@ -182,10 +189,7 @@ def state_parts(params: Sequence[torch.Tensor],
     if not params:
         return 0.0, 0.0
     optimizer = optimizer or _default_optimizer
-    low = [p for p in params if p.dtype in LOW_PRECISION]
-    masters = bool(low) if master_weights is None else master_weights
-    stepped = [(p.dim(), MASTER_DTYPE if masters and p.dtype in LOW_PRECISION else p.dtype)
-               for p in params]
+    stepped = [(p.dim(), dt) for p, dt in zip(params, stepped_dtypes(params, master_weights))]
     per_byte, err = state_per_byte(optimizer, stepped)
     if per_byte is None:
         log.warning("optimizer state not measured (%s); assuming %s bytes per parameter byte",
@@ -194,7 +198,7 @@ def state_parts(params: Sequence[torch.Tensor],
     total = own = moments = 0.0
     for p, (_, dt) in zip(params, stepped):
         n, size = p.numel(), p.element_size()
-        stepped_size = torch.empty((), dtype=dt).element_size()
+        stepped_size = _size(dt)
         own += n * size
         # weight + gradient (in the stepped dtype) + master (if any) + optimizer state
         total += n * (size + stepped_size + (stepped_size if dt != p.dtype else 0)

@@ -100,3 +100,7 @@ def test_localsgd_and_sharding_options_travel_to_the_workers() -> None:
     assert argv[argv.index("--shard") + 1] == "optimizer"
     with pytest.raises(SystemExit):
         p.parse_args(["mlp", "--data", "synthetic", "--shard", "params"])
+    for choice in ("never", "auto"):
+        got = p.parse_args(["mlp", "--data", "synthetic", "--shard", choice])
+        assert got.shard == choice
+    assert p.parse_args(["mlp", "--data", "synthetic"]).shard is None
