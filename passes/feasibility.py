@@ -96,8 +96,7 @@ class _Inst:
         self.cutm = cb[None, :] * np.asarray(self.gamma)[:, None]
         self.cutm[:, 0] = 0.0
         self.cutm[:, n] = 0.0
-        finite = self.cutm[self.rs][:, 1:n]
-        self.cut_values = np.unique(finite[np.isfinite(finite)])
+        self._cut_values: np.ndarray | None = None  # sorted on first use (the search's)
         self.ar = np.arange(n + 1)
         self._tkey: dict[int, list[float]] = {}
         self._mkey: dict[tuple[int, int], list[float]] = {}
@@ -107,6 +106,15 @@ class _Inst:
         self._coef: dict[tuple[int, int], tuple[float, float]] = {}
         self._recomputed: dict[tuple[int, int], float] = {}  # full sets when recomputing
         self.sh = Copies(shared, n)  # a stage's copies of parameters another stage owns
+
+    @property
+    def cut_values(self) -> np.ndarray:
+        """Every finite cut time, sorted: the thresholds the search steps through (not made
+        where a given partition is only priced)."""
+        if self._cut_values is None:
+            finite = self.cutm[self.rs][:, 1:self.n]
+            self._cut_values = np.unique(finite[np.isfinite(finite)])
+        return self._cut_values
 
     # --- the exact cost expressions (the only ones used for decisions) ------------------
     def time(self, r: int, a: int, e: int, x: bool = False) -> float:
@@ -266,8 +274,9 @@ class _Inst:
         return _LastAllowed(self, tau)
 
     def next_cut_value(self, tau: float) -> float:
-        i = int(np.searchsorted(self.cut_values, tau, side="right"))
-        return float(self.cut_values[i]) if i < len(self.cut_values) else INF
+        values = self.cut_values
+        i = int(np.searchsorted(values, tau, side="right"))
+        return float(values[i]) if i < len(values) else INF
 
     # --- evaluation of a given plan ---------------------------------------------------
     def evaluate(self, starts: Sequence[int], replicas: Sequence[int], checks: int = 0,

@@ -17,7 +17,7 @@ from fxpipe.passes.plan import Plan
 from ..schedules.spec import priced_kind
 from ..schedules.placement import PLACED_KINDS
 from .memory import SHAPES, memory_rule, placed_memory_rule
-from .peak_fit import fit_peaks
+from .peak_fit import Keep, fit_peaks
 from .plan_choice import choose_by_simulation, priced_by_simulation, unpriced_by_planner
 
 __all__ = ["CHOOSERS", "choose_fitted_plan", "choose_plan"]
@@ -32,7 +32,7 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                 choose: str = "auto", schedule: str = "auto",
                 recompute: str = "never", microbatches: int | None = None,
                 optimizer_state_factor: float = 1.0, shard: str = "never",
-                sharded_state: float | None = None) -> Plan:
+                sharded_state: float | None = None, keep: Keep | None = None) -> Plan:
     """``planner``: the analytic optimum (``fxpipe.passes.partition``, milliseconds), priced as
     PipeDream's schedule runs (no flush). ``simulation``: the planner's candidates, each
     event-simulated with ``schedule``, the fastest kept (:mod:`.plan_choice`; seconds at 16
@@ -53,7 +53,8 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
     ``optimizer_state_factor``: state bytes per parameter byte beyond weights and gradients
     (``runtime.replica.state_size``); ``shard`` ("never", "optimizer", "auto") and
     ``sharded_state``: a replicated stage's optimizer state split over its replicas (ZeRO-1,
-    :func:`fxpipe.passes.partition.partition`)."""
+    :func:`fxpipe.passes.partition.partition`). ``keep``: which candidates the choice by
+    simulation may pick (those whose walked peaks fit, :func:`.peak_fit.fit_peaks`)."""
     if choose not in CHOOSERS:
         raise ConfigError(f"unknown choose={choose!r}", f"use one of {', '.join(CHOOSERS)}")
     schedule = priced_kind(schedule)
@@ -79,7 +80,7 @@ def choose_plan(profile: Profile, cluster: Cluster, *, sync: str = "allreduce",
                                       recompute=recompute, memory_rule=rule,
                                       microbatches=microbatches,
                                       optimizer_state_factor=optimizer_state_factor,
-                                      shard=shard, sharded_state=sharded_state)
+                                      shard=shard, sharded_state=sharded_state, keep=keep)
     except InfeasiblePlanError as err:
         if choose != "auto" or schedule != "pipedream":
             raise
@@ -99,16 +100,23 @@ def choose_fitted_plan(profile: Profile, cluster: Cluster, *, sync: str = "allre
                        temporaries: tuple[float, float] = (0.0, 0.0), shard: str = "never",
                        sharded_state: float | None = None) -> Plan:
     """:func:`choose_plan`, with the cluster's memory cap held against each stage's peak walked
-    through ``schedule`` (:func:`~.peak_fit.fit_peaks`: planned again for lower caps where
-    a stage peaks over it), the walked peaks recorded on the plan: what ``compile``, ``fxpipe
-    plan`` and ``fxpipe simulate`` plan with. ``temporaries``: the optimizer step's
-    ``(per_byte, per_largest)`` (:func:`fxpipe.runtime.replica.state_size.temporaries_for`;
-    none where no optimizer is known)."""
+    through ``schedule`` (:func:`~.peak_fit.fit_peaks`: the fastest candidate whose peaks fit;
+    where none does, planned again for the highest lower cap the planner's optimum fits), the
+    walked peaks recorded on the plan: what ``compile``, ``fxpipe plan`` and ``fxpipe
+    simulate`` plan with. ``temporaries``: the optimizer step's ``(per_byte, per_largest)``
+    (:func:`fxpipe.runtime.replica.state_size.temporaries_for`; none where no optimizer is
+    known)."""
     schedule = priced_kind(schedule)
-    return fit_peaks(
-        lambda c: choose_plan(profile, c, sync=sync, stages=stages, straight=straight,
-                              choose=choose, schedule=schedule, recompute=recompute,
-                              microbatches=microbatches,
-                              optimizer_state_factor=optimizer_state_factor, shard=shard,
-                              sharded_state=sharded_state),
-        profile, cluster, schedule, microbatches, temporaries)
+    kw = dict(sync=sync, stages=stages, straight=straight, schedule=schedule,
+              recompute=recompute, microbatches=microbatches,
+              optimizer_state_factor=optimizer_state_factor, shard=shard,
+              sharded_state=sharded_state)
+
+    def chosen(c: Cluster, keep: Keep | None) -> Plan:
+        return choose_plan(profile, c, choose=choose, keep=keep, **kw)
+
+    def planned(c: Cluster) -> Plan:
+        return choose_plan(profile, c, choose="planner", **kw)
+
+    return fit_peaks(chosen, profile, cluster, schedule, microbatches, temporaries,
+                     search=None if choose == "planner" else planned)

@@ -16,7 +16,7 @@ from ..schedules.commplan import MODEL, Msg, RankPlan, StageLinks, comm_plans
 from ..schedules.kinds import make_schedule
 from ..schedules.localsgd import LOCALSGD
 from ..schedules.program import lower
-from ..schedules.proofs import SendProofs
+from ..schedules.proofs import HappensBefore, SendProofs
 from ..schedules.schedule import Rank, Schedule, tie_by_messages, tie_delay
 from .core import tied_from_profile
 from .memory import held_parameters, kept_inputs, state_bytes, stashed_versions
@@ -223,22 +223,28 @@ def _index(links: Sequence[StageLinks]) -> dict[str, int]:
     return {v: i for i, v in enumerate(sorted(values))}
 
 
+def _owner(sched: Schedule) -> Callable[[int, int], Rank]:
+    """The rank holding stage s's minibatch k: replicas take minibatches round robin."""
+    return lambda s, k: (s, k % sched.replicas[s])
+
+
 def walk_rank(sched: Schedule, links: Sequence[StageLinks], sizes: Mapping[str, float],
               rank: Rank, terms: StageBytes, scale: float = 1.0,
               plan: RankPlan | None = None,
-              grads: Callable[[str, int], bool] = lambda n, k: True
-              ) -> tuple[float, dict[str, float]]:
+              grads: Callable[[str, int], bool] = lambda n, k: True,
+              order: HappensBefore | None = None) -> tuple[float, dict[str, float]]:
     """The peak of live bytes on ``rank`` over its actions of ``sched``, and its parts (see
     :class:`StagePeak`); messages as the executor posts them (``plan``: the rank's message plan,
-    made here when not given; ``grads(value, minibatch)``: whether a gradient goes back)."""
+    made here when not given; ``grads(value, minibatch)``: whether a gradient goes back;
+    ``order``: the schedule's :class:`HappensBefore`, made here when not given)."""
     index = _index(links)
     if plan is None:
         plan = comm_plans(links, sched, index, grads, ranks=[rank])[rank]
     posted: dict[Msg, float] = {}  # receives posted, not yet consumed
     sent: dict[Msg, float] = {}  # sends posted, not yet proven received
     held: dict[int, float] = {}
-    proofs = SendProofs(links, lambda s, k: (s, k % sched.replicas[s]), rank, index, grads)
-    proofs.window(sched.actions, (m for ms in plan.sends for m in ms))
+    proofs = SendProofs(links, _owner(sched), rank, index, grads)
+    proofs.window(sched.actions, (m for ms in plan.sends for m in ms), order)
     split = any(a.kind == "W" for a in sched.actions[rank])
     best, parts = -1.0, {}
     def post(msgs: Sequence[Msg]) -> None:  # a receive's buffer; a send's until proven received
@@ -293,11 +299,13 @@ def walk_memory(plan: Plan, profile: Profile, kind: str, *, microbatches: int | 
     def grads(value: str, k: int) -> bool:
         return value in carries
 
-    plans = comm_plans(links, sched, _index(links), grads)  # every rank, one pass
+    index = _index(links)
+    plans = comm_plans(links, sched, index, grads)  # every rank, one pass
+    order = HappensBefore(links, _owner(sched), index, grads, sched.actions)  # every rank's
     out = []
     for s, r in enumerate(plan.replicas):
-        walked = [walk_rank(sched, links, sizes, (s, j), terms[s], scale, plans[(s, j)], grads)
-                  for j in range(r)]
+        walked = [walk_rank(sched, links, sizes, (s, j), terms[s], scale, plans[(s, j)], grads,
+                            order) for j in range(r)]
         peak, parts = max(walked, key=lambda w: w[0])
         out.append(StagePeak(s, peak, parts))
     return tuple(out)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -73,7 +73,8 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
                          schedules: Sequence[str] = ("pipedream",),
                          recompute: str = "never", memory_rule: MemoryRule = PIPEDREAM,
                          microbatches: int | None = None, shard: str = "never",
-                         sharded_state: float | None = None) -> SimulatedChoice:
+                         sharded_state: float | None = None,
+                         keep: Callable[[Plan], bool] | None = None) -> SimulatedChoice:
     """The planner's candidates (see docs/design-notes.md; only the ``stages``-stage optimum when
     ``stages`` is given), each simulated with each of ``schedules`` (e.g. the synchronous
     ``1f1b-flush`` and zero-bubble ``zb-h1``/``zb-h2`` next to ``pipedream``: the best plan
@@ -82,7 +83,9 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
     ``memory_rule``: the memory every candidate is fitted with (default PipeDream's; e.g.
     ``memory.memory_rule("1f1b-flush")`` when only that schedule will run); ``microbatches``:
     per update, for the batched kinds (default the workers); ``shard``, ``sharded_state``: as
-    :func:`fxpipe.passes.partition.partition` takes them, for every candidate."""
+    :func:`fxpipe.passes.partition.partition` takes them, for every candidate. ``keep``: the
+    candidates that may be chosen (e.g. those whose walked peaks fit the cap); the others are
+    not simulated, and :class:`InfeasiblePlanError` is raised when it keeps none."""
     if not schedules:
         raise ConfigError("schedules is empty", "give at least one schedule kind to simulate")
     for name, v in (("max_stages", max_stages), ("exact_up_to", exact_up_to),
@@ -112,10 +115,14 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
     seen: set[tuple] = set()
     sims: list[tuple[Plan, str, PlanSimulation]] = []
     one_per_process = [k for k in schedules if k not in PLACED_KINDS]
+    refused = 0
     for p in plans:
         key = (tuple(_starts(profile, p)), tuple(p.replicas))
         if key not in seen:
             seen.add(key)
+            if keep is not None and not keep(p):
+                refused += 1
+                continue
             for k in one_per_process:
                 n = minibatches_for(p.replicas, floor=minibatches,
                                     microbatches=_per_update(k, microbatches, p.replicas))
@@ -130,6 +137,9 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
         if k in PLACED_KINDS:
             sims.extend(_placed_candidates(profile, cluster, k, stages, kw, recompute,
                                            minibatches, microbatches))
+    if not sims and refused:
+        raise InfeasiblePlanError(f"none of the {refused} candidates fits (keep)",
+                                  "plan for a lower memory cap")
     if not sims:
         raise InfeasiblePlanError(f"no plan for the schedules {list(schedules)}",
                                   "the placed kinds need a straight plan of v x workers stages, "
@@ -143,14 +153,15 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
         placed = kind in PLACED_KINDS  # equal replicas, split for the virtual cluster
         for better in _refined(profile, Cluster.from_dict(dict(plan.cluster)) if placed
                                else cluster, plan, kind, sim, kw, recompute,
-                               straight or placed, microbatches, minibatches):
+                               straight or placed, microbatches, minibatches, keep):
             sims.append(better)
             plan, kind, sim = better
     cands = tuple(Candidate(tuple(p.replicas), p.time_per_minibatch, s.steady_state_period, k)
                   for p, k, s in sims)
+    first = next((f"{c[2].steady_state_period:.4g} s simulated" for c in sims if c[0] is best),
+                 "not kept")
     log.info("chose replicas %s with %s by simulation (%.4g s/minibatch; the planner's optimum "
-             "%s: %.4g s simulated)", plan.replicas, kind, sim.steady_state_period,
-             best.replicas, sims[0][2].steady_state_period)
+             "%s: %s)", plan.replicas, kind, sim.steady_state_period, best.replicas, first)
     return SimulatedChoice(plan, sim, cands, kind)
 
 
@@ -209,7 +220,8 @@ REFINE_ROUNDS = 4  # local moves tried from the chosen candidate, each round the
 
 def _refined(profile: Profile, cluster: Cluster, plan: Plan, kind: str, sim: PlanSimulation,
              kw: dict, recompute: str, straight: bool, microbatches: int | None,
-             minibatches: int) -> list[tuple[Plan, str, PlanSimulation]]:
+             minibatches: int, keep: Callable[[Plan], bool] | None = None
+             ) -> list[tuple[Plan, str, PlanSimulation]]:
     """Local moves from the chosen ``plan``, each simulated under ``kind``: a worker moved
     between adjacent stages (unless ``straight``), and a cut moved to the nearest valley of
     the bytes crossing on either side (where a block ends its bytes fall to one tensor: a cut
@@ -217,7 +229,7 @@ def _refined(profile: Profile, cluster: Cluster, plan: Plan, kind: str, sim: Pla
     schedule's all-reduce at the batch's end nor the link shared by a stage's replicas, so the
     simulation arbitrates. Each round simulates every move on a short run and keeps the
     fastest if its full run is faster; returns the plans kept, in order (none when no move
-    helps)."""
+    helps; the fastest move ``keep`` keeps is tried, ``keep`` asked fastest first)."""
     cb = cut_bytes(profile)
     cap = cluster.memory
     kept: list[tuple[Plan, str, PlanSimulation]] = []
@@ -257,9 +269,10 @@ def _refined(profile: Profile, cluster: Cluster, plan: Plan, kind: str, sim: Pla
             except InfeasiblePlanError:  # tied stages updating unequally often
                 continue
             trials.append((s.steady_state_period, p2))
-        if not trials:
+        trials.sort(key=lambda x: x[0])  # the fastest move that ``keep`` keeps (asked in order)
+        p2 = next((p for _, p in trials if keep is None or keep(p)), None)
+        if p2 is None:
             break
-        p2 = min(trials, key=lambda x: x[0])[1]
         s = run(p2, minibatches)
         if s.steady_state_period >= best_t * (1 - TIE):
             break

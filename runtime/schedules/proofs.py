@@ -5,7 +5,9 @@ action (happens-before) proves ``m`` done: :class:`SendProofs` names the sends e
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import accumulate
 from dataclasses import dataclass
 
 from .commplan import FORWARD, Msg, Owner, StageLinks, action_messages
@@ -21,6 +23,85 @@ class _Open:
     consumed: bool = False
 
 
+class HappensBefore:
+    """A window's actions in an order they can run (each after its rank's previous action and
+    after the actions that sent what it waits for) and, per rank ``p`` asked about, the latest
+    action of ``p`` that happens before each action (or is it): a vector clock, one component
+    at a time. It does not depend on which rank reads it, so a walk of every rank makes it once
+    per window. Messages from earlier windows add nothing (their senders are not in it)."""
+
+    def __init__(self, links: Sequence[StageLinks], owner: Owner, index: Mapping[str, int],
+                 grad_ok: Callable[[str, int], bool],
+                 actions: Mapping[Rank, Sequence[Action]]) -> None:
+        self.actions = actions
+        self.where = {(r, a.kind, a.minibatch): i for r, acts in actions.items()
+                      for i, a in enumerate(acts) if a.kind in ("F", "B")}
+        self._first: dict[Rank, int] = {}  # a rank's first action's place in one numbering
+        n = 0
+        for r, acts in actions.items():
+            self._first[r], n = n, n + len(acts)
+        self._size = n
+        needs = {r: self._needs(links, owner, index, grad_ok, r, acts)
+                 for r, acts in actions.items()}
+        # (flat id, rank, index, flat ids of the actions it waits on), in an order that runs
+        self._steps: list[tuple[int, Rank, int, tuple[int, ...]]] = []
+        nxt = {r: 0 for r in actions}
+        done = [False] * n
+        progress = True
+        while progress:  # advance every rank as far as its senders allow (the schedule runs)
+            progress = False
+            for r, acts in actions.items():
+                while nxt[r] < len(acts):
+                    i = nxt[r]
+                    deps = needs[r][i]
+                    if not all(done[d] for d in deps):
+                        break
+                    f = self._first[r] + i
+                    self._steps.append((f, r, i, deps))
+                    done[f] = True
+                    nxt[r] = i + 1
+                    progress = True
+        self._latest: dict[Rank, list[int]] = {}
+
+    def latest(self, p: Rank, r: Rank, i: int) -> int:
+        """The index of ``p``'s latest action that happens before action ``i`` of ``r`` (or is
+        it); -1 where none does or that action never runs in the window."""
+        if i < 0 or r not in self._first:
+            return -1
+        return self._clock(p)[self._first[r] + i]
+
+    def _clock(self, p: Rank) -> list[int]:
+        got = self._latest.get(p)
+        if got is None:
+            got = self._latest[p] = [-1] * self._size
+            for f, r, i, deps in self._steps:
+                if r == p:
+                    got[f] = i
+                    continue
+                v = got[f - 1] if i else -1
+                for d in deps:
+                    if got[d] > v:
+                        v = got[d]
+                got[f] = v
+        return got
+
+    def _needs(self, links: Sequence[StageLinks], owner: Owner, index: Mapping[str, int],
+               grad_ok: Callable[[str, int], bool], r: Rank, acts: Sequence[Action]
+               ) -> list[tuple[int, ...]]:
+        """Per action of rank ``r``: the actions of the window that sent what it waits for."""
+        out = []
+        for a in acts:
+            deps = []
+            if a.kind in ("F", "B"):
+                for m in action_messages(links, owner, r, a, index, grad_ok)[0]:
+                    i = self.where.get((m.peer, "F" if m.direction == FORWARD else "B",
+                                        m.minibatch))
+                    if i is not None:
+                        deps.append(self._first[m.peer] + i)
+            out.append(tuple(deps))
+        return out
+
+
 class SendProofs:
     """Per received message, the sends of ``me`` it proves complete (docs/design-notes.md)."""
 
@@ -31,18 +112,19 @@ class SendProofs:
         self._open: list[_Open] = []
         self._proofs: dict[Msg, list[Msg]] = {}
 
-    def window(self, actions: Mapping[Rank, Sequence[Action]], sends: Iterable[Msg]) -> None:
+    def window(self, actions: Mapping[Rank, Sequence[Action]], sends: Iterable[Msg],
+               order: HappensBefore | None = None) -> None:
         """A new window: ``actions`` every rank's actions in it, ``sends`` the messages this rank
-        sends in it (its plan's). Finds the proofs that this window's actions give."""
+        sends in it (its plan's), ``order`` their :class:`HappensBefore` where the caller
+        shares one among ranks. Finds the proofs that this window's actions give."""
         self._open.extend(_Open(m) for m in sends)
-        peers = {o.msg.peer for o in self._open}
-        where = {(r, a.kind, a.minibatch): i for r, acts in actions.items()
-                 for i, a in enumerate(acts) if a.kind in ("F", "B")}
-        after = self._follows(actions, peers, where)  # (rank, i) -> {peer: latest before}
-        mine = [(r, after.get((r.peer, i), {})) for a in actions.get(self.me, ())
-                for r in self._received(a)  # what this rank waits for, in its order
-                for i in [where.get((r.peer, "F" if r.direction == FORWARD else "B",
-                                     r.minibatch), -1)]]
+        hb = order or HappensBefore(self.links, self.owner, self.index, self.grad_ok, actions)
+        where = hb.where
+        mine = [(r, where.get((r.peer, "F" if r.direction == FORWARD else "B", r.minibatch),
+                              -1))
+                for a in actions.get(self.me, ())
+                for r in self._received(a)]  # what this rank waits for, in its order
+        reach: dict[Rank, list[int]] = {}  # per peer: the most of its actions seen by then
         to_me: dict[Rank, list[Msg | None]] = {}  # per peer, per action: its first send to me
         still: list[_Open] = []
         for o in self._open:
@@ -56,8 +138,12 @@ class SendProofs:
                 if start < 0:
                     still.append(o)
                     continue
-            proof = next((r for r, seen in mine  # a chain from the peer's consumption to me
-                          if seen.get(m.peer, -1) >= start), None)
+            seen = reach.get(m.peer)
+            if seen is None:  # running maxima over mine: the first to reach start proves m
+                seen = reach[m.peer] = list(accumulate(
+                    (hb.latest(m.peer, r.peer, i) for r, i in mine), max, initial=-1))[1:]
+            k = bisect_left(seen, start)  # a chain from the peer's consumption to me
+            proof = mine[k][0] if k < len(seen) else None
             if proof is None:  # else the peer's own first message after it (maybe later)
                 firsts = to_me.get(m.peer)
                 if firsts is None:
@@ -73,53 +159,6 @@ class SendProofs:
         """The messages this rank waits for before ``action``, in the order it waits."""
         return action_messages(self.links, self.owner, self.me, action, self.index,
                                self.grad_ok)[0]
-
-    def _follows(self, actions: Mapping[Rank, Sequence[Action]], peers: set[Rank],
-                 where: Mapping[tuple[Rank, str, int], int]
-                 ) -> dict[tuple[Rank, int], dict[Rank, int]]:
-        """For every action of the window, the latest action of each of ``peers`` that happens
-        before it (or is it): program order on each rank, and each message's sending action
-        before the action that waits for it (a vector clock restricted to ``peers``). Messages
-        from earlier windows add nothing (their senders are not in the window). ``where``:
-        (rank, kind, minibatch) -> index of that F or B in the rank's list."""
-        clock: dict[tuple[Rank, int], dict[Rank, int]] = {}
-        nxt = {r: 0 for r in actions}
-        waiting = {r: self._needs(r, acts, where) for r, acts in actions.items()}
-        progress = True
-        while progress:  # advance every rank as far as its senders allow (the schedule runs)
-            progress = False
-            for r, acts in actions.items():
-                while nxt[r] < len(acts):
-                    i = nxt[r]
-                    deps = waiting[r][i]
-                    if any(d not in clock for d in deps):
-                        break
-                    vc = dict(clock[(r, i - 1)]) if i else {}
-                    for d in deps:
-                        for p, j in clock[d].items():
-                            if j > vc.get(p, -1):
-                                vc[p] = j
-                    if r in peers:
-                        vc[r] = i
-                    clock[(r, i)] = vc
-                    nxt[r] = i + 1
-                    progress = True
-        return clock
-
-    def _needs(self, r: Rank, acts: Sequence[Action],
-               where: Mapping[tuple[Rank, str, int], int]) -> list[list[tuple[Rank, int]]]:
-        """Per action of rank ``r``: the actions of the window that sent what it waits for."""
-        out = []
-        for a in acts:
-            deps = []
-            if a.kind in ("F", "B"):
-                for m in action_messages(self.links, self.owner, r, a, self.index,
-                                         self.grad_ok)[0]:
-                    i = where.get((m.peer, "F" if m.direction == FORWARD else "B", m.minibatch))
-                    if i is not None:
-                        deps.append((m.peer, i))
-            out.append(deps)
-        return out
 
     def proven_by(self, received: Msg) -> list[Msg]:
         """The sends ``received`` (a message this rank has now waited for) proves complete."""

@@ -29,8 +29,9 @@ def chain(n: int = 8) -> Profile:
 
 
 def choose(prof: Profile, calls: list[float | None], workers: int = 4):  # noqa: ANN201
-    """The planner for 4 straight stages (1 for one worker), recording each cap it is given."""
-    def plan(c: Cluster) -> Plan:
+    """The planner for 4 straight stages (1 for one worker), recording each cap it is given;
+    one plan, so it ignores which candidates fit."""
+    def plan(c: Cluster, keep: object = None) -> Plan:
         calls.append(c.memory)
         return partition(prof, c, memory_rule=RULE, stages=min(workers, 4), straight=True)
     return plan
@@ -87,3 +88,65 @@ def test_optimizer_temporaries_count_against_the_cap() -> None:
     heavy = fit_peaks(choose(prof, []), prof, Cluster(workers=4, bandwidth=1e9), KIND, M,
                       (3.0, 0.0))
     assert all(h.peak_bytes >= p.peak_bytes for h, p in zip(heavy.stages, plain.stages))
+
+
+def _over_and_fitting(prof: Profile, cap: float) -> tuple[Plan, Plan]:
+    """The balanced 4-stage plan, which peaks over ``cap``, and the plan with the fat nodes
+    apart, which fits it (what planning again for a lower cap finds)."""
+    free = choose(prof, [])(Cluster(workers=4, bandwidth=1e9))
+    apart = fit_peaks(choose(prof, []), prof, Cluster(workers=4, bandwidth=1e9, memory=cap),
+                      KIND, M, (0.0, 0.0))
+    assert len(free.stages[0].nodes) == 2 and len(apart.stages[0].nodes) == 1
+    return free, apart
+
+
+def _cap_between(prof: Profile) -> float:
+    free = with_peaks(choose(prof, [])(Cluster(workers=4, bandwidth=1e9)), prof, KIND, M,
+                      (0.0, 0.0))
+    rule = max(sp.memory_bytes for sp in free.stages)
+    peak = max(sp.peak_bytes or 0.0 for sp in free.stages)
+    return rule + 0.7 * (peak - rule)
+
+
+def test_a_chooser_keeping_the_candidates_that_fit_is_run_once() -> None:
+    # a chooser of several candidates (as the choice by simulation) takes the fastest one whose
+    # walked peaks fit: no planning for lower caps
+    prof = chain()
+    cap = _cap_between(prof)
+    cluster = Cluster(workers=4, bandwidth=1e9, memory=cap)
+    over, fits = _over_and_fitting(prof, cap)
+    calls: list[float | None] = []
+
+    def candidates(c: Cluster, keep) -> Plan:  # noqa: ANN001
+        calls.append(c.memory)
+        return next(p for p in (over, fits) if keep is None or keep(p))
+
+    plan = fit_peaks(candidates, prof, cluster, KIND, M, (0.0, 0.0),
+                     search=lambda c: pytest.fail("no search needed"))
+    assert calls == [cap]
+    assert [sp.nodes for sp in plan.stages] == [sp.nodes for sp in fits.stages]
+    assert all((sp.peak_bytes or 0.0) <= cap for sp in plan.stages)
+
+
+def test_the_search_finds_the_lower_cap_and_the_choice_runs_once_more_there() -> None:
+    # no candidate at the user's cap fits its peaks: the cheap search bisects the caps, the
+    # (expensive) choice runs only at the user's cap and at the one the search found
+    prof = chain()
+    cap = _cap_between(prof)
+    cluster = Cluster(workers=4, bandwidth=1e9, memory=cap)
+    chosen: list[float | None] = []
+    searched: list[float | None] = []
+
+    def one_candidate(c: Cluster, keep) -> Plan:  # noqa: ANN001
+        chosen.append(c.memory)
+        p = partition(prof, c, memory_rule=RULE, stages=4, straight=True)
+        if keep is not None and not keep(p):
+            raise InfeasiblePlanError("none of the 1 candidates fits (keep)")
+        return p
+
+    plan = fit_peaks(one_candidate, prof, cluster, KIND, M, (0.0, 0.0),
+                     search=choose(prof, searched))
+    assert len(searched) >= 2 and searched[0] == cap and all(c < cap for c in searched[1:])
+    assert len(chosen) == 2 and chosen[0] == cap and chosen[1] in searched[1:]
+    assert all((sp.peak_bytes or 0.0) <= cap for sp in plan.stages)
+    assert plan.cluster["memory"] == cap

@@ -190,3 +190,24 @@ def test_the_planners_optimum_promises_what_zb_h2_does_not_give() -> None:
     assert made.speedup_over_data_parallel < 1  # 8 straight stages lose to data parallelism
     free = choose_plan(prof, cluster, schedule="zb-h2")  # left free, it does not
     assert free.speedup_over_data_parallel >= 1 - 1e-9
+
+
+def test_candidates_keep_refuses_are_neither_simulated_nor_chosen() -> None:
+    # compute-bound: data parallelism wins unless it is refused (as a plan whose walked peaks
+    # do not fit would be); refusing every candidate is an InfeasiblePlanError
+    from fxpipe.errors import InfeasiblePlanError
+
+    prof, cluster = chain(4, 1.0, 2.0, 8.0, 8.0), Cluster(workers=4, bandwidth=1e12)
+    free = choose_by_simulation(prof, cluster)
+    assert free.plan.replicas == [4]
+    seen: list[list[int]] = []
+
+    def keep(p: Plan) -> bool:
+        seen.append(list(p.replicas))
+        return len(p.stages) > 1
+
+    kept = choose_by_simulation(prof, cluster, keep=keep)
+    assert len(kept.plan.stages) > 1 and [4] in seen
+    assert all(len(c.replicas) > 1 for c in kept.candidates)
+    with pytest.raises(InfeasiblePlanError, match="none of the .* candidates fits"):
+        choose_by_simulation(prof, cluster, keep=lambda p: False)

@@ -11,7 +11,7 @@ from test_runtime_stream import cut_up, random_sizes
 
 from fxpipe.runtime.schedules.commplan import FORWARD, Msg, action_messages
 from fxpipe.runtime.schedules.kinds import make_schedule
-from fxpipe.runtime.schedules.proofs import SendProofs
+from fxpipe.runtime.schedules.proofs import HappensBefore, SendProofs
 
 
 def ok(name: str, k: int) -> bool:
@@ -87,7 +87,8 @@ def test_every_proof_follows_the_consumption(kind: str) -> None:
     """The rule, checked against an independent happens-before of the whole schedule: the
     message that proves a send was sent by an action that the peer's consuming action precedes
     (the chain of receipts says the transfer was over), whole or a window at a time; and it is
-    the first such message this rank waits for in the window."""
+    the first such message this rank waits for in the window (planned whole with one
+    happens-before shared by every rank, as the memory walk shares it)."""
     rng = random.Random(kind)
     for _ in range(12):
         n_st = rng.randint(2, 4)
@@ -100,6 +101,7 @@ def test_every_proof_follows_the_consumption(kind: str) -> None:
             return (s, k % reps[s])
 
         before, where = _happens_before(whole, links, owner, idx, ok)
+        shared = HappensBefore(links, owner, idx, ok, whole.actions)  # one for every rank
         for me in whole.actions:
             # planned whole, the proof of each send is the first message this rank waits for
             # whose sending action follows the send's consumption
@@ -110,7 +112,7 @@ def test_every_proof_follows_the_consumption(kind: str) -> None:
             p = SendProofs(links, owner, me, idx, ok)
             sends = [m for a in whole.actions[me]
                      for m in action_messages(links, owner, me, a, idx, ok)[1]]
-            p.window(whole.actions, sends)
+            p.window(whole.actions, sends, shared)
             for m in sends:
                 used = (m.peer, where[(m.peer, "F" if m.direction == FORWARD else "B",
                                        m.minibatch)])
