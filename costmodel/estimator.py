@@ -155,9 +155,31 @@ def _fake_copy(gm: fx.GraphModule, example_inputs: Sequence[Any] | Any,
     return fake_gm, fake_inputs
 
 
+def _backward_key(call: NodeCall, args: tuple[Any, ...], kwargs: dict[str, Any]
+                  ) -> tuple[Any, ...] | None:
+    """What a function node's backward FLOPs depend on: the function, and its arguments with
+    each tensor by shape, strides, dtype and whether it wants a gradient (the values do not
+    change FLOPs). A model's repeated blocks repeat these keys, so each backward is counted
+    once. None for a module call (its own state is not in the arguments)."""
+    if call.node.op not in ("call_function", "call_method") or call.params:
+        return None
+
+    def sig(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), tuple(x.stride()), x.dtype, x.requires_grad)
+        return repr(x)
+    try:
+        return (call.node.op, str(call.node.target), call.inplace,
+                tuple(sig(x) for x in pytree.tree_leaves((args, kwargs))),
+                str(pytree.tree_structure((args, kwargs))))
+    except RuntimeError:  # a tensor without strides (sparse, nested): count it each time
+        return None
+
+
 def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: DeviceSpec,
                     optimizer_bytes_factor: float, arithmetic: Arithmetic) -> None:
     counter = FlopCounterMode(display=False)
+    backwards: dict[tuple[Any, ...], tuple[int, dict[Any, int], bool]] = {}
     with isolated(gm):
         for call in iter_node_calls(gm, example_inputs):
             meta = call.meta()
@@ -191,15 +213,22 @@ def _estimate_nodes(gm: fx.GraphModule, example_inputs: tuple[Any, ...], spec: D
             # a pure view's backward is a view of the gradient: no FLOPs, no bytes (below), so
             # it costs 0 without asking autograd (a third of an aten graph's nodes are views)
             if has_backward and not (is_view and flops == 0):
-                grads = [torch.ones_like(t) for t in outs]  # values do not change FLOPs
-                try:
-                    with counter:
-                        torch.autograd.grad(outs, targets, grad_outputs=grads, allow_unused=True)
-                    bflops = counter.get_total_flops()
-                    backward_counts = counter.get_flop_counts().get("Global", {})
-                except RuntimeError as e:  # an op without a derivative: training would fail too
-                    log.warning("no backward for node %r (%s)", call.node.name, e)
-                    has_backward = False
+                key = _backward_key(call, args, kwargs)
+                if key is not None and key in backwards:
+                    bflops, backward_counts, has_backward = backwards[key]
+                else:
+                    grads = [torch.ones_like(t) for t in outs]  # values do not change FLOPs
+                    try:
+                        with counter:
+                            torch.autograd.grad(outs, targets, grad_outputs=grads,
+                                                allow_unused=True)
+                        bflops = counter.get_total_flops()
+                        backward_counts = counter.get_flop_counts().get("Global", {})
+                    except RuntimeError as e:  # no derivative: training would fail there too
+                        log.warning("no backward for node %r (%s)", call.node.name, e)
+                        has_backward = False
+                    if key is not None:
+                        backwards[key] = (bflops, backward_counts, has_backward)
             nbytes_in_flight = 0 if is_view and flops == 0 else nbytes
             works = flops > 0 or nbytes_in_flight > 0
             meta.update(

@@ -142,3 +142,48 @@ def test_estimator_has_no_side_effects() -> None:
     assert not gm.training
     assert all(torch.equal(v, before[k]) for k, v in gm.state_dict().items())
     assert all(p.grad is None for p in gm.parameters())
+
+
+class Repeated(nn.Module):
+    """Four identical blocks of function calls (a matmul with a weight, a bias, a GELU), then
+    one of another width: the estimator counts each distinct backward once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(HID, HID)) for _ in range(4)])
+        self.b = nn.ParameterList([nn.Parameter(torch.randn(HID)) for _ in range(4)])
+        self.out = nn.Parameter(torch.randn(HID, OUT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w, b in zip(self.w, self.b):
+            x = torch.nn.functional.gelu(torch.matmul(x, w) + b)
+        return torch.matmul(x, self.out)
+
+
+def test_repeated_blocks_are_estimated_as_each_alone(monkeypatch) -> None:
+    import fxpipe.costmodel.estimator as est
+
+    x = torch.randn(B, HID)
+    calls = []
+    real = torch.autograd.grad
+
+    def grad(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.autograd, "grad", grad)
+    fields = ("flops", "backward_flops", "bytes_moved", "forward_s", "backward_s", "update_s")
+
+    def estimates() -> dict[str, tuple]:
+        gm = estimate_graph(traced(Repeated(), x), (x,), "a100")
+        return {n.name: tuple(n.meta["fxpipe"].get(f) for f in fields) for n in gm.graph.nodes
+                if "fxpipe" in n.meta}
+
+    shared = estimates()
+    counted = len(calls)
+    calls.clear()
+    monkeypatch.setattr(est, "_backward_key", lambda *a: None)  # every backward counted alone
+    alone = estimates()
+    assert shared == alone
+    assert counted < len(calls)  # the repeated blocks' backwards were not run again
+    assert any((v[1] or 0) > 0 for v in shared.values())  # and backward FLOPs to count
