@@ -10,7 +10,9 @@ H100s (80 GB each) with estimated costs, AdamW (fxpipe keeps float32 masters for
 per minibatch, planned for ``1f1b-flush`` (the schedule ``auto`` trains almost everywhere) with
 ``recompute="auto"``. Each model is also planned under PipeDream's rule (a stashed weight version
 per minibatch in flight), which is what every plan was priced with before plans followed their
-schedule. Tracing and costing 80 Llama layers takes a few minutes on one core.
+schedule, and compiled again with ``shard="auto"`` (ZeRO-1 where it makes the plan fit or
+faster). Tracing and costing 80 Llama layers takes under a minute; choosing its plan by
+simulation on 64 workers, minutes.
 """
 from __future__ import annotations
 
@@ -61,11 +63,14 @@ def plan_one(name: str, cfg: object, workers: int) -> str:
     ids = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
     count = sum(p.numel() for p in model.parameters())
     cluster = fxpipe.Cluster(workers=workers, device="H100", memory=MEMORY)
+    def compile_with(shard: str):  # what `fxpipe plan ... --shard SHARD` plans
+        return fxpipe.compile(model, cluster, example_inputs={"input_ids": ids, "labels": ids},
+                              optimizer=_adamw, schedule="1f1b-flush", recompute="auto",
+                              shard=shard)
+
     t0 = time.perf_counter()
     try:
-        compiled = fxpipe.compile(model, cluster, example_inputs={"input_ids": ids,
-                                                                  "labels": ids},
-                                  optimizer=_adamw, schedule="1f1b-flush", recompute="auto")
+        compiled = compile_with("never")
     except InfeasiblePlanError as err:  # the cap held against the walked peak refuses it
         return "\n".join([
             f"### {name} on {workers} x H100 ({MEMORY} each)", "",
@@ -79,11 +84,11 @@ def plan_one(name: str, cfg: object, workers: int) -> str:
              f"{2 + factor:g} x the parameter bytes ({(2 + factor) * 2:g} bytes per parameter); "
              f"compiled in {took:.0f} s (traced with {compiled.tracer}).", "",
              "```", compiled.summary(), "```", ""]
-    biggest = max(sp.memory_bytes for sp in plan.stages)
-    lines.append(f"Largest stage: {format_bytes(biggest)} of {MEMORY}; "
+    biggest = max(sp.peak_bytes or sp.memory_bytes for sp in plan.stages)
+    lines.append(f"Largest walked peak: {format_bytes(biggest)} of {MEMORY}; "
                  f"{sum(plan.recompute)} of {len(plan.stages)} stages recompute.")
     lines.append(made_again_line(compiled.profile, plan))
-    lines += sharded_section(compiled, cluster, model)
+    lines += sharded_section(name, compile_with, plan)
     for rc in ("never", "auto"):
         try:
             pd = choose_plan(compiled.profile, cluster, schedule="pipedream", recompute=rc,
@@ -96,52 +101,83 @@ def plan_one(name: str, cfg: object, workers: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sharded_section(compiled, cluster, model) -> list[str]:
-    """The same profile planned by the planner alone (``choose="planner"``: its analytic optimum
-    for 1f1b-flush, fitted to the cap by the walked peaks), without and with ``shard="auto"``
-    (each replicated stage may split its optimizer state over its replicas, ZeRO-1): how
-    sharding changes the plan. Not chosen by simulation: for Llama-70B that takes over an hour
-    on this machine with sharding allowed (every candidate priced both ways)."""
-    from fxpipe.api import choose_fitted_plan
+def sharded_section(name: str, compile_with, unsharded) -> list[str]:
+    """The model compiled again with ``shard="auto"`` (each replicated stage may split its
+    optimizer state over its replicas, ZeRO-1; what ``fxpipe plan --shard auto`` plans), and
+    how its plan differs from the unsharded one: stages, workers, recomputation, the largest
+    walked peak, the time per minibatch."""
     from fxpipe.errors import InfeasiblePlanError
-    from fxpipe.runtime.replica.state_size import state_parts, temporaries_for
     from fxpipe.units import format_bytes, format_seconds
-
-    factor, split = state_parts(list(model.parameters()), _adamw)
-    temporaries = temporaries_for(model.parameters(), _adamw, "H100")
 
     def gist(p) -> str:
         biggest = max(sp.peak_bytes or sp.memory_bytes for sp in p.stages)
-        return (f"{len(p.stages)} stages on {p.workers_used} workers, replicas "
-                f"{'-'.join(map(str, p.replicas))}, {sum(p.recompute)} recomputing, largest peak "
-                f"{format_bytes(biggest)}, {format_seconds(p.time_per_minibatch)} per minibatch "
-                "(the planner's bottleneck)")
+        return (f"{len(p.stages)} stages on {p.workers_used} workers, "
+                f"{sum(r > 1 for r in p.replicas)} replicated, {sum(p.recompute)} recomputing, "
+                f"largest peak {format_bytes(biggest)}, {format_seconds(p.time_per_minibatch)} "
+                f"per minibatch ({p.time_source})")
 
-    plans, out = {}, []
-    for shard in ("never", "auto"):
-        t0 = time.perf_counter()
-        try:
-            plans[shard] = choose_fitted_plan(
-                compiled.profile, cluster, schedule="1f1b-flush", recompute="auto",
-                optimizer_state_factor=factor, sharded_state=split, shard=shard,
-                temporaries=temporaries, choose="planner")
-            got = gist(plans[shard])
-        except InfeasiblePlanError as err:
-            got = err.message
-        out.append(f"- `shard={shard!r}` (planned in {time.perf_counter() - t0:.0f} s): {got}.")
-    head = ["", f"#### Sharding the optimizer state (`shard=\"auto\"`)", "",
-            "The same profile planned by the planner alone (its analytic optimum for "
-            "1f1b-flush, fitted to the cap by the walked peaks; not chosen by simulation), "
-            f"without and with sharding allowed. Of the {factor:g} bytes of state per parameter "
-            f"byte beyond weights and gradients, {split:g} are AdamW's moments, which a sharded "
-            "replica keeps 1/r of (the float32 masters stay whole).", ""]
-    sh = plans.get("auto")
-    tail = []
-    if sh is not None and sh.shard is not None:
-        tail = ["", "The sharded plan:", "", "```", sh.summary(), "```"]
-    elif sh is not None:
-        tail = ["", "The planner keeps the optimizer state whole: no sharded plan is faster."]
-    return head + out + tail + [""]
+    head = ["", f"#### {name} with sharding allowed (`shard=\"auto\"`)", ""]
+    t0 = time.perf_counter()
+    try:
+        compiled = compile_with("auto")
+    except InfeasiblePlanError as err:
+        return head + [f"Refused after {time.perf_counter() - t0:.0f} s:", "", "```",
+                       err.message, "```", ""]
+    took = time.perf_counter() - t0
+    plan = compiled.plan
+    lines = head + [f"- `shard='never'`: {gist(unsharded)}.",
+                    f"- `shard='auto'` (compiled in {took:.0f} s): {gist(plan)}."]
+    if plan.shard is not None:
+        return lines + ["", "```", compiled.summary(), "```", ""]
+    t0 = time.perf_counter()  # what sharding every replicated stage would have given
+    try:
+        forced = compile_with("optimizer")
+        got = gist(forced.plan)
+    except InfeasiblePlanError as err:
+        forced, got = None, err.message
+    lines += [f"- `shard='optimizer'` (every replicated stage sharded; compiled in "
+              f"{time.perf_counter() - t0:.0f} s): {got}.", "",
+              "The plan with sharding allowed keeps the optimizer state whole: no sharded "
+              "candidate is faster (a sharded group pays 1.5 times the sync for the memory it "
+              "frees)."]
+    if forced is not None and forced.plan.shard is not None:
+        lines += ["", without_recompute(forced), "", "The plan with every replicated stage "
+                  "sharded:", "", "```", forced.summary(), "```"]
+    return lines + [""]
+
+
+def without_recompute(compiled) -> str:
+    """Why a sharded plan still recomputes: each recomputing replicated stage's memory by the
+    rule without recomputation (its activations of every minibatch in flight), next to the
+    memory sharding freed on it."""
+    from fxpipe.passes.partition import plan_for
+    from fxpipe.runtime.pricing.memory import memory_rule
+    from fxpipe.runtime.replica.state_size import state_parts
+    from fxpipe.units import format_bytes
+
+    plan, profile = compiled.plan, compiled.profile
+    index = {n: i for i, n in enumerate(profile.names)}
+    starts = [index[sp.nodes[0]] for sp in plan.stages]
+    factor, split = state_parts(list(compiled.model.parameters()), _adamw)
+    cluster = type(compiled.cluster).from_dict(dict(plan.cluster))
+    kw = dict(optimizer_state_factor=factor, sharded_state=split,
+              memory_rule=memory_rule("1f1b-flush"))
+    bare = [plan_for(profile, cluster, starts, list(plan.replicas), shard=shard,
+                     recompute=[False] * len(starts), **kw) for shard in ("optimizer", "never")]
+    rows = [s for s, sp in enumerate(plan.stages) if sp.recompute and sp.replicas > 1]
+    if not rows:
+        return "No replicated stage of the sharded plan recomputes."
+    need = max(bare[0].stages[s].memory_bytes for s in rows)
+    freed = max(bare[1].stages[s].memory_bytes - bare[0].stages[s].memory_bytes for s in rows)
+    cap = plan.cluster.get("memory") or float("inf")
+    said = (f"Sharding frees up to {format_bytes(freed)} per worker on a replicated stage; "
+            f"without recomputation the largest of its {len(rows)} recomputing replicated "
+            f"stages would hold {format_bytes(need)} by the rule (its activations of every "
+            f"minibatch in flight)")
+    if need > cap:
+        return (said + f", over the {format_bytes(cap)} cap: the sharded plan cannot "
+                "recompute less, and pays 1.5 times the sync.")
+    return said + f", within the {format_bytes(cap)} cap."
 
 
 def made_again_line(profile, plan) -> str:

@@ -51,7 +51,8 @@ def fit_peaks(choose: Callable[[Cluster, Keep | None], Plan], profile: Profile,
     the planner's optimum, for a chooser that simulates many candidates) is run for lower caps,
     from the cap minus the worst stage's excess over its rule, then by bisection,
     :data:`ROUNDS` plans at most, and ``choose`` once more at the highest lower cap whose plan
-    fits (the solver's optimum only gets slower as its cap drops). Raises
+    fits (the solver's optimum only gets slower as its cap drops; the search's own plan where
+    that choice keeps none). Raises
     :class:`InfeasiblePlanError` naming the stage and its peak when none fits."""
     cap = cluster.memory
 
