@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from typing import Any
 
 import torch
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..errors import RuntimeConfigError
 from ..replica.stash import OptimizerFactory
@@ -28,6 +28,10 @@ def sharded_factory(factory: OptimizerFactory, group: Any) -> OptimizerFactory:
     ``torch.optim`` class over its parameter groups (a composite recipe such as Muon + AdamW)."""
 
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        # imported here: torch.distributed.optim costs most of a second, paid by every rank
+        # and by the overhead probe's processes, which shard nothing
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         probe = factory(params)
         cls = type(probe)
         if cls.__module__.split(".")[:2] != ["torch", "optim"]:
@@ -48,4 +52,5 @@ def sharded_factory(factory: OptimizerFactory, group: Any) -> OptimizerFactory:
 
 
 def is_sharded(optimizer: Any) -> bool:
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
+    zero = sys.modules.get("torch.distributed.optim")  # none made yet where not imported
+    return zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer)
