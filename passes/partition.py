@@ -307,7 +307,8 @@ def _baselines(profile: Profile, cluster: Cluster, sync: str, optimizer_state_fa
                memory_rule: MemoryRule) -> tuple[float, float]:
     """What a plan is compared with, priced like it (the runtime's overheads included): data
     parallelism on every worker, and one worker training alone (neither sharded); once per
-    graph and setting, as every candidate of a choice shares them."""
+    graph and setting, as every candidate of a choice shares them (the runtime's overheads
+    are in the key: a re-priced copy of the profile shares its nodes, not its overheads)."""
     def make() -> tuple[float, float]:
         g = _graph(profile)
         plain = (*g.args(cluster.workers), *coefficients(cluster, sync))
@@ -315,8 +316,8 @@ def _baselines(profile: Profile, cluster: Cluster, sync: str, optimizer_state_fa
             *plain, [0], [r], optimizer_state_factor=optimizer_state_factor,
             memory_rule=memory_rule, shared=g.shared), memory_rule)[1]
             for r in (cluster.workers, 1))
-    return per_graph(profile, ("baselines", cluster, sync, optimizer_state_factor, memory_rule),
-                     make)
+    return per_graph(profile, ("baselines", cluster, sync, optimizer_state_factor, memory_rule,
+                               profile.overheads), make)
 
 
 def plan_for(profile: Profile, cluster: Cluster, starts: list[int], replicas: list[int], *,

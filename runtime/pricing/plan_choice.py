@@ -138,8 +138,8 @@ def choose_by_simulation(profile: Profile, cluster: Cluster, *, sync: str = "all
             sims.extend(_placed_candidates(profile, cluster, k, stages, kw, recompute,
                                            minibatches, microbatches))
     if not sims and refused:
-        raise InfeasiblePlanError(f"none of the {refused} candidates fits (keep)",
-                                  "plan for a lower memory cap")
+        raise InfeasiblePlanError(f"keep refused all {refused} candidates (e.g. their walked "
+                                  "peaks are over the memory cap)", "plan for a lower cap")
     if not sims:
         raise InfeasiblePlanError(f"no plan for the schedules {list(schedules)}",
                                   "the placed kinds need a straight plan of v x workers stages, "

@@ -11,6 +11,8 @@ term can be read off the sum.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fxpipe.costmodel.hardware import Cluster
@@ -248,3 +250,18 @@ def test_fewer_workers_are_a_candidate_when_faster() -> None:
     two = plan_for(with_ov(nodes, ov), cluster, [0, 1], [1, 1], memory_rule=FLUSH)
     assert two.time_per_minibatch == pytest.approx(8.1e-3)
     assert two.speedup_over_one_worker == pytest.approx(4.1 / 8.1)
+
+
+def test_a_repriced_copy_sharing_the_nodes_gets_its_own_baselines() -> None:
+    # the graph's facts are kept per node tuple; a copy with other overheads shares the tuple,
+    # and its data parallelism and one worker must be priced with its own overheads
+    bare = with_ov([node(0, (), p=10.0, params=("a",)), node(1, ("n0",))], None)
+    priced = replace(bare, meta=with_overheads({}, OV))
+    assert priced.nodes is bare.nodes
+    cluster = Cluster(workers=2, bandwidth=1e9)
+    first = partition(bare, cluster)
+    again = partition(priced, cluster)
+    fresh = partition(Profile.from_dict(priced.to_dict()), cluster)  # nodes of its own
+    assert (again.data_parallel_time, again.one_worker_time) == \
+        (fresh.data_parallel_time, fresh.one_worker_time)
+    assert again.one_worker_time > first.one_worker_time

@@ -141,7 +141,7 @@ def test_the_search_finds_the_lower_cap_and_the_choice_runs_once_more_there() ->
         chosen.append(c.memory)
         p = partition(prof, c, memory_rule=RULE, stages=4, straight=True)
         if keep is not None and not keep(p):
-            raise InfeasiblePlanError("none of the 1 candidates fits (keep)")
+            raise InfeasiblePlanError("keep refused all 1 candidates")
         return p
 
     plan = fit_peaks(one_candidate, prof, cluster, KIND, M, (0.0, 0.0),

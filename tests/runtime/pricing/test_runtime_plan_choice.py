@@ -209,5 +209,5 @@ def test_candidates_keep_refuses_are_neither_simulated_nor_chosen() -> None:
     kept = choose_by_simulation(prof, cluster, keep=keep)
     assert len(kept.plan.stages) > 1 and [4] in seen
     assert all(len(c.replicas) > 1 for c in kept.candidates)
-    with pytest.raises(InfeasiblePlanError, match="none of the .* candidates fits"):
+    with pytest.raises(InfeasiblePlanError, match="keep refused all .* candidates"):
         choose_by_simulation(prof, cluster, keep=lambda p: False)
