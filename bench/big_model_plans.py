@@ -129,6 +129,9 @@ def sharded_section(name: str, compile_with, unsharded) -> list[str]:
                     f"- `shard='auto'` (compiled in {took:.0f} s): {gist(plan)}."]
     if plan.shard is not None:
         return lines + ["", "```", compiled.summary(), "```", ""]
+    if all(r == 1 for r in plan.replicas):
+        return lines + ["", "No stage of the plan has replicas, so there is nothing to shard "
+                        "over: every worker holds a stage of its own.", ""]
     t0 = time.perf_counter()  # what sharding every replicated stage would have given
     try:
         forced = compile_with("optimizer")
