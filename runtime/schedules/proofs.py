@@ -33,7 +33,6 @@ class HappensBefore:
     def __init__(self, links: Sequence[StageLinks], owner: Owner, index: Mapping[str, int],
                  grad_ok: Callable[[str, int], bool],
                  actions: Mapping[Rank, Sequence[Action]]) -> None:
-        self.actions = actions
         self.where = {(r, a.kind, a.minibatch): i for r, acts in actions.items()
                       for i, a in enumerate(acts) if a.kind in ("F", "B")}
         self._first: dict[Rank, int] = {}  # a rank's first action's place in one numbering
